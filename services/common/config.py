@@ -1,0 +1,212 @@
+"""Component configuration: one dataclass per component, loaded from YAML, env and flags.
+
+Precedence (lowest to highest): dataclass defaults < YAML file (`--config`) < environment
+(`PDSERVE_<FIELD>` upper-cased, read only here) < command-line flags. Every field's `help`
+metadata doubles as its CLI help; `validate()` raises ValueError naming the offending field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from connectors.hashing import DEFAULT_HASH_SEED
+
+ENV_PREFIX = "PDSERVE_"
+C = TypeVar("C")
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 1000, "m": 1 << 20, "mib": 1 << 20,
+               "mb": 1000**2, "g": 1 << 30, "gib": 1 << 30, "gb": 1000**3}
+
+
+def parse_size(text: str | int) -> int:
+    """Parses a byte size such as 512MiB, 2G or 1048576."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"not a byte size: {text!r} (examples: 512MiB, 2GiB, 1048576)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def opt(default: Any, help: str, **kw: Any) -> Any:
+    """A config field with its CLI help."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """The central scheduler service (one per cluster)."""
+
+    host: str = opt("127.0.0.1", "address every listener binds to")
+    port: int = opt(50051, "client API port (Generation service)")
+    control_port: int = opt(50052, "rank control-stream port (Control service)")
+    events_port: int = opt(50053, "KV-event subscription port (KVEvents service)")
+    metrics_port: int = opt(9400, "Prometheus /metrics port; 0 disables")
+    model: str = opt("", "model directory (for the tokenizer); empty selects the demo model")
+    block_size: int = opt(16, "KV block size in tokens; must match every engine")
+    hash_seed: str = opt(DEFAULT_HASH_SEED, "block-hash seed (NONE_HASH); must match every engine")
+    routing_policy: str = opt("prefix", "prefill routing policy: prefix, load or round_robin")
+    decode_only_threshold: int = opt(0, "prompts shorter than this many tokens skip prefill")
+    default_deadline_s: float = opt(120.0, "deadline for requests that set none")
+    max_queue_per_engine: int = opt(256, "in-flight requests per engine before RESOURCE_EXHAUSTED")
+    prefill_failure_policy: str = opt("recompute", "on prefill failure: recompute (decode) or retry")
+    heartbeat_interval_s: float = opt(1.0, "rank heartbeat interval")
+    heartbeat_timeout_s: float = opt(5.0, "a rank silent this long is declared dead")
+    max_prompt_tokens: int = opt(0, "longest accepted prompt; 0 means the model's max length")
+    max_new_tokens: int = opt(4096, "largest accepted max_tokens")
+    event_ring_size: int = opt(4096, "KV-event batches kept for replay")
+    subscriber_buffer: int = opt(1024, "batches buffered per subscriber before it is resynced")
+    zmq_endpoint: str = opt("", "optional ZMQ PUB endpoint speaking vLLM's KV-event format")
+    zmq_replay_endpoint: str = opt("", "optional ZMQ ROUTER replay endpoint (vLLM format)")
+    log_level: str = opt("INFO", "logging level")
+
+    def validate(self) -> None:
+        _require(self.routing_policy in ("prefix", "load", "round_robin"), "routing_policy",
+                 f"must be prefix, load or round_robin, got {self.routing_policy!r}")
+        _require(self.prefill_failure_policy in ("recompute", "retry"), "prefill_failure_policy",
+                 f"must be recompute or retry, got {self.prefill_failure_policy!r}")
+        _require(self.block_size >= 1, "block_size", "must be >= 1")
+        _require(self.default_deadline_s > 0, "default_deadline_s", "must be > 0")
+        _require(self.max_queue_per_engine >= 1, "max_queue_per_engine", "must be >= 1")
+        _require(self.event_ring_size >= 1, "event_ring_size", "must be >= 1")
+        for name in ("port", "control_port", "events_port", "metrics_port"):
+            _require(0 <= getattr(self, name) < 65536, name, "must be a TCP port (0..65535)")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """A prefill or decode engine (rank 0 serves the Engine API; --tp ranks in all)."""
+
+    role: str = opt("prefill", "prefill or decode")
+    engine_id: str = opt("", "stable engine id; default <role>-<hostname>")
+    model: str = opt("", "model directory; empty selects the demo model")
+    scheduler: str = opt("127.0.0.1:50052", "scheduler control address host:port")
+    host: str = opt("127.0.0.1", "address the Engine API binds to")
+    advertise_host: str = opt("", "address peers use to reach this engine; default --host")
+    port: int = opt(0, "Engine API port; 0 picks a free port")
+    metrics_port: int = opt(0, "Prometheus /metrics port; 0 disables")
+    tp: int = opt(1, "tensor-parallel size (rank processes)")
+    dtype: str = opt("auto", "float32, bfloat16, float16 or auto (float32 on CPU)")
+    device: str = opt("auto", "cpu, cuda or auto")
+    kv_cache_memory: str = opt("256MiB", "KV cache memory budget per rank (e.g. 512MiB, 8GiB)")
+    block_size: int = opt(16, "KV block size in tokens; must match the scheduler")
+    hash_seed: str = opt(DEFAULT_HASH_SEED, "block-hash seed; must match the scheduler")
+    max_num_seqs: int = opt(64, "most requests running at once")
+    max_num_batched_tokens: int = opt(2048, "token budget per engine step")
+    max_model_len: int = opt(0, "longest sequence; 0 means the model's config")
+    torch_threads: int = opt(0, "torch intra-op threads per rank; 0 lets pdserve choose")
+    kv_medium: str = opt("", "medium name of the working KV cache in events; default GPU or CPU")
+    ucx_tls: str = opt("", "UCX_TLS for the KV data plane (empty: UCX's choice)")
+    ucx_net_devices: str = opt("", "UCX_NET_DEVICES for the KV data plane")
+    transfer_timeout_s: float = opt(5.0, "a KV pull not finished in this time fails")
+    lease_s: float = opt(30.0, "prefill blocks not pulled within the lease are freed")
+    max_inflight_transfers: int = opt(64, "concurrent KV pulls per decode rank")
+    drain_timeout_s: float = opt(60.0, "longest SIGTERM drain before exiting")
+    log_level: str = opt("INFO", "logging level")
+
+    def validate(self) -> None:
+        _require(self.role in ("prefill", "decode"), "role", f"must be prefill or decode, got {self.role!r}")
+        _require(self.tp >= 1, "tp", "must be >= 1")
+        _require(self.block_size >= 1, "block_size", "must be >= 1")
+        _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
+                 f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        _require(self.device in ("auto", "cpu", "cuda"), "device", f"must be auto, cpu or cuda, got {self.device!r}")
+        _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        _require(self.max_num_batched_tokens >= self.block_size, "max_num_batched_tokens",
+                 "must be >= block_size")
+        _require(self.transfer_timeout_s > 0, "transfer_timeout_s", "must be > 0")
+        _require(self.lease_s > 0, "lease_s", "must be > 0")
+        try:
+            parse_size(self.kv_cache_memory)
+        except ValueError as e:
+            raise ValueError(f"kv_cache_memory: {e}") from None
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return parse_size(self.kv_cache_memory)
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {message}")
+
+
+def _field_type(cls: type, f: dataclasses.Field[Any]) -> type:
+    hints = typing.get_type_hints(cls)
+    t = hints[f.name]
+    if isinstance(t, types.UnionType):
+        t = next(a for a in typing.get_args(t) if a is not type(None))
+    return typing.get_origin(t) or t
+
+
+def _coerce(cls: type, f: dataclasses.Field[Any], value: Any) -> Any:
+    t = _field_type(cls, f)
+    if t is bool and isinstance(value, str):
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{f.name}: not a boolean: {value!r}")
+    try:
+        return t(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{f.name}: expected {t.__name__}, got {value!r}") from None
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Adds `--config FILE` and one `--<field>` flag per dataclass field (help from metadata)."""
+    parser.add_argument("--config", metavar="FILE", help="YAML file with these settings (flags win)")
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{f.metadata.get('help', '')} (default: {f.default!r})"
+        if _field_type(cls, f) is bool:
+            parser.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction,
+                                help=help_text)
+        else:
+            parser.add_argument(flag, dest=f.name, default=None, metavar=f.name.upper(), help=help_text)
+
+
+def load_config(cls: type[C], args: argparse.Namespace | None = None, *, yaml_path: str | None = None,
+                env: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None) -> C:
+    """Builds and validates a config from defaults, YAML, env and parsed flags."""
+    env = os.environ if env is None else env
+    names = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    values: dict[str, Any] = {}
+    path = yaml_path or (getattr(args, "config", None) if args is not None else None)
+    if path:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of settings")
+        for key, value in data.items():
+            key = key.replace("-", "_")
+            if key not in names:
+                raise ValueError(f"{path}: unknown setting {key!r}")
+            values[key] = value
+    for name in names:
+        env_value = env.get(ENV_PREFIX + name.upper())
+        if env_value is not None:
+            values[name] = env_value
+    if args is not None:
+        for name in names:
+            flag_value = getattr(args, name, None)
+            if flag_value is not None:
+                values[name] = flag_value
+    for key, value in (overrides or {}).items():
+        values[key] = value
+    coerced = {k: _coerce(cls, names[k], v) for k, v in values.items()}
+    config = cls(**coerced)
+    config.validate()  # type: ignore[attr-defined]
+    return config

@@ -1,0 +1,90 @@
+"""Generate the protobuf/gRPC Python code, or check that the committed code is current.
+
+`python -m services.common.protogen` regenerates `protos/pdserve/v1/*_pb2*.py` and `*.pyi`;
+`--check` regenerates into a temporary directory and exits 1 naming every file that differs,
+so CI fails when a .proto was edited without regenerating.
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+PROTO_ROOT = Path(__file__).resolve().parents[2] / "protos"
+PROTO_PACKAGE = PROTO_ROOT / "pdserve" / "v1"
+GENERATED_SUFFIXES = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi", "_pb2_grpc.pyi")
+
+
+def generate(out_dir: Path, proto_root: Path = PROTO_ROOT) -> None:
+    """Runs protoc over every .proto under proto_root into out_dir (mirroring protos/)."""
+    from grpc_tools import protoc  # dev dependency; imported here so the runtime needs none
+
+    package = proto_root / "pdserve" / "v1"
+    protos = sorted(str(p.relative_to(proto_root)) for p in package.glob("*.proto"))
+    include = str(Path(protoc.__file__).parent / "_proto")
+    bindir = Path(sys.executable).parent
+    args = [
+        "protoc",
+        f"--plugin=protoc-gen-mypy={bindir / 'protoc-gen-mypy'}",
+        f"--plugin=protoc-gen-mypy_grpc={bindir / 'protoc-gen-mypy_grpc'}",
+        f"-I{proto_root}",
+        f"-I{include}",
+        f"--python_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        f"--mypy_out={out_dir}",
+        f"--mypy_grpc_out={out_dir}",
+        *protos,
+    ]
+    if protoc.main(args) != 0:
+        raise RuntimeError(f"protoc failed: {' '.join(args)}")
+
+
+def generated_files(root: Path) -> list[Path]:
+    pkg = root / "pdserve" / "v1"
+    return sorted(p for p in pkg.iterdir() if p.name.endswith(GENERATED_SUFFIXES))
+
+
+def check(proto_root: Path = PROTO_ROOT) -> list[str]:
+    """Returns the names of generated files under proto_root that differ from a fresh generation."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        (out / "pdserve" / "v1").mkdir(parents=True)
+        generate(out, proto_root)
+        fresh = {p.name: p for p in generated_files(out)}
+        committed = {p.name: p for p in generated_files(proto_root)}
+        drift = sorted(set(fresh) ^ set(committed))
+        for name in sorted(set(fresh) & set(committed)):
+            if not filecmp.cmp(fresh[name], committed[name], shallow=False):
+                drift.append(name)
+        return drift
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--check", action="store_true", help="fail if the committed code drifted")
+    args = parser.parse_args(argv)
+    if args.check:
+        drift = check()
+        if drift:
+            print("generated protobuf code is stale; run `make protos`: " + ", ".join(drift), file=sys.stderr)
+            return 1
+        print("generated protobuf code is current")
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        (out / "pdserve" / "v1").mkdir(parents=True)
+        generate(out)
+        for p in generated_files(PROTO_ROOT):
+            p.unlink()
+        for p in generated_files(out):
+            shutil.copy(p, PROTO_PACKAGE / p.name)
+    print(f"regenerated {PROTO_PACKAGE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
