@@ -1,25 +1,44 @@
-"""`pdserve bench`: benchmarks, each side by side with its baseline in one run."""
+"""`pdserve bench <name>`: benchmarks, each running pdserve and its baseline side by side.
+
+Each benchmark is one module `bench/<name>.py` exposing `add_arguments(parser)` and
+`run(args) -> int`; it is imported only when chosen.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 
 from services.common.cli import NotAvailableError
 
+BENCHMARKS: dict[str, str] = {
+    "engine": "pdserve engine vs transformers generate (batch 1 and mixed 16 requests)",
+    "transfer": "UCX connector vs raw ucxx, NIXL, gRPC and memcpy",
+    "aggregator": "per-rank reports per second through the aggregator",
+    "serve": "load generator against a cluster: disaggregated vs colocated",
+    "events": "KV-event plane throughput and latency (gRPC and ZMQ subscribers)",
+    "chaos": "kill engines and the scheduler under load; count lost requests",
+    "load": "1,000 concurrent streaming clients against a local cluster",
+}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench", required=True)
-    for name, text in [("engine", "pdserve engine vs transformers generate"),
-                       ("transfer", "UCX connector vs raw ucxx, NIXL, gRPC and memcpy"),
-                       ("aggregator", "per-rank reports per second through the aggregator"),
-                       ("serve", "load generator against a cluster: disaggregated vs colocated"),
-                       ("events", "KV-event plane throughput and latency"),
-                       ("chaos", "kill engines and the scheduler under load"),
-                       ("load", "1,000 concurrent streaming clients")]:
-        p = sub.add_parser(name, help=text)
-        p.add_argument("--json", action="store_true", help="print one JSON object")
+    sub = parser.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    for name, text in BENCHMARKS.items():
+        p = sub.add_parser(name, help=text, description=text)
+        try:
+            module = importlib.import_module(f"bench.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"bench.{name}":
+                raise
+            p.add_argument("--json", action="store_true", help="print one JSON object")
+            p.set_defaults(_bench_run=None)
+            continue
+        module.add_arguments(p)
+        p.set_defaults(_bench_run=module.run)
 
 
 def run(args: argparse.Namespace) -> int:
-
-    raise NotAvailableError("benchmarks come with their issues")
+    if args._bench_run is None:
+        raise NotAvailableError(f"benchmark {args.bench!r} comes with its issue")
+    return int(args._bench_run(args) or 0)
