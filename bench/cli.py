@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from services.common.cli import NotAvailableError
+from services.common.errors import NotAvailableError
 
 BENCHMARKS: dict[str, str] = {
     "engine": "pdserve engine vs transformers generate (batch 1 and mixed 16 requests)",

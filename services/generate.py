@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from services.common.cli import NotAvailableError
+from services.common.errors import NotAvailableError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from services.common.errors import NotAvailableError
+
 # name -> (module, one-line description)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "up": ("services.up", "run scheduler, prefill and decode engines as local processes"),
@@ -23,10 +25,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "model": ("engine.demo_model", "model utilities (prepare-demo: convert the demo model)"),
     "demo": ("services.demo", "the demo: start a local cluster, stream a few prompts, summarize"),
 }
-
-
-class NotAvailableError(Exception):
-    """Raised by a subcommand that is declared but not built yet."""
 
 
 def build_parser(name: str) -> argparse.ArgumentParser:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from services.common.cli import NotAvailableError
 from services.common.config import EngineConfig, add_config_arguments, load_config
+from services.common.errors import NotAvailableError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
