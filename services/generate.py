@@ -1,21 +1,73 @@
-"""`pdserve generate`: stream a generation from the scheduler."""
+"""`pdserve generate`: send prompts to the scheduler and stream the answers."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 
-from services.common.errors import NotAvailableError
+import grpc
+
+from services.client import Client
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, help="tokens to generate (server default when unset)")
+    parser.add_argument("--temperature", type=float, help="sampling temperature; 0 is greedy")
+    parser.add_argument("--top-p", type=float, help="nucleus sampling probability mass")
+    parser.add_argument("--top-k", type=int, help="sample from the k most likely tokens")
+    parser.add_argument("--seed", type=int, help="per-request seed (reproducible sampling)")
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--stop-token-ids", default="", help="comma-separated stop token ids")
+    parser.add_argument("--ignore-eos", action="store_true", default=None, help="do not stop at EOS")
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    return {
+        "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+        "top_k": args.top_k, "seed": args.seed, "stop": args.stop,
+        "stop_token_ids": parse_ids(args.stop_token_ids) if args.stop_token_ids else [],
+        "ignore_eos": args.ignore_eos,
+    }
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise ValueError(f"token ids must be comma-separated integers, got {text!r}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default="127.0.0.1:50051", help="scheduler client API host:port")
-    parser.add_argument("--prompt", action="append", help="prompt text (repeatable)")
-    parser.add_argument("--prompt-ids", action="append", help="comma-separated prompt token ids")
-    parser.add_argument("--max-tokens", type=int, help="tokens to generate")
-    parser.add_argument("--temperature", type=float, help="sampling temperature (0: greedy)")
-    parser.add_argument("--json", action="store_true", help="print JSON lines")
+    parser.add_argument("--target", default=DEFAULT_TARGET,
+                        help=f"scheduler client API host:port (default: where `pdserve up` listens, {DEFAULT_TARGET})")
+    parser.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
+    parser.add_argument("--prompt-ids", action="append", default=[], help="comma-separated prompt token ids (repeatable)")
+    parser.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
+    parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    parser.add_argument("--json", action="store_true", help="one JSON object per prompt: token ids, text, finish reason, usage")
+    add_sampling_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-
-    raise NotAvailableError("the Generate client comes with the serving-path issue")
+    prompts: list[str | list[int]] = [*args.prompt, *(parse_ids(p) for p in args.prompt_ids)]
+    if not prompts:
+        raise ValueError("give at least one --prompt or --prompt-ids")
+    kwargs = sampling_kwargs(args)
+    with Client(args.target) as client:
+        for prompt in prompts:
+            try:
+                if args.json:
+                    result = client.generate(prompt, timeout=args.timeout, chat=args.chat, **kwargs)
+                    print(json.dumps(result.to_json()), flush=True)
+                    continue
+                result = client.generate(prompt, timeout=args.timeout, chat=args.chat,
+                                         on_chunk=lambda c: print(c.text, end="", flush=True), **kwargs)
+                print(f"\n[{result.finish_reason}; prompt {result.prompt_tokens}, cached {result.cached_tokens}, "
+                      f"transferred {result.transferred_tokens}, generated {result.generated_tokens} tokens]")
+            except grpc.RpcError as e:
+                print(f"pdserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
+                return 1
+    return 0

@@ -1,0 +1,208 @@
+"""Python client for the pdserve Generation API (async and sync), over the generated stubs.
+
+    async with AsyncClient("127.0.0.1:50051") as client:
+        async for chunk in client.stream("Hello", max_tokens=16):
+            print(chunk.text, end="")
+
+    with Client("127.0.0.1:50051") as client:
+        result = client.generate("Hello", max_tokens=16)
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from pdserve.v1 import generation_pb2 as pb
+from pdserve.v1 import generation_pb2_grpc as pb_grpc
+from services.common.grpc_server import CHANNEL_OPTIONS
+
+FINISH_REASONS = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORT: "abort",
+}
+
+
+@dataclass(slots=True)
+class StreamChunk:
+    """One streamed piece of the answer; `index` is the position of token_ids[0]."""
+
+    token_ids: list[int]
+    text: str
+    index: int
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    transferred_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_engine_id: str = ""
+    decode_engine_id: str = ""
+    num_migrations: int = 0
+    ttft_s: float | None = None
+    e2e_s: float = 0.0
+    token_times_s: list[float] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id, "token_ids": self.token_ids, "text": self.text,
+            "finish_reason": self.finish_reason,
+            "usage": {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                      "transferred_tokens": self.transferred_tokens,
+                      "generated_tokens": self.generated_tokens},
+            "prefill_engine_id": self.prefill_engine_id, "decode_engine_id": self.decode_engine_id,
+            "num_migrations": self.num_migrations, "ttft_s": self.ttft_s, "e2e_s": self.e2e_s,
+        }
+
+
+def build_request(prompt: str | Sequence[int], *, request_id: str = "", chat: bool = False,
+                  max_tokens: int | None = None, temperature: float | None = None,
+                  top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
+                  stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
+                  ignore_eos: bool | None = None) -> pb.GenerateRequest:
+    """Builds a GenerateRequest; unset tunables stay unset (server defaults apply)."""
+    sampling = pb.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids))
+    for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
+                        ("top_k", top_k), ("seed", seed), ("ignore_eos", ignore_eos)):
+        if value is not None:
+            setattr(sampling, name, value)
+    req = pb.GenerateRequest(request_id=request_id or uuid.uuid4().hex, sampling=sampling)
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(int(t) for t in prompt)
+    if chat:
+        req.chat = True
+    return req
+
+
+class _ResultBuilder:
+    def __init__(self, request_id: str) -> None:
+        self.result = GenerationResult(request_id=request_id)
+        self.start = time.perf_counter()
+
+    def add(self, resp: pb.GenerateResponse) -> StreamChunk | None:
+        r = self.result
+        now = time.perf_counter() - self.start
+        if resp.WhichOneof("payload") == "chunk":
+            c = resp.chunk
+            if r.ttft_s is None and c.token_ids:
+                r.ttft_s = now
+            r.token_ids.extend(c.token_ids)
+            r.text += c.text
+            r.token_times_s.extend([now] * len(c.token_ids))
+            return StreamChunk(list(c.token_ids), c.text, c.index)
+        done = resp.complete
+        r.finish_reason = FINISH_REASONS.get(done.finish_reason)
+        u = done.usage
+        r.prompt_tokens, r.cached_tokens = u.prompt_tokens, u.cached_tokens
+        r.transferred_tokens, r.generated_tokens = u.transferred_tokens, u.generated_tokens
+        r.prefill_engine_id, r.decode_engine_id = done.prefill_engine_id, done.decode_engine_id
+        r.num_migrations = done.num_migrations
+        r.e2e_s = now
+        return None
+
+
+class AsyncClient:
+    """asyncio client; one channel, many concurrent streams."""
+
+    def __init__(self, target: str, *, credentials: grpc.ChannelCredentials | None = None,
+                 metadata: Sequence[tuple[str, str]] = ()) -> None:
+        if credentials is None:
+            self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.GenerationStub(self._channel)
+        self._metadata = tuple(metadata)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def stream_raw(self, request: pb.GenerateRequest,
+                         timeout: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
+        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
+        async for resp in call:
+            yield resp
+
+    async def stream(self, prompt: str | Sequence[int], *, timeout: float | None = None,
+                     **kwargs: Any) -> AsyncIterator[StreamChunk]:
+        req = build_request(prompt, **kwargs)
+        builder = _ResultBuilder(req.request_id)
+        async for resp in self.stream_raw(req, timeout):
+            chunk = builder.add(resp)
+            if chunk is not None:
+                yield chunk
+
+    async def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None,
+                       **kwargs: Any) -> GenerationResult:
+        req = build_request(prompt, **kwargs)
+        builder = _ResultBuilder(req.request_id)
+        async for resp in self.stream_raw(req, timeout):
+            builder.add(resp)
+        return builder.result
+
+    async def server_info(self) -> pb.ServerInfo:
+        return await self._stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=self._metadata)
+
+
+class Client:
+    """Blocking client over a synchronous channel."""
+
+    def __init__(self, target: str, *, credentials: grpc.ChannelCredentials | None = None,
+                 metadata: Sequence[tuple[str, str]] = ()) -> None:
+        if credentials is None:
+            self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.GenerationStub(self._channel)
+        self._metadata = tuple(metadata)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def stream(self, prompt: str | Sequence[int], *, timeout: float | None = None,
+               **kwargs: Any) -> Iterator[StreamChunk]:
+        req = build_request(prompt, **kwargs)
+        builder = _ResultBuilder(req.request_id)
+        for resp in self._stub.Generate(req, timeout=timeout, metadata=self._metadata):
+            chunk = builder.add(resp)
+            if chunk is not None:
+                yield chunk
+
+    def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None,
+                 on_chunk: Callable[[StreamChunk], None] | None = None, **kwargs: Any) -> GenerationResult:
+        """Runs one request to completion; `on_chunk` sees every chunk as it streams."""
+        req = build_request(prompt, **kwargs)
+        builder = _ResultBuilder(req.request_id)
+        for resp in self._stub.Generate(req, timeout=timeout, metadata=self._metadata):
+            chunk = builder.add(resp)
+            if chunk is not None and on_chunk is not None:
+                on_chunk(chunk)
+        return builder.result
+
+    def server_info(self) -> pb.ServerInfo:
+        return self._stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=self._metadata)
