@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 import grpc
 
@@ -24,7 +25,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", default=None, help="do not stop at EOS")
 
 
-def sampling_kwargs(args: argparse.Namespace) -> dict[str, object]:
+def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
         "top_k": args.top_k, "seed": args.seed, "stop": args.stop,
