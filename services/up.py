@@ -1,20 +1,69 @@
-"""`pdserve up`: run the whole cluster as local processes."""
+"""`pdserve up`: the whole cluster — scheduler, prefill and decode engines — as local processes."""
 
 from __future__ import annotations
 
 import argparse
+import signal
+import threading
 
-from services.common.errors import NotAvailableError
+from services.common.logs import setup_logging
+from services.local_cluster import ClusterSpec, LocalCluster
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="", help="model directory; default: the demo model")
+    parser.add_argument("--model", default="", help="model directory (Hugging Face layout); default: the demo model")
     parser.add_argument("--prefill", type=int, default=1, help="number of prefill engines")
     parser.add_argument("--decode", type=int, default=1, help="number of decode engines")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of every engine")
+    parser.add_argument("--host", default="127.0.0.1", help="address every component listens on")
     parser.add_argument("--port", type=int, default=50051, help="client API port")
+    parser.add_argument("--control-port", type=int, default=50052, help="scheduler control-stream port")
+    parser.add_argument("--events-port", type=int, default=50053, help="KV-event subscription port")
+    parser.add_argument("--torch-threads", type=int, default=0,
+                        help="torch threads per rank process; 0 divides the cores among them")
+    parser.add_argument("--kv-cache-memory", default="256MiB", help="KV cache budget per rank")
+    parser.add_argument("--metrics", action="store_true", help="serve /metrics on a free port per process")
+    parser.add_argument("--zmq-endpoint", default="", help="ZMQ PUB endpoint for vLLM-format KV events")
+    parser.add_argument("--zmq-replay-endpoint", default="", help="ZMQ ROUTER replay endpoint (vLLM format)")
+    parser.add_argument("--log-dir", default="", help="write each component's log to DIR/<name>.log")
+    parser.add_argument("--log-level", default="INFO", help="logging level")
+
+
+def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
+    if args.prefill < 0 or args.decode < 1 or args.tp < 1:
+        raise ValueError("need --prefill >= 0, --decode >= 1 and --tp >= 1")
+    scheduler_args: list[str] = []
+    if args.zmq_endpoint:
+        scheduler_args += ["--zmq-endpoint", args.zmq_endpoint]
+    if args.zmq_replay_endpoint:
+        scheduler_args += ["--zmq-replay-endpoint", args.zmq_replay_endpoint]
+    return ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode, tp=args.tp,
+                       host=args.host, port=args.port, control_port=args.control_port,
+                       events_port=args.events_port, metrics=args.metrics, torch_threads=args.torch_threads,
+                       kv_cache_memory=args.kv_cache_memory, scheduler_args=scheduler_args,
+                       log_dir=args.log_dir)
 
 
 def run(args: argparse.Namespace) -> int:
-
-    raise NotAvailableError("local clusters come with the serving-path issue")
+    setup_logging(args.log_level, "up")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    cluster = LocalCluster(spec_from_args(args))
+    print("pdserve up: starting scheduler, "
+          f"{args.prefill} prefill and {args.decode} decode engine(s), tp {args.tp} ...", flush=True)
+    with cluster:
+        print(f"  Generate API   {cluster.target}   (pdserve generate --target {cluster.target} --prompt ...)")
+        print(f"  KV events      {cluster.events_target}   (pdserve events --target {cluster.events_target})")
+        print(f"  control plane  {args.host}:{cluster.control_port}")
+        for comp in cluster.components.values():
+            if comp.metrics_port:
+                print(f"  metrics        http://{args.host}:{comp.metrics_port}/metrics   ({comp.name})")
+        print("Ctrl-C stops everything.", flush=True)
+        while not stop.wait(0.5):
+            dead = [c.name for c in cluster.components.values() if not c.alive]
+            if dead:
+                print(f"pdserve up: {', '.join(dead)} exited; stopping the cluster", flush=True)
+                return 1
+    print("pdserve up: stopped", flush=True)
+    return 0

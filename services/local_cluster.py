@@ -1,0 +1,206 @@
+"""A whole pdserve cluster as local processes: what `pdserve up`, the demo, the end-to-end
+tests and the serving benchmarks run.
+
+Every component is a child process in its own session (process group), so stopping the cluster
+also stops the rank processes an engine spawned; nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from pdserve.v1 import generation_pb2 as gen_pb
+from pdserve.v1 import generation_pb2_grpc as gen_grpc
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def default_torch_threads(num_rank_processes: int, cores: int | None = None) -> int:
+    """Divides the machine's cores among the engine rank processes (at least 1 each)."""
+    cores = cores or os.cpu_count() or 1
+    return max(1, cores // max(1, num_rank_processes))
+
+
+@dataclass(slots=True)
+class ClusterSpec:
+    model: str = ""
+    num_prefill: int = 1
+    num_decode: int = 1
+    tp: int = 1
+    host: str = "127.0.0.1"
+    port: int = 0
+    control_port: int = 0
+    events_port: int = 0
+    metrics: bool = False
+    torch_threads: int = 0
+    kv_cache_memory: str = "256MiB"
+    scheduler_args: list[str] = field(default_factory=list)
+    engine_args: list[str] = field(default_factory=list)
+    log_dir: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Component:
+    name: str
+    argv: list[str]
+    metrics_port: int | None = None
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class LocalCluster:
+    """Starts, watches and stops a local cluster. Use as a context manager."""
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.port = spec.port or free_port(spec.host)
+        self.control_port = spec.control_port or free_port(spec.host)
+        self.events_port = spec.events_port or free_port(spec.host)
+        ranks = (spec.num_prefill + spec.num_decode) * spec.tp
+        self.torch_threads = spec.torch_threads or default_torch_threads(ranks)
+        self.components: dict[str, Component] = {}
+        self._log_dir = Path(spec.log_dir) if spec.log_dir else None
+
+    @property
+    def target(self) -> str:
+        return f"{self.spec.host}:{self.port}"
+
+    @property
+    def events_target(self) -> str:
+        return f"{self.spec.host}:{self.events_port}"
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _cli(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "services.common.cli", *args]
+
+    def _scheduler_component(self) -> Component:
+        s = self.spec
+        metrics_port = free_port(s.host) if s.metrics else 0
+        argv = self._cli("scheduler", "--host", s.host, "--port", str(self.port),
+                         "--control-port", str(self.control_port), "--events-port", str(self.events_port),
+                         "--metrics-port", str(metrics_port), *(["--model", s.model] if s.model else []),
+                         *s.scheduler_args)
+        return Component("scheduler", argv, metrics_port or None)
+
+    def _engine_component(self, role: str, index: int) -> Component:
+        s = self.spec
+        metrics_port = free_port(s.host) if s.metrics else 0
+        engine_id = f"{role}-{index}"
+        argv = self._cli(role, "--engine-id", engine_id, "--scheduler", f"{s.host}:{self.control_port}",
+                         "--host", s.host, "--tp", str(s.tp), "--torch-threads", str(self.torch_threads),
+                         "--metrics-port", str(metrics_port), "--kv-cache-memory", s.kv_cache_memory,
+                         *(["--model", s.model] if s.model else []), *s.engine_args)
+        return Component(engine_id, argv, metrics_port or None)
+
+    def start(self, timeout: float = 180.0) -> None:
+        """Starts every component and returns once the scheduler sees every engine registered."""
+        s = self.spec
+        self._launch(self._scheduler_component())
+        for i in range(s.num_prefill):
+            self._launch(self._engine_component("prefill", i))
+        for i in range(s.num_decode):
+            self._launch(self._engine_component("decode", i))
+        try:
+            self.wait_ready(s.num_prefill, s.num_decode, timeout)
+        except Exception:
+            self.stop()
+            raise
+
+    def _launch(self, comp: Component) -> None:
+        env = {**os.environ, **self.spec.env, "PYTHONUNBUFFERED": "1"}
+        if self._log_dir is not None:
+            self._log_dir.mkdir(parents=True, exist_ok=True)
+            comp.log_path = self._log_dir / f"{comp.name}.log"
+            out = comp.log_path.open("ab")
+            comp.proc = subprocess.Popen(comp.argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+            out.close()
+        else:
+            comp.proc = subprocess.Popen(comp.argv, env=env, start_new_session=True)
+        self.components[comp.name] = comp
+        logger.info("started %s (pid %d)", comp.name, comp.proc.pid)
+
+    def server_info(self, timeout: float = 2.0) -> gen_pb.ServerInfo:
+        with grpc.insecure_channel(self.target) as channel:
+            return gen_grpc.GenerationStub(channel).GetServerInfo(gen_pb.GetServerInfoRequest(), timeout=timeout)
+
+    def wait_ready(self, num_prefill: int, num_decode: int, timeout: float = 180.0) -> None:
+        """Waits until the scheduler reports at least these many registered, healthy engines."""
+        deadline = time.monotonic() + timeout
+        last_error = ""
+        while time.monotonic() < deadline:
+            for comp in self.components.values():
+                if comp.proc is not None and comp.proc.poll() is not None:
+                    raise RuntimeError(f"{comp.name} exited with status {comp.proc.returncode} while starting"
+                                       + (f"; see {comp.log_path}" if comp.log_path else ""))
+            try:
+                info = self.server_info()
+                if info.num_prefill_engines >= num_prefill and info.num_decode_engines >= num_decode:
+                    return
+                last_error = f"{info.num_prefill_engines} prefill, {info.num_decode_engines} decode registered"
+            except grpc.RpcError as e:
+                last_error = f"{e.code().name}: {e.details()}"
+            time.sleep(0.2)
+        raise TimeoutError(f"cluster not ready after {timeout:.0f}s ({last_error})")
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Sends `sig` to a component's whole process group (its rank processes too)."""
+        comp = self.components[name]
+        if comp.proc is None:
+            return
+        try:
+            os.killpg(comp.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        if sig == signal.SIGKILL:
+            comp.proc.wait()
+
+    def restart(self, name: str) -> None:
+        comp = self.components[name]
+        if comp.alive:
+            self.kill(name)
+        self._launch(Component(comp.name, comp.argv, comp.metrics_port))
+
+    def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM every component (engines first), SIGKILL what is left after `grace` seconds."""
+        order = [n for n in self.components if n != "scheduler"] + (["scheduler"] if "scheduler" in self.components else [])
+        for name in order:
+            self.kill(name, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for name in order:
+            proc = self.components[name].proc
+            if proc is None:
+                continue
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop in %.0fs; killing it", name, grace)
+            self.kill(name, signal.SIGKILL)
