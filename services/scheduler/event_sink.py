@@ -1,0 +1,42 @@
+"""Where the scheduler hands KV events: the republisher / prefix index of the KV-event plane.
+
+The Control servicer calls `publish` with
+- rank 0's engine-level batches (`StepReport.engine_events`), as they arrive, in order;
+- worker-side events once aggregated across the engine's expected ranks;
+- a batch holding one `AllBlocksCleared()` (medium None: every medium) for an epoch that was
+  fenced by a newer one or declared dead, so its index entries go.
+
+Contract for implementations: `publish` is called from the scheduler's event loop thread, must
+not block, and must not keep references to the batch it may later mutate.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from connectors.kv_events import KVEventBatch
+
+
+@runtime_checkable
+class EventSink(Protocol):
+    def publish(self, engine_id: str, epoch: int, batch: KVEventBatch) -> None: ...
+
+
+class NullEventSink:
+    """Drops every batch (the default until the event plane is wired in); counts them."""
+
+    def __init__(self) -> None:
+        self.num_batches = 0
+
+    def publish(self, engine_id: str, epoch: int, batch: KVEventBatch) -> None:
+        self.num_batches += 1
+
+
+class RecordingEventSink:
+    """Keeps every batch in order; for tests and `pdserve bench`."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[str, int, KVEventBatch]] = []
+
+    def publish(self, engine_id: str, epoch: int, batch: KVEventBatch) -> None:
+        self.batches.append((engine_id, epoch, batch))

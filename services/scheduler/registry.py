@@ -1,0 +1,320 @@
+"""Engine registry: engines, their ranks, epochs, addresses, handshake metadata, load, health.
+
+Pure and synchronous (plain dataclasses in and out, an injectable clock); the Control servicer
+converts protobuf at the edge and acts on what the methods return.
+
+Contracts:
+- An engine's expected rank set is fixed at registration: tp_size x pp_size ranks, taken from
+  the first Hello of an epoch. Later Hellos of that epoch must agree (role, sizes, address).
+- A Hello with a new epoch for a known engine id fences the old epoch: its ranks are dropped,
+  the epoch goes on a fenced list (a Hello or report from it is refused from then on), and the
+  caller is told so it can fail the old epoch's transfers over and drop its index entries.
+- A refused registration (`RegistrationError`) changes no state.
+- The cluster's compatibility hash is the configured one, or else the one of the engines
+  registered now (the first engine sets it; when every engine is gone the next one may set a new
+  one). Block size and hash seed, when a Hello states them, must equal the scheduler's.
+- A rank is alive while it is connected and was heard from within the heartbeat timeout.
+  `expire()` declares silent ranks dead; an engine with a dead, missing or disconnected rank,
+  or that is draining, is not routable.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+PROTOCOL_VERSION = 1
+
+
+class Role(enum.StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class RegistrationErrorKind(enum.StrEnum):
+    INVALID = "invalid"            # malformed Hello -> INVALID_ARGUMENT
+    INCOMPATIBLE = "incompatible"  # mismatch with the cluster -> FAILED_PRECONDITION
+
+
+class RegistrationError(ValueError):
+    """A Hello the registry refuses; `kind` selects the gRPC status, the message is the reason."""
+
+    def __init__(self, kind: RegistrationErrorKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True, slots=True)
+class RankId:
+    engine_id: str
+    tp_rank: int
+    pp_rank: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RankHello:
+    """A rank's registration, as the registry sees it (converted from the proto Hello)."""
+
+    engine_id: str
+    role: Role
+    epoch: int
+    tp_rank: int
+    tp_size: int
+    compatibility_hash: str
+    engine_address: str
+    handshake_metadata: bytes = b""
+    pp_rank: int = 0
+    pp_size: int = 1
+    protocol_version: int = PROTOCOL_VERSION
+    last_sent_seq: int = 0
+    block_size: int | None = None
+    hash_seed: str | None = None
+
+    @property
+    def rank_id(self) -> RankId:
+        return RankId(self.engine_id, self.tp_rank, self.pp_rank)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadInfo:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_pinned: int = 0
+    num_free_blocks: int = 0
+
+
+@dataclass(slots=True)
+class RankState:
+    hello: RankHello
+    conn_id: int
+    connected: bool = True
+    dead: bool = False
+    last_seen: float = 0.0
+    last_applied_seq: int = 0
+
+
+@dataclass(slots=True)
+class EngineState:
+    engine_id: str
+    role: Role
+    epoch: int
+    tp_size: int
+    pp_size: int
+    address: str
+    ranks: dict[RankId, RankState] = field(default_factory=dict)
+    load: LoadInfo = field(default_factory=LoadInfo)
+    draining: bool = False
+
+    def expected_ranks(self) -> list[RankId]:
+        return [RankId(self.engine_id, tp, pp) for pp in range(self.pp_size) for tp in range(self.tp_size)]
+
+    @property
+    def complete(self) -> bool:
+        """Every expected rank has registered (in this epoch)."""
+        return len(self.ranks) == self.tp_size * self.pp_size
+
+    @property
+    def healthy(self) -> bool:
+        return self.complete and all(r.connected and not r.dead for r in self.ranks.values())
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.draining
+
+    @property
+    def leader(self) -> RankId:
+        """The rank that drives the engine loop and receives KVReady / ReleaseBlocks."""
+        return RankId(self.engine_id, 0, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """The outcome of an accepted Hello."""
+
+    engine: EngineState
+    rank: RankState
+    # Epoch of the same engine id that this Hello fenced, if any.
+    fenced_epoch: int | None
+    # Ranks of the fenced epoch (their streams must be closed).
+    fenced_ranks: tuple[RankId, ...] = ()
+    # True when this rank was not registered in this epoch before (first Hello, not a reconnect).
+    new_rank: bool = True
+
+
+def _check_hello_shape(h: RankHello) -> None:
+    def bad(msg: str) -> RegistrationError:
+        return RegistrationError(RegistrationErrorKind.INVALID, msg)
+
+    if not h.engine_id or len(h.engine_id) > 256:
+        raise bad("hello: engine_id must be 1..256 characters")
+    if h.epoch == 0:
+        raise bad("hello: epoch must be a non-zero random 64-bit id")
+    if h.tp_size < 1 or h.pp_size < 1 or h.tp_size * h.pp_size > 4096:
+        raise bad(f"hello: tp_size ({h.tp_size}) and pp_size ({h.pp_size}) must be >= 1")
+    if not 0 <= h.tp_rank < h.tp_size or not 0 <= h.pp_rank < h.pp_size:
+        raise bad(f"hello: rank tp={h.tp_rank} pp={h.pp_rank} outside tp_size={h.tp_size} pp_size={h.pp_size}")
+    if not h.compatibility_hash:
+        raise bad("hello: compatibility_hash is empty")
+    if not h.engine_address or ":" not in h.engine_address:
+        raise bad(f"hello: engine_address must be host:port, got {h.engine_address!r}")
+    if len(h.handshake_metadata) > 1 << 20:
+        raise bad("hello: handshake_metadata larger than 1 MiB")
+
+
+class EngineRegistry:
+    """All registered engines of the cluster (see the module docstring for the contracts)."""
+
+    def __init__(self, *, block_size: int, hash_seed: str, compatibility_hash: str = "",
+                 heartbeat_timeout_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.block_size = block_size
+        self.hash_seed = hash_seed
+        self.pinned_compatibility_hash = compatibility_hash
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.clock = clock
+        self.engines: dict[str, EngineState] = {}
+        self.fenced: dict[str, set[int]] = {}
+        self._next_conn = 0
+
+    # -- registration ------------------------------------------------------------------------
+
+    def cluster_compatibility_hash(self) -> str | None:
+        if self.pinned_compatibility_hash:
+            return self.pinned_compatibility_hash
+        for engine in self.engines.values():
+            for rank in engine.ranks.values():
+                return rank.hello.compatibility_hash
+        return None
+
+    def check(self, h: RankHello) -> None:
+        """Raises RegistrationError when `h` would be refused; changes nothing."""
+        _check_hello_shape(h)
+        incompatible = RegistrationErrorKind.INCOMPATIBLE
+        if h.protocol_version != PROTOCOL_VERSION:
+            raise RegistrationError(incompatible, f"protocol version {h.protocol_version} != scheduler's "
+                                                  f"{PROTOCOL_VERSION}")
+        if h.block_size is not None and h.block_size != self.block_size:
+            raise RegistrationError(incompatible, f"block_size {h.block_size} != scheduler's {self.block_size}")
+        if h.hash_seed is not None and h.hash_seed != self.hash_seed:
+            raise RegistrationError(incompatible, f"hash seed {h.hash_seed!r} != scheduler's {self.hash_seed!r}: "
+                                                  "block hashes would never match")
+        if h.epoch in self.fenced.get(h.engine_id, ()):
+            raise RegistrationError(incompatible, f"engine {h.engine_id} epoch {h.epoch:#x} was fenced by a newer epoch")
+        expected = self.cluster_compatibility_hash()
+        current = self.engines.get(h.engine_id)
+        fencing = current is not None and current.epoch != h.epoch
+        if expected is not None and h.compatibility_hash != expected and not (fencing and self._sole_engine(h.engine_id)):
+            raise RegistrationError(incompatible, f"compatibility hash {h.compatibility_hash} != cluster's {expected} "
+                                                  "(model, dtype, KV layout, block size or hash seed differ)")
+        if current is not None and not fencing:
+            if (current.role, current.tp_size, current.pp_size) != (h.role, h.tp_size, h.pp_size):
+                raise RegistrationError(RegistrationErrorKind.INVALID,
+                                        f"hello: engine {h.engine_id} epoch {h.epoch:#x} registered as "
+                                        f"{current.role} tp={current.tp_size} pp={current.pp_size}; this rank says "
+                                        f"{h.role} tp={h.tp_size} pp={h.pp_size}")
+
+    def _sole_engine(self, engine_id: str) -> bool:
+        return not self.pinned_compatibility_hash and list(self.engines) == [engine_id]
+
+    def register(self, h: RankHello) -> Registration:
+        """Registers one rank (see the module contracts). Raises RegistrationError, changing nothing."""
+        self.check(h)
+        fenced_epoch: int | None = None
+        fenced_ranks: tuple[RankId, ...] = ()
+        current = self.engines.get(h.engine_id)
+        if current is not None and current.epoch != h.epoch:
+            fenced_epoch, fenced_ranks = current.epoch, tuple(current.ranks)
+            self.fenced.setdefault(h.engine_id, set()).add(current.epoch)
+            del self.engines[h.engine_id]
+            current = None
+        if current is None:
+            current = EngineState(h.engine_id, h.role, h.epoch, h.tp_size, h.pp_size, h.engine_address)
+            self.engines[h.engine_id] = current
+        self._next_conn += 1
+        previous = current.ranks.get(h.rank_id)
+        rank = RankState(h, self._next_conn, last_seen=self.clock(),
+                         last_applied_seq=previous.last_applied_seq if previous else 0)
+        current.ranks[h.rank_id] = rank
+        if h.tp_rank == 0 and h.pp_rank == 0:
+            current.address = h.engine_address
+        return Registration(current, rank, fenced_epoch, fenced_ranks, new_rank=previous is None)
+
+    def disconnect(self, rank_id: RankId, conn_id: int) -> bool:
+        """Marks a rank's stream closed, unless a newer stream of that rank replaced it."""
+        rank = self.rank(rank_id)
+        if rank is None or rank.conn_id != conn_id:
+            return False
+        rank.connected = False
+        return True
+
+    def remove_engine(self, engine_id: str) -> EngineState | None:
+        """Forgets an engine (its epoch is fenced: it must come back with a new epoch)."""
+        engine = self.engines.pop(engine_id, None)
+        if engine is not None:
+            self.fenced.setdefault(engine_id, set()).add(engine.epoch)
+        return engine
+
+    # -- liveness and load ---------------------------------------------------------------------
+
+    def touch(self, rank_id: RankId, conn_id: int) -> bool:
+        """Records that a rank was heard from; False when the stream is stale (fenced/replaced)."""
+        rank = self.rank(rank_id)
+        if rank is None or rank.conn_id != conn_id:
+            return False
+        rank.last_seen = self.clock()
+        rank.dead = False
+        return True
+
+    def update_load(self, engine_id: str, load: LoadInfo, draining: bool) -> None:
+        engine = self.engines.get(engine_id)
+        if engine is not None:
+            engine.load = load
+            engine.draining = draining
+
+    def expire(self) -> list[RankId]:
+        """Declares dead every live rank silent for longer than the heartbeat timeout."""
+        now = self.clock()
+        newly_dead: list[RankId] = []
+        for engine in self.engines.values():
+            for rank_id, rank in engine.ranks.items():
+                if not rank.dead and now - rank.last_seen > self.heartbeat_timeout_s:
+                    rank.dead = True
+                    newly_dead.append(rank_id)
+        return newly_dead
+
+    # -- sequence numbers ----------------------------------------------------------------------
+
+    def accept_seq(self, rank_id: RankId, conn_id: int, seq: int) -> bool:
+        """True when report `seq` of this rank is new and must be applied (it is then recorded);
+        False for a duplicate (seq <= last applied) or a stale stream."""
+        rank = self.rank(rank_id)
+        if rank is None or rank.conn_id != conn_id or seq <= rank.last_applied_seq:
+            return False
+        rank.last_applied_seq = seq
+        return True
+
+    # -- queries -------------------------------------------------------------------------------
+
+    def rank(self, rank_id: RankId) -> RankState | None:
+        engine = self.engines.get(rank_id.engine_id)
+        return engine.ranks.get(rank_id) if engine is not None else None
+
+    def engine(self, engine_id: str, epoch: int | None = None) -> EngineState | None:
+        """The engine, if registered (and, when `epoch` is given, in that epoch)."""
+        engine = self.engines.get(engine_id)
+        if engine is None or (epoch is not None and engine.epoch != epoch):
+            return None
+        return engine
+
+    def by_role(self, role: Role) -> list[EngineState]:
+        return [e for e in self.engines.values() if e.role == role]
+
+    def routable(self, role: Role) -> list[EngineState]:
+        return [e for e in self.engines.values() if e.role == role and e.routable]
+
+    def ranks(self, role: Role | None = None) -> Iterator[RankState]:
+        for engine in self.engines.values():
+            if role is None or engine.role == role:
+                yield from engine.ranks.values()
