@@ -1,0 +1,584 @@
+"""The pdserve metric catalogue: every Prometheus metric, defined once, and small wrappers.
+
+Naming: `pdserve_<component>_<thing>_<unit>` (counters end in `_total`). Labels are
+low-cardinality only: engine ids, roles, media, reasons, policies, outcomes and
+prefill→decode pairs (`src_engine`, `dst_engine`) — never a request id or prompt text.
+
+Process model (the choice, and why): every process owns its own `CollectorRegistry` and its
+own `/metrics` port. A component's rank r serves on `metrics_port + r`
+(`metrics_port_for_rank`), so a tp-2 engine pod exposes two ports and the chart's
+PodMonitor scrapes each. Prometheus' multiprocess mode was rejected: it must be switched on by
+an environment variable before `prometheus_client` is imported, it cannot run scrape-time
+collectors (our gauges read live state), and it would make in-process tests that host a
+scheduler and several engines share files on disk. Per-process registries also let one test
+process host many components without duplicate-registration errors.
+
+Usage: a component builds `registry = CollectorRegistry()`, the metric groups it needs
+(`SchedulerMetrics(registry)`, `EngineMetrics(registry, engine_id, role)`,
+`TransferMetrics(registry)`, `EventMetrics(registry)`), registers scrape-time readers of its
+own state (`track_load`, `track_aggregator`, ...), and calls
+`start_metrics_server(port, registry)`. Code under test may pass `CollectorRegistry()` and
+read values back with `registry.get_sample_value(...)`.
+
+Scrape-time readers run on the HTTP server's thread: the state they read must be safe to
+read from another thread (a snapshot, or plain ints and dicts read under the GIL). A reader
+that raises is logged and skipped; it never breaks the scrape.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Protocol
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+logger = logging.getLogger(__name__)
+
+# `_created` series double every counter's series count and no dashboard uses them.
+prometheus_client.disable_created_metrics()
+
+
+class Kind(Enum):
+    COUNTER = "counter"
+    GAUGE = "gauge"
+    HISTOGRAM = "histogram"
+
+
+# Buckets span a CPU build (a 135M model, seconds per prompt) and a GPU build (milliseconds).
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25,
+                         0.5, 1.0, 2.5, 5.0)
+QUEUE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                 30.0, 60.0)
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+TRANSFER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                    1.0, 2.5, 5.0, 10.0)
+STEP_TOKEN_BUCKETS = tuple(float(1 << i) for i in range(15))  # 1 .. 16384 tokens
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    """One catalogue entry. Counter names include `_total`; `series()` lists exported samples."""
+
+    name: str
+    kind: Kind
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+
+    def series(self) -> tuple[str, ...]:
+        """The sample names a scrape shows for this metric."""
+        if self.kind is Kind.HISTOGRAM:
+            return (f"{self.name}_bucket", f"{self.name}_sum", f"{self.name}_count")
+        return (self.name,)
+
+
+_C, _G, _H = Kind.COUNTER, Kind.GAUGE, Kind.HISTOGRAM
+_ER = ("engine", "role")
+_PAIR = ("src_engine", "dst_engine")
+
+_SPECS = (
+    # --- scheduler: request path ---
+    MetricSpec("pdserve_scheduler_requests_total", _C,
+               "Finished client requests by outcome (success, cancelled, deadline, rejected, error)",
+               ("outcome",)),
+    MetricSpec("pdserve_scheduler_requests_in_flight", _G, "Client requests accepted and not finished"),
+    MetricSpec("pdserve_scheduler_time_to_first_token_seconds", _H,
+               "Time from Generate arrival to the first token sent; path is disaggregated or decode_only",
+               ("path",), LATENCY_BUCKETS),
+    MetricSpec("pdserve_scheduler_inter_token_latency_seconds", _H,
+               "Time between consecutive tokens streamed to a client", (), TOKEN_LATENCY_BUCKETS),
+    MetricSpec("pdserve_scheduler_e2e_request_latency_seconds", _H,
+               "Time from Generate arrival to the final message, by path", ("path",), LATENCY_BUCKETS),
+    MetricSpec("pdserve_scheduler_queue_time_seconds", _H,
+               "Time from Generate arrival until the request is dispatched to an engine", (), QUEUE_BUCKETS),
+    MetricSpec("pdserve_scheduler_prompt_tokens_total", _C, "Prompt tokens of accepted requests"),
+    MetricSpec("pdserve_scheduler_generation_tokens_total", _C, "Tokens streamed to clients"),
+    MetricSpec("pdserve_scheduler_prefix_hit_tokens_total", _C,
+               "Prompt tokens found cached at routing time, by medium of the chosen engine's hit",
+               ("medium",)),
+    MetricSpec("pdserve_scheduler_routing_decisions_total", _C,
+               "Engine choices by role, engine, policy and reason", ("role", "engine", "policy", "reason")),
+    MetricSpec("pdserve_scheduler_decode_only_total", _C,
+               "Requests served without a prefill engine, by reason "
+               "(short_prompt, no_prefill_engine, prefill_failed)", ("reason",)),
+    MetricSpec("pdserve_scheduler_migrations_total", _C,
+               "Requests moved to another decode engine mid-stream, by reason", ("reason",)),
+    MetricSpec("pdserve_scheduler_retries_total", _C, "Engine calls retried, by role and reason",
+               ("role", "reason")),
+    MetricSpec("pdserve_scheduler_lease_outcomes_total", _C,
+               "How prefill KV holds ended: released, aborted or expired (later ones are no-ops: duplicate)",
+               ("outcome",)),
+    # --- scheduler: aggregation and registry (read at scrape time) ---
+    MetricSpec("pdserve_scheduler_aggregator_pending_reports", _G,
+               "Per-rank reports waiting for the rest of their engine's ranks", ("engine",)),
+    MetricSpec("pdserve_scheduler_aggregator_oldest_pending_age_seconds", _G,
+               "Age of the oldest incomplete per-rank report (0 when none is pending)", ("engine",)),
+    MetricSpec("pdserve_scheduler_registered_engines", _G, "Engines known to the scheduler, by role and state",
+               ("role", "state")),
+    MetricSpec("pdserve_scheduler_registered_ranks", _G, "Ranks known to the scheduler, by role and state",
+               ("role", "state")),
+    MetricSpec("pdserve_scheduler_control_reconnects_total", _C,
+               "Control streams re-opened by a rank of an already registered engine", ("engine",)),
+    MetricSpec("pdserve_scheduler_registrations_refused_total", _C,
+               "Hello messages refused, by reason (compat_hash, stale_epoch, malformed, ...)", ("reason",)),
+    # --- scheduler: KV event plane ---
+    MetricSpec("pdserve_events_received_total", _C, "KV events received from engines, by type and medium",
+               ("engine", "type", "medium")),
+    MetricSpec("pdserve_events_published_total", _C, "KV events republished to subscribers, by type and medium",
+               ("type", "medium")),
+    MetricSpec("pdserve_events_rejected_total", _C,
+               "KV events dropped (stale_epoch, unknown_engine, duplicate)", ("reason",)),
+    MetricSpec("pdserve_events_subscribers", _G, "Connected event subscribers, by transport (grpc, zmq)",
+               ("transport",)),
+    MetricSpec("pdserve_events_subscriber_lag_batches", _G,
+               "Largest number of batches a subscriber is behind, by transport", ("transport",)),
+    MetricSpec("pdserve_events_subscriber_resyncs_total", _C,
+               "Subscribers that fell out of the replay ring and got a snapshot", ("transport",)),
+    MetricSpec("pdserve_events_index_blocks", _G, "Blocks in the scheduler's prefix index, by medium",
+               ("medium",)),
+    # --- engines (labels engine, role) ---
+    MetricSpec("pdserve_engine_info", _G, "Always 1; labels carry the engine's static facts",
+               ("engine", "role", "tp_size", "version")),
+    MetricSpec("pdserve_engine_running_requests", _G, "Requests in the running batch", _ER),
+    MetricSpec("pdserve_engine_waiting_requests", _G, "Requests waiting (incl. waiting for remote KV)", _ER),
+    MetricSpec("pdserve_engine_pinned_requests", _G, "Finished prefills holding KV until pulled", _ER),
+    MetricSpec("pdserve_engine_kv_cache_usage_ratio", _G, "Fraction of KV blocks in use (0..1)", _ER),
+    MetricSpec("pdserve_engine_kv_cache_free_blocks", _G, "KV blocks free or evictable", _ER),
+    MetricSpec("pdserve_engine_prefix_cache_queries_tokens_total", _C,
+               "Prompt tokens looked up in the local prefix cache", _ER),
+    MetricSpec("pdserve_engine_prefix_cache_hits_tokens_total", _C,
+               "Prompt tokens found in the local prefix cache", _ER),
+    MetricSpec("pdserve_engine_preemptions_total", _C, "Requests preempted (recompute) for lack of blocks", _ER),
+    MetricSpec("pdserve_engine_step_duration_seconds", _H, "Wall time of one engine step", _ER, STEP_BUCKETS),
+    MetricSpec("pdserve_engine_step_tokens", _H, "Tokens computed in one engine step", _ER, STEP_TOKEN_BUCKETS),
+    MetricSpec("pdserve_engine_prompt_tokens_total", _C, "Prompt tokens computed (cache hits excluded)", _ER),
+    MetricSpec("pdserve_engine_generation_tokens_total", _C, "Tokens sampled", _ER),
+    MetricSpec("pdserve_engine_finished_requests_total", _C, "Requests finished, by finish reason",
+               (*_ER, "finish_reason")),
+    MetricSpec("pdserve_engine_kv_events_total", _C, "KV events emitted by this engine, by type and medium",
+               (*_ER, "type", "medium")),
+    MetricSpec("pdserve_engine_control_reconnects_total", _C,
+               "Control streams this engine's ranks re-opened to the scheduler", _ER),
+    # --- KV transfer, per prefill→decode pair ---
+    MetricSpec("pdserve_transfer_operations_total", _C,
+               "KV pulls started by a decode rank (one per rank per request)", _PAIR),
+    MetricSpec("pdserve_transfer_bytes_total", _C, "KV bytes received by decode ranks", _PAIR),
+    MetricSpec("pdserve_transfer_blocks_total", _C, "KV blocks received by decode ranks", _PAIR),
+    MetricSpec("pdserve_transfer_duration_seconds", _H, "Duration of one successful rank's KV pull",
+               _PAIR, TRANSFER_BUCKETS),
+    MetricSpec("pdserve_transfer_failures_total", _C, "Failed KV pulls, by reason (timeout, peer_gone, "
+               "stale_epoch, ucx_error, invalid_blocks, cancelled)", (*_PAIR, "reason")),
+    MetricSpec("pdserve_transfer_inflight_operations", _G, "KV pulls in progress on this decode engine",
+               ("engine",)),
+    MetricSpec("pdserve_transfer_lease_expiries_total", _C,
+               "Prefill KV holds freed because no reader finished within the lease", ("engine",)),
+)
+
+CATALOGUE: dict[str, MetricSpec] = {s.name: s for s in _SPECS}
+
+
+def exported_series() -> frozenset[str]:
+    """Every sample name the catalogue can export (dashboards and alerts may use only these)."""
+    return frozenset(name for spec in _SPECS for name in spec.series())
+
+
+def metrics_port_for_rank(base_port: int, rank: int) -> int | None:
+    """The /metrics port of rank `rank` (base + rank); None when metrics are off (base 0)."""
+    if base_port == 0:
+        return None
+    if not 0 < base_port + rank < 65536 or rank < 0:
+        raise ValueError(f"metrics port {base_port} + rank {rank} is not a TCP port")
+    return base_port + rank
+
+
+def _build(spec: MetricSpec, registry: CollectorRegistry) -> Any:
+    if spec.kind is Kind.COUNTER:
+        return Counter(spec.name, spec.help, spec.labels, registry=registry)
+    if spec.kind is Kind.GAUGE:
+        return Gauge(spec.name, spec.help, spec.labels, registry=registry)
+    return Histogram(spec.name, spec.help, spec.labels, registry=registry, buckets=spec.buckets or ())
+
+
+class _Group:
+    """Builds this group's push-style metrics (those not read by a collector) in `registry`."""
+
+    _names: tuple[str, ...] = ()
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self._m = {name: _build(CATALOGUE[name], registry) for name in self._names}
+
+    def _track(self, collector: Collector) -> None:
+        self.registry.register(collector)
+
+
+# ---------------------------------------------------------------- scrape-time collectors
+
+
+class _CallbackCollector(Collector):
+    """Emits gauge families computed by `read()` at scrape time; a failing read emits nothing."""
+
+    def __init__(self, what: str, read: Callable[[], Iterable[GaugeMetricFamily]], names: Iterable[str]) -> None:
+        self._what = what
+        self._read = read
+        self._names = tuple(names)
+
+    def describe(self) -> Iterable[Metric]:
+        return [GaugeMetricFamily(n, CATALOGUE[n].help, labels=CATALOGUE[n].labels) for n in self._names]
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            families = list(self._read())
+        except Exception:  # a scrape must never fail because one reader did
+            logger.warning("metrics: reading %s failed; skipped this scrape", self._what, exc_info=True)
+            return
+        yield from families
+
+
+def _family(name: str) -> GaugeMetricFamily:
+    spec = CATALOGUE[name]
+    return GaugeMetricFamily(name, spec.help, labels=spec.labels)
+
+
+class PendingReportsSource(Protocol):
+    """What the scheduler's aggregator offers to metrics: per-engine counts and ages.
+
+    Either a plain number (reported with engine="all") or a mapping engine id -> value.
+    `oldest_pending_age()` is in seconds; None or an empty mapping means nothing is pending.
+    """
+
+    def pending_reports(self) -> int | Mapping[str, int]: ...
+
+    def oldest_pending_age(self) -> float | None | Mapping[str, float]: ...
+
+
+def _per_engine(value: float | None | Mapping[str, float]) -> Mapping[str, float]:
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        return value
+    return {"all": float(value)}
+
+
+@dataclass(frozen=True, slots=True)
+class RegisteredCount:
+    """Engines and ranks in one (role, state) of the scheduler's registry."""
+
+    role: str
+    state: str
+    num_engines: int
+    num_ranks: int
+
+
+@dataclass(frozen=True, slots=True)
+class SubscriberLag:
+    """One connected event subscriber: its transport (grpc or zmq) and batches behind."""
+
+    transport: str
+    lag_batches: int
+
+
+class EngineLoadLike(Protocol):
+    """The fields of `LLMEngine.load()` that metrics read."""
+
+    num_running: int
+    num_waiting: int
+    num_pinned: int
+    kv_usage: float
+    num_free_blocks: int
+
+
+# ---------------------------------------------------------------- metric groups
+
+
+class SchedulerMetrics(_Group):
+    """The scheduler's request path, routing, aggregation and registry metrics."""
+
+    _names = ("pdserve_scheduler_requests_total", "pdserve_scheduler_requests_in_flight",
+              "pdserve_scheduler_time_to_first_token_seconds", "pdserve_scheduler_inter_token_latency_seconds",
+              "pdserve_scheduler_e2e_request_latency_seconds", "pdserve_scheduler_queue_time_seconds",
+              "pdserve_scheduler_prompt_tokens_total", "pdserve_scheduler_generation_tokens_total",
+              "pdserve_scheduler_prefix_hit_tokens_total", "pdserve_scheduler_routing_decisions_total",
+              "pdserve_scheduler_decode_only_total", "pdserve_scheduler_migrations_total",
+              "pdserve_scheduler_retries_total", "pdserve_scheduler_lease_outcomes_total",
+              "pdserve_scheduler_control_reconnects_total", "pdserve_scheduler_registrations_refused_total")
+
+    def request_started(self, num_prompt_tokens: int) -> None:
+        """A Generate call was accepted (validated and tokenized)."""
+        self._m["pdserve_scheduler_requests_in_flight"].inc()
+        self._m["pdserve_scheduler_prompt_tokens_total"].inc(num_prompt_tokens)
+
+    def request_finished(self, outcome: str, e2e_seconds: float, path: str = "disaggregated") -> None:
+        """A started request ended: outcome success|cancelled|deadline|error; path as in observe_ttft."""
+        self._m["pdserve_scheduler_requests_in_flight"].dec()
+        self._m["pdserve_scheduler_requests_total"].labels(outcome=outcome).inc()
+        self._m["pdserve_scheduler_e2e_request_latency_seconds"].labels(path=path).observe(e2e_seconds)
+
+    def request_rejected(self) -> None:
+        """A Generate call was refused before it started (bad input, overload, auth)."""
+        self._m["pdserve_scheduler_requests_total"].labels(outcome="rejected").inc()
+
+    def observe_queue_time(self, seconds: float) -> None:
+        self._m["pdserve_scheduler_queue_time_seconds"].observe(seconds)
+
+    def observe_ttft(self, seconds: float, path: str = "disaggregated") -> None:
+        """First token sent; path is `disaggregated` or `decode_only`."""
+        self._m["pdserve_scheduler_time_to_first_token_seconds"].labels(path=path).observe(seconds)
+
+    def observe_inter_token_latency(self, seconds: float, num_tokens: int = 1) -> None:
+        """A message with `num_tokens` tokens went out `seconds` after the previous one."""
+        self._m["pdserve_scheduler_inter_token_latency_seconds"].observe(seconds / max(num_tokens, 1))
+        self._m["pdserve_scheduler_generation_tokens_total"].inc(num_tokens)
+
+    def count_first_tokens(self, num_tokens: int) -> None:
+        """Tokens sent in the first message (not an inter-token interval)."""
+        self._m["pdserve_scheduler_generation_tokens_total"].inc(num_tokens)
+
+    def count_prefix_hit(self, medium: str, num_tokens: int) -> None:
+        self._m["pdserve_scheduler_prefix_hit_tokens_total"].labels(medium=medium).inc(num_tokens)
+
+    def count_routing_decision(self, role: str, engine: str, policy: str, reason: str) -> None:
+        """e.g. ("prefill", "prefill-0", "prefix", "longest_prefix") or ("decode", "decode-1", "load", "least_kv")."""
+        self._m["pdserve_scheduler_routing_decisions_total"].labels(
+            role=role, engine=engine, policy=policy, reason=reason).inc()
+
+    def count_decode_only(self, reason: str) -> None:
+        self._m["pdserve_scheduler_decode_only_total"].labels(reason=reason).inc()
+
+    def count_migration(self, reason: str) -> None:
+        self._m["pdserve_scheduler_migrations_total"].labels(reason=reason).inc()
+
+    def count_retry(self, role: str, reason: str) -> None:
+        self._m["pdserve_scheduler_retries_total"].labels(role=role, reason=reason).inc()
+
+    def count_lease_outcome(self, outcome: str) -> None:
+        """released | aborted | expired | duplicate (a later, no-op release)."""
+        self._m["pdserve_scheduler_lease_outcomes_total"].labels(outcome=outcome).inc()
+
+    def count_control_reconnect(self, engine: str) -> None:
+        self._m["pdserve_scheduler_control_reconnects_total"].labels(engine=engine).inc()
+
+    def count_registration_refused(self, reason: str) -> None:
+        self._m["pdserve_scheduler_registrations_refused_total"].labels(reason=reason).inc()
+
+    def track_aggregator(self, source: PendingReportsSource) -> None:
+        """Reads `source.pending_reports()` / `oldest_pending_age()` at every scrape."""
+        pending_name = "pdserve_scheduler_aggregator_pending_reports"
+        age_name = "pdserve_scheduler_aggregator_oldest_pending_age_seconds"
+
+        def read() -> Iterable[GaugeMetricFamily]:
+            pending, age = _family(pending_name), _family(age_name)
+            counts = _per_engine(source.pending_reports())
+            ages = _per_engine(source.oldest_pending_age())
+            for engine in sorted(set(counts) | set(ages)):
+                pending.add_metric([engine], float(counts.get(engine, 0)))
+                age.add_metric([engine], float(ages.get(engine, 0.0)))
+            return (pending, age)
+
+        self._track(_CallbackCollector("aggregator", read, (pending_name, age_name)))
+
+    def track_registry(self, read_counts: Callable[[], Iterable[RegisteredCount]]) -> None:
+        """Reads the engine registry's per (role, state) counts at every scrape."""
+        engines_name, ranks_name = "pdserve_scheduler_registered_engines", "pdserve_scheduler_registered_ranks"
+
+        def read() -> Iterable[GaugeMetricFamily]:
+            engines, ranks = _family(engines_name), _family(ranks_name)
+            for c in read_counts():
+                engines.add_metric([c.role, c.state], float(c.num_engines))
+                ranks.add_metric([c.role, c.state], float(c.num_ranks))
+            return (engines, ranks)
+
+        self._track(_CallbackCollector("registry", read, (engines_name, ranks_name)))
+
+
+class EventMetrics(_Group):
+    """The scheduler's KV event plane: intake, republishing, subscribers and the prefix index."""
+
+    _names = ("pdserve_events_received_total", "pdserve_events_published_total",
+              "pdserve_events_rejected_total", "pdserve_events_subscriber_resyncs_total")
+
+    def count_received(self, engine: str, event_type: str, medium: str, n: int = 1) -> None:
+        """event_type: BlockStored | BlockRemoved | AllBlocksCleared (vLLM's names)."""
+        self._m["pdserve_events_received_total"].labels(engine=engine, type=event_type, medium=medium).inc(n)
+
+    def count_published(self, event_type: str, medium: str, n: int = 1) -> None:
+        self._m["pdserve_events_published_total"].labels(type=event_type, medium=medium).inc(n)
+
+    def count_rejected(self, reason: str, n: int = 1) -> None:
+        self._m["pdserve_events_rejected_total"].labels(reason=reason).inc(n)
+
+    def count_resync(self, transport: str) -> None:
+        self._m["pdserve_events_subscriber_resyncs_total"].labels(transport=transport).inc()
+
+    def track_subscribers(self, read_lags: Callable[[], Iterable[SubscriberLag]]) -> None:
+        """Reads every subscriber's lag at scrape time; exports the count and the max per transport."""
+        count_name, lag_name = "pdserve_events_subscribers", "pdserve_events_subscriber_lag_batches"
+
+        def read() -> Iterable[GaugeMetricFamily]:
+            counts: dict[str, int] = {}
+            worst: dict[str, int] = {}
+            for s in read_lags():
+                counts[s.transport] = counts.get(s.transport, 0) + 1
+                worst[s.transport] = max(worst.get(s.transport, 0), s.lag_batches)
+            subscribers, lag = _family(count_name), _family(lag_name)
+            for transport in ("grpc", "zmq", *sorted(set(counts) - {"grpc", "zmq"})):
+                subscribers.add_metric([transport], float(counts.get(transport, 0)))
+                lag.add_metric([transport], float(worst.get(transport, 0)))
+            return (subscribers, lag)
+
+        self._track(_CallbackCollector("subscribers", read, (count_name, lag_name)))
+
+    def track_index(self, read_blocks: Callable[[], Mapping[str, int]]) -> None:
+        """Reads the prefix index's block count per medium at scrape time."""
+        name = "pdserve_events_index_blocks"
+
+        def read() -> Iterable[GaugeMetricFamily]:
+            family = _family(name)
+            for medium, n in sorted(read_blocks().items()):
+                family.add_metric([medium], float(n))
+            return (family,)
+
+        self._track(_CallbackCollector("prefix index", read, (name,)))
+
+
+class EngineMetrics(_Group):
+    """One engine's metrics (rank 0's process), every series labelled engine and role."""
+
+    _names = ("pdserve_engine_info", "pdserve_engine_prefix_cache_queries_tokens_total",
+              "pdserve_engine_prefix_cache_hits_tokens_total", "pdserve_engine_preemptions_total",
+              "pdserve_engine_step_duration_seconds", "pdserve_engine_step_tokens",
+              "pdserve_engine_prompt_tokens_total", "pdserve_engine_generation_tokens_total",
+              "pdserve_engine_finished_requests_total", "pdserve_engine_kv_events_total",
+              "pdserve_engine_control_reconnects_total")
+
+    def __init__(self, registry: CollectorRegistry, engine_id: str, role: str, *, tp_size: int = 1) -> None:
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role must be prefill or decode, got {role!r}")
+        if not engine_id:
+            raise ValueError("engine_id must not be empty")
+        super().__init__(registry)
+        self.engine_id, self.role = engine_id, role
+        from services.common.version import __version__
+
+        self._m["pdserve_engine_info"].labels(engine=engine_id, role=role, tp_size=str(tp_size),
+                                              version=__version__).set(1)
+
+    def _child(self, name: str) -> Any:
+        return self._m[name].labels(engine=self.engine_id, role=self.role)
+
+    def observe_step(self, seconds: float, num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        """One engine step computed this many prompt tokens and sampled this many tokens."""
+        self._child("pdserve_engine_step_duration_seconds").observe(seconds)
+        self._child("pdserve_engine_step_tokens").observe(num_prompt_tokens + num_generation_tokens)
+        self._child("pdserve_engine_prompt_tokens_total").inc(num_prompt_tokens)
+        self._child("pdserve_engine_generation_tokens_total").inc(num_generation_tokens)
+
+    def count_prefix_cache(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        """A prompt of `num_queried_tokens` found `num_hit_tokens` in the local prefix cache."""
+        self._child("pdserve_engine_prefix_cache_queries_tokens_total").inc(num_queried_tokens)
+        self._child("pdserve_engine_prefix_cache_hits_tokens_total").inc(num_hit_tokens)
+
+    def count_preemptions(self, n: int = 1) -> None:
+        self._child("pdserve_engine_preemptions_total").inc(n)
+
+    def count_finished(self, finish_reason: str) -> None:
+        """finish_reason: stop | length | abort (RequestOutput.finish_reason)."""
+        self._m["pdserve_engine_finished_requests_total"].labels(
+            engine=self.engine_id, role=self.role, finish_reason=finish_reason).inc()
+
+    def count_kv_events(self, event_type: str, medium: str, n: int = 1) -> None:
+        self._m["pdserve_engine_kv_events_total"].labels(
+            engine=self.engine_id, role=self.role, type=event_type, medium=medium).inc(n)
+
+    def count_control_reconnect(self) -> None:
+        self._child("pdserve_engine_control_reconnects_total").inc()
+
+    def track_load(self, read_load: Callable[[], EngineLoadLike]) -> None:
+        """Reads `engine.load()` (num_running, num_waiting, num_pinned, kv_usage, num_free_blocks)
+        at every scrape."""
+        fields = {"pdserve_engine_running_requests": "num_running",
+                  "pdserve_engine_waiting_requests": "num_waiting",
+                  "pdserve_engine_pinned_requests": "num_pinned",
+                  "pdserve_engine_kv_cache_usage_ratio": "kv_usage",
+                  "pdserve_engine_kv_cache_free_blocks": "num_free_blocks"}
+        labels = [self.engine_id, self.role]
+
+        def read() -> Iterable[GaugeMetricFamily]:
+            load = read_load()
+            families = []
+            for name, attr in fields.items():
+                family = _family(name)
+                family.add_metric(labels, float(getattr(load, attr)))
+                families.append(family)
+            return families
+
+        self._track(_CallbackCollector("engine load", read, fields))
+
+
+class TransferMetrics(_Group):
+    """KV transfer per prefill→decode pair (decode ranks) and lease expiries (prefill ranks).
+
+    Each rank process records its own pulls; Prometheus sums ranks by (src_engine, dst_engine).
+    """
+
+    _names = ("pdserve_transfer_operations_total", "pdserve_transfer_bytes_total",
+              "pdserve_transfer_blocks_total", "pdserve_transfer_duration_seconds",
+              "pdserve_transfer_failures_total", "pdserve_transfer_inflight_operations",
+              "pdserve_transfer_lease_expiries_total")
+
+    def transfer_started(self, src_engine: str, dst_engine: str) -> None:
+        """A decode rank of `dst_engine` began pulling from `src_engine`."""
+        self._m["pdserve_transfer_operations_total"].labels(src_engine=src_engine, dst_engine=dst_engine).inc()
+        self._m["pdserve_transfer_inflight_operations"].labels(engine=dst_engine).inc()
+
+    def transfer_succeeded(self, src_engine: str, dst_engine: str, num_bytes: int, num_blocks: int,
+                           seconds: float) -> None:
+        """The pull started by `transfer_started` finished with every block received."""
+        pair = {"src_engine": src_engine, "dst_engine": dst_engine}
+        self._m["pdserve_transfer_bytes_total"].labels(**pair).inc(num_bytes)
+        self._m["pdserve_transfer_blocks_total"].labels(**pair).inc(num_blocks)
+        self._m["pdserve_transfer_duration_seconds"].labels(**pair).observe(seconds)
+        self._m["pdserve_transfer_inflight_operations"].labels(engine=dst_engine).dec()
+
+    def transfer_failed(self, src_engine: str, dst_engine: str, reason: str) -> None:
+        """The pull started by `transfer_started` failed (reason: timeout, peer_gone, ...)."""
+        self._m["pdserve_transfer_failures_total"].labels(
+            src_engine=src_engine, dst_engine=dst_engine, reason=reason).inc()
+        self._m["pdserve_transfer_inflight_operations"].labels(engine=dst_engine).dec()
+
+    def count_lease_expiry(self, engine: str, n: int = 1) -> None:
+        """Prefill side: `n` KV holds of `engine` were freed by lease expiry."""
+        self._m["pdserve_transfer_lease_expiries_total"].labels(engine=engine).inc(n)
+
+
+class MetricsServer:
+    """A running /metrics HTTP endpoint; `port` is the bound port."""
+
+    def __init__(self, server: Any, thread: Any) -> None:
+        self._server, self._thread = server, thread
+        self.port: int = server.server_port
+
+    def close(self) -> None:
+        """Stops serving and joins the thread (idempotent)."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._thread.join(timeout=5)
+            self._server = None
+
+
+def start_metrics_server(port: int, registry: CollectorRegistry, host: str = "0.0.0.0") -> MetricsServer:
+    """Serves `registry` at http://host:port/metrics on a daemon thread (port 0 picks one)."""
+    if not 0 <= port < 65536:
+        raise ValueError(f"metrics port must be 0..65535, got {port}")
+    server, thread = prometheus_client.start_http_server(port, addr=host, registry=registry)
+    logger.info("metrics: serving /metrics on %s:%d", host, server.server_port)
+    return MetricsServer(server, thread)
