@@ -142,7 +142,7 @@ class TransferTracker:
                                            transfer.failure_reason, tuple(sorted(transfer.invalid_block_ids)), True))
             else:
                 out.append(TransferOutcome(OutcomeKind.KV_READY, transfer.request_id, transfer.decode))
-        if not transfer.released and (decode_all or transfer.sent >= transfer.prefill_ranks):
+        if not transfer.released and (transfer.decode_outcome or transfer.sent >= transfer.prefill_ranks):
             transfer.released = True
             out.append(TransferOutcome(OutcomeKind.RELEASE, transfer.request_id, transfer.prefill,
                                        failed=bool(transfer.failed)))

@@ -1,0 +1,136 @@
+import dataclasses
+
+import pytest
+
+from services.scheduler.registry import (
+    EngineRegistry,
+    LoadInfo,
+    RankHello,
+    RankId,
+    RegistrationError,
+    RegistrationErrorKind,
+    Role,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def hello(engine_id: str = "p0", tp_rank: int = 0, tp_size: int = 2, epoch: int = 7, **kw: object) -> RankHello:
+    base = dict(engine_id=engine_id, role=Role.PREFILL, epoch=epoch, tp_rank=tp_rank, tp_size=tp_size,
+                compatibility_hash="abc", engine_address="127.0.0.1:9000", handshake_metadata=b"ucx")
+    base.update(kw)
+    return RankHello(**base)  # type: ignore[arg-type]
+
+
+def registry(clock: Clock | None = None, **kw: object) -> EngineRegistry:
+    return EngineRegistry(block_size=16, hash_seed="0", heartbeat_timeout_s=5.0, clock=clock or Clock(), **kw)  # type: ignore[arg-type]
+
+
+def test_engine_is_routable_only_when_every_expected_rank_registered() -> None:
+    reg = registry()
+    r0 = reg.register(hello(tp_rank=0))
+    assert r0.new_rank and r0.fenced_epoch is None
+    engine = reg.engine("p0")
+    assert engine is not None and engine.expected_ranks() == [RankId("p0", 0), RankId("p0", 1)]
+    assert not engine.complete and reg.routable(Role.PREFILL) == []
+    reg.register(hello(tp_rank=1))
+    assert engine.complete and [e.engine_id for e in reg.routable(Role.PREFILL)] == ["p0"]
+    assert reg.routable(Role.DECODE) == []
+
+
+def test_new_epoch_fences_the_old_one() -> None:
+    reg = registry()
+    reg.register(hello(tp_rank=0))
+    reg.register(hello(tp_rank=1))
+    r = reg.register(hello(tp_rank=0, epoch=8))
+    assert r.fenced_epoch == 7 and set(r.fenced_ranks) == {RankId("p0", 0), RankId("p0", 1)}
+    engine = reg.engine("p0")
+    assert engine is not None and engine.epoch == 8 and list(engine.ranks) == [RankId("p0", 0)]
+    assert reg.engine("p0", epoch=7) is None
+    with pytest.raises(RegistrationError, match="fenced") as e:
+        reg.register(hello(tp_rank=1, epoch=7))
+    assert e.value.kind == RegistrationErrorKind.INCOMPATIBLE
+    assert list(engine.ranks) == [RankId("p0", 0)]
+
+
+@pytest.mark.parametrize("change, kind, match", [
+    (dict(compatibility_hash="zzz"), RegistrationErrorKind.INCOMPATIBLE, "compatibility hash"),
+    (dict(hash_seed="42"), RegistrationErrorKind.INCOMPATIBLE, "hash seed"),
+    (dict(block_size=32), RegistrationErrorKind.INCOMPATIBLE, "block_size"),
+    (dict(protocol_version=99), RegistrationErrorKind.INCOMPATIBLE, "protocol version"),
+    (dict(engine_id=""), RegistrationErrorKind.INVALID, "engine_id"),
+    (dict(epoch=0), RegistrationErrorKind.INVALID, "epoch"),
+    (dict(tp_rank=2), RegistrationErrorKind.INVALID, "outside"),
+    (dict(tp_size=0, tp_rank=0), RegistrationErrorKind.INVALID, "tp_size"),
+    (dict(engine_address="nowhere"), RegistrationErrorKind.INVALID, "engine_address"),
+    (dict(handshake_metadata=b"x" * (2 << 20)), RegistrationErrorKind.INVALID, "handshake_metadata"),
+    (dict(tp_size=4, tp_rank=1), RegistrationErrorKind.INVALID, "registered as"),
+])
+def test_refused_hello_has_a_reason_and_changes_nothing(change: dict, kind: RegistrationErrorKind,
+                                                          match: str) -> None:
+    reg = registry()
+    reg.register(hello(engine_id="p0", tp_rank=0))
+    other = dict(engine_id="p1", tp_rank=0)
+    if "registered as" in match:
+        other = dict(engine_id="p0")
+    before = {k: (e.epoch, dict(e.ranks)) for k, e in reg.engines.items()}
+    with pytest.raises(RegistrationError, match=match) as e:
+        reg.register(hello(**{**other, **change}))
+    assert e.value.kind == kind
+    assert {k: (e.epoch, dict(e.ranks)) for k, e in reg.engines.items()} == before
+
+
+def test_compatibility_hash_is_pinned_by_config() -> None:
+    reg = registry(compatibility_hash="cfg")
+    with pytest.raises(RegistrationError, match="cluster's cfg"):
+        reg.register(hello())
+    reg.register(hello(compatibility_hash="cfg"))
+
+
+def test_heartbeat_timeout_declares_ranks_dead_and_touch_revives() -> None:
+    clock = Clock()
+    reg = registry(clock)
+    r0 = reg.register(hello(tp_rank=0))
+    r1 = reg.register(hello(tp_rank=1))
+    clock.now += 4
+    assert reg.touch(RankId("p0", 0), r0.rank.conn_id)
+    clock.now += 2
+    assert reg.expire() == [RankId("p0", 1)]
+    assert reg.expire() == []  # declared once
+    assert reg.routable(Role.PREFILL) == []
+    assert reg.touch(RankId("p0", 1), r1.rank.conn_id)
+    assert [e.engine_id for e in reg.routable(Role.PREFILL)] == ["p0"]
+
+
+def test_reconnect_keeps_applied_seq_and_stale_stream_is_ignored() -> None:
+    reg = registry()
+    old = reg.register(hello(tp_rank=0, tp_size=1))
+    rid = RankId("p0", 0)
+    assert reg.accept_seq(rid, old.rank.conn_id, 1) and reg.accept_seq(rid, old.rank.conn_id, 2)
+    assert not reg.accept_seq(rid, old.rank.conn_id, 2)  # duplicate
+    new = reg.register(hello(tp_rank=0, tp_size=1, last_sent_seq=3))
+    assert not new.new_rank and new.rank.last_applied_seq == 2
+    assert not reg.accept_seq(rid, old.rank.conn_id, 3)  # the replaced stream is stale
+    assert not reg.disconnect(rid, old.rank.conn_id)
+    assert reg.accept_seq(rid, new.rank.conn_id, 3)
+    assert reg.disconnect(rid, new.rank.conn_id)
+    assert reg.routable(Role.PREFILL) == []
+
+
+def test_load_and_draining_affect_routability() -> None:
+    reg = registry()
+    reg.register(hello(tp_size=1))
+    reg.update_load("p0", LoadInfo(num_running=3, kv_usage=0.5), draining=True)
+    engine = reg.engine("p0")
+    assert engine is not None and engine.load.num_running == 3
+    assert engine.healthy and not engine.routable
+    removed = reg.remove_engine("p0")
+    assert removed is not None and reg.engines == {}
+    with pytest.raises(RegistrationError, match="fenced"):
+        reg.register(dataclasses.replace(hello(tp_size=1)))

@@ -1,0 +1,67 @@
+import pytest
+
+from services.scheduler.routing import (
+    REASON_LOAD,
+    REASON_NO_DECODE,
+    REASON_NO_PREFILL,
+    REASON_ROUND_ROBIN,
+    REASON_SHORT_PROMPT,
+    EngineView,
+    LoadBasedPolicy,
+    RoundRobinPolicy,
+    Router,
+    RoutingPolicy,
+    RoutingRequest,
+    make_policy,
+)
+
+REQ = RoutingRequest(block_hashes=[1, 2, 3], num_tokens=50)
+
+
+def view(engine_id: str, role: str = "prefill", **kw: float) -> EngineView:
+    return EngineView(engine_id=engine_id, epoch=1, role=role, **kw)  # type: ignore[arg-type]
+
+
+def test_load_policy_picks_least_loaded_with_stable_ties() -> None:
+    p = LoadBasedPolicy()
+    assert p.choose_prefill(REQ, [view("a", num_inflight=3), view("b", num_inflight=1)]).engine_id == "b"
+    d = p.choose_prefill(REQ, [view("b"), view("a")])
+    assert (d.engine_id, d.reason) == ("a", REASON_LOAD)
+    # KV usage breaks ties between equally queued engines.
+    assert p.choose_prefill(REQ, [view("a", kv_usage=0.9), view("b", kv_usage=0.1)]).engine_id == "b"
+
+
+def test_round_robin_cycles_in_id_order() -> None:
+    p = RoundRobinPolicy()
+    engines = [view("c"), view("a", num_inflight=9), view("b")]
+    picks = [p.choose_prefill(REQ, engines) for _ in range(4)]
+    assert [d.engine_id for d in picks] == ["a", "b", "c", "a"]
+    assert {d.reason for d in picks} == {REASON_ROUND_ROBIN}
+
+
+def test_router_decode_only_reasons_and_counts() -> None:
+    router = Router(LoadBasedPolicy(), decode_only_threshold=16)
+    decodes = [view("d1", "decode", num_running=4), view("d2", "decode")]
+    short = router.route(RoutingRequest([], 15), [view("p")], decodes)
+    assert short.decode_only and short.prefill.reason == REASON_SHORT_PROMPT
+    assert short.decode.engine_id == "d2"
+    none = router.route(REQ, [], decodes)
+    assert none.decode_only and none.prefill.reason == REASON_NO_PREFILL
+    full = router.route(REQ, [view("p")], decodes)
+    assert not full.decode_only and full.prefill.engine_id == "p"
+    assert router.decisions == {REASON_SHORT_PROMPT: 1, REASON_NO_PREFILL: 1, REASON_LOAD: 1}
+
+
+def test_router_excludes_failed_decode_engines() -> None:
+    router = Router(LoadBasedPolicy())
+    decodes = [view("d1", "decode"), view("d2", "decode", num_inflight=5)]
+    assert router.route(REQ, [], decodes, exclude_decode=frozenset({"d1"})).decode.engine_id == "d2"
+    gone = router.route(REQ, [], decodes, exclude_decode=frozenset({"d1", "d2"}))
+    assert gone.decode.engine_id is None and gone.decode.reason == REASON_NO_DECODE
+
+
+def test_policies_implement_the_protocol_and_names_resolve() -> None:
+    assert isinstance(LoadBasedPolicy(), RoutingPolicy) and isinstance(RoundRobinPolicy(), RoutingPolicy)
+    assert make_policy("round_robin").name == "round_robin"
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("random")
