@@ -85,6 +85,8 @@ class Hello(_message.Message):
     ENGINE_ADDRESS_FIELD_NUMBER: _builtins.int
     HANDSHAKE_METADATA_FIELD_NUMBER: _builtins.int
     LAST_SENT_SEQ_FIELD_NUMBER: _builtins.int
+    HASH_SEED_FIELD_NUMBER: _builtins.int
+    BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     compatibility_hash: _builtins.str
     """Hex digest over model, dtype, layers, KV heads, head size, block size, KV layout, hash
     seed and protocol version; every engine of a cluster must agree.
@@ -100,6 +102,11 @@ class Hello(_message.Message):
     """Highest StepReport seq this rank has sent before (0 on first connect); with Welcome's
     last_acked_seq it tells the rank what to resend after a reconnect.
     """
+    hash_seed: _builtins.str
+    """The rank's block-hash seed and KV block size. The scheduler hashes prompts itself, so it
+    checks both against its own configuration and refuses a mismatch with that reason.
+    """
+    block_size: _builtins.int
     @_builtins.property
     def rank(self) -> Global___RankIdentity: ...
     def __init__(
@@ -111,12 +118,21 @@ class Hello(_message.Message):
         engine_address: _builtins.str = ...,
         handshake_metadata: _builtins.bytes = ...,
         last_sent_seq: _builtins.int = ...,
+        hash_seed: _builtins.str | None = ...,
+        block_size: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["rank", b"rank"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_hash_seed", b"_hash_seed", "block_size", b"block_size", "hash_seed", b"hash_seed", "rank", b"rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compatibility_hash", b"compatibility_hash", "engine_address", b"engine_address", "handshake_metadata", b"handshake_metadata", "last_sent_seq", b"last_sent_seq", "protocol_version", b"protocol_version", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_hash_seed", b"_hash_seed", "block_size", b"block_size", "compatibility_hash", b"compatibility_hash", "engine_address", b"engine_address", "handshake_metadata", b"handshake_metadata", "hash_seed", b"hash_seed", "last_sent_seq", b"last_sent_seq", "protocol_version", b"protocol_version", "rank", b"rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__block_size: _TypeAlias = _typing.Literal["block_size"]  # noqa: Y015
+    _WhichOneofArgType__block_size: _TypeAlias = _typing.Literal["_block_size", b"_block_size"]  # noqa: Y015
+    _WhichOneofReturnType__hash_seed: _TypeAlias = _typing.Literal["hash_seed"]  # noqa: Y015
+    _WhichOneofArgType__hash_seed: _TypeAlias = _typing.Literal["_hash_seed", b"_hash_seed"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__block_size) -> _WhichOneofReturnType__block_size | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__hash_seed) -> _WhichOneofReturnType__hash_seed | None: ...
 
 Global___Hello: _TypeAlias = Hello  # noqa: Y015
 
