@@ -2,6 +2,9 @@
 
 Field order is vLLM's declaration (and wire) order. Hashes are 64-bit ints (the external form
 from `connectors.hashing.to_external`); the wire codec also accepts vLLM's raw-bytes form.
+`kv_cache_spec_kind`, `kv_cache_spec_sliding_window` and `locality` exist so that events decoded
+from a vLLM stream survive a wire round trip; pdserve's producers leave them None and the
+protobuf form does not carry them.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ class BlockStored:
     lora_name: str | None = None
     extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,10 +43,14 @@ class BlockRemoved:
     block_hashes: tuple[ExternalBlockHash, ...]
     medium: str | None = None
     group_idx: int | None = None
+    locality: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class AllBlocksCleared:
+    """vLLM's AllBlocksCleared has no fields; `medium` is a pdserve addition (None = every
+    medium), sent on the wire only in map mode, as a key that vLLM decoders ignore."""
+
     medium: str | None = None
 
 

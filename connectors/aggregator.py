@@ -1,0 +1,450 @@
+"""Per-rank output aggregation for the central scheduler (ARCHITECTURE §3).
+
+Every rank of every engine reports one `KVConnectorOutput` per step (`add_report`). The
+aggregator turns these into engine-level facts:
+
+- Finished transfers. An engine's expected rank set is fixed at registration. A request id is
+  finished when `needed` distinct expected ranks reported it, where `needed` is the engine's
+  finished count when the id was first seen (all ranks unless changed with
+  `expected_finished_count`). A rank counts at most once per id; reports persist across steps;
+  an id is released exactly once, then remembered (bounded) so late or repeated reports of it
+  are absorbed. Ids in `failed_recving` count as received on that rank; the released id is
+  failed when any rank reported it failed. Invalid block ids are the union over ranks: a
+  report's invalid ids attach to the receiving ids of the same report (or, when it has none,
+  to that rank's next report that has some), and are released with the id.
+- Worker-side KV events (each rank holds one shard of a block). The aggregator tracks, per
+  (medium, group_idx, hash), which ranks hold the block. A `BlockStored` is published when
+  every expected rank holds every one of its hashes and at least one of them was not yet
+  published; repeats are absorbed. A `BlockRemoved` is published at the first report that
+  removes a published hash (the block is no longer whole in that medium); later removals
+  of the same hash by other ranks are absorbed. `AllBlocksCleared(medium)` drops the rank
+  from every block of that medium (every medium when None); it is published when it
+  removes a published block or when no other rank's clear is outstanding, so a clear
+  reported by every rank is published once. `BlockStored` events without hashes carry
+  nothing to index and are dropped.
+- Everything of an engine is cleared on `drop_engine` or when it registers a new epoch;
+  `abort` drops one request id. Reports from another epoch raise `StaleEpochError`.
+
+Plain data in and out; no protobuf, no asyncio, no locks (one caller thread). The clock is
+injectable for the pending-age metric.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from connectors.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from connectors.outputs import KVConnectorOutput, KVConnectorStats, KVConnectorWorkerMetadata
+
+DEFAULT_MAX_DONE_IDS = 65536
+
+
+class UnknownEngineError(ValueError):
+    """A report or query named an engine that is not registered."""
+
+
+class StaleEpochError(ValueError):
+    """A report carried an epoch other than the engine's registered one."""
+
+
+@dataclass(slots=True)
+class AggregatedResult:
+    """What one `add_report` (or `add_reports`) released.
+
+    `finished_recving` includes the failed ids; `failed_recving` is the failed subset.
+    `invalid_block_ids` maps a released receiving id to the union of invalid block ids the
+    ranks attached to it (absent when none). `events` are ready to publish, in order.
+    Stats and worker metadata are those of the report(s), folded with `aggregate`.
+    """
+
+    finished_sending: list[str] = field(default_factory=list)
+    finished_recving: list[str] = field(default_factory=list)
+    failed_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: dict[str, frozenset[int]] = field(default_factory=dict)
+    events: list[KVCacheEvent] = field(default_factory=list)
+    kv_connector_stats: KVConnectorStats | None = None
+    kv_connector_worker_meta: KVConnectorWorkerMetadata | None = None
+
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.events
+                    or self.kv_connector_stats is not None or self.kv_connector_worker_meta is not None)
+
+    def merge(self, other: AggregatedResult) -> None:
+        """Appends `other` (a later result of the same engine) to self."""
+        self.finished_sending.extend(other.finished_sending)
+        self.finished_recving.extend(other.finished_recving)
+        self.failed_recving |= other.failed_recving
+        self.invalid_block_ids.update(other.invalid_block_ids)
+        self.events.extend(other.events)
+        self.kv_connector_stats = _fold(self.kv_connector_stats, other.kv_connector_stats)
+        self.kv_connector_worker_meta = _fold(self.kv_connector_worker_meta, other.kv_connector_worker_meta)
+
+    def to_output(self) -> KVConnectorOutput:
+        """The engine-level output for a scheduler-side connector's `update_connector_output`."""
+        invalid: set[int] = set()
+        for ids in self.invalid_block_ids.values():
+            invalid |= ids
+        return KVConnectorOutput(
+            finished_sending=frozenset(self.finished_sending),
+            finished_recving=frozenset(self.finished_recving),
+            failed_recving=frozenset(self.failed_recving),
+            invalid_block_ids=frozenset(invalid),
+            kv_connector_stats=self.kv_connector_stats,
+            kv_cache_events=tuple(self.events),
+            kv_connector_worker_meta=self.kv_connector_worker_meta,
+        )
+
+
+_Foldable = TypeVar("_Foldable", KVConnectorStats, KVConnectorWorkerMetadata)
+
+
+def _fold(acc: _Foldable | None, other: _Foldable | None) -> _Foldable | None:
+    if acc is None:
+        return other
+    if other is None:
+        return acc
+    return acc.aggregate(other)
+
+
+@dataclass(frozen=True, slots=True)
+class PendingCounts:
+    """Partial states of one engine: ids some but not enough ranks reported, blocks some but
+    not all ranks hold, and clears not yet reported by every rank."""
+
+    sending: int
+    recving: int
+    blocks: int
+    clears: int
+
+    @property
+    def total(self) -> int:
+        return self.sending + self.recving + self.blocks + self.clears
+
+
+class _PendingId:
+    __slots__ = ("failed", "invalid", "mask", "needed", "since")
+
+    def __init__(self, mask: int, needed: int, since: float) -> None:
+        self.mask = mask
+        self.needed = needed
+        self.since = since
+        self.failed = False
+        self.invalid: set[int] | None = None
+
+
+_MediumKey = tuple[str | None, int | None]
+
+
+class _EngineState:
+    __slots__ = ("blocks", "clears", "done_recving", "done_sending", "epoch", "finished_count",
+                 "full_mask", "live", "pending_blocks", "rank_bits", "ranks", "recving",
+                 "sending", "unattributed_invalid")
+
+    def __init__(self, epoch: int, ranks: tuple[int, ...], finished_count: int) -> None:
+        self.epoch = epoch
+        self.ranks = ranks
+        self.rank_bits = {r: 1 << i for i, r in enumerate(ranks)}
+        self.full_mask = (1 << len(ranks)) - 1
+        self.finished_count = finished_count
+        self.sending: dict[str, _PendingId] = {}
+        self.recving: dict[str, _PendingId] = {}
+        self.done_sending: dict[str, None] = {}
+        self.done_recving: dict[str, None] = {}
+        self.unattributed_invalid: dict[int, set[int]] = {}
+        # (medium, group_idx) -> hash -> mask of ranks holding the block
+        self.blocks: dict[_MediumKey, dict[object, int]] = {}
+        # (medium, group_idx) -> published hashes
+        self.live: dict[_MediumKey, set[object]] = {}
+        # (medium, group_idx) -> hash -> time it became partial (some, not all ranks)
+        self.pending_blocks: dict[_MediumKey, dict[object, float]] = {}
+        # medium -> mask of ranks whose clear is outstanding
+        self.clears: dict[str | None, int] = {}
+
+
+class KVOutputAggregator:
+    """Aggregates per-rank connector reports of many engines (see the module docstring).
+
+    Errors raise ValueError subclasses and change no state.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 max_done_ids: int = DEFAULT_MAX_DONE_IDS) -> None:
+        if max_done_ids < 1:
+            raise ValueError(f"max_done_ids must be >= 1, got {max_done_ids}")
+        self._clock = clock
+        self._max_done_ids = max_done_ids
+        self._engines: dict[str, _EngineState] = {}
+
+    # -- registration -------------------------------------------------------------------
+
+    def register_engine(self, engine_id: str, epoch: int, ranks: Collection[int],
+                        finished_count: int | None = None) -> bool:
+        """Registers (engine_id, epoch) with its fixed expected rank set.
+
+        Repeating the current registration is a no-op (returns False). A different epoch is a
+        new incarnation: every pending state of the old one is dropped (returns True). The same
+        epoch with another rank set raises ValueError. `finished_count` (default: all ranks)
+        is how many distinct ranks must report an id.
+        """
+        rank_tuple = tuple(sorted(set(ranks)))
+        if not engine_id:
+            raise ValueError("engine_id must be non-empty")
+        if not rank_tuple or len(rank_tuple) != len(ranks) or rank_tuple[0] < 0:
+            raise ValueError(f"ranks must be distinct non-negative ints, got {sorted(ranks)}")
+        count = len(rank_tuple) if finished_count is None else finished_count
+        self._check_count(count, len(rank_tuple))
+        current = self._engines.get(engine_id)
+        if current is not None and current.epoch == epoch:
+            if current.ranks != rank_tuple:
+                raise ValueError(f"engine {engine_id!r} epoch {epoch} is registered with ranks "
+                                 f"{list(current.ranks)}, not {list(rank_tuple)}")
+            return False
+        self._engines[engine_id] = _EngineState(epoch, rank_tuple, count)
+        return True
+
+    def drop_engine(self, engine_id: str) -> bool:
+        """Forgets an engine and everything pending for it. False when it was unknown."""
+        return self._engines.pop(engine_id, None) is not None
+
+    def engine_epoch(self, engine_id: str) -> int | None:
+        state = self._engines.get(engine_id)
+        return None if state is None else state.epoch
+
+    def abort(self, request_id: str, engine_id: str | None = None) -> bool:
+        """Drops the pending counters of `request_id` (on one engine, or every engine); later
+        reports of it are absorbed. True when something pending was dropped."""
+        states = self._engines.values() if engine_id is None else [self._state(engine_id)]
+        dropped = False
+        for state in states:
+            for pending, done in ((state.sending, state.done_sending), (state.recving, state.done_recving)):
+                if pending.pop(request_id, None) is not None:
+                    dropped = True
+                    self._remember(done, request_id)
+        return dropped
+
+    # -- reports ------------------------------------------------------------------------
+
+    def add_report(self, engine_id: str, epoch: int, rank: int, output: KVConnectorOutput) -> AggregatedResult:
+        """Applies one rank's report and returns what it released."""
+        state = self._checked(engine_id, epoch, rank, output)
+        result = AggregatedResult(kv_connector_stats=output.kv_connector_stats,
+                                  kv_connector_worker_meta=output.kv_connector_worker_meta)
+        self._apply(state, rank, output, result, self._clock())
+        return result
+
+    def add_reports(self, engine_id: str, epoch: int,
+                    outputs: Mapping[int, KVConnectorOutput]) -> AggregatedResult:
+        """Applies one step's reports of several ranks (in rank order) and returns the union of
+        what they released, stats and worker metadata folded (the first object is updated in
+        place). Every report is validated before any is applied."""
+        for rank, output in outputs.items():
+            state = self._checked(engine_id, epoch, rank, output)
+        result = AggregatedResult()
+        now = self._clock()
+        for rank in sorted(outputs):
+            output = outputs[rank]
+            self._apply(state, rank, output, result, now)
+            result.kv_connector_stats = _fold(result.kv_connector_stats, output.kv_connector_stats)
+            result.kv_connector_worker_meta = _fold(result.kv_connector_worker_meta,
+                                                    output.kv_connector_worker_meta)
+        return result
+
+    # -- metrics ------------------------------------------------------------------------
+
+    def pending_reports(self) -> dict[str, PendingCounts]:
+        """Per engine id: the partial states waiting for more rank reports."""
+        return {engine_id: PendingCounts(
+            sending=len(s.sending), recving=len(s.recving),
+            blocks=sum(len(p) for p in s.pending_blocks.values()),
+            clears=len(s.clears)) for engine_id, s in self._engines.items()}
+
+    def oldest_pending_age(self, engine_id: str | None = None) -> float | None:
+        """Seconds since the oldest partial state (of one engine or all) began; None if none."""
+        states = self._engines.values() if engine_id is None else [self._state(engine_id)]
+        oldest: float | None = None
+        for state in states:
+            for since in self._oldest_in(state):
+                oldest = since if oldest is None else min(oldest, since)
+        return None if oldest is None else max(0.0, self._clock() - oldest)
+
+    # -- internals ----------------------------------------------------------------------
+
+    @staticmethod
+    def _check_count(count: int, num_ranks: int) -> None:
+        if not 1 <= count <= num_ranks:
+            raise ValueError(f"finished count must be in [1, {num_ranks}] (the expected ranks), got {count}")
+
+    def _state(self, engine_id: str) -> _EngineState:
+        state = self._engines.get(engine_id)
+        if state is None:
+            raise UnknownEngineError(f"engine {engine_id!r} is not registered")
+        return state
+
+    def _checked(self, engine_id: str, epoch: int, rank: int, output: KVConnectorOutput) -> _EngineState:
+        state = self._state(engine_id)
+        if epoch != state.epoch:
+            raise StaleEpochError(f"engine {engine_id!r}: report for epoch {epoch}, current epoch is {state.epoch}")
+        if rank not in state.rank_bits:
+            raise ValueError(f"engine {engine_id!r}: rank {rank} is not one of the expected ranks {list(state.ranks)}")
+        if output.expected_finished_count:
+            self._check_count(output.expected_finished_count, len(state.ranks))
+        for event in output.kv_cache_events:
+            if not isinstance(event, BlockStored | BlockRemoved | AllBlocksCleared):
+                raise ValueError(f"not a KV cache event: {type(event).__name__}")
+        return state
+
+    @staticmethod
+    def _oldest_in(state: _EngineState) -> Iterable[float]:
+        for pending in (state.sending, state.recving):
+            if pending:
+                yield next(iter(pending.values())).since
+        for blocks in state.pending_blocks.values():
+            if blocks:
+                yield next(iter(blocks.values()))
+
+    def _apply(self, state: _EngineState, rank: int, output: KVConnectorOutput,
+               result: AggregatedResult, now: float) -> None:
+        bit = state.rank_bits[rank]
+        if output.expected_finished_count:
+            state.finished_count = output.expected_finished_count
+        if output.finished_sending:
+            self._count_sending(state, bit, output.finished_sending, result, now)
+        if output.finished_recving or output.failed_recving:
+            self._count_recving(state, rank, bit, output, result, now)
+        elif output.invalid_block_ids:
+            state.unattributed_invalid.setdefault(rank, set()).update(output.invalid_block_ids)
+        for event in output.kv_cache_events:
+            if type(event) is BlockStored:
+                self._stored(state, bit, event, result, now)
+            elif type(event) is BlockRemoved:
+                self._removed(state, bit, event, result, now)
+            else:
+                self._cleared(state, bit, event, result, now)  # type: ignore[arg-type]
+
+    def _remember(self, done: dict[str, None], request_id: str) -> None:
+        done[request_id] = None
+        if len(done) > self._max_done_ids:
+            del done[next(iter(done))]
+
+    def _count_sending(self, state: _EngineState, bit: int, ids: Iterable[str],
+                       result: AggregatedResult, now: float) -> None:
+        pending, done, needed = state.sending, state.done_sending, state.finished_count
+        for request_id in ids:
+            if request_id in done:
+                continue
+            entry = pending.get(request_id)
+            if entry is None:
+                entry = pending[request_id] = _PendingId(0, needed, now)
+            entry.mask |= bit
+            if entry.mask.bit_count() >= entry.needed:
+                del pending[request_id]
+                self._remember(done, request_id)
+                result.finished_sending.append(request_id)
+
+    def _count_recving(self, state: _EngineState, rank: int, bit: int, output: KVConnectorOutput,
+                       result: AggregatedResult, now: float) -> None:
+        invalid = set(output.invalid_block_ids)
+        held = state.unattributed_invalid.pop(rank, None)
+        if held:
+            invalid |= held
+        pending, done, needed = state.recving, state.done_recving, state.finished_count
+        failed = output.failed_recving
+        ids = output.finished_recving | failed if failed else output.finished_recving
+        for request_id in ids:
+            if request_id in done:
+                continue
+            entry = pending.get(request_id)
+            if entry is None:
+                entry = pending[request_id] = _PendingId(0, needed, now)
+            entry.mask |= bit
+            if request_id in failed:
+                entry.failed = True
+            if invalid:
+                entry.invalid = invalid if entry.invalid is None else entry.invalid | invalid
+            if entry.mask.bit_count() >= entry.needed:
+                del pending[request_id]
+                self._remember(done, request_id)
+                result.finished_recving.append(request_id)
+                if entry.failed:
+                    result.failed_recving.add(request_id)
+                if entry.invalid:
+                    result.invalid_block_ids[request_id] = frozenset(entry.invalid)
+
+    def _stored(self, state: _EngineState, bit: int, event: BlockStored,
+                result: AggregatedResult, now: float) -> None:
+        if not event.block_hashes:
+            return
+        key = (event.medium, event.group_idx)
+        blocks = state.blocks.get(key)
+        if blocks is None:
+            blocks = state.blocks[key] = {}
+            state.live[key] = set()
+            state.pending_blocks[key] = {}
+        partial = state.pending_blocks[key]
+        full = state.full_mask
+        whole = True
+        for h in event.block_hashes:
+            old = blocks.get(h, 0)
+            new = old | bit
+            if new != old:
+                blocks[h] = new
+                if new == full:
+                    partial.pop(h, None)
+                elif old == 0:
+                    partial[h] = now
+            if new != full:
+                whole = False
+        if whole:
+            live = state.live[key]
+            if not live.issuperset(event.block_hashes):
+                live.update(event.block_hashes)
+                result.events.append(event)
+
+    def _drop_rank(self, state: _EngineState, key: _MediumKey, bit: int, hashes: Iterable[object],
+                   now: float) -> bool:
+        """Removes the rank from the given blocks; True when a published block lost its whole."""
+        blocks = state.blocks.get(key)
+        if not blocks:
+            return False
+        live, partial = state.live[key], state.pending_blocks[key]
+        full = state.full_mask
+        unpublished = False
+        for h in hashes:
+            old = blocks.get(h, 0)
+            if not old & bit:
+                continue
+            new = old & ~bit
+            if new:
+                blocks[h] = new
+                if old == full:
+                    partial[h] = now
+            else:
+                del blocks[h]
+                partial.pop(h, None)
+            if h in live:
+                live.discard(h)
+                unpublished = True
+        return unpublished
+
+    def _removed(self, state: _EngineState, bit: int, event: BlockRemoved,
+                 result: AggregatedResult, now: float) -> None:
+        if self._drop_rank(state, (event.medium, event.group_idx), bit, event.block_hashes, now):
+            result.events.append(event)
+
+    def _cleared(self, state: _EngineState, bit: int, event: AllBlocksCleared,
+                 result: AggregatedResult, now: float) -> None:
+        unpublished = False
+        for key in list(state.blocks):
+            if event.medium is None or key[0] == event.medium:
+                unpublished |= self._drop_rank(state, key, bit, list(state.blocks[key]), now)
+        outstanding = state.clears.get(event.medium, 0)
+        if unpublished or not outstanding:
+            result.events.append(event)
+        outstanding |= bit
+        if outstanding == state.full_mask:
+            state.clears.pop(event.medium, None)
+        else:
+            state.clears[event.medium] = outstanding

@@ -1,0 +1,379 @@
+"""KVOutputAggregator: pdserve's per-rank aggregation semantics (ARCHITECTURE §3).
+
+Hand-built cases first (including the two places where vLLM's aggregator is wrong, reference
+spec §7 items 1 and 2), then hypothesis runs against a small, obviously-correct reference model
+that simulates each rank's holdings with plain sets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from connectors.aggregator import (
+    AggregatedResult,
+    KVOutputAggregator,
+    PendingCounts,
+    StaleEpochError,
+    UnknownEngineError,
+)
+from connectors.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_CPU_OFFLOAD,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
+from connectors.outputs import KVConnectorOutput, KVConnectorStats
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def stored(*hashes: int, medium: str = MEDIUM_CPU) -> BlockStored:
+    return BlockStored(tuple(hashes), None, (), 0, medium=medium)
+
+
+def out(sending: set[str] | None = None, recving: set[str] | None = None,
+        failed: set[str] | None = None, invalid: set[int] | None = None,
+        events: tuple[KVCacheEvent, ...] = (), expected: int = 0) -> KVConnectorOutput:
+    return KVConnectorOutput(
+        finished_sending=frozenset(sending or ()), finished_recving=frozenset(recving or ()),
+        failed_recving=frozenset(failed or ()), invalid_block_ids=frozenset(invalid or ()),
+        kv_cache_events=events, expected_finished_count=expected)
+
+
+def agg2(clock: FakeClock | None = None) -> KVOutputAggregator:
+    a = KVOutputAggregator(clock=clock or FakeClock())
+    a.register_engine("e", 7, [0, 1])
+    return a
+
+
+# -- vLLM's two aggregation bugs (spec §7.1, §7.2) ----------------------------------------
+
+def test_silent_rank_does_not_complete_an_event() -> None:
+    """§7.1: rank 1 sends no events: rank 0's BlockStored must not be published."""
+    a = agg2()
+    assert a.add_report("e", 7, 0, out(events=(stored(1),))).events == []
+    assert a.add_report("e", 7, 1, out()).events == []  # rank 1 reports, but no event
+    assert a.pending_reports()["e"].blocks == 1
+    assert a.add_report("e", 7, 1, out(events=(stored(1),))).events == [stored(1)]
+    assert a.pending_reports()["e"] == PendingCounts(0, 0, 0, 0)
+
+
+def test_duplicate_from_one_rank_does_not_satisfy_quorum() -> None:
+    """§7.2: one rank reporting an event twice (in one report or two) is one rank."""
+    a = agg2()
+    assert a.add_report("e", 7, 0, out(events=(stored(1), stored(1)))).events == []
+    assert a.add_report("e", 7, 0, out(events=(stored(1),))).events == []
+    assert a.add_report("e", 7, 0, out(sending={"r"})).finished_sending == []
+    assert a.add_report("e", 7, 0, out(sending={"r"})).finished_sending == []
+    res = a.add_report("e", 7, 1, out(sending={"r"}, events=(stored(1),)))
+    assert res.finished_sending == ["r"] and res.events == [stored(1)]
+    # Repeats after release change nothing.
+    res = a.add_report("e", 7, 1, out(sending={"r"}, events=(stored(1),)))
+    assert res.is_empty()
+    assert a.pending_reports()["e"].total == 0
+
+
+# -- finished ids ---------------------------------------------------------------------------
+
+def test_finished_ids_persist_across_steps_and_release_once() -> None:
+    a = KVOutputAggregator(clock=FakeClock())
+    a.register_engine("e", 1, range(4))
+    for rank in (2, 0, 3):
+        assert a.add_report("e", 1, rank, out(recving={"x"})).finished_recving == []
+    assert a.pending_reports()["e"].recving == 1
+    assert a.add_report("e", 1, 1, out(recving={"x"})).finished_recving == ["x"]
+    assert a.add_report("e", 1, 1, out(recving={"x"})).finished_recving == []
+    assert a.pending_reports()["e"].recving == 0
+
+
+def test_expected_count_change_applies_to_new_ids_only() -> None:
+    a = agg2()
+    a.add_report("e", 7, 0, out(sending={"old"}))
+    res = a.add_report("e", 7, 0, out(sending={"new"}, expected=1))
+    assert res.finished_sending == ["new"]
+    assert a.add_report("e", 7, 0, out(sending={"old"})).finished_sending == []
+    assert a.add_report("e", 7, 1, out(sending={"old"})).finished_sending == ["old"]
+
+
+def test_failed_and_invalid_blocks_are_unions() -> None:
+    a = agg2()
+    a.add_report("e", 7, 0, out(invalid={3}))  # before the request's report: held for it
+    a.add_report("e", 7, 0, out(recving={"x"}, invalid={4}))
+    res = a.add_report("e", 7, 1, out(failed={"x"}, invalid={5}))
+    assert res.finished_recving == ["x"] and res.failed_recving == {"x"}
+    assert res.invalid_block_ids == {"x": frozenset({3, 4, 5})}
+    output = res.to_output()
+    assert output.failed_recving == {"x"} and output.invalid_block_ids == {3, 4, 5}
+
+
+def test_abort_drops_pending_and_absorbs_late_reports() -> None:
+    a = agg2()
+    a.add_report("e", 7, 0, out(sending={"x"}))
+    assert a.abort("x") is True
+    assert a.abort("x") is False
+    assert a.add_report("e", 7, 1, out(sending={"x"})).finished_sending == []
+    assert a.pending_reports()["e"].total == 0
+
+
+def test_epoch_change_clears_and_stale_reports_are_rejected() -> None:
+    a = agg2()
+    a.add_report("e", 7, 0, out(sending={"x"}, events=(stored(1),)))
+    assert a.register_engine("e", 7, [0, 1]) is False
+    assert a.pending_reports()["e"].total == 2
+    assert a.register_engine("e", 8, [0, 1, 2]) is True
+    assert a.pending_reports()["e"].total == 0
+    with pytest.raises(StaleEpochError):
+        a.add_report("e", 7, 1, out(sending={"x"}))
+    for rank in (0, 1):
+        assert a.add_report("e", 8, rank, out(sending={"x"})).finished_sending == []
+    assert a.add_report("e", 8, 2, out(sending={"x"})).finished_sending == ["x"]
+
+
+def test_bad_input_raises_and_changes_nothing() -> None:
+    a = agg2()
+    a.add_report("e", 7, 0, out(sending={"x"}))
+    before = a.pending_reports()
+    with pytest.raises(UnknownEngineError):
+        a.add_report("nope", 7, 0, out())
+    with pytest.raises(ValueError, match="rank 5"):
+        a.add_report("e", 7, 5, out(sending={"x"}))
+    with pytest.raises(ValueError, match="finished count"):
+        a.add_report("e", 7, 1, out(sending={"x"}, expected=3))
+    with pytest.raises(ValueError, match="ranks"):
+        a.register_engine("e", 7, [0, 1, 2])
+    with pytest.raises(ValueError, match="ranks"):
+        a.register_engine("f", 1, [])
+    with pytest.raises(ValueError, match="finished count"):
+        a.register_engine("f", 1, [0], finished_count=2)
+    with pytest.raises(ValueError, match="rank 9"):
+        a.add_reports("e", 7, {1: out(sending={"x"}), 9: out()})
+    assert a.pending_reports() == before
+    assert a.add_report("e", 7, 1, out(sending={"x"})).finished_sending == ["x"]
+
+
+def test_pending_age_uses_the_injected_clock() -> None:
+    clock = FakeClock()
+    a = agg2(clock)
+    assert a.oldest_pending_age() is None
+    a.add_report("e", 7, 0, out(recving={"x"}))
+    clock.now += 5
+    a.add_report("e", 7, 0, out(events=(stored(9),)))
+    clock.now += 2
+    assert a.oldest_pending_age() == 7.0
+    a.add_report("e", 7, 1, out(recving={"x"}))
+    assert a.oldest_pending_age("e") == 2.0
+    assert a.drop_engine("e") and a.oldest_pending_age() is None
+    with pytest.raises(UnknownEngineError):
+        a.oldest_pending_age("e")
+
+
+# -- worker-side events --------------------------------------------------------------------
+
+def test_removed_at_first_rank_then_absorbed() -> None:
+    a = agg2()
+    a.add_reports("e", 7, {0: out(events=(stored(1, 2),)), 1: out(events=(stored(1, 2),))})
+    removed = BlockRemoved((1,), MEDIUM_CPU)
+    assert a.add_report("e", 7, 1, out(events=(removed,))).events == [removed]
+    assert a.add_report("e", 7, 0, out(events=(removed,))).events == []
+    # Re-stored by both ranks: published again.
+    a.add_report("e", 7, 0, out(events=(stored(1),)))
+    assert a.add_report("e", 7, 1, out(events=(stored(1),))).events == [stored(1)]
+
+
+def test_removal_by_a_rank_that_never_finished_storing_is_absorbed() -> None:
+    a = agg2()
+    a.add_report("e", 7, 0, out(events=(stored(1),)))
+    assert a.add_report("e", 7, 0, out(events=(BlockRemoved((1,), MEDIUM_CPU),))).events == []
+    assert a.add_report("e", 7, 1, out(events=(stored(1),))).events == []  # rank 0 no longer holds it
+    assert a.pending_reports()["e"].blocks == 1
+
+
+def test_all_blocks_cleared_once_per_round_and_per_medium() -> None:
+    a = agg2()
+    both = {r: out(events=(stored(1), stored(2, medium=MEDIUM_CPU_OFFLOAD))) for r in (0, 1)}
+    assert len(a.add_reports("e", 7, both).events) == 2
+    clear = AllBlocksCleared(MEDIUM_CPU)
+    assert a.add_report("e", 7, 0, out(events=(clear,))).events == [clear]
+    assert a.add_report("e", 7, 0, out(events=(clear,))).events == []
+    assert a.add_report("e", 7, 1, out(events=(clear,))).events == []
+    assert a.add_report("e", 7, 1, out(events=(clear,))).events == [clear]  # a new round
+    # The other medium is untouched: a repeat store is still a duplicate.
+    assert a.add_report("e", 7, 0, out(events=(stored(2, medium=MEDIUM_CPU_OFFLOAD),))).events == []
+
+
+def test_add_reports_folds_stats() -> None:
+    a = agg2()
+    s0, s1 = KVConnectorStats({"bytes": [1.0]}), KVConnectorStats({"bytes": [2.0]})
+    res = a.add_reports("e", 7, {1: KVConnectorOutput(kv_connector_stats=s1),
+                                 0: KVConnectorOutput(kv_connector_stats=s0)})
+    assert res.kv_connector_stats is not None and res.kv_connector_stats.data == {"bytes": [1.0, 2.0]}
+
+
+# -- property tests against a reference model ---------------------------------------------
+
+@dataclass
+class RefEngine:
+    epoch: int
+    ranks: list[int]
+    count: int
+    sending: dict[str, tuple[set[int], int]] = field(default_factory=dict)
+    recving: dict[str, tuple[set[int], int, bool, set[int]]] = field(default_factory=dict)
+    done: set[tuple[str, str]] = field(default_factory=set)
+    held_invalid: dict[int, set[int]] = field(default_factory=dict)
+    holdings: dict[int, set[tuple[str | None, int | None, int]]] = field(default_factory=dict)
+    live: set[tuple[str | None, int | None, int]] = field(default_factory=set)
+    clears: dict[str | None, set[int]] = field(default_factory=dict)
+
+    def report(self, rank: int, o: KVConnectorOutput) -> AggregatedResult:
+        res = AggregatedResult()
+        if o.expected_finished_count:
+            self.count = o.expected_finished_count
+        for rid in sorted(o.finished_sending):
+            if ("s", rid) in self.done:
+                continue
+            ranks, need = self.sending.setdefault(rid, (set(), self.count))
+            ranks.add(rank)
+            if len(ranks) >= need:
+                del self.sending[rid]
+                self.done.add(("s", rid))
+                res.finished_sending.append(rid)
+        recv = o.finished_recving | o.failed_recving
+        invalid = set(o.invalid_block_ids)
+        if recv:
+            invalid |= self.held_invalid.pop(rank, set())
+        elif invalid:
+            self.held_invalid.setdefault(rank, set()).update(invalid)
+        for rid in sorted(recv):
+            if ("r", rid) in self.done:
+                continue
+            ranks, need, failed, inv = self.recving.setdefault(rid, (set(), self.count, False, set()))
+            ranks.add(rank)
+            self.recving[rid] = (ranks, need, failed or rid in o.failed_recving, inv | invalid)
+            if len(ranks) >= need:
+                _, _, failed, inv = self.recving.pop(rid)
+                self.done.add(("r", rid))
+                res.finished_recving.append(rid)
+                if failed:
+                    res.failed_recving.add(rid)
+                if inv:
+                    res.invalid_block_ids[rid] = frozenset(inv)
+        mine = self.holdings.setdefault(rank, set())
+        for ev in o.kv_cache_events:
+            if isinstance(ev, BlockStored):
+                keys = {(ev.medium, ev.group_idx, int(h)) for h in ev.block_hashes}
+                mine |= keys
+                if all(keys <= self.holdings.get(r, set()) for r in self.ranks) and not keys <= self.live:
+                    self.live |= keys
+                    res.events.append(ev)
+            elif isinstance(ev, BlockRemoved):
+                keys = {(ev.medium, ev.group_idx, int(h)) for h in ev.block_hashes} & mine
+                mine -= keys
+                if keys & self.live:
+                    self.live -= keys
+                    res.events.append(ev)
+            else:
+                keys = {k for k in mine if ev.medium is None or k[0] == ev.medium}
+                mine -= keys
+                outstanding = self.clears.setdefault(ev.medium, set())
+                if keys & self.live or not outstanding:
+                    res.events.append(ev)
+                self.live -= keys
+                outstanding.add(rank)
+                if outstanding == set(self.ranks):
+                    del self.clears[ev.medium]
+        return res
+
+    def abort(self, rid: str) -> None:
+        for kind, pending in (("s", self.sending), ("r", self.recving)):
+            if pending.pop(rid, None) is not None:
+                self.done.add((kind, rid))
+
+    def pending(self) -> PendingCounts:
+        all_keys = set().union(*self.holdings.values()) if self.holdings else set()
+        partial = [k for k in all_keys
+                   if 0 < sum(k in self.holdings.get(r, set()) for r in self.ranks) < len(self.ranks)]
+        return PendingCounts(len(self.sending), len(self.recving), len(partial), len(self.clears))
+
+
+IDS = ["a", "b", "c", "d"]
+HASHES = st.integers(1, 5)
+MEDIA = st.sampled_from([MEDIUM_CPU, MEDIUM_CPU_OFFLOAD])
+EVENTS = st.one_of(
+    st.builds(lambda hs, m: BlockStored(tuple(hs), None, (), 0, medium=m, group_idx=0),
+              st.lists(HASHES, min_size=1, max_size=3, unique=True), MEDIA),
+    st.builds(lambda hs, m: BlockRemoved(tuple(hs), m, 0),
+              st.lists(HASHES, min_size=1, max_size=3, unique=True), MEDIA),
+    st.builds(AllBlocksCleared, st.one_of(st.none(), MEDIA)),
+)
+
+
+def _report(num_ranks: int) -> st.SearchStrategy[tuple[str, int, KVConnectorOutput]]:
+    ids = st.frozensets(st.sampled_from(IDS), max_size=3)
+    return st.tuples(
+        st.just("report"),
+        # rank num_ranks - 1 is silent in about half of the runs (the strategy never picks it)
+        st.integers(0, num_ranks - 1),
+        st.builds(KVConnectorOutput, finished_sending=ids, finished_recving=ids,
+                  failed_recving=st.frozensets(st.sampled_from(IDS), max_size=1),
+                  invalid_block_ids=st.frozensets(st.integers(0, 9), max_size=2),
+                  kv_cache_events=st.lists(EVENTS, max_size=4).map(tuple),
+                  expected_finished_count=st.integers(0, num_ranks)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_matches_reference_model(data: st.DataObject) -> None:
+    num_ranks = data.draw(st.integers(1, 4), label="num_ranks")
+    talking = data.draw(st.integers(1, num_ranks), label="ranks_that_talk")
+    ops = data.draw(st.lists(st.one_of(
+        _report(talking),
+        st.tuples(st.just("abort"), st.sampled_from(IDS), st.none()),
+        st.tuples(st.just("epoch"), st.integers(0, 2), st.none()),
+    ), max_size=40), label="ops")
+    clock = FakeClock()
+    agg = KVOutputAggregator(clock=clock)
+    agg.register_engine("e", 0, range(num_ranks))
+    ref = RefEngine(0, list(range(num_ranks)), num_ranks)
+    released: list[tuple[int, str, str]] = []
+    published_stored = 0
+    for kind, arg, output in ops:
+        clock.now += 1
+        if kind == "report":
+            assert isinstance(output, KVConnectorOutput) and isinstance(arg, int)
+            got = agg.add_report("e", ref.epoch, arg, output)
+            want = ref.report(arg, output)
+            assert sorted(got.finished_sending) == sorted(want.finished_sending)
+            assert sorted(got.finished_recving) == sorted(want.finished_recving)
+            assert got.failed_recving == want.failed_recving
+            assert got.invalid_block_ids == want.invalid_block_ids
+            assert got.events == want.events
+            released += [(ref.epoch, "s", r) for r in got.finished_sending]
+            released += [(ref.epoch, "r", r) for r in got.finished_recving]
+            published_stored += sum(isinstance(e, BlockStored) for e in got.events)
+        elif kind == "abort":
+            assert isinstance(arg, str)
+            agg.abort(arg)
+            ref.abort(arg)
+        else:
+            assert isinstance(arg, int)
+            new_epoch = ref.epoch + 1 + arg
+            assert agg.register_engine("e", new_epoch, range(num_ranks)) is True
+            ref = RefEngine(new_epoch, list(range(num_ranks)), num_ranks)
+        assert agg.pending_reports()["e"] == ref.pending()
+        assert (agg.oldest_pending_age() is None) == (ref.pending().total - ref.pending().clears == 0)
+    # An id is released at most once per epoch; with a silent rank no block is ever whole.
+    assert len(released) == len(set(released))
+    if talking < num_ranks:
+        assert published_stored == 0
