@@ -1,0 +1,195 @@
+"""Handshake metadata of one rank's KV data plane, and the transfer descriptor it is read with.
+
+Every rank publishes a `UcxHandshakeMetadata` (in its control-stream Hello); the scheduler hands
+the prefill ranks' metadata to every decode rank, which creates UCX endpoints from the worker
+addresses ahead of the first request. The wire form is a msgpack map wrapped in a versioned
+envelope `{"v": HANDSHAKE_VERSION, "hash": compatibility_hash, "meta": <msgpack bytes>}`; as in
+vLLM's NIXL payload the receiver checks the version and the compatibility hash *before* it
+decodes the rest, so an incompatible peer is refused with a clear reason.
+
+Layout contract (cross-area): the KV tensor of a rank has shape
+`[num_blocks, num_layers, 2, num_kv_heads_local, block_size, head_dim]` ("NL2HBD"); block `b`
+is the contiguous byte range `[b * block_nbytes, (b + 1) * block_nbytes)` of the region, and rank
+`r` of a `tp_size` engine holds KV heads `[head_start, head_end)` = `[r*H/T, (r+1)*H/T)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import msgpack
+
+HANDSHAKE_VERSION = 1
+KV_LAYOUT = "NL2HBD"
+# The largest metadata blob accepted from a peer (a worker address is a few hundred bytes).
+MAX_METADATA_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class PeerKey:
+    """One rank of one engine incarnation."""
+
+    engine_id: str
+    epoch: int
+    tp_rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class KVRegionLayout:
+    """Shape of one rank's KV region, as a reader needs it to address blocks and heads."""
+
+    num_blocks: int
+    block_nbytes: int
+    num_layers: int
+    block_size: int
+    head_dim: int
+    num_kv_heads: int  # of the whole model
+    head_start: int  # first KV head this rank holds
+    head_end: int  # one past the last
+    dtype: str
+    layout: str = KV_LAYOUT
+
+    @property
+    def num_local_heads(self) -> int:
+        return self.head_end - self.head_start
+
+    @property
+    def head_nbytes(self) -> int:
+        """Bytes of one head's K (or V) for one layer and one block."""
+        return self.block_nbytes // (self.num_layers * 2 * self.num_local_heads)
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first inconsistent field."""
+        for name in ("num_blocks", "block_nbytes", "num_layers", "block_size", "head_dim", "num_kv_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"handshake: {name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.head_start < self.head_end <= self.num_kv_heads:
+            raise ValueError(f"handshake: heads [{self.head_start}, {self.head_end}) not within "
+                             f"[0, {self.num_kv_heads})")
+        if self.layout != KV_LAYOUT:
+            raise ValueError(f"handshake: unsupported KV layout {self.layout!r} (expected {KV_LAYOUT!r})")
+        per_elem, rem = divmod(self.block_nbytes, self.num_layers * 2 * self.num_local_heads
+                               * self.block_size * self.head_dim)
+        if rem or per_elem not in (1, 2, 4, 8):
+            raise ValueError(f"handshake: block_nbytes {self.block_nbytes} does not match the layout "
+                             f"{self.num_layers}x2x{self.num_local_heads}x{self.block_size}x{self.head_dim}")
+
+
+@dataclass(frozen=True, slots=True)
+class UcxHandshakeMetadata:
+    """What a peer needs to read this rank's KV: identity, worker address, region layout."""
+
+    engine_id: str
+    epoch: int
+    tp_rank: int
+    tp_size: int
+    compatibility_hash: str
+    worker_address: bytes
+    region: KVRegionLayout
+    protocol_version: int = HANDSHAKE_VERSION
+
+    @property
+    def key(self) -> PeerKey:
+        return PeerKey(self.engine_id, self.epoch, self.tp_rank)
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first bad field."""
+        if not self.engine_id:
+            raise ValueError("handshake: engine_id is empty")
+        if not 0 <= self.epoch < 1 << 64:
+            raise ValueError(f"handshake: epoch {self.epoch} is not a 64-bit unsigned id")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"handshake: tp_rank {self.tp_rank} not in [0, tp_size={self.tp_size})")
+        if not self.worker_address:
+            raise ValueError("handshake: worker_address is empty")
+        self.region.validate()
+        if self.region.num_kv_heads % self.tp_size:
+            raise ValueError(f"handshake: {self.region.num_kv_heads} KV heads not divisible by tp_size "
+                             f"{self.tp_size}")
+        per_rank = self.region.num_kv_heads // self.tp_size
+        if (self.region.head_start, self.region.head_end) != (self.tp_rank * per_rank, (self.tp_rank + 1) * per_rank):
+            raise ValueError(f"handshake: rank {self.tp_rank}/{self.tp_size} must hold heads "
+                             f"[{self.tp_rank * per_rank}, {(self.tp_rank + 1) * per_rank})")
+
+    def encode(self) -> bytes:
+        """The versioned wire form (see the module docstring)."""
+        body = asdict(self)
+        inner = msgpack.packb(body, use_bin_type=True)
+        return bytes(msgpack.packb({"v": HANDSHAKE_VERSION, "hash": self.compatibility_hash, "meta": inner},
+                                   use_bin_type=True))
+
+    @classmethod
+    def decode(cls, data: bytes, *, expected_hash: str | None = None) -> UcxHandshakeMetadata:
+        """Parses and validates a peer's metadata.
+
+        Raises ValueError (never another exception) on a wrong version, a compatibility hash
+        different from `expected_hash`, a malformed or oversized blob, or inconsistent fields.
+        """
+        if len(data) > MAX_METADATA_BYTES:
+            raise ValueError(f"handshake: metadata of {len(data)} bytes exceeds {MAX_METADATA_BYTES}")
+        try:
+            outer = msgpack.unpackb(data, raw=False)
+        except Exception as e:  # msgpack raises several unrelated types
+            raise ValueError(f"handshake: metadata is not msgpack: {e}") from None
+        if not isinstance(outer, dict) or outer.get("v") != HANDSHAKE_VERSION:
+            version = outer.get("v") if isinstance(outer, dict) else None
+            raise ValueError(f"handshake: unsupported metadata version {version!r} "
+                             f"(this build speaks {HANDSHAKE_VERSION})")
+        if expected_hash is not None and outer.get("hash") != expected_hash:
+            raise ValueError(f"handshake: compatibility hash {outer.get('hash')!r} differs from ours "
+                             f"{expected_hash!r} (model, dtype, layers, heads, block size or layout differ)")
+        try:
+            body = msgpack.unpackb(outer["meta"], raw=False)
+            meta = _from_dict(body)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"handshake: malformed metadata: {e}") from None
+        if meta.compatibility_hash != outer.get("hash"):
+            raise ValueError("handshake: envelope and body compatibility hashes differ")
+        meta.validate()
+        return meta
+
+
+def _from_dict(body: Any) -> UcxHandshakeMetadata:
+    if not isinstance(body, dict):
+        raise TypeError("metadata body is not a map")
+    region_fields = {f.name for f in fields(KVRegionLayout)}
+    region_raw = body["region"]
+    if not isinstance(region_raw, dict):
+        raise TypeError("region is not a map")
+    region = KVRegionLayout(**{k: v for k, v in region_raw.items() if k in region_fields})
+    top = {f.name for f in fields(UcxHandshakeMetadata)} - {"region"}
+    meta = UcxHandshakeMetadata(region=region, **{k: v for k, v in body.items() if k in top})
+    _check_types(meta)
+    return meta
+
+
+def _check_types(meta: UcxHandshakeMetadata) -> None:
+    expect: dict[str, type] = {"engine_id": str, "epoch": int, "tp_rank": int, "tp_size": int,
+                               "compatibility_hash": str, "worker_address": bytes, "protocol_version": int}
+    for name, typ in expect.items():
+        if not isinstance(getattr(meta, name), typ):
+            raise TypeError(f"{name} must be {typ.__name__}")
+    for f in fields(KVRegionLayout):
+        value = getattr(meta.region, f.name)
+        if not isinstance(value, str if f.name in ("dtype", "layout") else int):
+            raise TypeError(f"region.{f.name} has the wrong type")
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferDescriptor:
+    """Where a request's prompt KV lives on the prefill engine (mirrors engine.proto's).
+
+    `block_ids` are the prefill engine's block ids in prompt order; every rank of the prefill
+    engine uses the same ids in its own region (heads differ per rank).
+    """
+
+    engine_id: str
+    epoch: int
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    tp_size: int
+    block_size: int
+    num_kv_heads: int
+    lease_expires_unix_ms: int = 0

@@ -1,0 +1,491 @@
+"""`UcxTagTransport`: KV pulls over UCX tagged messages (ucxx core API, one progress thread).
+
+Protocol (all ranks on one UCX worker each, endpoints from worker addresses, error handling
+off so UCX may pick shared memory / CMA on one host and RDMA across hosts):
+
+- Tags are 64 bits: kind (4) | xfer id (40) | segment index (20). CTRL messages (kind 1) are
+  small msgpack maps; DATA messages (kind 2) carry one segment's bytes.
+- Reader → writer CTRL `pull` {x, rid, eid, ep, segs, addr, reader}: the writer validates it
+  (listener), then sends segment i as DATA (x, i) straight from its region (zero copy,
+  rendezvous), or answers CTRL `refuse` {x, why} without touching memory.
+- The reader receives DATA only for a live pull it posted, into exactly the segment's bytes of
+  its region (zero copy); anything else is drained into a scratch buffer. When every segment
+  arrived it sends CTRL `done` {x, rid, ok}; on a failure (timeout...) `done` with ok=False.
+- Reader → writer CTRL `renew` {rids, reader}: lease renewal.
+
+Peer death is not signalled by UCX here (error handling is off); pulls end by timeout or by
+`remove_peer` (the scheduler saw the peer's epoch die).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import select
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from connectors.ucx.handshake import PeerKey
+from connectors.ucx.transport import KVTransport, PullOp, PullRequest, PullResult, Segment, TransportListener
+
+logger = logging.getLogger(__name__)
+
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+KIND_SHIFT = 60
+KIND_CTRL = 1
+KIND_DATA = 2
+XFER_BITS = 40
+SEG_BITS = 20
+KIND_MASK = 0xF << KIND_SHIFT
+MAX_SEGMENTS = 1 << SEG_BITS
+MAX_CTRL_BYTES = 16 << 20
+_IDLE_WAIT_S = 0.05
+_BUSY_WAIT_S = 0.002
+
+
+def data_tag(xfer_id: int, index: int) -> int:
+    return (KIND_DATA << KIND_SHIFT) | ((xfer_id & ((1 << XFER_BITS) - 1)) << SEG_BITS) | index
+
+
+def split_data_tag(tag: int) -> tuple[int, int]:
+    return (tag >> SEG_BITS) & ((1 << XFER_BITS) - 1), tag & (MAX_SEGMENTS - 1)
+
+
+_Tracked = tuple[Any, Callable[[str | None], None], Any]  # (UCX request, on_done(error), buffer kept alive)
+
+
+@dataclass(slots=True)
+class _Pull:
+    op: PullOp
+    started: float
+    deadline: float
+    posted: set[int] = field(default_factory=set)
+    done: set[int] = field(default_factory=set)
+    in_flight: int = 0
+    finished: bool = False
+
+
+@dataclass(slots=True)
+class _Serve:
+    request_id: str
+    reader: PeerKey
+    pending_sends: int
+    done_ok: bool | None = None  # set when the reader's `done` arrived
+
+
+class UcxTagTransport(KVTransport):
+    """See the module docstring. `region` is the rank's KV bytes (a flat uint8 view) and
+    `local_key` this rank's identity as peers know it."""
+
+    def __init__(self, region: np.ndarray, block_nbytes: int, local_key: PeerKey, *,
+                 ucx_config: dict[str, str] | None = None, name: str = "ucx") -> None:
+        import ucxx._lib.libucxx as ucx_api
+        from ucxx._lib.arr import Array
+
+        if region.dtype != np.uint8 or region.ndim != 1 or block_nbytes < 1 or region.size % block_nbytes:
+            raise ValueError("region must be a flat uint8 array of whole blocks")
+        self._api = ucx_api
+        self._array = Array
+        self._region = region
+        self._num_blocks = region.size // block_nbytes
+        self._block_nbytes = block_nbytes
+        self._ctx = ucx_api.UCXContext(config_dict=dict(ucx_config or {}),
+                                       feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
+        self._worker = ucx_api.UCXWorker(self._ctx)
+        self._worker.init_blocking_progress_mode()
+        self._address = bytes(self._worker.address.tobytes())
+        self._name = name
+        self._local_key = local_key
+        self._commands: deque[Callable[[], None]] = deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._listener: TransportListener | None = None
+        self._thread: threading.Thread | None = None
+        self._running = False
+        self._peers: dict[PeerKey, Any] = {}  # writer endpoints (reader side)
+        self._reply_eps: dict[bytes, Any] = {}  # reader endpoints by worker address (writer side)
+        self._reader_addr: dict[PeerKey, bytes] = {}
+        self._pulls: dict[int, _Pull] = {}
+        self._serves: dict[tuple[PeerKey, int], _Serve] = {}
+        self._pending: list[_Tracked] = []
+
+    # -- public API (any thread) ---------------------------------------------------------------
+
+    @property
+    def worker_address(self) -> bytes:
+        return self._address
+
+    def start(self, listener: TransportListener) -> None:
+        if self._thread is not None:
+            raise RuntimeError("transport already started")
+        self._listener = listener
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name=f"{self._name}-progress", daemon=True)
+        self._thread.start()
+
+    def add_peer(self, key: PeerKey, address: bytes) -> None:
+        self._submit(lambda: self._do_add_peer(key, address))
+
+    def remove_peer(self, key: PeerKey) -> None:
+        self._submit(lambda: self._do_remove_peer(key))
+
+    def pull(self, op: PullOp) -> None:
+        if not 0 < len(op.segments) <= MAX_SEGMENTS:
+            raise ValueError(f"a pull has 1..{MAX_SEGMENTS} segments, got {len(op.segments)}")
+        self._submit(lambda: self._do_pull(op))
+
+    def abandon(self, xfer_id: int) -> None:
+        self._submit(lambda: self._do_abandon(xfer_id))
+
+    def renew(self, peer: PeerKey, request_ids: list[str]) -> None:
+        self._submit(lambda: self._do_renew(peer, request_ids))
+
+    def shutdown(self) -> None:
+        if not self._running:
+            return
+        self._running = False
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        for ep in [*self._peers.values(), *self._reply_eps.values()]:
+            _close(ep)
+        self._peers.clear()
+        self._reply_eps.clear()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # -- progress thread -----------------------------------------------------------------------
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        if not self._running:
+            raise RuntimeError("transport is not running")
+        self._commands.append(command)
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full (already awake) or closed (shutting down)
+
+    def _loop(self) -> None:
+        efd = self._worker.epoll_file_descriptor
+        idle_rounds = 0
+        while self._running:
+            busy = self._run_commands()
+            self._worker.progress()
+            busy |= self._probe_ctrl()
+            busy |= self._probe_data()
+            busy |= self._reap()
+            self._expire()
+            idle_rounds = 0 if busy else idle_rounds + 1
+            if idle_rounds > 200 and self._worker.arm():
+                timeout = _BUSY_WAIT_S if (self._pending or self._pulls) else _IDLE_WAIT_S
+                try:
+                    select.select([efd, self._wake_r], [], [], timeout)
+                    os.read(self._wake_r, 4096)
+                except (BlockingIOError, InterruptedError):
+                    pass
+        self._fail_all("shutdown")
+
+    def _run_commands(self) -> bool:
+        ran = False
+        while self._commands:
+            command = self._commands.popleft()
+            ran = True
+            try:
+                command()
+            except Exception:
+                logger.exception("%s: transport command failed", self._name)
+        return ran
+
+    def _track(self, request: Any, on_done: Callable[[str | None], None], keepalive: Any) -> None:
+        self._pending.append((request, on_done, keepalive))
+
+    def _reap(self) -> bool:
+        if not self._pending:
+            return False
+        still: list[_Tracked] = []
+        finished: list[_Tracked] = []
+        for item in self._pending:
+            (finished if item[0].completed else still).append(item)
+        self._pending = still
+        for request, on_done, _ in finished:
+            try:
+                request.check_error()
+                error = None
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+            on_done(error)
+        return bool(finished)
+
+    def _send_ctrl(self, ep: Any, message: dict[str, Any]) -> None:
+        payload = np.frombuffer(msgpack.packb(message, use_bin_type=True), dtype=np.uint8)
+        request = ep.tag_send(self._array(payload), self._api.UCXXTag(KIND_CTRL << KIND_SHIFT))
+        self._track(request, self._on_ctrl_sent, payload)
+
+    def _on_ctrl_sent(self, error: str | None) -> None:
+        if error is not None:
+            logger.warning("%s: control send failed: %s", self._name, error)
+
+    def _probe_ctrl(self) -> bool:
+        got = False
+        while True:
+            probe = self._worker.tag_probe(self._api.UCXXTag(KIND_CTRL << KIND_SHIFT),
+                                           self._api.UCXXTagMask(KIND_MASK), remove=True)
+            if not probe.matched:
+                return got
+            got = True
+            buf = np.empty(probe.length, dtype=np.uint8)
+            request = self._worker.tag_recv_with_handle(self._array(buf), probe)
+            self._track(request, functools.partial(self._on_ctrl, buf=buf), buf)
+
+    def _on_ctrl(self, error: str | None, *, buf: np.ndarray) -> None:
+        if error is not None:
+            logger.warning("%s: control receive failed: %s", self._name, error)
+            return
+        try:
+            message = msgpack.unpackb(buf.tobytes(), raw=False)
+            kind = message["k"]
+            handler = {"pull": self._on_pull_msg, "refuse": self._on_refuse_msg,
+                       "done": self._on_done_msg, "renew": self._on_renew_msg}[kind]
+            handler(message)
+        except Exception as e:
+            logger.warning("%s: dropped a malformed control message: %s", self._name, e)
+
+    # -- reader side ---------------------------------------------------------------------------
+
+    def _do_add_peer(self, key: PeerKey, address: bytes) -> None:
+        if key in self._peers:
+            return
+        ucx_address = self._api.UCXAddress.create_from_buffer(address)
+        self._peers[key] = self._api.UCXEndpoint.create_from_worker_address(self._worker, ucx_address, False)
+
+    def _do_remove_peer(self, key: PeerKey) -> None:
+        for pull in list(self._pulls.values()):
+            if pull.op.peer == key and not pull.finished:
+                self._finish(pull, "peer_gone", notify_peer=False)
+        ep = self._peers.pop(key, None)
+        if ep is not None:
+            _close(ep)
+        address = self._reader_addr.pop(key, None)
+        if address is not None:
+            reply = self._reply_eps.pop(address, None)
+            if reply is not None:
+                _close(reply)
+        for serve_key in [k for k in self._serves if k[0] == key]:
+            self._serves.pop(serve_key)
+
+    def _do_pull(self, op: PullOp) -> None:
+        now = time.monotonic()
+        pull = _Pull(op, started=now, deadline=now + op.timeout_s)
+        self._pulls[op.xfer_id] = pull
+        ep = self._peers.get(op.peer)
+        if ep is None:
+            self._finish(pull, "peer_unknown", notify_peer=False)
+            return
+        self._send_ctrl(ep, {
+            "k": "pull", "x": op.xfer_id, "rid": op.request_id, "eid": op.peer.engine_id, "ep": op.peer.epoch,
+            "segs": [[s.remote_block, s.local_block, s.num_blocks] for s in op.segments],
+            "addr": self._address, "reader": _key_to_wire(self._reader_key()),
+        })
+
+    def _reader_key(self) -> PeerKey:
+        return self._local_key
+
+    def _probe_data(self) -> bool:
+        got = False
+        while True:
+            probe = self._worker.tag_probe(self._api.UCXXTag(KIND_DATA << KIND_SHIFT),
+                                           self._api.UCXXTagMask(KIND_MASK), remove=True)
+            if not probe.matched:
+                return got
+            got = True
+            xfer_id, index = split_data_tag(probe.sender_tag.value)
+            pull = self._pulls.get(xfer_id)
+            target = self._data_target(pull, index, probe.length)
+            if target is None:
+                scratch = np.empty(probe.length, dtype=np.uint8)
+                request = self._worker.tag_recv_with_handle(self._array(scratch), probe)
+                self._track(request, _ignore, scratch)
+                if pull is not None and not pull.finished:
+                    self._finish(pull, "bad_message", notify_peer=True)
+                continue
+            assert pull is not None
+            pull.posted.add(index)
+            pull.in_flight += 1
+            request = self._worker.tag_recv_with_handle(self._array(target), probe)
+            self._track(request, functools.partial(self._on_data, pull=pull, index=index), target)
+
+    def _data_target(self, pull: _Pull | None, index: int, length: int) -> np.ndarray | None:
+        if pull is None or pull.finished or index >= len(pull.op.segments) or index in pull.posted:
+            return None
+        seg = pull.op.segments[index]
+        if length != seg.num_blocks * self._block_nbytes:
+            return None
+        start = seg.local_block * self._block_nbytes
+        return self._region[start:start + length]
+
+    def _on_data(self, error: str | None, *, pull: _Pull, index: int) -> None:
+        pull.in_flight -= 1
+        if pull.finished:
+            self._forget_if_idle(pull)
+            return
+        if error is not None:
+            self._finish(pull, "recv_error", notify_peer=True)
+            return
+        pull.done.add(index)
+        if len(pull.done) == len(pull.op.segments):
+            self._finish(pull, None, notify_peer=True)
+
+    def _finish(self, pull: _Pull, reason: str | None, *, notify_peer: bool) -> None:
+        pull.finished = True
+        ep = self._peers.get(pull.op.peer)
+        if notify_peer and ep is not None:
+            self._send_ctrl(ep, {"k": "done", "x": pull.op.xfer_id, "rid": pull.op.request_id,
+                                 "ok": reason is None, "reader": _key_to_wire(self._reader_key())})
+        done = tuple(pull.op.segments[i] for i in sorted(pull.done))
+        result = PullResult(pull.op.xfer_id, reason is None, reason, done,
+                            sum(s.num_blocks for s in done) * self._block_nbytes, time.monotonic() - pull.started)
+        self._forget_if_idle(pull)
+        if self._listener is not None:
+            self._listener.on_pull_finished(result)
+
+    def _forget_if_idle(self, pull: _Pull) -> None:
+        # A failed pull stays known while receives into its blocks are in flight, so late
+        # messages for it are drained instead of matched to nothing.
+        if pull.finished and pull.in_flight == 0:
+            self._pulls.pop(pull.op.xfer_id, None)
+
+    def _do_abandon(self, xfer_id: int) -> None:
+        pull = self._pulls.get(xfer_id)
+        if pull is not None and not pull.finished:
+            pull.finished = True
+            ep = self._peers.get(pull.op.peer)
+            if ep is not None:
+                self._send_ctrl(ep, {"k": "done", "x": xfer_id, "rid": pull.op.request_id, "ok": False,
+                                     "reader": _key_to_wire(self._reader_key())})
+            self._forget_if_idle(pull)
+
+    def _expire(self) -> None:
+        if not self._pulls:
+            return
+        now = time.monotonic()
+        for pull in list(self._pulls.values()):
+            if not pull.finished and now >= pull.deadline:
+                self._finish(pull, "timeout", notify_peer=True)
+
+    def _on_refuse_msg(self, message: dict[str, Any]) -> None:
+        pull = self._pulls.get(int(message["x"]))
+        if pull is not None and not pull.finished:
+            self._finish(pull, f"refused:{message['why']}", notify_peer=False)
+
+    def _do_renew(self, peer: PeerKey, request_ids: list[str]) -> None:
+        ep = self._peers.get(peer)
+        if ep is not None:
+            self._send_ctrl(ep, {"k": "renew", "rids": request_ids, "reader": _key_to_wire(self._reader_key())})
+
+    def _fail_all(self, reason: str) -> None:
+        for pull in list(self._pulls.values()):
+            if not pull.finished:
+                self._finish(pull, reason, notify_peer=False)
+
+    # -- writer side ---------------------------------------------------------------------------
+
+    def _on_pull_msg(self, message: dict[str, Any]) -> None:
+        reader = _key_from_wire(message["reader"])
+        address = bytes(message["addr"])
+        ep = self._reply_ep(reader, address)
+        segments = tuple(Segment(int(r), int(loc), int(n)) for r, loc, n in message["segs"])
+        request = PullRequest(int(message["x"]), str(message["rid"]), str(message["eid"]), int(message["ep"]),
+                              segments, reader)
+        why = self._refusal(request)
+        if why is None and self._listener is not None:
+            why = self._listener.on_pull_request(request)
+        if why is not None:
+            self._send_ctrl(ep, {"k": "refuse", "x": request.xfer_id, "why": why})
+            return
+        key = (reader, request.xfer_id)
+        self._serves[key] = _Serve(request.request_id, reader, pending_sends=len(segments))
+        for index, seg in enumerate(segments):
+            start = seg.remote_block * self._block_nbytes
+            view = self._region[start:start + seg.num_blocks * self._block_nbytes]
+            sent = ep.tag_send(self._array(view), self._api.UCXXTag(data_tag(request.xfer_id, index)))
+            self._track(sent, functools.partial(self._on_sent, key=key), view)
+
+    def _refusal(self, request: PullRequest) -> str | None:
+        """Transport-level checks: the segments must name blocks of this region."""
+        if not 0 < len(request.segments) <= MAX_SEGMENTS:
+            return "bad_segments"
+        for seg in request.segments:
+            if seg.num_blocks < 1 or seg.remote_block < 0 or seg.remote_block + seg.num_blocks > self._num_blocks:
+                return "out_of_range"
+        return None
+
+    def _reply_ep(self, reader: PeerKey, address: bytes) -> Any:
+        ep = self._reply_eps.get(address)
+        if ep is None:
+            ucx_address = self._api.UCXAddress.create_from_buffer(address)
+            ep = self._api.UCXEndpoint.create_from_worker_address(self._worker, ucx_address, False)
+            self._reply_eps[address] = ep
+            self._reader_addr[reader] = address
+        return ep
+
+    def _on_sent(self, error: str | None, *, key: tuple[PeerKey, int]) -> None:
+        serve = self._serves.get(key)
+        if serve is None:
+            return
+        if error is not None:
+            logger.warning("%s: send of %s to %s failed: %s", self._name, serve.request_id, key[0], error)
+        serve.pending_sends -= 1
+        self._maybe_reader_done(key, serve)
+
+    def _on_done_msg(self, message: dict[str, Any]) -> None:
+        reader = _key_from_wire(message["reader"])
+        key = (reader, int(message["x"]))
+        serve = self._serves.get(key)
+        if serve is None:
+            return  # refused, or already finished: nothing pinned for it
+        serve.done_ok = bool(message["ok"])
+        self._maybe_reader_done(key, serve)
+
+    def _maybe_reader_done(self, key: tuple[PeerKey, int], serve: _Serve) -> None:
+        if serve.done_ok is None or serve.pending_sends > 0:
+            return
+        del self._serves[key]
+        if self._listener is not None:
+            self._listener.on_reader_done(serve.request_id, serve.reader, serve.done_ok)
+
+    def _on_renew_msg(self, message: dict[str, Any]) -> None:
+        if self._listener is not None:
+            self._listener.on_renew([str(r) for r in message["rids"]], _key_from_wire(message["reader"]))
+
+
+def _ignore(error: str | None) -> None:
+    """Drained bytes nobody waits for."""
+
+
+def _key_to_wire(key: PeerKey) -> list[Any]:
+    return [key.engine_id, key.epoch, key.tp_rank]
+
+
+def _key_from_wire(raw: Any) -> PeerKey:
+    engine_id, epoch, tp_rank = raw
+    return PeerKey(str(engine_id), int(epoch), int(tp_rank))
+
+
+def _close(ep: Any) -> None:
+    try:
+        ep.close_blocking(period=100_000_000, max_attempts=1)
+    except Exception as e:
+        logger.debug("endpoint close failed: %s", e)

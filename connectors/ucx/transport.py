@@ -1,0 +1,132 @@
+"""The KV transport interface: moves runs of KV blocks between ranks for the UCX connector.
+
+The connector (`connectors/ucx/worker.py`) does the bookkeeping — requests, leases, results,
+stats; a transport only moves bytes and delivers protocol events. `UcxTagTransport`
+(tagged messages, the writer sends on the reader's request) is the one implementation today;
+an RMA backend (NIXL READ, or UCX get with remote keys in the handshake) implements the same
+interface, with `pull` reading directly and `on_pull_request` called only for validation
+hooks it can support.
+
+Threading contract: every method may be called from any thread; listener callbacks run on the
+transport's own progress thread and must not block (take a lock, update state, return).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Protocol
+
+from connectors.ucx.handshake import PeerKey
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A run of consecutive blocks on both sides: one message (or one RMA descriptor)."""
+
+    remote_block: int
+    local_block: int
+    num_blocks: int
+
+
+def coalesce(remote_block_ids: list[int], local_block_ids: list[int]) -> list[Segment]:
+    """Pairs remote and local ids position by position into maximal runs consecutive on both sides."""
+    if len(remote_block_ids) != len(local_block_ids):
+        raise ValueError(f"{len(remote_block_ids)} remote blocks for {len(local_block_ids)} local blocks")
+    segments: list[Segment] = []
+    for remote, local in zip(remote_block_ids, local_block_ids, strict=True):
+        last = segments[-1] if segments else None
+        if last and remote == last.remote_block + last.num_blocks and local == last.local_block + last.num_blocks:
+            segments[-1] = Segment(last.remote_block, last.local_block, last.num_blocks + 1)
+        else:
+            segments.append(Segment(remote, local, 1))
+    return segments
+
+
+@dataclass(frozen=True, slots=True)
+class PullOp:
+    """One decode rank's read of one request's blocks from one prefill rank."""
+
+    xfer_id: int
+    peer: PeerKey  # the writer
+    request_id: str  # the writer's request id
+    segments: tuple[Segment, ...]
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PullRequest:
+    """What the writer's transport received: a reader asking for blocks of a request."""
+
+    xfer_id: int
+    request_id: str
+    engine_id: str  # the writer engine the reader believes it talks to
+    epoch: int  # ... and its epoch
+    segments: tuple[Segment, ...]
+    reader: PeerKey
+
+
+@dataclass(frozen=True, slots=True)
+class PullResult:
+    """The end of a `PullOp`, success or failure, delivered exactly once."""
+
+    xfer_id: int
+    ok: bool
+    reason: str | None  # None on success; e.g. timeout, refused:<why>, peer_gone, bad_message
+    done_segments: tuple[Segment, ...]  # segments whose bytes fully arrived
+    num_bytes: int
+    seconds: float
+
+
+class TransportListener(Protocol):
+    """Callbacks from a transport to its connector; run on the transport thread."""
+
+    def on_pull_request(self, request: PullRequest) -> str | None:
+        """Writer side: validate a pull; None accepts (the transport sends), a string refuses."""
+
+    def on_reader_done(self, request_id: str, reader: PeerKey, ok: bool) -> None:
+        """Writer side: a reader finished with a request (after every send of it completed)."""
+
+    def on_renew(self, request_ids: list[str], reader: PeerKey) -> None:
+        """Writer side: a live reader still wants these requests' blocks (lease renewal)."""
+
+    def on_pull_finished(self, result: PullResult) -> None:
+        """Reader side: a `PullOp` ended."""
+
+
+class KVTransport(ABC):
+    """Moves KV block runs between ranks' registered regions."""
+
+    @property
+    @abstractmethod
+    def worker_address(self) -> bytes:
+        """What peers need to reach this rank (goes into the handshake metadata)."""
+
+    @abstractmethod
+    def start(self, listener: TransportListener) -> None:
+        """Starts progress; events go to `listener` from then on."""
+
+    @abstractmethod
+    def add_peer(self, key: PeerKey, address: bytes) -> None:
+        """Connects to a peer ahead of its first transfer; idempotent."""
+
+    @abstractmethod
+    def remove_peer(self, key: PeerKey) -> None:
+        """Fails every pull from that peer (reason peer_gone) and closes its endpoint."""
+
+    @abstractmethod
+    def pull(self, op: PullOp) -> None:
+        """Starts reading `op.segments` from `op.peer` into the local region; the result arrives
+        through `on_pull_finished` within `op.timeout_s` (plus one progress tick)."""
+
+    @abstractmethod
+    def abandon(self, xfer_id: int) -> None:
+        """Stops a pull without a result: later data for it is drained, never written."""
+
+    @abstractmethod
+    def renew(self, peer: PeerKey, request_ids: list[str]) -> None:
+        """Tells a writer the reader is alive and still wants these requests."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stops progress and closes endpoints; idempotent."""

@@ -1,0 +1,522 @@
+"""`UcxWorkerConnector`: the worker side of the `ucx` KV connector (one per rank process).
+
+Decode ranks pull a request's prompt KV from the matching prefill rank; prefill ranks serve
+pulls of the blocks they pinned for it. The service drives it explicitly:
+
+- every rank: construct with its identity and `kv_cache` tensor, publish
+  `get_handshake_metadata()` in Hello, drain `get_transfer_results()` regularly (it also renews
+  leases and expires stale ones), `shutdown()` at exit;
+- decode rank: `add_peer(metadata)` / `remove_peer(engine_id, epoch)` from Welcome and
+  PeerUpdate (endpoints exist before the first request), `start_pull(request_id, descriptor,
+  local_block_ids)`, `cancel(request_id)`;
+- prefill rank: `expect_send(request_id, block_ids)` BEFORE the descriptor leaves the engine,
+  `cancel(request_id)` on abort.
+
+Contracts:
+- Every pull ends exactly once: in `finished_recving`, or in `failed_recving` with the local
+  block ids that did not receive their bytes in `invalid_block_ids`, within
+  `transfer_timeout_s` of its dispatch (plus one drain); never a hang. A stale epoch, an
+  unknown peer or blocks out of the peer's range fail at once without a byte moved.
+- A prefill rank reports `finished_sending` once every expected reader said it is done (success
+  or failure) and every send of the request completed, or when the lease ran out with no send
+  in flight. Pulls of blocks not pinned for the request, of a dead epoch, or after the lease
+  are refused without touching memory.
+- Thread-safe: every public method may be called from any thread; UCX runs on the transport's
+  own progress thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from connectors.ucx.handshake import (
+    KV_LAYOUT,
+    KVRegionLayout,
+    KVTransferDescriptor,
+    PeerKey,
+    UcxHandshakeMetadata,
+)
+from connectors.ucx.transport import KVTransport, PullOp, PullRequest, PullResult, coalesce
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class UcxConnectorConfig:
+    """Data-plane settings (EngineConfig carries the same names)."""
+
+    transfer_timeout_s: float = 5.0
+    lease_s: float = 30.0
+    max_inflight_transfers: int = 64
+    ucx_tls: str = ""
+    ucx_net_devices: str = ""
+
+    def validate(self) -> None:
+        if self.transfer_timeout_s <= 0:
+            raise ValueError("transfer_timeout_s: must be > 0")
+        if self.lease_s <= 0:
+            raise ValueError("lease_s: must be > 0")
+        if self.max_inflight_transfers < 1:
+            raise ValueError("max_inflight_transfers: must be >= 1")
+
+    def ucx_options(self) -> dict[str, str]:
+        options = {}
+        if self.ucx_tls:
+            options["TLS"] = self.ucx_tls
+        if self.ucx_net_devices:
+            options["NET_DEVICES"] = self.ucx_net_devices
+        return options
+
+
+@dataclass(slots=True)
+class TransferResults:
+    """What finished since the previous `get_transfer_results()` call (each id once)."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+    failure_reasons: dict[str, str] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.finished_sending or self.finished_recving or self.failed_recving)
+
+
+@dataclass(slots=True)
+class PairTransferStats:
+    """Transfers from one prefill engine to one decode engine since the last stats drain."""
+
+    src_engine_id: str
+    dst_engine_id: str
+    num_bytes: int = 0
+    seconds: float = 0.0
+    num_operations: int = 0
+    num_failures: int = 0
+    failures_by_reason: dict[str, int] = field(default_factory=dict)
+
+    def record_failure(self, reason: str) -> None:
+        self.num_failures += 1
+        key = reason.split(":", 1)[0] if not reason.startswith("refused:") else reason
+        self.failures_by_reason[key] = self.failures_by_reason.get(key, 0) + 1
+
+
+@dataclass(slots=True)
+class _Recv:
+    request_id: str
+    peer: PeerKey
+    op: PullOp | None  # None until dispatched
+    local_block_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class _Lease:
+    block_ids: frozenset[int]
+    expires_at: float
+    readers_left: int
+    active: int = 0
+
+
+class UcxWorkerConnector:
+    """Worker-side `ucx` connector; see the module docstring for the contract."""
+
+    def __init__(self, *, engine_id: str, epoch: int, tp_rank: int, tp_size: int, num_kv_heads: int,
+                 compatibility_hash: str, kv_cache: Any = None, config: UcxConnectorConfig | None = None) -> None:
+        self.config = config or UcxConnectorConfig()
+        self.config.validate()
+        if num_kv_heads % tp_size:
+            raise ValueError(f"{num_kv_heads} KV heads are not divisible by tp_size {tp_size}")
+        self.key = PeerKey(engine_id, epoch, tp_rank)
+        self.tp_size = tp_size
+        self.num_kv_heads = num_kv_heads
+        self.compatibility_hash = compatibility_hash
+        self._lock = threading.Lock()
+        self._transport: KVTransport | None = None
+        self._metadata: UcxHandshakeMetadata | None = None
+        self._peers: dict[PeerKey, UcxHandshakeMetadata] = {}
+        self._xfer_ids = itertools.count(1)
+        self._recvs: dict[str, _Recv] = {}
+        self._by_xfer: dict[int, str] = {}
+        self._queued: list[str] = []
+        self._inflight = 0
+        self._leases: dict[str, _Lease] = {}
+        self._results = TransferResults()
+        self._load_errors: set[int] = set()
+        self._stats: dict[tuple[str, str], PairTransferStats] = {}
+        self._last_renew = time.monotonic()
+        if kv_cache is not None:
+            self.register_kv_caches(kv_cache)
+
+    # -- registration and handshake ------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: Any, transport: KVTransport | None = None) -> None:
+        """Registers the rank's KV tensor (or a one-entry {name: tensor} dict) and starts UCX.
+
+        The tensor must be contiguous with shape [num_blocks, num_layers, 2, heads_local,
+        block_size, head_dim] on the CPU. `transport` overrides the UCX tag transport.
+        """
+        if self._transport is not None:
+            raise RuntimeError("KV caches are already registered")
+        tensor = _single_tensor(kv_caches)
+        region, layout = self._describe(tensor)
+        if transport is None:
+            from connectors.ucx.tag_transport import UcxTagTransport
+
+            transport = UcxTagTransport(region, layout.block_nbytes, self.key, ucx_config=self.config.ucx_options(),
+                                        name=f"ucx-{self.key.engine_id}-{self.key.tp_rank}")
+        self._metadata = UcxHandshakeMetadata(self.key.engine_id, self.key.epoch, self.key.tp_rank, self.tp_size,
+                                              self.compatibility_hash, transport.worker_address, layout)
+        self._metadata.validate()
+        self._region = region
+        self._tensor = tensor  # keeps the memory alive while UCX may touch it
+        transport.start(self)
+        self._transport = transport
+
+    def _describe(self, tensor: Any) -> tuple[np.ndarray, KVRegionLayout]:
+        if tensor.dim() != 6 or not tensor.is_contiguous() or tensor.device.type != "cpu":
+            raise ValueError("kv_cache must be a contiguous CPU tensor [blocks, layers, 2, heads, block_size, "
+                             f"head_dim], got shape {tuple(tensor.shape)} on {tensor.device}")
+        num_blocks, num_layers, two, heads, block_size, head_dim = (int(d) for d in tensor.shape)
+        per_rank = self.num_kv_heads // self.tp_size
+        if two != 2 or heads != per_rank:
+            raise ValueError(f"kv_cache dims 2 and 3 must be 2 and {per_rank} (heads of this rank), got {two}, {heads}")
+        import torch
+
+        region = tensor.view(-1).view(torch.uint8).numpy()
+        layout = KVRegionLayout(num_blocks=num_blocks, block_nbytes=region.size // num_blocks, num_layers=num_layers,
+                                block_size=block_size, head_dim=head_dim, num_kv_heads=self.num_kv_heads,
+                                head_start=self.key.tp_rank * per_rank, head_end=(self.key.tp_rank + 1) * per_rank,
+                                dtype=str(tensor.dtype).removeprefix("torch."), layout=KV_LAYOUT)
+        return region, layout
+
+    def get_handshake_metadata(self) -> bytes:
+        """This rank's encoded `UcxHandshakeMetadata` (for Hello)."""
+        if self._metadata is None:
+            raise RuntimeError("register_kv_caches() first")
+        return self._metadata.encode()
+
+    @property
+    def handshake_metadata(self) -> UcxHandshakeMetadata:
+        if self._metadata is None:
+            raise RuntimeError("register_kv_caches() first")
+        return self._metadata
+
+    def add_peer(self, metadata: bytes | UcxHandshakeMetadata) -> PeerKey:
+        """Registers a prefill rank and connects to it; a new epoch of a known engine replaces
+        the old one (its pulls fail with peer_gone). Raises ValueError, changing nothing, on
+        malformed or incompatible metadata."""
+        meta = (metadata if isinstance(metadata, UcxHandshakeMetadata)
+                else UcxHandshakeMetadata.decode(metadata, expected_hash=self.compatibility_hash))
+        if meta.compatibility_hash != self.compatibility_hash:
+            raise ValueError(f"peer {meta.engine_id}: compatibility hash differs from ours")
+        meta.validate()
+        mine = self.handshake_metadata.region
+        if (meta.region.num_layers, meta.region.dtype, meta.region.block_size, meta.region.head_dim) != (
+                mine.num_layers, mine.dtype, mine.block_size, mine.head_dim):
+            raise ValueError(f"peer {meta.engine_id}: KV layout differs (layers, dtype, block size or head dim)")
+        transport = self._require_transport()
+        with self._lock:
+            stale = [k for k in self._peers if k.engine_id == meta.engine_id and k.epoch != meta.epoch]
+            for key in stale:
+                self._drop_peer_locked(key)
+            self._peers[meta.key] = meta
+        transport.add_peer(meta.key, meta.worker_address)
+        return meta.key
+
+    def remove_peer(self, engine_id: str, epoch: int | None = None) -> None:
+        """Forgets an engine's ranks (of `epoch`, or every epoch): their pulls fail with peer_gone."""
+        with self._lock:
+            for key in [k for k in self._peers if k.engine_id == engine_id and epoch in (None, k.epoch)]:
+                self._drop_peer_locked(key)
+
+    def _drop_peer_locked(self, key: PeerKey) -> None:
+        del self._peers[key]
+        assert self._transport is not None
+        self._transport.remove_peer(key)
+        for rid in [r for r, recv in self._recvs.items() if recv.peer == key and recv.op is None]:
+            self._queued.remove(rid)
+            self._fail_locked(self._recvs.pop(rid), "peer_gone", ())
+
+    # -- decode side ---------------------------------------------------------------------------
+
+    def start_pull(self, request_id: str, descriptor: KVTransferDescriptor, local_block_ids: list[int]) -> None:
+        """Starts pulling `descriptor`'s blocks into `local_block_ids`.
+
+        `local_block_ids` are the blocks still missing locally, in prompt order; with a local
+        prefix cached only the LAST `len(local_block_ids)` remote blocks are read. Raises
+        ValueError (no state change) for caller errors: a request already pulling, bad or
+        duplicate local ids, more local than remote blocks. Problems of the descriptor (stale
+        epoch, unknown peer, blocks out of range, unsupported TP) are transfer failures: the
+        request is reported in `failed_recving` at the next drain.
+        """
+        self._require_transport()
+        local = tuple(int(b) for b in local_block_ids)
+        num_local_blocks = self.handshake_metadata.region.num_blocks
+        if any(not 0 <= b < num_local_blocks for b in local) or len(set(local)) != len(local):
+            raise ValueError(f"request {request_id}: local block ids must be distinct and in [0, {num_local_blocks})")
+        if len(local) > len(descriptor.block_ids):
+            raise ValueError(f"request {request_id}: {len(local)} local blocks for "
+                             f"{len(descriptor.block_ids)} remote blocks")
+        peer = PeerKey(descriptor.engine_id, descriptor.epoch, self.key.tp_rank)
+        with self._lock:
+            if request_id in self._recvs:
+                raise ValueError(f"request {request_id} is already pulling")
+            recv = _Recv(request_id, peer, None, local)
+            if not local:
+                self._results.finished_recving.add(request_id)
+                return
+            reason = self._descriptor_problem_locked(descriptor, peer)
+            if reason is not None:
+                self._fail_locked(recv, reason, ())
+                return
+            remote = [int(b) for b in descriptor.block_ids[len(descriptor.block_ids) - len(local):]]
+            segments = tuple(coalesce(remote, list(local)))
+            recv.op = PullOp(next(self._xfer_ids), peer, descriptor.request_id, segments, self.config.transfer_timeout_s)
+            self._recvs[request_id] = recv
+            self._queued.append(request_id)
+            self._dispatch_locked()
+
+    def _descriptor_problem_locked(self, d: KVTransferDescriptor, peer: PeerKey) -> str | None:
+        known_epochs = {k.epoch for k in self._peers if k.engine_id == d.engine_id}
+        if not known_epochs:
+            return "peer_unknown"
+        if d.epoch not in known_epochs:
+            return "stale_epoch"
+        if d.tp_size != self.tp_size:
+            return "unsupported_tp"  # designed for (head ranges in the handshake), not implemented yet
+        if d.num_kv_heads != self.num_kv_heads:
+            return "incompatible"
+        meta = self._peers.get(peer)
+        if meta is None:
+            return "peer_unknown"
+        if meta.region.block_nbytes != self.handshake_metadata.region.block_nbytes:
+            return "incompatible"
+        if any(not 0 <= b < meta.region.num_blocks for b in d.block_ids):
+            return "out_of_range"
+        return None
+
+    def _dispatch_locked(self) -> None:
+        assert self._transport is not None
+        while self._queued and self._inflight < self.config.max_inflight_transfers:
+            recv = self._recvs[self._queued.pop(0)]
+            assert recv.op is not None
+            self._inflight += 1
+            self._by_xfer[recv.op.xfer_id] = recv.request_id
+            self._transport.pull(recv.op)
+
+    def cancel(self, request_id: str) -> bool:
+        """Decode: abandons a pull (no result is reported; late bytes are drained, not written).
+        Prefill: unpins the request (later pulls are refused). True if the id was known."""
+        with self._lock:
+            found = self._leases.pop(request_id, None) is not None
+            recv = self._recvs.pop(request_id, None)
+            if recv is None:
+                return found
+            if recv.op is not None and recv.op.xfer_id in self._by_xfer:
+                del self._by_xfer[recv.op.xfer_id]
+                self._inflight -= 1
+                assert self._transport is not None
+                self._transport.abandon(recv.op.xfer_id)
+                self._dispatch_locked()
+            elif request_id in self._queued:
+                self._queued.remove(request_id)
+            return True
+
+    def on_pull_finished(self, result: PullResult) -> None:
+        """Transport callback (progress thread)."""
+        with self._lock:
+            request_id = self._by_xfer.pop(result.xfer_id, None)
+            if request_id is None:
+                return  # cancelled
+            self._inflight -= 1
+            recv = self._recvs.pop(request_id)
+            stats = self._pair_stats(recv.peer.engine_id, self.key.engine_id)
+            if result.ok:
+                stats.num_bytes += result.num_bytes
+                stats.seconds += result.seconds
+                stats.num_operations += 1
+                self._results.finished_recving.add(request_id)
+            else:
+                self._fail_locked(recv, result.reason or "unknown", result.done_segments)
+            self._dispatch_locked()
+
+    def _fail_locked(self, recv: _Recv, reason: str, done_segments: Any) -> None:
+        received = {s.local_block + i for s in done_segments for i in range(s.num_blocks)}
+        invalid = set(recv.local_block_ids) - received
+        self._results.failed_recving.add(recv.request_id)
+        self._results.invalid_block_ids |= invalid
+        self._results.failure_reasons[recv.request_id] = reason
+        self._load_errors |= invalid
+        self._pair_stats(recv.peer.engine_id, self.key.engine_id).record_failure(reason)
+        logger.warning("KV pull of %s from %s failed: %s (%d invalid blocks)", recv.request_id, recv.peer,
+                       reason, len(invalid))
+
+    # -- prefill side --------------------------------------------------------------------------
+
+    def expect_send(self, request_id: str, block_ids: list[int], lease_s: float | None = None,
+                    num_readers: int = 1) -> None:
+        """Pins `block_ids` of `request_id` for `num_readers` readers until they are done or the
+        lease (default `config.lease_s`, renewed by live readers) runs out. Call it before the
+        descriptor is handed out. Raises ValueError (no state change) on a known id, ids out of
+        range, or a bad lease / reader count."""
+        num_blocks = self.handshake_metadata.region.num_blocks
+        ids = frozenset(int(b) for b in block_ids)
+        if any(not 0 <= b < num_blocks for b in ids):
+            raise ValueError(f"request {request_id}: block ids must be in [0, {num_blocks})")
+        lease = self.config.lease_s if lease_s is None else lease_s
+        if lease <= 0 or num_readers < 1:
+            raise ValueError(f"request {request_id}: lease_s must be > 0 and num_readers >= 1")
+        with self._lock:
+            if request_id in self._leases:
+                raise ValueError(f"request {request_id} is already pinned for sending")
+            self._leases[request_id] = _Lease(ids, time.monotonic() + lease, num_readers)
+
+    def on_pull_request(self, request: PullRequest) -> str | None:
+        """Transport callback: validates a reader's pull against our epoch and leases."""
+        with self._lock:
+            why = self._pull_problem_locked(request)
+            if why is not None:
+                self._pair_stats(self.key.engine_id, request.reader.engine_id).record_failure(f"refused:{why}")
+                logger.warning("refused a pull of %s by %s: %s", request.request_id, request.reader, why)
+                return why
+            self._leases[request.request_id].active += 1
+            return None
+
+    def _pull_problem_locked(self, request: PullRequest) -> str | None:
+        if request.engine_id != self.key.engine_id or request.epoch != self.key.epoch:
+            return "stale_epoch"
+        lease = self._leases.get(request.request_id)
+        if lease is None:
+            return "unknown_request"
+        if time.monotonic() >= lease.expires_at:
+            return "lease_expired"
+        if any(b not in lease.block_ids for s in request.segments for b in range(s.remote_block,
+                                                                               s.remote_block + s.num_blocks)):
+            return "not_pinned"
+        return None
+
+    def on_reader_done(self, request_id: str, reader: PeerKey, ok: bool) -> None:
+        """Transport callback: a reader finished and every send of it completed."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None:
+                return
+            lease.active -= 1
+            lease.readers_left -= 1
+            if lease.readers_left <= 0 and lease.active <= 0:
+                del self._leases[request_id]
+                self._results.finished_sending.add(request_id)
+
+    def on_renew(self, request_ids: list[str], reader: PeerKey) -> None:
+        """Transport callback: extends the leases of requests a live reader still wants."""
+        with self._lock:
+            until = time.monotonic() + self.config.lease_s
+            for rid in request_ids:
+                lease = self._leases.get(rid)
+                if lease is not None:
+                    lease.expires_at = max(lease.expires_at, until)
+
+    # -- draining --------------------------------------------------------------------------
+
+    def get_transfer_results(self) -> TransferResults:
+        """Drains what finished since the last call; also expires leases and renews ours."""
+        with self._lock:
+            self._expire_leases_locked()
+            renew = self._renewals_locked()
+            results, self._results = self._results, TransferResults()
+        assert self._transport is not None or not renew
+        for peer, rids in renew.items():
+            self._transport.renew(peer, rids)  # type: ignore[union-attr]
+        return results
+
+    def _expire_leases_locked(self) -> None:
+        now = time.monotonic()
+        for rid, lease in list(self._leases.items()):
+            if now >= lease.expires_at and lease.active <= 0:
+                del self._leases[rid]
+                self._results.finished_sending.add(rid)
+                logger.info("lease of %s expired before every reader was done", rid)
+                self._pair_stats(self.key.engine_id, "").record_failure("lease_expired")
+
+    def _renewals_locked(self) -> dict[PeerKey, list[str]]:
+        now = time.monotonic()
+        if now - self._last_renew < self.config.lease_s / 3 or not self._recvs:
+            return {}
+        self._last_renew = now
+        renew: dict[PeerKey, list[str]] = defaultdict(list)
+        for recv in self._recvs.values():
+            if recv.op is not None:
+                renew[recv.peer].append(recv.op.request_id)
+        return renew
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Local block ids whose pull failed, since the last call (also in the results)."""
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def get_kv_connector_stats(self) -> list[PairTransferStats] | None:
+        """Per prefill→decode pair stats since the last call, or None when nothing happened."""
+        with self._lock:
+            stats, self._stats = self._stats, {}
+        return list(stats.values()) or None
+
+    def _pair_stats(self, src: str, dst: str) -> PairTransferStats:
+        stats = self._stats.get((src, dst))
+        if stats is None:
+            stats = self._stats[(src, dst)] = PairTransferStats(src, dst)
+        return stats
+
+    def num_pending(self) -> int:
+        """Pulls in flight or queued plus requests pinned for sending (0 when idle)."""
+        with self._lock:
+            return len(self._recvs) + len(self._leases)
+
+    # -- vLLM-style per-step hooks (the service drives pulls explicitly) -----------------------
+
+    def start_load_kv(self, meta: Any = None) -> None:
+        """No-op: pulls start from `start_pull`."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """No-op: KV arrives before the request is scheduled."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any = None) -> None:
+        """No-op: prefill KV is read in place."""
+
+    def wait_for_save(self) -> None:
+        """No-op."""
+
+    def handle_preemptions(self, meta: Any = None) -> None:
+        """No-op: pinned prefill blocks are never preempted."""
+
+    def get_kv_connector_kv_cache_events(self) -> None:
+        return None
+
+    def build_connector_worker_meta(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        """Stops the transport; in-flight pulls fail (reason shutdown). Idempotent."""
+        transport, self._transport = self._transport, None
+        if transport is not None:
+            transport.shutdown()
+
+    def _require_transport(self) -> KVTransport:
+        if self._transport is None:
+            raise RuntimeError("register_kv_caches() first (or the connector is shut down)")
+        return self._transport
+
+
+def _single_tensor(kv_caches: Any) -> Any:
+    if isinstance(kv_caches, dict):
+        if len(kv_caches) != 1:
+            raise ValueError(f"expected one KV tensor per rank, got {len(kv_caches)}")
+        return next(iter(kv_caches.values()))
+    return kv_caches

@@ -1,0 +1,134 @@
+"""A rank process for the UCX data-plane tests: a real KV tensor, a real connector, driven over a pipe.
+
+The parent sends `(command, args)` tuples; the child answers `("ok", value)` or `("err", text)`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import time
+from dataclasses import asdict
+from multiprocessing.connection import Connection
+from typing import Any
+
+SPEC_DEFAULTS: dict[str, Any] = {
+    "tp_rank": 0, "tp_size": 1, "num_kv_heads": 2, "num_blocks": 256, "num_layers": 2, "block_size": 4,
+    "head_dim": 8, "seed": 0, "timeout_s": 2.0, "lease_s": 30.0, "max_inflight": 64, "hash": "compat-test",
+}
+
+
+class RankProc:
+    """Parent-side handle of one rank process."""
+
+    def __init__(self, engine_id: str, epoch: int, **spec: Any) -> None:
+        self.spec = {**SPEC_DEFAULTS, **spec, "engine_id": engine_id, "epoch": epoch}
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=rank_main, args=(child, self.spec), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def call(self, command: str, *args: Any, timeout: float = 60.0) -> Any:
+        self.conn.send((command, args))
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"{self.spec['engine_id']}: {command} did not answer in {timeout}s")
+        status, value = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(value)
+        return value
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("shutdown", timeout=15)
+            except Exception:
+                self.proc.kill()
+        self.proc.join(timeout=15)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+
+def rank_main(conn: Connection, spec: dict[str, Any]) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    from connectors.ucx.handshake import KVTransferDescriptor
+    from connectors.ucx.worker import TransferResults, UcxConnectorConfig, UcxWorkerConnector
+
+    heads = spec["num_kv_heads"] // spec["tp_size"]
+    kv = torch.zeros(spec["num_blocks"], spec["num_layers"], 2, heads, spec["block_size"], spec["head_dim"])
+    if spec["seed"]:
+        kv.uniform_(generator=torch.Generator().manual_seed(spec["seed"]))
+    config = UcxConnectorConfig(transfer_timeout_s=spec["timeout_s"], lease_s=spec["lease_s"],
+                                max_inflight_transfers=spec["max_inflight"])
+    connector = UcxWorkerConnector(engine_id=spec["engine_id"], epoch=spec["epoch"], tp_rank=spec["tp_rank"],
+                                   tp_size=spec["tp_size"], num_kv_heads=spec["num_kv_heads"],
+                                   compatibility_hash=spec["hash"], kv_cache=kv, config=config)
+    seen = TransferResults()
+
+    def drain() -> None:
+        r = connector.get_transfer_results()
+        seen.finished_sending |= r.finished_sending
+        seen.finished_recving |= r.finished_recving
+        seen.failed_recving |= r.failed_recving
+        seen.invalid_block_ids |= r.invalid_block_ids
+        seen.failure_reasons.update(r.failure_reasons)
+
+    def wait_results(ids: list[str], timeout: float) -> dict[str, Any]:
+        start = time.monotonic()
+        want = set(ids)
+        while True:
+            drain()
+            done = seen.finished_sending | seen.finished_recving | seen.failed_recving
+            if want <= done or time.monotonic() - start > timeout:
+                break
+            time.sleep(0.002)
+        return {"finished_sending": sorted(seen.finished_sending & want),
+                "finished_recving": sorted(seen.finished_recving & want),
+                "failed_recving": sorted(seen.failed_recving & want),
+                "reasons": {k: v for k, v in seen.failure_reasons.items() if k in want},
+                "elapsed": time.monotonic() - start}
+
+    def take_invalid() -> list[int]:
+        drain()
+        ids = sorted(seen.invalid_block_ids)
+        seen.invalid_block_ids.clear()
+        return ids
+
+    def digests(ids: list[int]) -> list[str]:
+        return [hashlib.blake2b(kv[b].numpy().tobytes(), digest_size=16).hexdigest() for b in ids]
+
+    def zero(ids: list[int]) -> None:
+        for b in ids:
+            kv[b].zero_()
+
+    commands: dict[str, Any] = {
+        "meta": connector.get_handshake_metadata,
+        "add_peer": lambda m: asdict(connector.add_peer(m)),
+        "remove_peer": connector.remove_peer,
+        "expect_send": connector.expect_send,
+        "start_pull": lambda rid, d, local: connector.start_pull(rid, KVTransferDescriptor(**d), local),
+        "cancel": connector.cancel,
+        "wait_results": wait_results,
+        "invalid": take_invalid,
+        "load_errors": lambda: sorted(connector.get_block_ids_with_load_errors()),
+        "digests": digests,
+        "zero": zero,
+        "stats": lambda: [asdict(s) for s in connector.get_kv_connector_stats() or []],
+        "pending": connector.num_pending,
+    }
+    while True:
+        try:
+            command, args = conn.recv()
+        except EOFError:
+            break
+        if command == "shutdown":
+            connector.shutdown()
+            conn.send(("ok", None))
+            break
+        try:
+            conn.send(("ok", commands[command](*args)))
+        except Exception as e:
+            conn.send(("err", f"{type(e).__name__}: {e}"))
