@@ -71,6 +71,12 @@ class SchedulerConfig:
     subscriber_buffer: int = opt(1024, "batches buffered per subscriber before it is resynced")
     zmq_endpoint: str = opt("", "optional ZMQ PUB endpoint speaking vLLM's KV-event format")
     zmq_replay_endpoint: str = opt("", "optional ZMQ ROUTER replay endpoint (vLLM format)")
+    zmq_topic: str = opt("kv@{engine_id}@{model}", "ZMQ topic frame; {engine_id} and {model} are filled in")
+    zmq_hwm: int = opt(100_000, "ZMQ PUB send high-water mark (messages)")
+    medium_weights: str = opt("GPU=1.0,CPU=0.8,CPU_OFFLOAD=0.7,STORAGE=0.5",
+                              "prefix routing weight per KV medium, NAME=WEIGHT,... (others 0.5)")
+    prefix_load_weight: float = opt(0.25, "prefix routing: prompt blocks charged per unit of engine load")
+    prefix_index_max_entries: int = opt(1_000_000, "prefix index bound, (block, engine, medium) entries; LRU beyond")
     log_level: str = opt("INFO", "logging level")
 
     def validate(self) -> None:
@@ -82,6 +88,9 @@ class SchedulerConfig:
         _require(self.default_deadline_s > 0, "default_deadline_s", "must be > 0")
         _require(self.max_queue_per_engine >= 1, "max_queue_per_engine", "must be >= 1")
         _require(self.event_ring_size >= 1, "event_ring_size", "must be >= 1")
+        _require(self.subscriber_buffer >= 1, "subscriber_buffer", "must be >= 1")
+        _require(self.prefix_load_weight >= 0, "prefix_load_weight", "must be >= 0")
+        _require(self.prefix_index_max_entries >= 1, "prefix_index_max_entries", "must be >= 1")
         for name in ("port", "control_port", "events_port", "metrics_port"):
             _require(0 <= getattr(self, name) < 65536, name, "must be a TCP port (0..65535)")
 

@@ -1,0 +1,141 @@
+"""`pdserve.v1.KVEvents` servicer: a typed gRPC stream over the republisher.
+
+Each batch is converted to protobuf and serialised once, however many subscribers receive it
+(the method is registered with a pass-through serializer and yields bytes). A slow subscriber
+only ever fills its own bounded buffer; the republisher resyncs it (see republisher.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+
+import grpc
+
+from connectors.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    event_to_proto,
+)
+from pdserve.v1 import kv_events_pb2 as pb
+from services.scheduler.events.republisher import (
+    EventFilter,
+    EventRepublisher,
+    NoticeKind,
+    SequencedBatch,
+    SnapshotBatch,
+    StreamItem,
+)
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "pdserve.v1.KVEvents"
+_WIRE_KEY = "grpc"
+_TYPES: dict[int, type] = {
+    pb.EVENT_TYPE_BLOCK_STORED: BlockStored,
+    pb.EVENT_TYPE_BLOCK_REMOVED: BlockRemoved,
+    pb.EVENT_TYPE_ALL_BLOCKS_CLEARED: AllBlocksCleared,
+}
+_NOTICES = {
+    NoticeKind.SNAPSHOT_BEGIN: pb.StreamNotice.SNAPSHOT_BEGIN,
+    NoticeKind.SNAPSHOT_END: pb.StreamNotice.SNAPSHOT_END,
+    NoticeKind.RESYNC: pb.StreamNotice.RESYNC,
+}
+
+
+def request_to_filter(request: pb.SubscribeRequest) -> tuple[int | None, EventFilter]:
+    """(from_seq, filter) of a SubscribeRequest; ValueError names what is malformed."""
+    types: set[type] = set()
+    for t in request.types:
+        if t not in _TYPES:
+            raise ValueError(f"types: unknown event type {t}")
+        types.add(_TYPES[t])
+    if any(not e for e in request.engine_ids):
+        raise ValueError("engine_ids: empty engine id")
+    if any(not m for m in request.media):
+        raise ValueError("media: empty medium name")
+    from_seq = request.from_seq if request.HasField("from_seq") else None
+    return from_seq, EventFilter(frozenset(request.engine_ids), frozenset(request.media), frozenset(types))
+
+
+def batch_to_proto(seq: int, engine_id: str, epoch: int, batch: KVEventBatch) -> pb.EventBatch:
+    msg = pb.EventBatch(seq=seq, ts=batch.ts, engine_id=engine_id, epoch=epoch,
+                        events=[event_to_proto(e) for e in batch.events])
+    if batch.data_parallel_rank is not None:
+        msg.data_parallel_rank = batch.data_parallel_rank
+    return msg
+
+
+def encode_item(item: StreamItem) -> bytes:
+    """The serialised EventStreamMessage of one stream item (cached for republished batches)."""
+    if isinstance(item, SequencedBatch):
+        wire = item.wire.get(_WIRE_KEY)
+        if wire is None:
+            proto = batch_to_proto(item.seq, item.engine_id, item.epoch, item.batch)
+            wire = pb.EventStreamMessage(batch=proto).SerializeToString()
+            item.wire[_WIRE_KEY] = wire
+        return wire
+    if isinstance(item, SnapshotBatch):
+        proto = batch_to_proto(0, item.engine_id, item.epoch, item.batch)
+        return pb.EventStreamMessage(batch=proto).SerializeToString()
+    notice = pb.StreamNotice(kind=_NOTICES[item.kind], next_seq=item.next_seq, reason=item.reason)
+    return pb.EventStreamMessage(notice=notice).SerializeToString()
+
+
+def _pass_through(data: bytes) -> bytes:
+    return data
+
+
+class KVEventsServicer:
+    """Serves `KVEvents.Subscribe` from an `EventRepublisher`."""
+
+    def __init__(self, republisher: EventRepublisher, *, max_items_per_wakeup: int = 256) -> None:
+        self.republisher = republisher
+        self._max_items = max_items_per_wakeup
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        """Registers the service (use instead of the generated add_KVEventsServicer_to_server)."""
+        handler = grpc.method_handlers_generic_handler(SERVICE_NAME, {
+            "Subscribe": grpc.unary_stream_rpc_method_handler(
+                self.Subscribe,
+                request_deserializer=pb.SubscribeRequest.FromString,
+                response_serializer=_pass_through,
+            ),
+        })
+        server.add_generic_rpc_handlers((handler,))
+
+    async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        try:
+            from_seq, event_filter = request_to_filter(request)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+        loop_thread = threading.get_ident()
+
+        def wake() -> None:
+            if threading.get_ident() == loop_thread:
+                ready.set()
+            else:
+                loop.call_soon_threadsafe(ready.set)
+
+        sub = self.republisher.subscribe(from_seq, event_filter, wake=wake)
+        logger.info("KV-event subscriber %s joined (from_seq=%s)", context.peer(), from_seq)
+        try:
+            while True:
+                ready.clear()
+                items = sub.take(self._max_items)
+                if not items:
+                    await ready.wait()
+                    continue
+                for item in items:
+                    yield encode_item(item)
+        finally:
+            sub.close()
+            logger.info("KV-event subscriber %s left", context.peer())
+

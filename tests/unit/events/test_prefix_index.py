@@ -1,0 +1,108 @@
+"""InMemoryPrefixIndex: longest consecutive match, epochs, AllBlocksCleared, eviction bound."""
+
+import pytest
+
+from connectors.hashing import BlockHasher
+from connectors.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from services.scheduler.prefix_index import InMemoryPrefixIndex, PrefixIndex, block_key
+
+
+def stored(hashes: list[int], medium: str | None = "GPU", parent: int | None = None) -> BlockStored:
+    return BlockStored(tuple(hashes), parent, (), 16, medium=medium)
+
+
+def test_is_a_prefix_index() -> None:
+    assert isinstance(InMemoryPrefixIndex(), PrefixIndex)
+
+
+def test_longest_consecutive_match_from_block_zero() -> None:
+    idx = InMemoryPrefixIndex()
+    idx.apply("a", 1, [stored([1, 2, 3])])
+    idx.apply("b", 2, [stored([1, 2]), stored([4], parent=2)])
+    m = idx.match([1, 2, 3, 4])
+    assert m["a"].num_blocks == 3 and m["a"].epoch == 1
+    assert m["b"].num_blocks == 2  # holds block 4 too, but not block 3: the chain ends at 2
+    assert idx.match([9, 1, 2]) == {}  # no block 0, no match at all
+    assert idx.match([]) == {}
+
+
+def test_match_with_real_hashes_and_media() -> None:
+    hasher = BlockHasher(block_size=4)
+    tokens = list(range(20))
+    h = hasher.external_hashes(tokens)
+    idx = InMemoryPrefixIndex()
+    idx.apply("e", 7, [stored(h[:2], "GPU"), stored(h[2:4], "CPU_OFFLOAD", parent=h[1])])
+    idx.apply("e", 7, [stored(h[:1], "CPU_OFFLOAD")])
+    m = idx.match(hasher.external_hashes(tokens + [99, 98]))["e"]
+    assert m.num_blocks == 4
+    assert m.media == (frozenset({"GPU", "CPU_OFFLOAD"}), frozenset({"GPU"}),
+                       frozenset({"CPU_OFFLOAD"}), frozenset({"CPU_OFFLOAD"}))
+    assert m.weighted_blocks({"GPU": 1.0, "CPU_OFFLOAD": 0.5}, 0.1) == pytest.approx(3.0)
+
+
+def test_removed_is_per_medium_and_missing_medium_means_gpu() -> None:
+    idx = InMemoryPrefixIndex()
+    idx.apply("a", 1, [stored([1, 2], None), stored([1], "CPU")])
+    idx.apply("a", 1, [BlockRemoved((1,), None)])
+    assert idx.match([1, 2])["a"].media == (frozenset({"CPU"}), frozenset({"GPU"}))
+    idx.apply("a", 1, [BlockRemoved((1, 5), "CPU")])  # an unknown hash is ignored
+    assert idx.match([1, 2]) == {}
+    assert len(idx) == 1
+
+
+def test_bytes_hashes_use_low_64_bits() -> None:
+    digest = bytes(range(32))
+    idx = InMemoryPrefixIndex()
+    idx.apply("a", 1, [stored([digest])])  # type: ignore[list-item]
+    assert idx.match([block_key(digest)])["a"].num_blocks == 1
+    assert block_key(digest) == int.from_bytes(digest[-8:], "big")
+
+
+def test_new_epoch_drops_old_entries_and_dead_epoch_is_ignored() -> None:
+    idx = InMemoryPrefixIndex()
+    idx.apply("a", 1, [stored([1, 2])])
+    idx.apply("b", 5, [stored([1])])
+    assert idx.apply("a", 2, [stored([7])])
+    assert "a" not in idx.match([1, 2]) and idx.match([1])["b"].num_blocks == 1
+    assert idx.epoch_of("a") == 2
+    assert not idx.apply("a", 1, [stored([1, 2])])  # late report of the dead incarnation
+    assert "a" not in idx.match([1, 2])
+    assert idx.stats().num_stale_events == 1
+    with pytest.raises(ValueError, match="already replaced"):
+        idx.begin_epoch("a", 1)
+
+
+def test_all_blocks_cleared_whole_engine_or_one_medium() -> None:
+    idx = InMemoryPrefixIndex()
+    idx.apply("a", 1, [stored([1], "GPU"), stored([1], "CPU_OFFLOAD")])
+    idx.apply("b", 1, [stored([1], "GPU")])
+    idx.apply("a", 1, [AllBlocksCleared("GPU")])
+    assert idx.match([1])["a"].media == (frozenset({"CPU_OFFLOAD"}),)
+    idx.apply("a", 1, [AllBlocksCleared()])
+    assert set(idx.match([1])) == {"b"}
+    idx.remove_engine("b")
+    assert idx.match([1]) == {} and len(idx) == 0 and idx.epoch_of("b") is None
+
+
+def test_eviction_bound_is_lru_with_match_touching() -> None:
+    idx = InMemoryPrefixIndex(max_entries=4)
+    idx.apply("a", 1, [stored([1, 2, 3])])
+    idx.match([1])  # block 1 is now the most recently used
+    idx.apply("a", 1, [stored([4, 5])])
+    assert len(idx) == 4
+    assert [h for h, _, _ in idx.entries()] == [3, 1, 4, 5]  # 2 (oldest unused) evicted
+    assert idx.stats().num_evicted == 1
+    for i in range(100, 200):
+        idx.apply("b", 1, [stored([i])])
+    assert len(idx) == 4
+    assert idx.match([1]) == {}
+    with pytest.raises(ValueError):
+        InMemoryPrefixIndex(max_entries=0)
+
+
+def test_snapshot_groups_by_engine_and_medium() -> None:
+    idx = InMemoryPrefixIndex()
+    idx.apply("a", 3, [stored([1, 2], "GPU"), stored([9], "CPU")])
+    idx.apply("b", 4, [stored([1], "GPU")])
+    parts = {(p.engine_id, p.epoch, p.medium): p.block_hashes for p in idx.snapshot()}
+    assert parts == {("a", 3, "GPU"): (1, 2), ("a", 3, "CPU"): (9,), ("b", 4, "GPU"): (1,)}
