@@ -1,0 +1,201 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over the paged KV cache, with TP sharding.
+
+Weights come from Hugging Face safetensors; q/k/v and gate/up are fused into one matrix each.
+Under tensor parallelism rank r holds attention heads and KV heads [r*H/T, (r+1)*H/T) and the
+matching MLP columns; o_proj and down_proj outputs are all-reduced. Embeddings and the LM head
+are replicated. The numerics follow transformers (RMSNorm in float32, rotate-half RoPE).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionMetadata, paged_attention, write_kv
+from engine.config import ModelConfig, ModelLoadError, RopeConfig
+
+AllReduce = Callable[[torch.Tensor], None]
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type != "llama3":
+        return inv_freq
+    assert rope.original_max_position_embeddings is not None
+    old_len = rope.original_max_position_embeddings
+    low_wavelen = old_len / rope.low_freq_factor
+    high_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos, sin: [T, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaModel:
+    """One rank's shard of the model. `forward` returns the final hidden states [T, hidden]."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], *, rank: int = 0,
+                 tp_size: int = 1, all_reduce: AllReduce | None = None, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        config.check_tp(tp_size)
+        self.config = config
+        self.rank, self.tp_size = rank, tp_size
+        self.all_reduce = all_reduce
+        self.num_heads = config.num_heads // tp_size
+        self.num_kv_heads = config.num_kv_heads // tp_size
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim ** -0.5
+        self.dtype, self.device = dtype, device
+        take = _Taker(weights, dtype, device)
+        self.embed = take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
+        self.norm = take("model.norm.weight", (config.hidden_size,))
+        if config.tie_word_embeddings and "lm_head.weight" not in weights:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = take("lm_head.weight", (config.vocab_size, config.hidden_size))
+        self.layers = [self._layer(take, i) for i in range(config.num_layers)]
+        take.check_unused()
+        inv_freq = rope_inv_freq(config.rope, config.head_dim)
+        freqs = torch.arange(config.max_model_len).float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(dtype=dtype, device=device)
+        self.sin = emb.sin().to(dtype=dtype, device=device)
+
+    def _layer(self, take: _Taker, i: int) -> LayerWeights:
+        c, r, t = self.config, self.rank, self.tp_size
+        p = f"model.layers.{i}."
+        hd = c.head_dim
+        q_rows = _shard_rows(take(p + "self_attn.q_proj.weight", (c.num_heads * hd, c.hidden_size)), r, t)
+        k_rows = _shard_rows(take(p + "self_attn.k_proj.weight", (c.num_kv_heads * hd, c.hidden_size)), r, t)
+        v_rows = _shard_rows(take(p + "self_attn.v_proj.weight", (c.num_kv_heads * hd, c.hidden_size)), r, t)
+        qkv_bias = None
+        if c.qkv_bias:
+            qkv_bias = torch.cat([
+                _shard_rows(take(p + "self_attn.q_proj.bias", (c.num_heads * hd,)), r, t),
+                _shard_rows(take(p + "self_attn.k_proj.bias", (c.num_kv_heads * hd,)), r, t),
+                _shard_rows(take(p + "self_attn.v_proj.bias", (c.num_kv_heads * hd,)), r, t)])
+        o_bias = take.optional(p + "self_attn.o_proj.bias", (c.hidden_size,))
+        gate = _shard_rows(take(p + "mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size)), r, t)
+        up = _shard_rows(take(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size)), r, t)
+        return LayerWeights(
+            input_norm=take(p + "input_layernorm.weight", (c.hidden_size,)),
+            qkv=torch.cat([q_rows, k_rows, v_rows]).contiguous(),
+            qkv_bias=qkv_bias,
+            o_proj=_shard_cols(take(p + "self_attn.o_proj.weight", (c.hidden_size, c.num_heads * hd)), r, t),
+            o_bias=o_bias,
+            post_norm=take(p + "post_attention_layernorm.weight", (c.hidden_size,)),
+            gate_up=torch.cat([gate, up]).contiguous(),
+            down=_shard_cols(take(p + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size)), r, t),
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        c = self.config
+        h = F.embedding(input_ids, self.embed)
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        nq, nkv, hd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.head_dim
+        t = input_ids.shape[0]
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q = rotate(qkv[:, :nq].view(t, -1, hd), cos, sin)
+            k = rotate(qkv[:, nq:nq + nkv].view(t, -1, hd), cos, sin)
+            v = qkv[:, nq + nkv:].view(t, -1, hd)
+            layer_cache = kv_cache[:, i]
+            write_kv(layer_cache, k, v, meta)
+            attn = paged_attention(q, layer_cache, meta, self.scale)
+            o = F.linear(attn.reshape(t, nq), layer.o_proj)
+            if self.all_reduce is not None:
+                self.all_reduce(o)
+            if layer.o_bias is not None:
+                o = o + layer.o_bias
+            h = h + o
+            x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
+            gu = F.linear(x, layer.gate_up)
+            inter = gu.shape[-1] // 2
+            m = F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], layer.down)
+            if self.all_reduce is not None:
+                self.all_reduce(m)
+            h = h + m
+        return rms_norm(h, self.norm, c.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head)
+
+
+def _shard_rows(w: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    n = w.shape[0] // tp
+    return w[rank * n:(rank + 1) * n]
+
+
+def _shard_cols(w: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    n = w.shape[1] // tp
+    return w[:, rank * n:(rank + 1) * n].contiguous()
+
+
+class _Taker:
+    """Pulls named tensors out of a checkpoint, checking shapes and reporting leftovers."""
+
+    IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+    def __init__(self, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str) -> None:
+        self.weights = weights
+        self.used: set[str] = set()
+        self.dtype, self.device = dtype, device
+
+    def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in self.weights:
+            raise ModelLoadError(f"checkpoint is missing tensor {name!r}")
+        return self._get(name, shape)
+
+    def optional(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        return self._get(name, shape) if name in self.weights else None
+
+    def _get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        w = self.weights[name]
+        if tuple(w.shape) != shape:
+            raise ModelLoadError(f"tensor {name!r} has shape {tuple(w.shape)}, config implies {shape}")
+        self.used.add(name)
+        return w.to(dtype=self.dtype, device=self.device)
+
+    def check_unused(self) -> None:
+        left = [n for n in self.weights if n not in self.used and not n.endswith(self.IGNORED_SUFFIXES)
+                and n != "lm_head.weight"]
+        if left:
+            raise ModelLoadError(f"checkpoint has {len(left)} tensors the model does not use, e.g. {left[:3]} "
+                                 "(wrong architecture in config.json?)")

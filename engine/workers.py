@@ -1,0 +1,187 @@
+"""Rank workers: one per tensor-parallel rank, each with its model shard and KV cache.
+
+Rank 0 lives in the engine's process; ranks 1..N-1 are spawned processes. They form a gloo
+process group of their own (a private TCPStore + ProcessGroupGloo, so several engines can live
+in one process). Every step rank 0 broadcasts the StepPlan (pickled); every rank runs its shard
+(o_proj / down_proj outputs are all-reduced), and rank 0 samples from the logits. A None plan
+tells the ranks to shut down.
+
+Per step, every rank drives its optional worker-side connector: `start_load_kv(meta)` before the
+forward, `wait_for_save()` after, then `collect_output(...)`; a non-empty output is handed to
+the connector's `report_output(output)` when it has one (the services wire that to the rank's
+control stream), otherwise rank 0 keeps it for `LLMEngine.take_connector_outputs()`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.batch_scheduler import StepPlan
+from engine.config import KVCacheSpec, ModelConfig
+from engine.kv_cache import allocate_kv_cache
+from engine.model_runner import ModelRunner
+from engine.models import load_model
+
+logger = logging.getLogger(__name__)
+
+RankInitHook = Callable[[int, int, torch.Tensor, KVCacheSpec], Any]
+"""(rank, tp_size, kv_cache, spec) -> WorkerConnector | None; must be picklable for tp > 1."""
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class RankSetup:
+    """Everything a rank needs to build itself (picklable)."""
+
+    model_config: ModelConfig
+    spec: KVCacheSpec
+    device: str
+    torch_threads: int
+    rank_init: RankInitHook | None = None
+    store_port: int = 0
+    timeout_s: float = 300.0
+
+
+class TPGroup:
+    def __init__(self, rank: int, size: int, store: Any, timeout_s: float) -> None:
+        self.rank, self.size = rank, size
+        self._store = store
+        self.pg: Any = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=timeout_s))
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        self.pg.allreduce([t]).wait()
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's obj, on every rank."""
+        if self.rank == 0:
+            data = pickle.dumps(obj)
+            size = torch.tensor([len(data)], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        self.pg.broadcast([size], dist.BroadcastOptions()).wait()
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else \
+            torch.empty(int(size.item()), dtype=torch.uint8)
+        self.pg.broadcast([buf], dist.BroadcastOptions()).wait()
+        return obj if self.rank == 0 else pickle.loads(buf.numpy().tobytes())
+
+
+class RankWorker:
+    """One rank's model shard, KV cache and worker connector."""
+
+    def __init__(self, setup: RankSetup, rank: int, group: TPGroup | None) -> None:
+        tp = setup.spec.tp_size
+        dtype = DTYPES[setup.model_config.dtype]
+        self.rank = rank
+        self.group = group
+        model = load_model(setup.model_config, rank=rank, tp_size=tp,
+                           all_reduce=group.all_reduce if group is not None else None,
+                           device=setup.device, dtype=dtype)
+        self.kv_cache = allocate_kv_cache(setup.spec, dtype, setup.device)
+        self.runner = ModelRunner(model, self.kv_cache, setup.spec.block_size, setup.device)
+        self.connector = setup.rank_init(rank, tp, self.kv_cache, setup.spec) if setup.rank_init else None
+        if self.connector is not None and hasattr(self.connector, "register_kv_caches"):
+            self.connector.register_kv_caches(self.kv_cache, setup.spec)
+        self.outputs: list[Any] = []
+
+    def execute(self, plan: StepPlan) -> torch.Tensor | None:
+        c = self.connector
+        if c is not None:
+            c.start_load_kv(plan.connector_meta)
+        logits = self.runner.execute(plan, compute_logits=self.rank == 0)
+        if c is not None:
+            c.wait_for_save()
+            self._collect(plan)
+        return logits
+
+    def _collect(self, plan: StepPlan) -> None:
+        from connectors.base import collect_output
+
+        assert self.connector is not None
+        output = collect_output(self.connector, frozenset(plan.finished_ids))
+        if output.is_empty():
+            return
+        report = getattr(self.connector, "report_output", None)
+        if callable(report):
+            report(output)
+        else:
+            self.outputs.append(output)
+
+    def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()
+            self.connector = None
+
+
+def _rank_main(setup: RankSetup, rank: int) -> None:
+    torch.set_num_threads(setup.torch_threads)
+    store = dist.TCPStore("127.0.0.1", setup.store_port, setup.spec.tp_size, False,
+                          timeout=datetime.timedelta(seconds=setup.timeout_s))
+    group = TPGroup(rank, setup.spec.tp_size, store, setup.timeout_s)
+    worker = RankWorker(setup, rank, group)
+    group.broadcast_object("ready")
+    try:
+        while True:
+            plan = group.broadcast_object(None)
+            if plan is None:
+                break
+            worker.execute(plan)
+    finally:
+        worker.shutdown()
+
+
+class Workers:
+    """The engine's ranks: rank 0 in-process, the others as spawned processes."""
+
+    def __init__(self, setup: RankSetup) -> None:
+        tp = setup.spec.tp_size
+        self.procs: list[Any] = []
+        self.group: TPGroup | None = None
+        if tp > 1:
+            store = dist.TCPStore("127.0.0.1", 0, tp, True, timeout=datetime.timedelta(seconds=setup.timeout_s))
+            setup.store_port = store.port
+            ctx = mp.get_context("spawn")
+            for rank in range(1, tp):
+                p = ctx.Process(target=_rank_main, args=(setup, rank), daemon=True,
+                                name=f"pdserve-rank{rank}")
+                p.start()
+                self.procs.append(p)
+            self.group = TPGroup(0, tp, store, setup.timeout_s)
+        self.rank0 = RankWorker(setup, 0, self.group)
+        if self.group is not None:
+            self.group.broadcast_object("ready")
+        logger.info("engine ranks ready (tp=%d, pid %d)", tp, os.getpid())
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self.rank0.kv_cache
+
+    def execute(self, plan: StepPlan) -> torch.Tensor | None:
+        if self.group is not None:
+            self.group.broadcast_object(plan)
+        return self.rank0.execute(plan)
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            try:
+                self.group.broadcast_object(None)
+            except RuntimeError as e:
+                logger.warning("rank shutdown broadcast failed: %s", e)
+            self.group = None
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+        self.procs = []
+        self.rank0.shutdown()
