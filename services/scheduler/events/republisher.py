@@ -6,11 +6,11 @@ any thread, state changes happen under one lock, and subscribers are woken throu
 they supply. The gRPC servicer and the ZMQ publisher sit on top.
 
 Contract:
-- `publish(engine_id, epoch, batch)` (the scheduler's `EventSink`) gives a non-empty batch the
-  next sequence number (0, 1, 2, ... per scheduler process, shared by gRPC and ZMQ), applies it
-  to the prefix index, appends it to the ring (the last `ring_size` batches) and offers it to
-  every subscriber and listener, in sequence order. It never blocks on a consumer. An empty
-  batch publishes nothing (returns None).
+- `publish(engine_id, epoch, batch)` (the scheduler's `EventSink`; `publish_seq` also returns
+  the seq) gives a non-empty batch the next sequence number (0, 1, 2, ... per scheduler
+  process, shared by gRPC and ZMQ), applies it to the prefix index, appends it to the ring (the
+  last `ring_size` batches) and offers it to every subscriber and listener, in sequence order.
+  It never blocks on a consumer. An empty batch publishes nothing.
 - An engine's new epoch (seen in `register_epoch` or `publish`) first publishes an
   `AllBlocksCleared` batch stamped with the old epoch, then marks the old epoch dead; batches
   from a dead epoch are refused (None, counted). `remove_engine` does the same for an engine
@@ -227,7 +227,11 @@ class EventRepublisher:
 
     # -- producers -------------------------------------------------------------------------
 
-    def publish(self, engine_id: str, epoch: int, batch: KVEventBatch) -> int | None:
+    def publish(self, engine_id: str, epoch: int, batch: KVEventBatch) -> None:
+        """`EventSink.publish`: see `publish_seq`."""
+        self.publish_seq(engine_id, epoch, batch)
+
+    def publish_seq(self, engine_id: str, epoch: int, batch: KVEventBatch) -> int | None:
         """Republishes one engine batch; returns its seq, None when empty or from a dead epoch.
 
         Raises ValueError (changing nothing) for an empty engine id, a negative epoch or an

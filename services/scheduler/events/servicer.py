@@ -124,8 +124,9 @@ class KVEventsServicer:
             else:
                 loop.call_soon_threadsafe(ready.set)
 
+        peer = context.peer()  # not after the call ended: grpc.aio crashes on that
         sub = self.republisher.subscribe(from_seq, event_filter, wake=wake)
-        logger.info("KV-event subscriber %s joined (from_seq=%s)", context.peer(), from_seq)
+        logger.info("KV-event subscriber %s joined (from_seq=%s)", peer, from_seq)
         try:
             while True:
                 ready.clear()
@@ -137,5 +138,5 @@ class KVEventsServicer:
                     yield encode_item(item)
         finally:
             sub.close()
-            logger.info("KV-event subscriber %s left", context.peer())
+            logger.info("KV-event subscriber %s left", peer)
 

@@ -32,10 +32,10 @@ def seqs(items: list) -> list[int]:
 def test_one_sequence_over_engines_in_order_and_into_the_index() -> None:
     rp = make()
     sub = rp.subscribe(None)
-    assert rp.publish("a", 1, batch(1)) == 0
-    assert rp.publish("b", 2, batch(1, 2)) == 1
-    assert rp.publish("a", 1, KVEventBatch(2.0)) is None  # empty: nothing published
-    assert rp.publish("a", 1, batch(2, parent=1)) == 2
+    assert rp.publish_seq("a", 1, batch(1)) == 0
+    assert rp.publish_seq("b", 2, batch(1, 2)) == 1
+    assert rp.publish_seq("a", 1, KVEventBatch(2.0)) is None  # empty: nothing published
+    assert rp.publish_seq("a", 1, batch(2, parent=1)) == 2
     items: list[Any] = sub.take()
     assert seqs(items) == [0, 1, 2]
     assert [(i.engine_id, i.epoch) for i in items] == [("a", 1), ("b", 2), ("a", 1)]
@@ -48,7 +48,7 @@ def test_bad_input_is_refused_and_changes_nothing() -> None:
     rp = make()
     for args in (("", 1, batch(1)), ("a", -1, batch(1)), ("a", 1, KVEventBatch(1.0, ["x"]))):  # type: ignore[list-item]
         with pytest.raises(ValueError):
-            rp.publish(*args)  # type: ignore[arg-type]
+            rp.publish_seq(*args)  # type: ignore[arg-type]
     assert rp.next_seq == 0 and rp.index.stats().num_entries == 0
     with pytest.raises(ValueError, match="from_seq"):
         rp.subscribe(-1)
@@ -57,7 +57,7 @@ def test_bad_input_is_refused_and_changes_nothing() -> None:
 def test_replay_inside_the_ring_is_exact() -> None:
     rp = make(ring=8)
     for i in range(12):
-        rp.publish("a", 1, batch(i))
+        rp.publish_seq("a", 1, batch(i))
     assert rp.oldest_seq == 4
     assert seqs(rp.subscribe(4).take()) == list(range(4, 12))
     assert seqs(rp.subscribe(10).take()) == [10, 11]
@@ -69,8 +69,8 @@ def test_replay_inside_the_ring_is_exact() -> None:
 def test_older_than_the_ring_gets_a_snapshot_then_live() -> None:
     rp = make(ring=2)
     for i in range(5):
-        rp.publish("a", 7, batch(i))
-    rp.publish("a", 7, KVEventBatch(1.0, [BlockRemoved((0,), "GPU")]))
+        rp.publish_seq("a", 7, batch(i))
+    rp.publish_seq("a", 7, KVEventBatch(1.0, [BlockRemoved((0,), "GPU")]))
     sub = rp.subscribe(1)
     items = sub.take()
     assert isinstance(items[0], StreamNotice) and items[0].kind is NoticeKind.SNAPSHOT_BEGIN
@@ -79,13 +79,13 @@ def test_older_than_the_ring_gets_a_snapshot_then_live() -> None:
     snap = [i for i in items if isinstance(i, SnapshotBatch)]
     hashes = [h for s in snap for e in s.batch.events for h in e.block_hashes]  # type: ignore[union-attr]
     assert sorted(hashes) == [1, 2, 3, 4] and {(s.engine_id, s.epoch) for s in snap} == {("a", 7)}
-    rp.publish("a", 7, batch(9))
+    rp.publish_seq("a", 7, batch(9))
     assert seqs(sub.take()) == [6]
 
 
 def test_from_seq_ahead_of_the_publisher_means_restart_and_snapshots() -> None:
     rp = make()
-    rp.publish("a", 1, batch(1))
+    rp.publish_seq("a", 1, batch(1))
     items = rp.subscribe(500).take()
     assert isinstance(items[0], StreamNotice) and "ahead of the publisher" in items[0].reason
 
@@ -94,11 +94,11 @@ def test_disconnect_and_resume_misses_nothing() -> None:
     rp = make(ring=16)
     sub = rp.subscribe(0)
     for i in range(3):
-        rp.publish("a", 1, batch(i))
+        rp.publish_seq("a", 1, batch(i))
     got = seqs(sub.take())
     sub.close()
     for i in range(3, 7):
-        rp.publish("a", 1, batch(i))
+        rp.publish_seq("a", 1, batch(i))
     got += seqs(rp.subscribe(got[-1] + 1).take())
     assert got == list(range(7))
 
@@ -110,7 +110,7 @@ def test_slow_subscriber_is_resynced_and_publisher_keeps_going() -> None:
     slow._wake = lambda: wakes.append(1)
     fast_seen = []
     for i in range(10):
-        rp.publish("a", 1, batch(i))
+        rp.publish_seq("a", 1, batch(i))
         fast_seen += seqs(fast.take())
     assert fast_seen == list(range(10)) and fast.num_resyncs == 0
     assert slow.lag == 0 and slow.num_resyncs == 1 and wakes  # buffer freed at once, told
@@ -121,7 +121,7 @@ def test_slow_subscriber_is_resynced_and_publisher_keeps_going() -> None:
     snap_hashes = {h for i in items if isinstance(i, SnapshotBatch) for e in i.batch.events
                    for h in e.block_hashes}  # type: ignore[union-attr]
     assert snap_hashes == set(range(10))
-    rp.publish("a", 1, batch(10))
+    rp.publish_seq("a", 1, batch(10))
     assert seqs(slow.take()) == [10]
     assert rp.stats().num_resyncs == 1
 
@@ -129,14 +129,14 @@ def test_slow_subscriber_is_resynced_and_publisher_keeps_going() -> None:
 def test_new_epoch_publishes_all_blocks_cleared_and_refuses_the_dead_epoch() -> None:
     rp = make()
     sub = rp.subscribe(None)
-    rp.publish("a", 1, batch(1, 2))
+    rp.publish_seq("a", 1, batch(1, 2))
     rp.register_epoch("a", 2)
     assert rp.index.match([1]) == {}
     items = sub.take()
     assert [(i.seq, i.epoch, i.batch.events) for i in items[1:]] == [(1, 1, [AllBlocksCleared()])]  # type: ignore[union-attr]
-    assert rp.publish("a", 1, batch(1)) is None
+    assert rp.publish_seq("a", 1, batch(1)) is None
     assert rp.index.match([1]) == {} and rp.stats().num_stale_batches == 1
-    rp.publish("a", 3, batch(5))  # a publish with a new epoch does the same implicitly
+    rp.publish_seq("a", 3, batch(5))  # a publish with a new epoch does the same implicitly
     assert [i.batch.events[0] for i in sub.take()][0] == AllBlocksCleared()  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="already replaced"):
         rp.register_epoch("a", 2)
@@ -150,14 +150,14 @@ def test_filters_by_engine_medium_and_type() -> None:
     gpu = rp.subscribe(None, EventFilter(media=frozenset({"GPU"})))
     eng_b = rp.subscribe(None, EventFilter(engine_ids=frozenset({"b"})))
     removed = rp.subscribe(None, EventFilter(types=frozenset({BlockRemoved})))
-    rp.publish("a", 1, KVEventBatch(1.0, [BlockStored((1,), None, (), 16, medium="CPU_OFFLOAD"),
+    rp.publish_seq("a", 1, KVEventBatch(1.0, [BlockStored((1,), None, (), 16, medium="CPU_OFFLOAD"),
                                           BlockStored((2,), None, (), 16, medium=None)]))
-    rp.publish("b", 1, KVEventBatch(1.0, [BlockRemoved((9,), "CPU"), AllBlocksCleared("CPU")]))
+    rp.publish_seq("b", 1, KVEventBatch(1.0, [BlockRemoved((9,), "CPU"), AllBlocksCleared("CPU")]))
     g = gpu.take()
     assert [(i.seq, [e.block_hashes for e in i.batch.events]) for i in g] == [(0, [(2,)])]  # type: ignore[union-attr]
     assert seqs(g) == [0] and seqs(gpu.take()) == []
     # AllBlocksCleared without a medium concerns every medium
-    rp.publish("b", 1, KVEventBatch(1.0, [AllBlocksCleared()]))
+    rp.publish_seq("b", 1, KVEventBatch(1.0, [AllBlocksCleared()]))
     assert seqs(gpu.take()) == [2]
     assert seqs(eng_b.take()) == [1, 2]
     r = removed.take()
@@ -172,7 +172,7 @@ def test_publish_from_many_threads_keeps_one_gapless_sequence() -> None:
 
     def produce(engine: str) -> None:
         for i in range(200):
-            rp.publish(engine, 1, batch(i))
+            rp.publish_seq(engine, 1, batch(i))
 
     threads = [threading.Thread(target=produce, args=(f"e{n}",)) for n in range(4)]
     for t in threads:
