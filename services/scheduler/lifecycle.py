@@ -15,7 +15,7 @@ Contracts:
 - One deadline per request (monotonic seconds), fixed at admission; `expired()` lists the live
   requests past it.
 - Prefill blocks are released exactly once: `release_prefill` returns True for the first cause
-  (all readers finished, transfer failed, abort, lease expired, engine gone) and False for every
+  (all readers finished, transfer failed, finished at prefill, abort, lease expired, engine gone) and False for every
   later one; both are counted in `release_outcomes` / `release_noops` by cause.
 - Terminal states are final; a transition from a terminal state raises `LifecycleError`, as
   does a transition that skips a state.
@@ -56,7 +56,8 @@ _ALLOWED: dict[RequestState, frozenset[RequestState]] = {
 class ReleaseCause(enum.StrEnum):
     TRANSFERRED = "transferred"          # every reader finished reading
     TRANSFER_FAILED = "transfer_failed"  # readers gave up; blocks no longer needed
-    ABORT = "abort"                      # client cancel, deadline, or the request ended early
+    FINISHED = "finished"                # the request ended at prefill (first token was the last)
+    ABORT = "abort"                      # client cancel, deadline, or a failure ended the request
     LEASE_EXPIRED = "lease_expired"      # nobody released in time; the engine freed them itself
     ENGINE_GONE = "engine_gone"          # the prefill engine's epoch died or was fenced
 

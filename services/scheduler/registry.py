@@ -142,6 +142,8 @@ class Registration:
     fenced_ranks: tuple[RankId, ...] = ()
     # True when this rank was not registered in this epoch before (first Hello, not a reconnect).
     new_rank: bool = True
+    # The fenced incarnation itself (its ranks, role and sizes), if any.
+    fenced_engine: EngineState | None = None
 
 
 def _check_hello_shape(h: RankHello) -> None:
@@ -223,9 +225,10 @@ class EngineRegistry:
         self.check(h)
         fenced_epoch: int | None = None
         fenced_ranks: tuple[RankId, ...] = ()
+        fenced_engine: EngineState | None = None
         current = self.engines.get(h.engine_id)
         if current is not None and current.epoch != h.epoch:
-            fenced_epoch, fenced_ranks = current.epoch, tuple(current.ranks)
+            fenced_epoch, fenced_ranks, fenced_engine = current.epoch, tuple(current.ranks), current
             self.fenced.setdefault(h.engine_id, set()).add(current.epoch)
             del self.engines[h.engine_id]
             current = None
@@ -239,7 +242,8 @@ class EngineRegistry:
         current.ranks[h.rank_id] = rank
         if h.tp_rank == 0 and h.pp_rank == 0:
             current.address = h.engine_address
-        return Registration(current, rank, fenced_epoch, fenced_ranks, new_rank=previous is None)
+        return Registration(current, rank, fenced_epoch, fenced_ranks, new_rank=previous is None,
+                            fenced_engine=fenced_engine)
 
     def disconnect(self, rank_id: RankId, conn_id: int) -> bool:
         """Marks a rank's stream closed, unless a newer stream of that rank replaced it."""

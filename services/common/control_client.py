@@ -1,0 +1,456 @@
+"""The rank side of the control stream (protos/pdserve/v1/control.proto), used by every rank.
+
+`ControlClient` runs its own asyncio loop in a daemon thread, so a synchronous engine loop can
+use it with plain calls:
+
+    client = ControlClient("127.0.0.1:50052", ControlHello(identity, compat_hash, address, blob))
+    welcome = client.start()              # blocks until registered; peers' handshake metadata
+    seq = client.report(StepReport(finished_recving=["r1"]))
+    for msg in client.poll():             # KVReady / KVFailed / ReleaseBlocks / PeerUpdate / Welcome
+        ...
+    client.set_load(EngineLoad(...))      # rank 0: sent with the next heartbeat
+    client.close()
+
+Contracts:
+- Reports get per-rank sequence numbers 1, 2, 3 ... in `report()` order and are sent in that
+  order. A report stays buffered until the scheduler acknowledges its seq; after a reconnect
+  (stream lost, scheduler restarted) every report above the new Welcome's `last_acked_seq` is
+  sent again, in order, so nothing is lost and the scheduler (which ignores seq <= its last
+  applied) counts nothing twice. At most `max_unacked` reports are buffered; beyond that the
+  oldest are dropped and counted in `num_dropped`.
+- Reconnects back off exponentially (`backoff_initial_s` doubling up to `backoff_max_s`) and
+  resend the same Hello (same epoch). After every reconnect a fresh `Welcome` is delivered
+  through `poll()` (and the callback), so the rank can refresh its peers.
+- A refusal (FAILED_PRECONDITION: incompatible or fenced; INVALID_ARGUMENT: malformed Hello)
+  is final: `start()` raises `ControlRefusedError`, or, after a successful start, the client
+  stops and `error` holds it.
+- `on_message`, when given, is called from the client thread for every message, in order;
+  it must not block. `poll()` returns the same messages (drain, don't push).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from connectors.kv_events import KVCacheEvent, KVEventBatch, event_to_proto
+from pdserve.v1 import control_pb2 as pb
+from pdserve.v1 import control_pb2_grpc, kv_events_pb2
+from services.common.grpc_server import insecure_channel
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+_ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE}
+_ROLE_NAMES = {v: k for k, v in _ROLES.items()}
+_FINAL_CODES = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
+
+
+class ControlRefusedError(RuntimeError):
+    """The scheduler refused this rank's registration (final; the reason is the message)."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str) -> None:
+        super().__init__(f"{code.name}: {reason}")
+        self.code = code
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class RankIdentity:
+    engine_id: str
+    role: str  # "prefill" or "decode"
+    epoch: int
+    tp_rank: int
+    tp_size: int
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    def to_proto(self) -> pb.RankIdentity:
+        return pb.RankIdentity(engine_id=self.engine_id, role=_ROLES[self.role], epoch=self.epoch,
+                               tp_rank=self.tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank,
+                               pp_size=self.pp_size)
+
+    @staticmethod
+    def from_proto(m: pb.RankIdentity) -> RankIdentity:
+        return RankIdentity(m.engine_id, _ROLE_NAMES.get(m.role, "unspecified"), m.epoch, m.tp_rank, m.tp_size,
+                            m.pp_rank, m.pp_size)
+
+
+@dataclass(frozen=True, slots=True)
+class ControlHello:
+    """What a rank says about itself at registration."""
+
+    identity: RankIdentity
+    compatibility_hash: str
+    engine_address: str
+    handshake_metadata: bytes = b""
+    hash_seed: str | None = None
+    block_size: int | None = None
+    protocol_version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    rank: RankIdentity
+    engine_address: str
+    handshake_metadata: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    expected_ranks: list[RankIdentity]
+    peers: list[Peer]
+    last_acked_seq: int
+    heartbeat_interval_s: float
+    scheduler_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class PeerUpdate:
+    joined: list[Peer]
+    left: list[RankIdentity]
+
+
+@dataclass(frozen=True, slots=True)
+class KVReady:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class KVFailed:
+    """The transfer failed; recompute `invalid_block_ids` (all blocks not received when empty)."""
+
+    request_id: str
+    reason: str
+    invalid_block_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseBlocks:
+    request_id: str
+
+
+ControlMessage = Welcome | PeerUpdate | KVReady | KVFailed | ReleaseBlocks
+
+
+@dataclass(slots=True)
+class TransferStat:
+    src_engine_id: str
+    dst_engine_id: str
+    num_bytes: int = 0
+    seconds: float = 0.0
+    num_operations: int = 0
+    num_failures: int = 0
+    failures_by_reason: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class StepReport:
+    """One rank's report for one step (fields as in control.proto's StepReport)."""
+
+    finished_sending: list[str] = field(default_factory=list)
+    finished_recving: list[str] = field(default_factory=list)
+    failed_recving: list[str] = field(default_factory=list)
+    invalid_block_ids: list[int] = field(default_factory=list)
+    transfer_stats: list[TransferStat] = field(default_factory=list)
+    worker_events: list[KVCacheEvent] = field(default_factory=list)
+    # Rank 0 only: the engine's block-pool events of this step.
+    engine_events: KVEventBatch | None = None
+    worker_metadata: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_pinned: int = 0
+    num_free_blocks: int = 0
+
+
+def _peer(m: pb.PeerInfo) -> Peer:
+    return Peer(RankIdentity.from_proto(m.rank), m.engine_address, m.handshake_metadata)
+
+
+def message_from_proto(m: pb.SchedulerMessage) -> ControlMessage | None:
+    """Converts a scheduler message (Acks excepted: None) into its dataclass."""
+    kind = m.WhichOneof("payload")
+    if kind == "welcome":
+        w = m.welcome
+        return Welcome([RankIdentity.from_proto(r) for r in w.expected_ranks], [_peer(p) for p in w.peers],
+                       w.last_acked_seq, w.heartbeat_interval_ms / 1000.0, w.scheduler_id)
+    if kind == "peer_update":
+        return PeerUpdate([_peer(p) for p in m.peer_update.joined],
+                          [RankIdentity.from_proto(r) for r in m.peer_update.left])
+    if kind == "kv_ready":
+        return KVReady(m.kv_ready.request_id)
+    if kind == "kv_failed":
+        return KVFailed(m.kv_failed.request_id, m.kv_failed.reason, list(m.kv_failed.invalid_block_ids))
+    if kind == "release":
+        return ReleaseBlocks(m.release.request_id)
+    return None
+
+
+def report_to_proto(seq: int, r: StepReport, identity: RankIdentity) -> pb.StepReport:
+    msg = pb.StepReport(seq=seq, finished_sending=r.finished_sending, finished_recving=r.finished_recving,
+                        failed_recving=r.failed_recving, invalid_block_ids=r.invalid_block_ids,
+                        worker_events=[event_to_proto(e) for e in r.worker_events],
+                        worker_metadata=r.worker_metadata)
+    for s in r.transfer_stats:
+        msg.transfer_stats.append(pb.TransferStat(
+            src_engine_id=s.src_engine_id, dst_engine_id=s.dst_engine_id, num_bytes=s.num_bytes,
+            seconds=s.seconds, num_operations=s.num_operations, num_failures=s.num_failures,
+            failures_by_reason=s.failures_by_reason))
+    if r.engine_events is not None:
+        batch = kv_events_pb2.EventBatch(ts=r.engine_events.ts, engine_id=identity.engine_id, epoch=identity.epoch,
+                                         events=[event_to_proto(e) for e in r.engine_events.events])
+        if r.engine_events.data_parallel_rank is not None:
+            batch.data_parallel_rank = r.engine_events.data_parallel_rank
+        msg.engine_events.CopyFrom(batch)
+    return msg
+
+
+class ControlClient:
+    """One rank's control stream (see the module docstring for the contracts)."""
+
+    def __init__(self, target: str, hello: ControlHello, *,
+                 on_message: Callable[[ControlMessage], None] | None = None,
+                 backoff_initial_s: float = 0.05, backoff_max_s: float = 2.0,
+                 max_unacked: int = 100_000) -> None:
+        self.target = target
+        self.hello = hello
+        self.on_message = on_message
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+        self.max_unacked = max_unacked
+        self.welcome: Welcome | None = None
+        self.error: ControlRefusedError | None = None
+        self.num_reconnects = 0
+        self.num_dropped = 0
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._acked = 0
+        self._unacked: dict[int, pb.StepReport] = {}
+        self._inbox: deque[ControlMessage] = deque()
+        self._load: EngineLoad | None = None
+        self._draining = False
+        self._connected = False
+        self._closed = False
+        self._started = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- thread-safe API -----------------------------------------------------------------------
+
+    def start(self, timeout: float | None = 30.0) -> Welcome:
+        """Starts the client thread and blocks until the first Welcome. Raises
+        ControlRefusedError when refused, TimeoutError when no Welcome came in time (the client
+        keeps trying in the background)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._thread_main, name="control-client", daemon=True)
+            self._thread.start()
+        if not self._started.wait(timeout):
+            raise TimeoutError(f"no Welcome from the scheduler at {self.target} within {timeout} s")
+        if self.error is not None:
+            raise self.error
+        assert self.welcome is not None
+        return self.welcome
+
+    def report(self, report: StepReport) -> int:
+        """Queues a report (thread-safe) and returns its seq."""
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+            self._unacked[seq] = report_to_proto(seq, report, self.hello.identity)
+            while len(self._unacked) > self.max_unacked:
+                del self._unacked[next(iter(self._unacked))]
+                self.num_dropped += 1
+        self._poke()
+        return seq
+
+    def poll(self) -> list[ControlMessage]:
+        """Drains the messages received since the last poll, in order."""
+        out: list[ControlMessage] = []
+        while self._inbox:
+            out.append(self._inbox.popleft())
+        return out
+
+    def set_load(self, load: EngineLoad | None, draining: bool = False) -> None:
+        """Load and draining flag sent with every heartbeat from now on (rank 0)."""
+        self._load, self._draining = load, draining
+
+    def heartbeat_now(self) -> None:
+        self._poke()
+
+    @property
+    def connected(self) -> bool:
+        return self._connected
+
+    @property
+    def last_acked_seq(self) -> int:
+        return self._acked
+
+    @property
+    def last_seq(self) -> int:
+        return self._seq
+
+    def num_unacked(self) -> int:
+        with self._lock:
+            return len(self._unacked)
+
+    def wait_acked(self, seq: int, timeout: float = 10.0) -> bool:
+        """Blocks until `seq` is acknowledged (True) or the timeout passes (False)."""
+        deadline = time.monotonic() + timeout
+        while self._acked < seq:
+            if time.monotonic() >= deadline or self.error is not None:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stops the stream and the thread; idempotent."""
+        self._closed = True
+        self._poke()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    # -- the client thread ---------------------------------------------------------------------
+
+    def _poke(self) -> None:
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:
+                pass  # loop closed in between
+
+    def _thread_main(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._main())
+        finally:
+            self._started.set()
+            loop.close()
+
+    async def _main(self) -> None:
+        self._wake = asyncio.Event()
+        backoff = self.backoff_initial_s
+        first = True
+        while not self._closed:
+            if not first:
+                self.num_reconnects += 1
+            first = False
+            try:
+                registered = await self._session()
+            except ControlRefusedError as e:
+                logger.error("scheduler %s refused rank %s: %s", self.target, self.hello.identity, e)
+                self.error = e
+                return
+            self._connected = False
+            if self._closed:
+                return
+            if registered:
+                backoff = self.backoff_initial_s
+            await self._sleep(backoff)
+            backoff = min(self.backoff_max_s, backoff * 2)
+
+    async def _sleep(self, seconds: float) -> None:
+        assert self._wake is not None
+        try:
+            await asyncio.wait_for(self._wake.wait(), seconds)
+        except TimeoutError:
+            pass
+        self._wake.clear()
+
+    async def _session(self) -> bool:
+        """One connection; returns whether it got as far as a Welcome."""
+        registered = False
+        channel = insecure_channel(self.target)
+        try:
+            stub = control_pb2_grpc.ControlStub(channel)
+            call = stub.Connect(self._outgoing())
+            async for msg in call:
+                registered |= self._on_incoming(msg)
+        except grpc.aio.AioRpcError as e:
+            if e.code() in _FINAL_CODES:
+                raise ControlRefusedError(e.code(), e.details() or "") from None
+            logger.info("control stream to %s lost (%s); reconnecting", self.target, e.code().name)
+        finally:
+            await channel.close(None)
+        return registered
+
+    def _on_incoming(self, msg: pb.SchedulerMessage) -> bool:
+        if msg.WhichOneof("payload") == "ack":
+            with self._lock:
+                self._acked = max(self._acked, msg.ack.seq)
+                for seq in [s for s in self._unacked if s <= msg.ack.seq]:
+                    del self._unacked[seq]
+            return False
+        converted = message_from_proto(msg)
+        if converted is None:
+            return False
+        if isinstance(converted, Welcome):
+            with self._lock:
+                self._acked = converted.last_acked_seq
+                for seq in [s for s in self._unacked if s <= converted.last_acked_seq]:
+                    del self._unacked[seq]
+            self.welcome = converted
+            self._connected = True
+            self._started.set()
+        self._inbox.append(converted)
+        if self.on_message is not None:
+            try:
+                self.on_message(converted)
+            except Exception:
+                logger.exception("control message callback failed")
+        return isinstance(converted, Welcome)
+
+    def _hello_proto(self) -> pb.RankMessage:
+        h = self.hello
+        msg = pb.Hello(rank=h.identity.to_proto(), compatibility_hash=h.compatibility_hash,
+                       protocol_version=h.protocol_version, engine_address=h.engine_address,
+                       handshake_metadata=h.handshake_metadata, last_sent_seq=self._seq)
+        if h.hash_seed is not None:
+            msg.hash_seed = h.hash_seed
+        if h.block_size is not None:
+            msg.block_size = h.block_size
+        return pb.RankMessage(hello=msg)
+
+    async def _outgoing(self) -> AsyncIterator[pb.RankMessage]:
+        """Hello, then (once welcomed) the unacked reports in seq order and heartbeats."""
+        assert self._wake is not None
+        yield self._hello_proto()
+        while not self._connected and not self._closed:
+            await self._sleep(0.05)
+        sent_upto = self._acked
+        last_beat = 0.0
+        while not self._closed:
+            with self._lock:
+                pending = [m for s, m in self._unacked.items() if s > sent_upto]
+            for m in pending:
+                yield pb.RankMessage(report=m)
+                sent_upto = m.seq
+            interval = self.welcome.heartbeat_interval_s if self.welcome and self.welcome.heartbeat_interval_s > 0 else 1.0
+            now = time.monotonic()
+            if now - last_beat >= interval:
+                last_beat = now
+                yield pb.RankMessage(heartbeat=self._heartbeat())
+            await self._sleep(max(0.0, interval - (time.monotonic() - last_beat)))
+
+    def _heartbeat(self) -> pb.Heartbeat:
+        beat = pb.Heartbeat(draining=self._draining)
+        load = self._load
+        if load is not None and self.hello.identity.tp_rank == 0 and self.hello.identity.pp_rank == 0:
+            beat.load.CopyFrom(pb.EngineLoad(num_running=load.num_running, num_waiting=load.num_waiting,
+                                             kv_usage=load.kv_usage, num_pinned=load.num_pinned,
+                                             num_free_blocks=load.num_free_blocks))
+        return beat

@@ -1,0 +1,398 @@
+"""The `Control` servicer: one bidirectional stream per rank of every engine.
+
+Protobuf lives here and nowhere deeper: Hellos become `RankHello`, reports become
+`KVConnectorOutput` for `connectors.aggregator.KVOutputAggregator`, whose engine-level results
+feed the `TransferTracker`; its outcomes go to `on_transfer_outcome` (the Generation servicer's
+hook, which applies the release-once rule) and from there to the engines' rank-0 streams.
+
+Contracts (see control.proto):
+- The first message must be a Hello: a malformed one ends the stream with INVALID_ARGUMENT, a
+  compatibility / hash-seed / block-size mismatch or a fenced epoch with FAILED_PRECONDITION,
+  each with the reason; a refused Hello changes no state.
+- Welcome carries the engine's expected ranks, the handshake metadata of every registered rank
+  of the other role (decode ranks get every prefill rank, prefill ranks every decode rank) and
+  the rank's last applied seq. A rank registering for the first time in its epoch is announced
+  to the other role's connected ranks in a PeerUpdate (joined); an engine that dies or is fenced
+  is announced as left.
+- Each StepReport is applied at most once (seq <= last applied is a duplicate: ignored) and
+  acknowledged with Ack(last applied seq). A report the scheduler cannot parse is acknowledged,
+  dropped and counted (resending it would not help).
+- A rank silent for `heartbeat_timeout_s` is dead: its engine is down (transfers touching it
+  fail over, an AllBlocksCleared for its epoch goes to the event sink, `on_engine_down` hooks
+  run). A rank of a live epoch that speaks again brings its engine back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from connectors.aggregator import KVOutputAggregator
+from connectors.kv_events import AllBlocksCleared, KVEventBatch, event_from_proto
+from connectors.outputs import KVConnectorOutput
+from pdserve.v1 import control_pb2 as pb
+from pdserve.v1 import control_pb2_grpc, kv_events_pb2
+from services.scheduler.event_sink import EventSink, NullEventSink
+from services.scheduler.lifecycle import EngineRef
+from services.scheduler.registry import (
+    PROTOCOL_VERSION,
+    EngineRegistry,
+    EngineState,
+    LoadInfo,
+    RankHello,
+    RankId,
+    RankState,
+    RegistrationError,
+    RegistrationErrorKind,
+    Role,
+)
+from services.scheduler.transfers import OutcomeKind, TransferOutcome, TransferTracker
+
+logger = logging.getLogger(__name__)
+
+_ROLE_FROM_PB = {pb.ROLE_PREFILL: Role.PREFILL, pb.ROLE_DECODE: Role.DECODE}
+_ROLE_TO_PB = {v: k for k, v in _ROLE_FROM_PB.items()}
+HELLO_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Close:
+    code: grpc.StatusCode
+    reason: str
+
+
+@dataclass(slots=True)
+class RankConnection:
+    rank_id: RankId
+    conn_id: int
+    epoch: int
+    role: Role
+    queue: asyncio.Queue[pb.SchedulerMessage | _Close]
+
+
+def hello_from_proto(m: pb.Hello) -> RankHello:
+    """Converts a Hello; raises RegistrationError(INVALID) when required parts are missing."""
+    if not m.HasField("rank"):
+        raise RegistrationError(RegistrationErrorKind.INVALID, "hello: rank identity missing")
+    role = _ROLE_FROM_PB.get(m.rank.role)
+    if role is None:
+        raise RegistrationError(RegistrationErrorKind.INVALID, "hello: role must be ROLE_PREFILL or ROLE_DECODE")
+    r = m.rank
+    return RankHello(engine_id=r.engine_id, role=role, epoch=r.epoch, tp_rank=r.tp_rank, tp_size=r.tp_size,
+                     pp_rank=r.pp_rank, pp_size=r.pp_size or 1, compatibility_hash=m.compatibility_hash,
+                     engine_address=m.engine_address, handshake_metadata=m.handshake_metadata,
+                     protocol_version=m.protocol_version or PROTOCOL_VERSION, last_sent_seq=m.last_sent_seq,
+                     hash_seed=m.hash_seed if m.HasField("hash_seed") else None,
+                     block_size=m.block_size if m.HasField("block_size") else None)
+
+
+def _identity(engine: EngineState, rank_id: RankId) -> pb.RankIdentity:
+    return pb.RankIdentity(engine_id=engine.engine_id, role=_ROLE_TO_PB[engine.role], epoch=engine.epoch,
+                           tp_rank=rank_id.tp_rank, tp_size=engine.tp_size, pp_rank=rank_id.pp_rank,
+                           pp_size=engine.pp_size)
+
+
+def _peer_info(engine: EngineState, rank: RankState) -> pb.PeerInfo:
+    return pb.PeerInfo(rank=_identity(engine, rank.hello.rank_id), engine_address=rank.hello.engine_address,
+                       handshake_metadata=rank.hello.handshake_metadata)
+
+
+def _global_rank(engine: EngineState, rank_id: RankId) -> int:
+    return rank_id.pp_rank * engine.tp_size + rank_id.tp_rank
+
+
+def output_from_proto(report: pb.StepReport) -> KVConnectorOutput:
+    """The aggregator's view of a StepReport; raises ValueError for malformed events."""
+    return KVConnectorOutput(
+        finished_sending=frozenset(report.finished_sending),
+        finished_recving=frozenset(report.finished_recving),
+        failed_recving=frozenset(report.failed_recving),
+        invalid_block_ids=frozenset(report.invalid_block_ids),
+        kv_cache_events=tuple(event_from_proto(e) for e in report.worker_events))
+
+
+def batch_from_proto(m: kv_events_pb2.EventBatch) -> KVEventBatch:
+    return KVEventBatch(ts=m.ts, events=[event_from_proto(e) for e in m.events],
+                        data_parallel_rank=m.data_parallel_rank if m.HasField("data_parallel_rank") else None)
+
+
+class ControlServicer(control_pb2_grpc.ControlServicer):
+    """Rank streams, registration, reports, heartbeats (see the module docstring)."""
+
+    def __init__(self, registry: EngineRegistry, *, aggregator: KVOutputAggregator | None = None,
+                 tracker: TransferTracker | None = None, sink: EventSink | None = None,
+                 heartbeat_interval_s: float = 1.0, scheduler_id: str = "") -> None:
+        self.registry = registry
+        self.aggregator = aggregator or KVOutputAggregator(clock=registry.clock)
+        self.tracker = tracker or TransferTracker(clock=registry.clock)
+        self.sink: EventSink = sink or NullEventSink()
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.scheduler_id = scheduler_id
+        self.connections: dict[RankId, RankConnection] = {}
+        # Hooks (set by the scheduler service): what to do with a transfer outcome (default:
+        # deliver it to the engine), and who to tell when an engine goes down or comes back.
+        self.on_transfer_outcome: Callable[[TransferOutcome], None] = self.deliver
+        self.on_engine_down: list[Callable[[EngineRef, str], None]] = []
+        self.on_engine_up: list[Callable[[EngineRef], None]] = []
+        self.down: set[EngineRef] = set()
+        self.counters: Counter[str] = Counter()
+        self.transfer_bytes: Counter[tuple[str, str]] = Counter()
+        self._monitor_task: asyncio.Task[None] | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start_monitor(self) -> None:
+        """Starts the heartbeat-timeout sweep on the running loop."""
+        if self._monitor_task is None:
+            self._monitor_task = asyncio.get_running_loop().create_task(self._monitor())
+
+    async def stop(self) -> None:
+        if self._monitor_task is not None:
+            self._monitor_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor_task
+            self._monitor_task = None
+        for conn in list(self.connections.values()):
+            conn.queue.put_nowait(_Close(grpc.StatusCode.UNAVAILABLE, "scheduler shutting down"))
+
+    async def _monitor(self) -> None:
+        period = max(0.02, min(self.heartbeat_interval_s, self.registry.heartbeat_timeout_s) / 4)
+        while True:
+            await asyncio.sleep(period)
+            self.check_heartbeats()
+
+    def check_heartbeats(self) -> None:
+        for rank_id in self.registry.expire():
+            engine = self.registry.engine(rank_id.engine_id)
+            if engine is not None:
+                self.engine_down(EngineRef(engine.engine_id, engine.epoch),
+                                 f"rank tp={rank_id.tp_rank} pp={rank_id.pp_rank} silent for more than "
+                                 f"{self.registry.heartbeat_timeout_s} s")
+
+    # -- sending ------------------------------------------------------------------------------
+
+    def send(self, rank_id: RankId, epoch: int, msg: pb.SchedulerMessage) -> bool:
+        conn = self.connections.get(rank_id)
+        if conn is None or conn.epoch != epoch:
+            self.counters["send_no_stream"] += 1
+            return False
+        conn.queue.put_nowait(msg)
+        return True
+
+    def send_to_leader(self, engine: EngineRef, msg: pb.SchedulerMessage) -> bool:
+        """Queues `msg` on the rank-0 stream of (engine_id, epoch); False when there is none."""
+        return self.send(RankId(engine.engine_id, 0, 0), engine.epoch, msg)
+
+    def deliver(self, outcome: TransferOutcome) -> None:
+        """Sends a transfer outcome to its engine: KVReady / KVFailed / ReleaseBlocks."""
+        if outcome.kind == OutcomeKind.KV_READY:
+            msg = pb.SchedulerMessage(kv_ready=pb.KVReady(request_id=outcome.request_id))
+        elif outcome.kind == OutcomeKind.KV_FAILED:
+            msg = pb.SchedulerMessage(kv_failed=pb.KVFailed(request_id=outcome.request_id, reason=outcome.reason,
+                                                            invalid_block_ids=outcome.invalid_block_ids))
+        else:
+            msg = pb.SchedulerMessage(release=pb.ReleaseBlocks(request_id=outcome.request_id))
+        self.counters[f"sent_{outcome.kind}"] += 1
+        self.send_to_leader(outcome.engine, msg)
+
+    def release(self, engine: EngineRef, request_id: str) -> bool:
+        return self.send_to_leader(engine, pb.SchedulerMessage(release=pb.ReleaseBlocks(request_id=request_id)))
+
+    def _broadcast(self, role: Role, msg: pb.SchedulerMessage) -> None:
+        for conn in self.connections.values():
+            if conn.role == role:
+                conn.queue.put_nowait(msg)
+
+    # -- engines going down / coming back -----------------------------------------------------
+
+    def engine_down(self, ref: EngineRef, reason: str, engine: EngineState | None = None) -> None:
+        """Fails over everything on (engine, epoch); idempotent until the engine comes back.
+        `engine` is the incarnation when the registry no longer holds it (fenced)."""
+        if ref in self.down:
+            return
+        self.down.add(ref)
+        logger.warning("engine %s epoch %#x down: %s", ref.engine_id, ref.epoch, reason)
+        self.counters["engines_down"] += 1
+        for outcome in self.tracker.fail_engine(ref, reason):
+            self.on_transfer_outcome(outcome)
+        self.sink.publish(ref.engine_id, ref.epoch, KVEventBatch(ts=time.time(), events=[AllBlocksCleared()]))
+        engine = engine or self.registry.engine(ref.engine_id, ref.epoch)
+        if engine is not None and engine.ranks:
+            other = Role.DECODE if engine.role == Role.PREFILL else Role.PREFILL
+            left = [_identity(engine, rid) for rid in engine.ranks]
+            self._broadcast(other, pb.SchedulerMessage(peer_update=pb.PeerUpdate(left=left)))
+        for hook in self.on_engine_down:
+            hook(ref, reason)
+
+    def _engine_up(self, engine: EngineState) -> None:
+        ref = EngineRef(engine.engine_id, engine.epoch)
+        if ref in self.down and engine.healthy:
+            self.down.discard(ref)
+            logger.info("engine %s epoch %#x is back", engine.engine_id, engine.epoch)
+            other = Role.DECODE if engine.role == Role.PREFILL else Role.PREFILL
+            joined = [_peer_info(engine, r) for r in engine.ranks.values()]
+            self._broadcast(other, pb.SchedulerMessage(peer_update=pb.PeerUpdate(joined=joined)))
+            for hook in self.on_engine_up:
+                hook(ref)
+
+    # -- the stream ---------------------------------------------------------------------------
+
+    async def Connect(self, request_iterator: AsyncIterator[pb.RankMessage],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SchedulerMessage]:
+        conn = await self._handshake(request_iterator, context)
+        if conn is None:
+            return
+        reader = asyncio.get_running_loop().create_task(self._read(conn, request_iterator))
+        try:
+            while True:
+                item = await conn.queue.get()
+                if isinstance(item, _Close):
+                    if item.code == grpc.StatusCode.OK:
+                        return
+                    await context.abort(item.code, item.reason)
+                yield item
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+            if self.connections.get(conn.rank_id) is conn:
+                del self.connections[conn.rank_id]
+            self.registry.disconnect(conn.rank_id, conn.conn_id)
+
+    async def _handshake(self, request_iterator: AsyncIterator[pb.RankMessage],
+                         context: grpc.aio.ServicerContext) -> RankConnection | None:
+        try:
+            first = await asyncio.wait_for(anext(aiter(request_iterator)), HELLO_TIMEOUT_S)
+        except (StopAsyncIteration, TimeoutError):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a Hello")
+        if first.WhichOneof("payload") != "hello":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a Hello")
+        try:
+            hello = hello_from_proto(first.hello)
+            reg = self.registry.register(hello)
+        except RegistrationError as e:
+            self.counters[f"hello_refused_{e.kind}"] += 1
+            code = (grpc.StatusCode.INVALID_ARGUMENT if e.kind == RegistrationErrorKind.INVALID
+                    else grpc.StatusCode.FAILED_PRECONDITION)
+            logger.warning("refused Hello from %s: %s", context.peer(), e)
+            await context.abort(code, str(e))
+        engine = reg.engine
+        if reg.fenced_engine is not None:
+            self._fence(reg.fenced_engine)
+        self.aggregator.register_engine(engine.engine_id, engine.epoch, range(engine.tp_size * engine.pp_size))
+        conn = RankConnection(hello.rank_id, reg.rank.conn_id, engine.epoch, engine.role, asyncio.Queue())
+        old = self.connections.get(hello.rank_id)
+        if old is not None:
+            old.queue.put_nowait(_Close(grpc.StatusCode.ABORTED, "replaced by a newer stream of this rank"))
+        self.connections[hello.rank_id] = conn
+        conn.queue.put_nowait(self._welcome(engine, reg.rank))
+        if reg.new_rank:
+            other = Role.DECODE if engine.role == Role.PREFILL else Role.PREFILL
+            update = pb.PeerUpdate(joined=[_peer_info(engine, reg.rank)])
+            self._broadcast(other, pb.SchedulerMessage(peer_update=update))
+        self.counters["hello_accepted"] += 1
+        logger.info("rank %s tp=%d/%d of %s engine %s epoch %#x registered", hello.tp_rank, hello.tp_rank,
+                    hello.tp_size, engine.role, engine.engine_id, engine.epoch)
+        self._engine_up(engine)
+        return conn
+
+    def _fence(self, fenced: EngineState) -> None:
+        self.counters["epochs_fenced"] += 1
+        old = EngineRef(fenced.engine_id, fenced.epoch)
+        for rank_id in fenced.ranks:
+            conn = self.connections.get(rank_id)
+            if conn is not None and conn.epoch == old.epoch:
+                conn.queue.put_nowait(_Close(grpc.StatusCode.FAILED_PRECONDITION,
+                                             f"epoch {old.epoch:#x} fenced by a newer epoch"))
+                del self.connections[rank_id]
+        self.down.discard(old)
+        self.engine_down(old, "fenced by a new epoch", fenced)
+        self.down.discard(old)
+
+    def _welcome(self, engine: EngineState, rank: RankState) -> pb.SchedulerMessage:
+        other = Role.DECODE if engine.role == Role.PREFILL else Role.PREFILL
+        peers = [_peer_info(e, r) for e in self.registry.by_role(other)
+                 if EngineRef(e.engine_id, e.epoch) not in self.down for r in e.ranks.values()]
+        welcome = pb.Welcome(expected_ranks=[_identity(engine, r) for r in engine.expected_ranks()], peers=peers,
+                             last_acked_seq=rank.last_applied_seq,
+                             heartbeat_interval_ms=int(self.heartbeat_interval_s * 1000),
+                             scheduler_id=self.scheduler_id)
+        return pb.SchedulerMessage(welcome=welcome)
+
+    async def _read(self, conn: RankConnection, request_iterator: AsyncIterator[pb.RankMessage]) -> None:
+        try:
+            async for msg in request_iterator:
+                if not self.registry.touch(conn.rank_id, conn.conn_id):
+                    return  # fenced or replaced
+                engine = self.registry.engine(conn.rank_id.engine_id, conn.epoch)
+                if engine is None:
+                    return
+                self._engine_up(engine)
+                kind = msg.WhichOneof("payload")
+                if kind == "report":
+                    self._on_report(conn, engine, msg.report)
+                elif kind == "heartbeat":
+                    self._on_heartbeat(conn, engine, msg.heartbeat)
+                else:
+                    self.counters["unexpected_message"] += 1
+        except grpc.aio.AioRpcError:
+            pass
+        finally:
+            self.registry.disconnect(conn.rank_id, conn.conn_id)
+            conn.queue.put_nowait(_Close(grpc.StatusCode.OK, "stream closed by the rank"))
+
+    def _on_heartbeat(self, conn: RankConnection, engine: EngineState, beat: pb.Heartbeat) -> None:
+        if conn.rank_id == engine.leader:
+            load = None
+            if beat.HasField("load"):
+                m = beat.load
+                load = LoadInfo(m.num_running, m.num_waiting, m.kv_usage, m.num_pinned, m.num_free_blocks)
+            self.registry.update_load(engine.engine_id, load or engine.load, beat.draining)
+
+    def _on_report(self, conn: RankConnection, engine: EngineState, report: pb.StepReport) -> None:
+        if report.seq == 0:
+            self.counters["reports_malformed"] += 1
+            return
+        if self.registry.accept_seq(conn.rank_id, conn.conn_id, report.seq):
+            try:
+                self.apply_report(engine, conn.rank_id, report)
+                self.counters["reports_applied"] += 1
+            except ValueError as e:
+                self.counters["reports_malformed"] += 1
+                logger.warning("dropped report %d of %s: %s", report.seq, conn.rank_id, e)
+        else:
+            self.counters["reports_duplicate"] += 1
+        rank = self.registry.rank(conn.rank_id)
+        acked = rank.last_applied_seq if rank is not None else report.seq
+        conn.queue.put_nowait(pb.SchedulerMessage(ack=pb.Ack(seq=acked)))
+
+    def apply_report(self, engine: EngineState, rank_id: RankId, report: pb.StepReport) -> None:
+        """Feeds one new report to the aggregator, tracker and event sink (ValueError: malformed,
+        nothing applied)."""
+        output = output_from_proto(report)
+        engine_batch = None
+        if report.HasField("engine_events") and rank_id == engine.leader and report.engine_events.events:
+            engine_batch = batch_from_proto(report.engine_events)
+        result = self.aggregator.add_report(engine.engine_id, engine.epoch, _global_rank(engine, rank_id), output)
+        ref = EngineRef(engine.engine_id, engine.epoch)
+        outcomes: list[TransferOutcome] = []
+        for request_id in result.finished_recving:
+            outcomes += self.tracker.on_recving(ref, request_id, request_id in result.failed_recving,
+                                                result.invalid_block_ids.get(request_id, ()))
+        for request_id in result.finished_sending:
+            outcomes += self.tracker.on_sending(ref, request_id)
+        if engine_batch is not None:
+            self.sink.publish(engine.engine_id, engine.epoch, engine_batch)
+        if result.events:
+            self.sink.publish(engine.engine_id, engine.epoch, KVEventBatch(ts=time.time(), events=result.events))
+        for stat in report.transfer_stats:
+            self.transfer_bytes[(stat.src_engine_id, stat.dst_engine_id)] += stat.num_bytes
+        for outcome in outcomes:
+            self.on_transfer_outcome(outcome)
