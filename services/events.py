@@ -1,18 +1,160 @@
-"""`pdserve events`: print the cluster's KV events as JSON lines."""
+"""`pdserve events`: print the cluster's KV events as JSON lines.
+
+gRPC (default): subscribes to the scheduler's KVEvents service. One line per batch
+`{"seq", "engine_id", "epoch", "ts", "data_parallel_rank", "events": [...]}`; snapshot batches
+carry `"snapshot": true` (and seq 0); notices are `{"notice": "SNAPSHOT_BEGIN" | "SNAPSHOT_END" |
+"RESYNC", "next_seq", "reason"}`. Resume without loss with `--from-seq <last seq + 1>`.
+
+ZMQ (`--zmq ENDPOINT`): reads vLLM's wire format from a PUB endpoint (the scheduler's or a vLLM
+engine's). With `--from-seq N` and `--zmq-replay ENDPOINT` it first replays from N over a DEALER,
+then continues live without duplicates. Lines carry `"topic"` instead of engine and epoch.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from typing import Any, TextIO
 
-from services.common.errors import NotAvailableError
+import grpc
+
+from connectors.kv_events import KVCacheEvent, KVEventBatch, event_from_proto
+from services.common.grpc_server import CHANNEL_OPTIONS
+
+END_SEQ = b"\xff" * 8
+_TYPES = {"BlockStored": 1, "BlockRemoved": 2, "AllBlocksCleared": 3}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="127.0.0.1:50053", help="scheduler KVEvents host:port")
-    parser.add_argument("--from-seq", type=int, help="replay from this sequence number")
+    parser.add_argument("--from-seq", type=int, help="replay from this sequence number (default: live only)")
+    parser.add_argument("--engine", action="append", default=[], help="only this engine id (repeatable)")
+    parser.add_argument("--medium", action="append", default=[], help="only this medium, e.g. GPU (repeatable)")
+    parser.add_argument("--type", action="append", default=[], choices=sorted(_TYPES),
+                        help="only this event type (repeatable)")
     parser.add_argument("--zmq", metavar="ENDPOINT", help="read vLLM-format events from a ZMQ PUB endpoint")
+    parser.add_argument("--zmq-replay", metavar="ENDPOINT", help="ZMQ ROUTER replay endpoint (with --from-seq)")
+    parser.add_argument("--limit", type=int, default=0, help="exit after this many batches (0: never)")
+    parser.add_argument("--duration", type=float, default=0.0, help="exit after this many seconds (0: never)")
+    parser.add_argument("--json", action="store_true", help="JSON lines (the default output; accepted for symmetry)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.from_seq is not None and args.from_seq < 0:
+        raise ValueError(f"--from-seq must be >= 0, got {args.from_seq}")
+    if args.limit < 0 or args.duration < 0:
+        raise ValueError("--limit and --duration must be >= 0")
+    if args.zmq_replay and not args.zmq:
+        raise ValueError("--zmq-replay needs --zmq")
+    if args.zmq:
+        return _run_zmq(args, sys.stdout)
+    return _run_grpc(args, sys.stdout)
 
-    raise NotAvailableError("the event plane comes with the KV-event issue")
+
+def event_to_dict(event: KVCacheEvent) -> dict[str, Any]:
+    """vLLM's field names, with the event type under "type" (as in vLLM's map encoding)."""
+    return {"type": type(event).__name__, **asdict(event)}
+
+
+def _json_default(value: object) -> object:
+    if isinstance(value, bytes):
+        return value.hex()
+    return str(value)
+
+
+def _emit(out: TextIO, line: dict[str, Any]) -> None:
+    out.write(json.dumps(line, default=_json_default) + "\n")
+    out.flush()
+
+
+def _run_grpc(args: argparse.Namespace, out: TextIO) -> int:
+    from pdserve.v1 import kv_events_pb2 as pb
+    from pdserve.v1 import kv_events_pb2_grpc as pb_grpc
+
+    request = pb.SubscribeRequest(engine_ids=args.engine, media=args.medium, types=[_TYPES[t] for t in args.type])
+    if args.from_seq is not None:
+        request.from_seq = args.from_seq
+    num_batches = 0
+    with grpc.insecure_channel(args.target, options=CHANNEL_OPTIONS) as channel:
+        call = pb_grpc.KVEventsStub(channel).Subscribe(request, timeout=args.duration or None)
+        snapshot = False
+        try:
+            for msg in call:
+                if msg.WhichOneof("payload") == "notice":
+                    kind = pb.StreamNotice.Kind.Name(msg.notice.kind)
+                    snapshot = kind in ("SNAPSHOT_BEGIN", "RESYNC")
+                    _emit(out, {"notice": kind, "next_seq": msg.notice.next_seq, "reason": msg.notice.reason})
+                    continue
+                b = msg.batch
+                line: dict[str, Any] = {"seq": b.seq, "engine_id": b.engine_id, "epoch": b.epoch, "ts": b.ts,
+                                        "data_parallel_rank": b.data_parallel_rank if b.HasField(
+                                            "data_parallel_rank") else None,
+                                        "events": [event_to_dict(event_from_proto(e)) for e in b.events]}
+                if snapshot:
+                    line["snapshot"] = True
+                _emit(out, line)
+                num_batches += 1
+                if args.limit and num_batches >= args.limit:
+                    call.cancel()
+                    break
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                print(f"pdserve events: {e.code().name}: {e.details()}", file=sys.stderr)
+                return 1
+    return 0
+
+
+def _zmq_line(topic: bytes, seq: int, batch: KVEventBatch) -> dict[str, Any]:
+    return {"seq": seq, "topic": topic.decode(errors="replace"), "ts": batch.ts,
+            "data_parallel_rank": batch.data_parallel_rank, "events": [event_to_dict(e) for e in batch.events]}
+
+
+def _run_zmq(args: argparse.Namespace, out: TextIO) -> int:
+    import zmq
+
+    from connectors.wire import decode_batch
+
+    ctx = zmq.Context()
+    deadline = time.monotonic() + args.duration if args.duration else None
+    num_batches = 0
+    last_seq: int | None = None
+
+    def emit(topic: bytes, seq: int, payload: bytes) -> bool:
+        nonlocal num_batches, last_seq
+        _emit(out, _zmq_line(topic, seq, decode_batch(payload)))
+        last_seq = seq
+        num_batches += 1
+        return bool(args.limit) and num_batches >= args.limit
+
+    try:
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(args.zmq)
+        if args.from_seq is not None and args.zmq_replay:
+            replay = ctx.socket(zmq.DEALER)
+            replay.connect(args.zmq_replay)
+            replay.send_multipart([b"", args.from_seq.to_bytes(8, "big")])
+            while True:
+                if not replay.poll(10_000):
+                    print("pdserve events: no answer from the replay endpoint", file=sys.stderr)
+                    return 1
+                frames = replay.recv_multipart()
+                if len(frames) < 4 or frames[2] == END_SEQ:
+                    break
+                if emit(frames[1], int.from_bytes(frames[2], "big"), frames[3]):
+                    return 0
+        while deadline is None or time.monotonic() < deadline:
+            if not sub.poll(100):
+                continue
+            topic, seq_bytes, payload = sub.recv_multipart()
+            seq = int.from_bytes(seq_bytes, "big")
+            if last_seq is not None and seq <= last_seq:
+                continue  # already printed from the replay
+            if emit(topic, seq, payload):
+                return 0
+        return 0
+    finally:
+        ctx.destroy(linger=0)

@@ -53,7 +53,7 @@ async def cluster() -> AsyncIterator[Cluster]:
 
 
 async def read(call: Any, n: int) -> list[Any]:
-    out = []
+    out: list[Any] = []
     async with asyncio.timeout(TIMEOUT):
         while len(out) < n:
             out.append(await call.read())
