@@ -77,6 +77,12 @@ class SchedulerConfig:
                               "prefix routing weight per KV medium, NAME=WEIGHT,... (others 0.5)")
     prefix_load_weight: float = opt(0.25, "prefix routing: prompt blocks charged per unit of engine load")
     prefix_index_max_entries: int = opt(1_000_000, "prefix index bound, (block, engine, medium) entries; LRU beyond")
+    default_max_tokens: int = opt(256, "max_tokens for requests that set none")
+    max_migrations: int = opt(3, "decode-engine failures one request survives before UNAVAILABLE")
+    max_prefill_attempts: int = opt(2, "prefill engines tried per request when prefill_failure_policy is retry")
+    compatibility_hash: str = opt("", "required engine compatibility hash; empty: the first engine sets it")
+    lease_s: float = opt(30.0, "prefill KV lease assumed when a descriptor states none")
+    drain_timeout_s: float = opt(60.0, "longest SIGTERM drain (in-flight requests finish) before exiting")
     log_level: str = opt("INFO", "logging level")
 
     def validate(self) -> None:

@@ -1,11 +1,17 @@
-"""`pdserve scheduler`: run the central scheduler service."""
+"""`pdserve scheduler`: run the central scheduler service until SIGTERM / SIGINT, then drain."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
 
 from services.common.config import SchedulerConfig, add_config_arguments, load_config
-from services.common.errors import NotAvailableError
+from services.common.grpc_server import install_drain_handler
+from services.common.logs import setup_logging
+from services.scheduler.service import SchedulerService
+
+logger = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -13,5 +19,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    load_config(SchedulerConfig, args)
-    raise NotAvailableError("the scheduler service comes with the serving-path issue")
+    config = load_config(SchedulerConfig, args)
+    setup_logging(config.log_level, "scheduler")
+    return asyncio.run(serve(config))
+
+
+async def serve(config: SchedulerConfig) -> int:
+    service = SchedulerService(config)
+    await service.start()
+
+    async def drain() -> None:
+        clean = await service.drain()
+        if not clean:
+            logger.warning("drain timed out with %d requests in flight", len(service.generation.flights))
+
+    done = install_drain_handler(drain)
+    try:
+        await done.wait()
+    finally:
+        await service.stop()
+    return 0

@@ -1,0 +1,490 @@
+"""The `Generation` servicer: validate, tokenize, hash, route, run the prefill and decode legs on
+the engines, relay the token stream, and own every request's lifecycle.
+
+Contracts (see generation.proto):
+- Bad input is refused before any state changes (INVALID_ARGUMENT / NOT_FOUND with a message);
+  a request id already in flight gets ALREADY_EXISTS; no engine with room gets
+  RESOURCE_EXHAUSTED, no healthy decode engine UNAVAILABLE; a draining scheduler UNAVAILABLE.
+- One deadline per request: the client's gRPC deadline or `default_deadline_s`, whichever is
+  sooner; every engine call carries what is left. Past it: DEADLINE_EXCEEDED, both legs aborted.
+- The stream is chunks (`index` = position of the chunk's first token in the output, with no
+  gap and no repeat, across migrations too), then exactly one Complete with usage.
+- Prefill failure: `prefill_failure_policy` recompute (the decode engine computes the prompt) or
+  retry (another prefill engine, up to `max_prefill_attempts`, then recompute).
+- Decode failure before the end (stream error, engine declared dead, stream ended without a
+  finish reason): the request continues on another decode engine with the prompt plus every
+  token already streamed, up to `max_migrations` times; the client sees neither an error nor a
+  repeated token.
+- Client cancel or deadline: both legs get an Abort, the prefill blocks are released; whichever
+  of done / abort / lease comes first releases them, exactly once (counted in the RequestTable).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from connectors.hashing import BlockHasher
+from pdserve.v1 import engine_pb2 as eng_pb
+from pdserve.v1 import engine_pb2_grpc as eng_grpc
+from pdserve.v1 import generation_pb2 as gen_pb
+from pdserve.v1 import generation_pb2_grpc as gen_grpc
+from services.common.config import SchedulerConfig
+from services.common.grpc_server import insecure_channel
+from services.common.version import __version__
+from services.scheduler.admission import Admission
+from services.scheduler.control import ControlServicer
+from services.scheduler.lifecycle import EngineRef, ReleaseCause, RequestRecord, RequestState, RequestTable
+from services.scheduler.registry import EngineState, Role
+from services.scheduler.routing import EngineView, Route, Router, RoutingRequest
+from services.scheduler.tokenization import ModelFacts, PromptTokenizer
+from services.scheduler.transfers import OutcomeKind, TransferOutcome
+from services.scheduler.validation import Limits, RequestError, ValidRequest, validate
+
+logger = logging.getLogger(__name__)
+
+ABORT_RPC_TIMEOUT_S = 2.0
+
+
+class LegFailed(Exception):
+    """An engine leg failed in a way the scheduler recovers from (retry, recompute, migrate)."""
+
+
+class EngineChannels:
+    """One channel and Engine stub per engine, re-created when the engine's address changes."""
+
+    def __init__(self) -> None:
+        self._stubs: dict[str, tuple[str, grpc.aio.Channel, eng_grpc.EngineStub]] = {}
+
+    def stub(self, engine: EngineState) -> eng_grpc.EngineStub:
+        entry = self._stubs.get(engine.engine_id)
+        if entry is None or entry[0] != engine.address:
+            if entry is not None:
+                asyncio.get_running_loop().create_task(entry[1].close())
+            channel = insecure_channel(engine.address)
+            entry = (engine.address, channel, eng_grpc.EngineStub(channel))
+            self._stubs[engine.engine_id] = entry
+        return entry[2]
+
+    async def close(self) -> None:
+        for _, channel, _ in self._stubs.values():
+            await channel.close(None)
+        self._stubs.clear()
+
+
+@dataclass(slots=True)
+class Flight:
+    """A request in flight: its record plus what the servicer needs to run and end it."""
+
+    record: RequestRecord
+    valid: ValidRequest
+    started: float
+    output_ids: list[int] = field(default_factory=list)
+    slots: list[str] = field(default_factory=list)
+    call: Any = None
+    engine_failed: str | None = None
+    num_cached_tokens: int = 0
+    num_transferred_tokens: int = 0
+    prefill_engine_id: str = ""
+    first_token_at: float | None = None
+
+
+_FINISH_FROM_ENGINE = {gen_pb.FINISH_REASON_STOP, gen_pb.FINISH_REASON_LENGTH}
+
+
+class GenerationServicer(gen_grpc.GenerationServicer):
+    """Client API of the scheduler (see the module docstring)."""
+
+    def __init__(self, config: SchedulerConfig, *, facts: ModelFacts, tokenizer: PromptTokenizer | None,
+                 control: ControlServicer, router: Router, admission: Admission, table: RequestTable,
+                 channels: EngineChannels | None = None) -> None:
+        self.config = config
+        self.facts = facts
+        self.tokenizer = tokenizer
+        self.control = control
+        self.registry = control.registry
+        self.router = router
+        self.admission = admission
+        self.table = table
+        self.channels = channels or EngineChannels()
+        self.hasher = BlockHasher(config.block_size, config.hash_seed)
+        self.limits = Limits(config.max_prompt_tokens or facts.max_model_len - 1, config.max_new_tokens,
+                             config.default_max_tokens)
+        self.flights: dict[str, Flight] = {}
+        self.draining = False
+        self._background: set[asyncio.Task[Any]] = set()
+        control.on_transfer_outcome = self.on_transfer_outcome
+        control.on_engine_down.append(self.on_engine_down)
+
+    # -- RPCs ---------------------------------------------------------------------------------
+
+    async def GetServerInfo(self, request: gen_pb.GetServerInfoRequest,
+                            context: grpc.aio.ServicerContext) -> gen_pb.ServerInfo:
+        return gen_pb.ServerInfo(version=__version__, model=self.facts.name, max_model_len=self.facts.max_model_len,
+                                 vocab_size=self.facts.vocab_size, block_size=self.config.block_size,
+                                 num_prefill_engines=len(self.registry.routable(Role.PREFILL)),
+                                 num_decode_engines=len(self.registry.routable(Role.DECODE)))
+
+    async def ListModels(self, request: gen_pb.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> gen_pb.ListModelsResponse:
+        return gen_pb.ListModelsResponse(models=[gen_pb.ModelCard(name=self.facts.name,
+                                                                  max_model_len=self.facts.max_model_len)])
+
+    async def Generate(self, request: gen_pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[gen_pb.GenerateResponse]:
+        try:
+            flight, route = self._admit(request, context.time_remaining())
+        except RequestError as e:
+            await context.abort(e.code, e.message)
+        state, reason = RequestState.ABORTED, "cancelled"
+        try:
+            async for response in self._run(flight, route):
+                yield response
+            state, reason = RequestState.FINISHED, "done"
+        except RequestError as e:
+            state, reason = self._end_state(e)
+            self._end(flight, state, reason)
+            await context.abort(e.code, e.message)
+        finally:
+            self._end(flight, state, reason)
+
+    @staticmethod
+    def _end_state(e: RequestError) -> tuple[RequestState, str]:
+        if e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return RequestState.ABORTED, "deadline"
+        return RequestState.FAILED, e.code.name.lower()
+
+    # -- admission and routing ----------------------------------------------------------------
+
+    def _admit(self, request: gen_pb.GenerateRequest, time_remaining: float | None) -> tuple[Flight, Route]:
+        """Validates and routes; raises RequestError with nothing changed, else takes the slots."""
+        if self.draining:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "the scheduler is draining")
+        valid = validate(request, self.facts, self.limits, self.tokenizer)
+        request_id = request.request_id or uuid.uuid4().hex
+        if self.table.get(request_id) is not None:
+            raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already in flight")
+        timeout = self.config.default_deadline_s
+        if time_remaining is not None:
+            timeout = min(timeout, time_remaining)
+        if timeout <= 0:
+            raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline has already passed")
+        hashes = self.hasher.external_hashes(valid.prompt_token_ids)
+        route = self.router.route(RoutingRequest(hashes, len(valid.prompt_token_ids)), self._views(Role.PREFILL),
+                                  self._views(Role.DECODE))
+        if route.decode.engine_id is None:
+            raise self._no_decode_error(frozenset())
+        record = self.table.admit(request_id, len(valid.prompt_token_ids), timeout)
+        flight = Flight(record, valid, time.monotonic())
+        self._take_slot(flight, route.decode.engine_id)
+        if route.prefill.engine_id is not None:
+            self._take_slot(flight, route.prefill.engine_id)
+        self.flights[request_id] = flight
+        return flight, route
+
+    def _views(self, role: Role, exclude: frozenset[str] = frozenset()) -> list[EngineView]:
+        return [EngineView(e.engine_id, e.epoch, str(e.role), num_inflight=self.admission.inflight(e.engine_id),
+                           num_running=e.load.num_running, num_waiting=e.load.num_waiting, kv_usage=e.load.kv_usage,
+                           max_inflight=self.admission.max_inflight_per_engine)
+                for e in self.registry.routable(role)
+                if e.engine_id not in exclude and self.admission.has_room(e.engine_id)]
+
+    def _no_decode_error(self, exclude: frozenset[str]) -> RequestError:
+        if any(e.engine_id not in exclude for e in self.registry.routable(Role.DECODE)):
+            return RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"every decode engine has {self.admission.max_inflight_per_engine} requests in flight")
+        return RequestError(grpc.StatusCode.UNAVAILABLE, "no healthy decode engine")
+
+    def _take_slot(self, flight: Flight, engine_id: str) -> None:
+        if self.admission.try_acquire(engine_id):
+            flight.slots.append(engine_id)
+
+    def _give_slot(self, flight: Flight, engine_id: str) -> None:
+        if engine_id in flight.slots:
+            flight.slots.remove(engine_id)
+            self.admission.release(engine_id)
+
+    def _engine(self, engine_id: str) -> EngineState:
+        engine = self.registry.engine(engine_id)
+        if engine is None or not engine.routable:
+            raise LegFailed(f"engine {engine_id} is not available")
+        return engine
+
+    # -- the request path ---------------------------------------------------------------------
+
+    async def _run(self, flight: Flight, route: Route) -> AsyncIterator[gen_pb.GenerateResponse]:
+        descriptor: eng_pb.TransferDescriptor | None = None
+        if route.prefill.engine_id is not None:
+            response = await self._prefill_leg(flight, route.prefill.engine_id)
+            if response is not None:
+                yield self._chunk(flight, [response.first_token_id], response.first_token_text)
+                if response.finish_reason in _FINISH_FROM_ENGINE:
+                    yield self._complete(flight, response.finish_reason)
+                    return
+                descriptor = response.descriptor
+        async for out in self._decode_leg(flight, route.decode.engine_id or "", descriptor):
+            yield out
+
+    def _remaining(self, flight: Flight) -> float:
+        remaining = flight.record.deadline - self.table.clock()
+        if remaining <= 0:
+            raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               f"request deadline exceeded after {time.monotonic() - flight.started:.3f} s")
+        return remaining
+
+    def _leg_error(self, flight: Flight, e: BaseException, what: str) -> Exception:
+        """Maps an engine call's failure to LegFailed (recoverable) or RequestError (final)."""
+        if isinstance(e, asyncio.CancelledError):
+            task = asyncio.current_task()
+            if flight.engine_failed is None or (task is not None and task.cancelling()):
+                raise e
+            return LegFailed(f"{what}: {flight.engine_failed}")
+        assert isinstance(e, grpc.aio.AioRpcError)
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and flight.record.deadline <= self.table.clock():
+            return RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline exceeded")
+        if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            return RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"engine refused the request: {e.details()}")
+        return LegFailed(f"{what}: {e.code().name} {e.details()}")
+
+    async def _prefill_leg(self, flight: Flight, engine_id: str) -> eng_pb.PrefillResponse | None:
+        """Runs prefill (with retries per policy); None means decode-only recompute."""
+        record = flight.record
+        while True:
+            try:
+                engine = self._engine(engine_id)
+                self.table.start_prefill(record, EngineRef(engine.engine_id, engine.epoch))
+                response = await self._call_prefill(flight, engine)
+                self._give_slot(flight, engine_id)
+                return response
+            except LegFailed as failure:
+                logger.warning("request %s: prefill on %s failed: %s", record.request_id, engine_id, failure)
+                self._give_slot(flight, engine_id)
+                self._abort_on(engine_id, record.request_id)
+                record.failed_prefill_engines.add(engine_id)
+                next_engine = self._next_prefill(record, engine_id)
+                if record.state == RequestState.PREFILLING:
+                    self.table.prefill_failed(record, retry=next_engine is not None)
+                if next_engine is None:
+                    return None  # decode-only: the decode engine computes the prompt
+                engine_id = next_engine
+                self._take_slot(flight, engine_id)
+
+    def _next_prefill(self, record: RequestRecord, failed: str) -> str | None:
+        if self.config.prefill_failure_policy != "retry" or record.num_prefill_attempts >= self.config.max_prefill_attempts:
+            return None
+        views = self._views(Role.PREFILL, frozenset(record.failed_prefill_engines | {failed}))
+        if not views:
+            return None
+        return self.router.policy.choose_prefill(RoutingRequest([], record.num_prompt_tokens), views).engine_id
+
+    async def _call_prefill(self, flight: Flight, engine: EngineState) -> eng_pb.PrefillResponse:
+        record = flight.record
+        request = eng_pb.PrefillRequest(request_id=record.request_id, prompt_token_ids=flight.valid.prompt_token_ids,
+                                        sampling=flight.valid.sampling)
+        flight.engine_failed = None
+        call = self.channels.stub(engine).Prefill(request, timeout=self._remaining(flight))
+        flight.call = call
+        try:
+            response: eng_pb.PrefillResponse = await call
+        except (asyncio.CancelledError, grpc.aio.AioRpcError) as e:
+            raise self._leg_error(flight, e, "prefill") from None
+        finally:
+            flight.call = None
+        d = response.descriptor
+        if response.finish_reason not in _FINISH_FROM_ENGINE and (d.engine_id != engine.engine_id
+                                                                  or d.epoch != engine.epoch):
+            raise LegFailed(f"prefill answered for engine {d.engine_id!r} epoch {d.epoch:#x}, "
+                            f"expected {engine.engine_id!r} epoch {engine.epoch:#x}")
+        self.table.prefill_done(record, self._lease_deadline(d.lease_expires_unix_ms))
+        flight.num_cached_tokens = response.num_cached_tokens
+        flight.prefill_engine_id = engine.engine_id
+        return response
+
+    def _lease_deadline(self, lease_expires_unix_ms: int) -> float:
+        if lease_expires_unix_ms:
+            return self.table.clock() + (lease_expires_unix_ms / 1000.0 - time.time())
+        return self.table.clock() + self.config.lease_s
+
+    async def _decode_leg(self, flight: Flight, engine_id: str,
+                          descriptor: eng_pb.TransferDescriptor | None) -> AsyncIterator[gen_pb.GenerateResponse]:
+        record = flight.record
+        while True:
+            try:
+                engine = self._engine(engine_id)
+                ref = EngineRef(engine.engine_id, engine.epoch)
+                if record.decode is None:
+                    self.table.start_decode(record, ref)
+                else:
+                    self.table.migrate(record, ref)
+                if descriptor is not None and record.prefill is not None:
+                    self.control.tracker.start(record.request_id, record.prefill, ref)
+                async for out in self._stream_decode(flight, engine, descriptor):
+                    yield out
+                return
+            except LegFailed as failure:
+                logger.warning("request %s: decode on %s failed: %s", record.request_id, engine_id, failure)
+                engine_id = self._migration_target(flight, engine_id)
+                descriptor = None
+
+    def _migration_target(self, flight: Flight, failed: str) -> str:
+        record = flight.record
+        self._drop_transfer(record, ReleaseCause.TRANSFER_FAILED)
+        self._abort_on(failed, record.request_id)
+        self._give_slot(flight, failed)
+        if record.num_migrations >= self.config.max_migrations:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                               f"decode failed {record.num_migrations + 1} times; giving up")
+        exclude = frozenset(record.failed_decode_engines | {failed})
+        choice = self.router.choose_decode(self._views(Role.DECODE, exclude))
+        if choice.engine_id is None:
+            raise self._no_decode_error(exclude)
+        if record.decode is None:  # the failure came before the decode leg opened
+            record.failed_decode_engines.add(failed)
+        self._take_slot(flight, choice.engine_id)
+        return choice.engine_id
+
+    async def _stream_decode(self, flight: Flight, engine: EngineState,
+                             descriptor: eng_pb.TransferDescriptor | None) -> AsyncIterator[gen_pb.GenerateResponse]:
+        record = flight.record
+        request = eng_pb.DecodeRequest(request_id=record.request_id, prompt_token_ids=flight.valid.prompt_token_ids,
+                                       output_token_ids=flight.output_ids, sampling=flight.valid.sampling)
+        if descriptor is not None:
+            request.descriptor.CopyFrom(descriptor)
+        flight.engine_failed = None
+        call = self.channels.stub(engine).Decode(request, timeout=self._remaining(flight))
+        flight.call = call
+        first = True
+        try:
+            async for response in call:
+                if first and descriptor is not None:
+                    flight.num_transferred_tokens = response.num_transferred_tokens
+                if first:
+                    flight.num_cached_tokens = max(flight.num_cached_tokens, response.num_cached_tokens)
+                    first = False
+                if response.token_ids:
+                    yield self._chunk(flight, list(response.token_ids), response.text)
+                if response.finish_reason in _FINISH_FROM_ENGINE:
+                    yield self._complete(flight, response.finish_reason)
+                    return
+                if response.finish_reason == gen_pb.FINISH_REASON_ABORT:
+                    raise LegFailed("the decode engine aborted the request")
+        except (asyncio.CancelledError, grpc.aio.AioRpcError) as e:
+            raise self._leg_error(flight, e, "decode") from None
+        finally:
+            flight.call = None
+        raise LegFailed("decode stream ended without a finish reason")
+
+    def _chunk(self, flight: Flight, token_ids: list[int], text: str) -> gen_pb.GenerateResponse:
+        if flight.first_token_at is None:
+            flight.first_token_at = time.monotonic()
+        index = self.table.tokens_streamed(flight.record, len(token_ids))
+        flight.output_ids.extend(token_ids)
+        return gen_pb.GenerateResponse(request_id=flight.record.request_id,
+                                       chunk=gen_pb.Chunk(token_ids=token_ids, text=text, index=index))
+
+    def _complete(self, flight: Flight, finish_reason: int) -> gen_pb.GenerateResponse:
+        record = flight.record
+        usage = gen_pb.Usage(prompt_tokens=record.num_prompt_tokens, cached_tokens=flight.num_cached_tokens,
+                             transferred_tokens=flight.num_transferred_tokens,
+                             generated_tokens=len(flight.output_ids))
+        complete = gen_pb.Complete(finish_reason=finish_reason, usage=usage,  # type: ignore[arg-type]
+                                   prefill_engine_id=flight.prefill_engine_id,
+                                   decode_engine_id=record.decode.engine_id if record.decode else "",
+                                   num_migrations=record.num_migrations)
+        return gen_pb.GenerateResponse(request_id=record.request_id, complete=complete)
+
+    # -- the end of a request -----------------------------------------------------------------
+
+    def _end(self, flight: Flight, state: RequestState, reason: str) -> None:
+        """Ends a request once: aborts live legs, releases prefill blocks, frees slots."""
+        record = flight.record
+        if self.flights.get(record.request_id) is not flight:
+            return
+        if not record.done:
+            if state == RequestState.FINISHED and record.state not in (RequestState.DECODING,
+                                                                       RequestState.PREFILLING,
+                                                                       RequestState.TRANSFERRING):
+                state = RequestState.FAILED
+            self.table.finish(record, state, reason)
+        if record.state != RequestState.FINISHED:
+            if record.decode is not None:
+                self._abort_on(record.decode.engine_id, record.request_id)
+            if record.prefill is not None and not record.prefill_pinned:
+                self._abort_on(record.prefill.engine_id, record.request_id)
+        cause = ReleaseCause.FINISHED if record.state == RequestState.FINISHED else ReleaseCause.ABORT
+        self._drop_transfer(record, cause)
+        self.control.aggregator.abort(record.request_id)
+        for engine_id in list(flight.slots):
+            self._give_slot(flight, engine_id)
+        del self.flights[record.request_id]
+        self.table.remove(record)
+
+    def _drop_transfer(self, record: RequestRecord, cause: ReleaseCause) -> None:
+        """Stops tracking the request's transfer and releases its prefill blocks (once)."""
+        self.control.tracker.cancel(record.request_id)
+        if record.prefill is not None and self.table.release_prefill(record, cause):
+            self.control.release(record.prefill, record.request_id)
+
+    def _abort_on(self, engine_id: str, request_id: str) -> None:
+        engine = self.registry.engine(engine_id)
+        if engine is None:
+            return
+        stub = self.channels.stub(engine)
+
+        async def abort() -> None:
+            try:
+                await stub.Abort(eng_pb.AbortRequest(request_id=request_id), timeout=ABORT_RPC_TIMEOUT_S)
+            except grpc.aio.AioRpcError as e:
+                logger.debug("abort of %s on %s failed: %s", request_id, engine_id, e.code().name)
+
+        task = asyncio.get_running_loop().create_task(abort())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- hooks from the Control servicer ------------------------------------------------------
+
+    def on_transfer_outcome(self, outcome: TransferOutcome) -> None:
+        """Applies the release-once rule, then delivers the outcome to its engine."""
+        record = self.table.get(outcome.request_id)
+        if outcome.kind == OutcomeKind.RELEASE:
+            cause = ReleaseCause.TRANSFER_FAILED if outcome.failed else ReleaseCause.TRANSFERRED
+            if record is None or not self.table.release_prefill(record, cause):
+                self.table.release_noops[cause] += 1 if record is None else 0
+                return
+        elif outcome.kind == OutcomeKind.KV_READY and record is not None:
+            self.table.kv_arrived(record)
+        self.control.deliver(outcome)
+
+    def on_engine_down(self, ref: EngineRef, reason: str) -> None:
+        """Fails the legs running on a dead engine over (their calls are cancelled)."""
+        for flight in list(self.flights.values()):
+            record = flight.record
+            if record.prefill == ref and record.prefill_pinned:
+                self.table.release_prefill(record, ReleaseCause.ENGINE_GONE)
+            on_prefill = record.state == RequestState.PREFILLING and record.prefill == ref
+            on_decode = record.decode == ref and record.state in (RequestState.TRANSFERRING, RequestState.DECODING)
+            if (on_prefill or on_decode) and flight.call is not None:
+                flight.engine_failed = f"engine {ref.engine_id} down: {reason}"
+                flight.call.cancel()
+
+    # -- drain --------------------------------------------------------------------------------
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Refuses new requests and waits for the in-flight ones; True when none is left."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.flights and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.flights
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await self.channels.close()

@@ -1,0 +1,159 @@
+"""`SchedulerService`: the whole scheduler in one object — three gRPC servers (client API,
+control streams, KV events), the registry, request table, router and the event plane.
+
+In-process use (tests, benchmarks):
+
+    service = SchedulerService(load_config(SchedulerConfig, overrides={"port": 0, "control_port": 0,
+                                                                       "events_port": 0}))
+    await service.start()          # binds; service.port / control_port / events_port are the bound ports
+    ...                            # health SERVING once started
+    await service.stop()
+
+`pdserve scheduler` (services/scheduler/main.py) runs the same object until SIGTERM, then
+`drain()`s: health NOT_SERVING, new requests UNAVAILABLE, in-flight ones finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pdserve.v1 import control_pb2_grpc, generation_pb2_grpc
+from services.common.config import SchedulerConfig
+from services.common.grpc_server import ServiceServer
+from services.scheduler.admission import Admission
+from services.scheduler.control import ControlServicer
+from services.scheduler.event_sink import EventSink
+from services.scheduler.generation import GenerationServicer
+from services.scheduler.lifecycle import ReleaseCause, RequestTable
+from services.scheduler.registry import EngineRegistry
+from services.scheduler.routing import Router, RoutingPolicy, make_policy
+from services.scheduler.tokenization import ModelFacts, PromptTokenizer, read_model_facts
+
+logger = logging.getLogger(__name__)
+
+GENERATION_SERVICE = "pdserve.v1.Generation"
+CONTROL_SERVICE = "pdserve.v1.Control"
+EVENTS_SERVICE = "pdserve.v1.KVEvents"
+
+
+def resolve_model_dir(model: str) -> Path:
+    """The configured model directory, or the demo model's (converted on first use)."""
+    if model:
+        return Path(model)
+    from engine.demo_model import demo_model_dir
+
+    return demo_model_dir()
+
+
+class SchedulerService:
+    """See the module docstring. `sink` and `policy` override the event plane's (for tests)."""
+
+    def __init__(self, config: SchedulerConfig, *, model_dir: Path | None = None, facts: ModelFacts | None = None,
+                 sink: EventSink | None = None, policy: RoutingPolicy | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.scheduler_id = uuid.uuid4().hex[:12]
+        self.tokenizer: PromptTokenizer | None = None
+        if facts is None:
+            path = model_dir or resolve_model_dir(config.model)
+            facts = read_model_facts(path)
+            self.tokenizer = PromptTokenizer(path)
+        self.facts = facts
+        self.plane: Any = None
+        if sink is None:
+            self.plane = self._event_plane()
+            sink = self.plane.republisher if self.plane is not None else None
+        if policy is None:
+            policy = self.plane.routing_policy() if self.plane is not None and config.routing_policy == "prefix" \
+                else make_policy(config.routing_policy)
+        self.registry = EngineRegistry(block_size=config.block_size, hash_seed=config.hash_seed,
+                                       compatibility_hash=config.compatibility_hash,
+                                       heartbeat_timeout_s=config.heartbeat_timeout_s, clock=clock)
+        self.table = RequestTable(clock)
+        self.control = ControlServicer(self.registry, sink=sink, heartbeat_interval_s=config.heartbeat_interval_s,
+                                       scheduler_id=self.scheduler_id)
+        self.router = Router(policy, config.decode_only_threshold)
+        self.admission = Admission(config.max_queue_per_engine)
+        self.generation = GenerationServicer(config, facts=facts, tokenizer=self.tokenizer, control=self.control,
+                                             router=self.router, admission=self.admission, table=self.table)
+        self.client_server = ServiceServer([GENERATION_SERVICE])
+        self.control_server = ServiceServer([CONTROL_SERVICE])
+        self.events_server = ServiceServer([EVENTS_SERVICE] if self.plane is not None else [])
+        generation_pb2_grpc.add_GenerationServicer_to_server(self.generation, self.client_server.server)
+        control_pb2_grpc.add_ControlServicer_to_server(self.control, self.control_server.server)
+        if self.plane is not None:
+            self.plane.add_to_server(self.events_server.server)
+        self.port = self.control_port = self.events_port = 0
+        self._sweeper: asyncio.Task[None] | None = None
+
+    def _event_plane(self) -> Any:
+        try:
+            from services.scheduler.events.plane import EventPlane
+        except ImportError:
+            logger.warning("KV-event plane not available: events are dropped, routing by load")
+            return None
+        return EventPlane.from_config(self.config, model_name=self.facts.name)
+
+    @property
+    def servers(self) -> list[ServiceServer]:
+        return [self.client_server, self.control_server, self.events_server]
+
+    async def start(self) -> None:
+        """Binds the three ports (0 picks free ones), starts serving and reports SERVING."""
+        c = self.config
+        self.port = self.client_server.bind(c.host, c.port)
+        self.control_port = self.control_server.bind(c.host, c.control_port)
+        self.events_port = self.events_server.bind(c.host, c.events_port)
+        if self.plane is not None:
+            self.plane.start()
+        for server in self.servers:
+            await server.start()
+        self.control.start_monitor()
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+        for server in self.servers:
+            await server.set_serving(True)
+        logger.info("scheduler %s serving: client %s:%d, control %s:%d, events %s:%d", self.scheduler_id, c.host,
+                    self.port, c.host, self.control_port, c.host, self.events_port)
+
+    async def _sweep(self) -> None:
+        """Lease expiry: blocks nobody released in time count as lease-expired (the prefill
+        engine frees them itself; the ReleaseBlocks makes sure)."""
+        while True:
+            await asyncio.sleep(0.5)
+            for record in self.table.lease_expired():
+                if record.prefill is not None and self.table.release_prefill(record, ReleaseCause.LEASE_EXPIRED):
+                    self.control.release(record.prefill, record.request_id)
+
+    async def drain(self, timeout_s: float | None = None) -> bool:
+        """Health NOT_SERVING, new requests refused, waits for in-flight ones (True: all done)."""
+        for server in self.servers:
+            await server.set_serving(False)
+        return await self.generation.drain(self.config.drain_timeout_s if timeout_s is None else timeout_s)
+
+    async def stop(self, grace: float = 1.0) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        await self.control.stop()
+        for server in self.servers:
+            await server.stop(grace)
+        await self.generation.close()
+        if self.plane is not None:
+            self.plane.close()
+
+    def leaks(self) -> list[str]:
+        """What is left after every request ended (empty when clean): requests, transfers, slots."""
+        problems = [f"request {x}" for x in self.table.leaks()]
+        problems += [f"transfer {r}" for r in self.control.tracker.transfers]
+        problems += [f"flight {r}" for r in self.generation.flights]
+        if self.admission.total():
+            problems.append(f"{self.admission.total()} admission slots held")
+        return problems
