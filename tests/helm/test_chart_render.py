@@ -1,0 +1,418 @@
+"""The Helm chart, linted strictly, rendered with every CI values file and checked manifest by manifest."""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from typing import Any
+
+import helm_python
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from conftest import CHART, CI_VALUES, ROOT, config_files, load_script, of_kind, one, render_values, rendered
+
+KUBE_VERSION = kubernetes_validate.latest_version()
+ENGINE_ROLES = ("prefill", "decode")
+# Prometheus Operator CRDs are not in kubernetes-validate's schemas: check their structure here.
+CRD_SCHEMAS: dict[str, dict[str, Any]] = {
+    "ServiceMonitor": {"type": "object", "required": ["selector", "endpoints"], "properties": {
+        "endpoints": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["port"]}}}},
+    "PodMonitor": {"type": "object", "required": ["selector", "podMetricsEndpoints"], "properties": {
+        "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["port"]}}}},
+    "PrometheusRule": {"type": "object", "required": ["groups"], "properties": {"groups": {
+        "type": "array", "minItems": 1, "items": {"type": "object", "required": ["name", "rules"], "properties": {
+            "rules": {"type": "array", "items": {"type": "object", "required": ["expr"]}}}}}}},
+}
+
+
+def containers(pod_owner: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(pod_owner["spec"]["template"]["spec"]["containers"])
+
+
+def port_of(container: dict[str, Any], name: str) -> int:
+    return next(int(p["containerPort"]) for p in container["ports"] if p["name"] == name)
+
+
+def values_of(values_name: str) -> dict[str, Any]:
+    return yaml.safe_load((CHART / "ci" / values_name).read_text()) if values_name != "default" else {}
+
+
+# ---------------------------------------------------------------- chart-level
+
+
+def test_lint_strict_with_every_values_file() -> None:
+    for values in [{}, *(yaml.safe_load(p.read_text()) for p in CI_VALUES)]:
+        report = helm_python.lint(str(CHART), values, strict=True, kube_version=f"v{KUBE_VERSION}")
+        problems = [m for m in report["messages"] if m["severity"] >= 2]
+        assert not problems and not report["errors"], (problems, report["errors"])
+
+
+def test_app_version_is_the_pdserve_version() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert chart["appVersion"] == project["version"]
+
+
+def test_schema_is_derived_from_values_and_in_sync() -> None:
+    gen = load_script("gen_schema")
+    assert gen.render(gen.build_schema()) == (CHART / "values.schema.json").read_text(), \
+        "values.schema.json drifted: run python helm/gen_schema.py"
+
+
+def test_schema_generator_refuses_undocumented_keys(tmp_path: Any) -> None:
+    gen = load_script("gen_schema")
+    values = tmp_path / "values.yaml"
+    values.write_text("# documented\na: 1\n# documented\nb:\n  # inner\n  c: true\n  d: x\n")
+    with pytest.raises(ValueError, match="b.d has no comment"):
+        gen.build_schema(values)
+
+
+def test_schema_refuses_bad_values() -> None:
+    for bad in ({"prefill": {"tp": 0}}, {"model": {"source": "s3"}}, {"unknownKey": 1},
+                {"scheduler": {"ports": {"grpc": 70000}}}):
+        with pytest.raises(helm_python.HelmValuesError):
+            render_values(bad)
+
+
+def test_every_toggle_is_named_enabled() -> None:
+    """Chart-defined booleans only (free-form maps such as podSecurityContext are Kubernetes' own)."""
+    toggles: list[str] = []
+
+    def walk(schema: dict[str, Any], path: str) -> None:
+        for key, sub in schema.get("properties", {}).items():
+            if sub["type"] == "boolean":
+                toggles.append(f"{path}{key}")
+                assert key == "enabled", f"{path}{key} is a toggle not named enabled"
+            walk(sub, f"{path}{key}.")
+
+    walk(load_script("gen_schema").build_schema(), "")
+    assert "networkPolicy.enabled" in toggles and len(toggles) > 10
+
+
+def test_templates_are_short() -> None:
+    for path in (CHART / "templates").rglob("*"):
+        if path.is_file():
+            assert len(path.read_text().splitlines()) <= 150, path
+
+
+def test_shared_or_managed_keys_cannot_be_repeated_in_component_config() -> None:
+    for values in ({"prefill": {"config": {"block_size": 32}}}, {"scheduler": {"config": {"hash_seed": "x"}}},
+                   {"decode": {"config": {"tp": 4}}}):
+        with pytest.raises(helm_python.HelmRenderError, match="set by the chart"):
+            render_values(values)
+
+
+def test_required_values_fail_with_a_clear_message() -> None:
+    with pytest.raises(helm_python.HelmRenderError, match="model.pvc.claimName is required"):
+        render_values({"model": {"source": "pvc"}})
+    with pytest.raises(helm_python.HelmRenderError, match="tracing.endpoint is required"):
+        render_values({"tracing": {"enabled": True}})
+
+
+# ---------------------------------------------------------------- every manifest
+
+
+def test_manifests_validate_strictly_against_kubernetes(values_name: str) -> None:
+    for path, doc in rendered(values_name):
+        if doc["kind"] in CRD_SCHEMAS:
+            assert doc["apiVersion"] == "monitoring.coreos.com/v1", path
+            jsonschema.validate(doc["spec"], CRD_SCHEMAS[doc["kind"]])
+            continue
+        kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+
+
+def test_no_empty_or_duplicate_resources(values_name: str) -> None:
+    docs = rendered(values_name)
+    seen = set()
+    for path, doc in docs:
+        assert doc.get("kind") and doc.get("metadata", {}).get("name"), f"{path} rendered an empty resource"
+        key = (doc["kind"], doc["metadata"]["name"])
+        assert key not in seen, f"duplicate {key}"
+        seen.add(key)
+    # every container port name is unique and every Service targetPort names a real container port
+    ports = {p["name"] for kind in ("Deployment", "StatefulSet") for d in of_kind(docs, kind)
+             for c in containers(d) for p in c["ports"]}
+    for svc in of_kind(docs, "Service"):
+        for p in svc["spec"]["ports"]:
+            assert p["targetPort"] in ports, (svc["metadata"]["name"], p)
+
+
+def test_standard_labels_everywhere(values_name: str) -> None:
+    for path, doc in rendered(values_name):
+        labels = doc["metadata"]["labels"]
+        for key in ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/version",
+                    "app.kubernetes.io/managed-by", "helm.sh/chart"):
+            assert key in labels, (path, key)
+
+
+def test_probes_are_native_grpc_on_the_health_port(values_name: str) -> None:
+    docs = rendered(values_name)
+    configs = config_files(docs)
+    for component, kind in (("scheduler", "Deployment"), ("prefill", "StatefulSet"), ("decode", "StatefulSet")):
+        (container,) = containers(one(docs, kind, component))
+        grpc_port = port_of(container, "grpc")
+        assert grpc_port == configs[component]["port"]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"] == {"port": grpc_port}, (component, probe)
+            assert set(container[probe]) & {"httpGet", "tcpSocket", "exec"} == set()
+
+
+def test_gpu_count_equals_tp_and_cpu_installs_request_none(values_name: str) -> None:
+    docs = rendered(values_name)
+    configs = config_files(docs)
+    gpu = values_of(values_name).get("gpu", {}).get("enabled", True)
+    for role in ENGINE_ROLES:
+        sts = one(docs, "StatefulSet", role)
+        (container,) = containers(sts)
+        tp = configs[role]["tp"]
+        limits = container["resources"].get("limits", {})
+        assert configs[role]["device"] == ("cuda" if gpu else "cpu")
+        if gpu:
+            assert limits["nvidia.com/gpu"] == tp
+        else:
+            assert "nvidia.com/gpu" not in limits
+        metrics_ports = sorted(p["containerPort"] for p in container["ports"] if p["name"].startswith("metrics-r"))
+        base = configs[role]["metrics_port"]
+        assert metrics_ports == list(range(base, base + tp)), "one /metrics port per rank"
+
+
+def test_values_declared_once_are_identical_everywhere(values_name: str) -> None:
+    docs = rendered(values_name)
+    configs = config_files(docs)
+    values = values_of(values_name)
+    kv, model = values.get("kv", {}), values.get("model", {})
+    expected_model = "" if model.get("source", "demo") == "demo" else model["path"]
+    for component in ("scheduler", *ENGINE_ROLES):
+        cfg = configs[component]
+        assert cfg["model"] == expected_model
+        assert cfg["block_size"] == kv.get("blockSize", 16)
+        assert cfg["hash_seed"] == kv.get("hashSeed", "0")
+    sched_port = configs["scheduler"]["control_port"]
+    for role in ENGINE_ROLES:
+        assert configs[role]["scheduler"] == f"demo-pdserve-scheduler:{sched_port}"
+        assert configs[role]["tp"] == values.get(role, {}).get("tp", 1)
+    # every pod that loads the model mounts it at the configured path
+    if expected_model:
+        for kind, component in (("Deployment", "scheduler"), ("StatefulSet", "prefill"), ("StatefulSet", "decode")):
+            (container,) = containers(one(docs, kind, component))
+            assert any(m["mountPath"] == expected_model for m in container["volumeMounts"]), component
+
+
+def test_engines_drain_within_the_grace_period(values_name: str) -> None:
+    docs = rendered(values_name)
+    configs = config_files(docs)
+    for role in ENGINE_ROLES:
+        pod = one(docs, "StatefulSet", role)["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+        assert pod["terminationGracePeriodSeconds"] > pre_stop + configs[role]["drain_timeout_s"]
+
+
+def test_engine_pods_have_shm_ipc_lock_ucx_and_stable_ids(values_name: str) -> None:
+    docs = rendered(values_name)
+    values = values_of(values_name)
+    for role in ENGINE_ROLES:
+        sts = one(docs, "StatefulSet", role)
+        pod = sts["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        assert sts["spec"]["serviceName"] == one(docs, "Service", role)["metadata"]["name"]
+        assert one(docs, "Service", role)["spec"]["clusterIP"] == "None"
+        assert "IPC_LOCK" in container["securityContext"]["capabilities"]["add"]
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        shm = next(v for v in pod["volumes"] if v["name"] == "shm")
+        assert shm["emptyDir"]["medium"] == "Memory"
+        assert any(m["mountPath"] == "/dev/shm" for m in container["volumeMounts"])
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        ucx = values.get("ucx", {})
+        assert env["UCX_TCP_PORT_RANGE"] == f"{ucx.get('tcpPortStart', 20000)}-{ucx.get('tcpPortEnd', 20999)}"
+        if ucx.get("tls"):
+            assert env["UCX_TLS"] == ucx["tls"]
+        if ucx.get("netDevices"):
+            assert env["UCX_NET_DEVICES"] == ucx["netDevices"]
+        assert "$(POD_NAME)" in container["args"], "engine id from the StatefulSet pod name (ordinal)"
+
+
+def test_rdma_device_plugin_and_dra() -> None:
+    docs = rendered("gpu-tp2-rdma-values.yaml")
+    for role in ENGINE_ROLES:
+        (container,) = containers(one(docs, "StatefulSet", role))
+        assert container["resources"]["limits"]["rdma/ib"] == 1
+    docs = rendered("everything-values.yaml")
+    (claim_template,) = of_kind(docs, "ResourceClaimTemplate")
+    request = claim_template["spec"]["spec"]["devices"]["requests"][0]
+    assert request["exactly"] == {"deviceClassName": "rdma.nvidia.com", "allocationMode": "ExactCount", "count": 2}
+    for role in ENGINE_ROLES:
+        sts = one(docs, "StatefulSet", role)
+        pod = sts["spec"]["template"]["spec"]
+        assert pod["resourceClaims"] == [{"name": "rdma",
+                                          "resourceClaimTemplateName": claim_template["metadata"]["name"]}]
+        assert pod["containers"][0]["resources"]["claims"] == [{"name": "rdma"}]
+    assert not of_kind(rendered("default"), "ResourceClaimTemplate")
+
+
+def test_hpa_per_role_and_pdbs() -> None:
+    docs = rendered("everything-values.yaml")
+    hpas = {h["spec"]["scaleTargetRef"]["name"]: h for h in of_kind(docs, "HorizontalPodAutoscaler")}
+    for role in ENGINE_ROLES:
+        sts = one(docs, "StatefulSet", role)
+        assert sts["metadata"]["name"] in hpas
+        assert "replicas" not in sts["spec"], "an HPA-managed StatefulSet leaves replicas to the HPA"
+    assert not of_kind(rendered("default"), "HorizontalPodAutoscaler")
+    pdbs = {p["metadata"]["labels"]["app.kubernetes.io/component"] for p in of_kind(rendered("default"),
+                                                                                      "PodDisruptionBudget")}
+    assert pdbs == {"scheduler", "prefill", "decode"}
+
+
+def test_scheduler_service_exposes_its_ports() -> None:
+    docs = rendered("everything-values.yaml")
+    svc = one(docs, "Service", "scheduler")
+    names = {p["name"] for p in svc["spec"]["ports"]}
+    assert names == {"grpc", "control", "events", "metrics", "zmq-pub", "zmq-replay"}
+    cfg = config_files(docs)["scheduler"]
+    assert cfg["zmq_endpoint"] == "tcp://*:5557" and cfg["zmq_replay_endpoint"] == "tcp://*:5558"
+    assert {p["name"] for p in one(rendered("default"), "Service", "scheduler")["spec"]["ports"]} == \
+        {"grpc", "control", "events", "metrics"}
+
+
+def test_tls_tracing_and_service_account() -> None:
+    docs = rendered("everything-values.yaml")
+    for kind, component in (("Deployment", "scheduler"), ("StatefulSet", "prefill"), ("StatefulSet", "decode")):
+        owner = one(docs, kind, component)
+        pod = owner["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        assert {"name": "tls", "secret": {"secretName": "pdserve-mtls", "defaultMode": 0o440}} in pod["volumes"]
+        assert any(m["mountPath"] == "/etc/pdserve/tls" for m in container["volumeMounts"])
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability:4317"
+        assert env["OTEL_SERVICE_NAME"] == f"pdserve-{component}"
+        assert pod["automountServiceAccountToken"] is False
+    assert not any(d["kind"] in ("Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding") for _, d in docs)
+    (sa,) = of_kind(docs, "ServiceAccount")
+    assert sa["automountServiceAccountToken"] is False
+    default_env = {e["name"] for e in containers(one(rendered("default"), "Deployment", "scheduler"))[0]["env"]}
+    assert not any(name.startswith("OTEL_") for name in default_env), "tracing is off by default"
+
+
+def test_monitoring_targets_exist() -> None:
+    docs = rendered("everything-values.yaml")
+    (sm,) = of_kind(docs, "ServiceMonitor")
+    assert sm["spec"]["endpoints"][0]["port"] in {p["name"] for p in one(docs, "Service", "scheduler")["spec"]["ports"]}
+    (pm,) = of_kind(docs, "PodMonitor")
+    engine_ports = {p["name"] for role in ENGINE_ROLES for p in containers(one(docs, "StatefulSet", role))[0]["ports"]}
+    assert {e["port"] for e in pm["spec"]["podMetricsEndpoints"]} == {n for n in engine_ports if n.startswith("metrics")}
+    (dash,) = [d for d in of_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-dashboards")]
+    assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
+    files = sorted(p.name for p in (CHART / "dashboards").glob("*.json"))
+    assert sorted(dash["data"]) == files and len(files) == 4
+    for name in files:
+        assert json.loads(dash["data"][name]) == json.loads((CHART / "dashboards" / name).read_text())
+    assert not of_kind(rendered("default"), "PrometheusRule")
+
+
+# ---------------------------------------------------------------- NetworkPolicy
+
+
+def _engine_peer(peer: dict[str, Any]) -> bool:
+    sel = peer.get("podSelector", {})
+    exprs = sel.get("matchExpressions", [])
+    return set(peer) == {"podSelector"} and exprs == [
+        {"key": "app.kubernetes.io/component", "operator": "In", "values": ["prefill", "decode"]}] \
+        and sel["matchLabels"].get("app.kubernetes.io/instance") == "demo"
+
+
+def _component_peer(peer: dict[str, Any], component: str) -> bool:
+    return set(peer) == {"podSelector"} and \
+        peer["podSelector"].get("matchLabels", {}).get("app.kubernetes.io/component") == component
+
+
+def test_network_policy_rules() -> None:
+    docs = rendered("everything-values.yaml")
+    values = values_of("everything-values.yaml")
+    policies = {p["metadata"]["name"].rsplit("-", 1)[1]: p["spec"] for p in of_kind(docs, "NetworkPolicy")}
+    assert set(policies) == {"scheduler", "engines"}
+    sched_cfg = config_files(docs)["scheduler"]
+
+    rules = {tuple(sorted(p["port"] for p in r["ports"])): r.get("from") for r in policies["scheduler"]["ingress"]}
+    clients = values["networkPolicy"]["clients"]
+    # clients (and the helm test pod) reach only the Generate port
+    for ports, peers in rules.items():
+        if any(p in clients for p in peers or [None]):
+            assert ports == (sched_cfg["port"],)
+    assert rules[(sched_cfg["port"],)][:len(clients)] == clients
+    assert _component_peer(rules[(sched_cfg["port"],)][-1], "test")
+    # only engine pods reach the control port
+    (control_peers,) = [peers for ports, peers in rules.items() if ports == (sched_cfg["control_port"],)]
+    assert len(control_peers) == 1 and _engine_peer(control_peers[0])
+    (event_peers,) = [peers for ports, peers in rules.items() if sched_cfg["events_port"] in ports]
+    assert event_peers == values["networkPolicy"]["eventSubscribers"]
+    assert all(peers for peers in rules.values()), "no scheduler port is open to everyone when clients are listed"
+
+    engines = policies["engines"]
+    assert engines["podSelector"]["matchExpressions"][0]["values"] == ["prefill", "decode"]
+    for rule in engines["ingress"]:
+        ports = rule["ports"]
+        if ports[0]["port"] == values["ucx"]["tcpPortStart"]:
+            assert ports == [{"port": 31000, "endPort": 31999, "protocol": "TCP"}]
+            assert len(rule["from"]) == 1 and _engine_peer(rule["from"][0]), "UCX ports: engine pods only"
+        elif ports[0]["port"] in (50060, 50061):
+            assert len(rule["from"]) == 1 and _component_peer(rule["from"][0], "scheduler")
+        else:
+            assert rule["from"] == values["networkPolicy"]["metricsScrapers"]
+            assert ports == [{"port": 9400, "endPort": 9503, "protocol": "TCP"}]
+    assert not of_kind(rendered("default"), "NetworkPolicy")
+
+
+def test_network_policy_without_client_list_opens_only_generate_to_all() -> None:
+    docs = render_values({"networkPolicy": {"enabled": True}})
+    (policy,) = [p for p in of_kind(docs, "NetworkPolicy") if p["metadata"]["name"].endswith("scheduler")]
+    open_rules = [r for r in policy["spec"]["ingress"] if "from" not in r]
+    assert [r["ports"] for r in open_rules] == [[{"port": 50051, "protocol": "TCP"}]]
+
+
+# ---------------------------------------------------------------- image
+
+
+def _makefile_install_commands() -> list[str]:
+    text = (ROOT / "Makefile").read_text()
+    recipe = re.search(r"^\$\(VENV\)/\.installed:.*?\n((?:\t.*\n)+)", text, re.M)
+    assert recipe, "Makefile has no $(VENV)/.installed recipe"
+    return [line.strip() for line in recipe.group(1).splitlines() if "$(PIP) install" in line]
+
+
+def _normalize(command: str, torch_args: str) -> str:
+    command = command.replace("$(PIP)", "pip").replace("$(TORCH_ARGS)", torch_args).replace("-e .", ".")
+    return " ".join(command.split())
+
+
+def _dockerfile_installs(name: str) -> list[str]:
+    lines = (ROOT / name).read_text().splitlines()
+    return [" ".join(line.split()[1:]) for line in lines if line.startswith("RUN pip install")]
+
+
+@pytest.mark.parametrize(("dockerfile", "torch_args"), [
+    ("Dockerfile", ""),
+    ("Dockerfile.cpu", "-c constraints-cpu.txt --extra-index-url https://download.pytorch.org/whl/cpu"),
+])
+def test_dockerfiles_install_exactly_what_the_makefile_installs(dockerfile: str, torch_args: str) -> None:
+    make = _makefile_install_commands()
+    assert len(make) >= 2
+    assert _dockerfile_installs(dockerfile) == [_normalize(c, torch_args) for c in make]
+    if torch_args:
+        assert "--extra-index-url https://download.pytorch.org/whl/cpu" in (ROOT / "Makefile").read_text()
+        assert "constraints-cpu.txt" in (ROOT / "Makefile").read_text()
+
+
+def test_default_image_tags_match_the_dockerfiles() -> None:
+    gpu = containers(one(rendered("default"), "Deployment", "scheduler"))[0]["image"]
+    cpu = containers(one(rendered("cpu-demo-values.yaml"), "Deployment", "scheduler"))[0]["image"]
+    version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    assert gpu == f"ghcr.io/pdserve/pdserve:{version}"
+    assert cpu == f"ghcr.io/pdserve/pdserve:{version}-cpu"
+    assert "FROM ${CUDA_IMAGE}" in (ROOT / "Dockerfile").read_text()
+    for name in ("Dockerfile", "Dockerfile.cpu"):
+        text = (ROOT / name).read_text()
+        assert 'ENTRYPOINT ["pdserve"]' in text and "USER 10001" in text
