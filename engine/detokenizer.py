@@ -17,10 +17,12 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
+        self._emitted = 0
         self.stopped = False
 
     def add(self, token_id: int) -> str:
-        """Appends a token; returns the new text (cut before a stop string, which sets stopped)."""
+        """Appends a token; returns the new text (cut before a stop string, which sets stopped).
+        With stop strings, up to (longest stop - 1) characters are held back until `flush`."""
         if self.stopped:
             return ""
         self.ids.append(token_id)
@@ -33,20 +35,24 @@ class IncrementalDetokenizer:
         return self._apply_stop(delta)
 
     def _apply_stop(self, delta: str) -> str:
+        self.text += delta
         if not self.stop:
-            self.text += delta
-            return delta
-        start = max(0, len(self.text) - max(len(s) for s in self.stop) + 1)
-        combined = self.text + delta
-        cut = None
-        for s in self.stop:
-            idx = combined.find(s, start)
-            if idx != -1 and (cut is None or idx < cut):
-                cut = idx
-        if cut is None:
-            self.text = combined
-            return delta
-        self.stopped = True
-        out = combined[len(self.text):cut] if cut >= len(self.text) else ""
-        self.text = combined[:cut]
+            return self._emit(len(self.text))
+        window = max(len(s) for s in self.stop)
+        start = max(0, self._emitted - window)
+        cuts = [i for i in (self.text.find(s, start) for s in self.stop) if i != -1]
+        if cuts:
+            self.stopped = True
+            self.text = self.text[:min(cuts)]
+            return self._emit(len(self.text))
+        # Hold back what could still become the start of a stop string.
+        return self._emit(max(self._emitted, len(self.text) - window + 1))
+
+    def flush(self) -> str:
+        """The text held back for stop-string matching; call when the request ends."""
+        return self._emit(len(self.text))
+
+    def _emit(self, upto: int) -> str:
+        out = self.text[self._emitted:upto]
+        self._emitted = max(self._emitted, upto)
         return out

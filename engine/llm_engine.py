@@ -188,6 +188,8 @@ class LLMEngine:
         detok = self._detok.get(request.request_id)
         delta = detok.add(token) if detok is not None else ""
         reason = self._finish_reason(request, token, detok)
+        if reason is not None and detok is not None:
+            delta += detok.flush()
         out = RequestOutput(request.request_id, [token], delta, reason is not None, reason,
                             request.num_cached_tokens or 0, request.num_prompt_tokens)
         if reason is not None:

@@ -1,0 +1,103 @@
+"""Disaggregated modes in-process: a PREFILL_ONLY engine pins the prompt's KV, a REMOTE_KV
+engine receives it by block copy (what the UCX data plane does across processes), and greedy
+output equals a normal colocated run."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.request import RequestMode, RequestStatus, SamplingParams
+
+BS = 8
+N = 24
+
+
+def _drain(engine, rid):
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    return outs
+
+
+def _prefill(p_engine, rid, prompt):
+    p_engine.add_request(rid, prompt, SamplingParams(max_tokens=N), mode=RequestMode.PREFILL_ONLY)
+    outs = _drain(p_engine, rid)
+    assert len(outs) == 1 and outs[0].finished and outs[0].finish_reason == "length"
+    assert p_engine.batch_scheduler.requests[rid].status is RequestStatus.PINNED
+    assert p_engine.load().num_pinned == 1
+    return outs[0].new_token_ids[0]
+
+
+def _copy_blocks(src, src_ids, dst, dst_ids, first_block):
+    for s, d in zip(src_ids[first_block:], dst_ids[first_block:], strict=False):
+        dst.kv_cache[d].copy_(src.kv_cache[s])
+
+
+@pytest.mark.parametrize("warm_prefix", [False, True])
+def test_prefill_then_remote_kv_decode_matches_colocated(tiny_model, make_engine, prompts_of, warm_prefix) -> None:
+    model = tiny_model("llama_gqa_llama3")
+    [prompt] = prompts_of([5 * BS + 3], seed=7)
+    expected = model.reference(prompt, N)
+    p_eng = make_engine(model.path, block_size=BS)
+    d_eng = make_engine(model.path, block_size=BS)
+    if warm_prefix:  # the decode engine already holds the first 2 blocks in its prefix cache
+        d_eng.generate([prompt[: 2 * BS + 1]], SamplingParams(max_tokens=1))
+    first = _prefill(p_eng, "r", prompt)
+    assert first == expected[0]
+    d_eng.add_request("r", prompt, SamplingParams(max_tokens=N), mode=RequestMode.REMOTE_KV,
+                      output_token_ids=[first])
+    local = d_eng.num_local_cached_tokens("r")
+    assert local == (2 * BS if warm_prefix else 0)
+    assert d_eng.batch_scheduler.requests["r"].status is RequestStatus.WAITING_FOR_REMOTE_KV
+    assert d_eng.step() == [] and d_eng.has_unfinished_requests()
+    d_ids, p_ids = d_eng.get_block_ids("r"), p_eng.get_block_ids("r")
+    assert len(d_ids) == len(p_ids) == -(-len(prompt) // BS)
+    _copy_blocks(p_eng, p_ids, d_eng, d_ids, local // BS)
+    d_eng.finish_remote_kv("r", ok=True)
+    outs = _drain(d_eng, "r")
+    assert [t for o in outs for t in o.new_token_ids] == expected[1:]
+    assert outs[-1].finish_reason == "length"
+    assert p_eng.release("r") is True
+    assert p_eng.release("r") is False
+
+
+@pytest.mark.parametrize("how", ["failed", "invalid_blocks"])
+def test_failed_or_partial_transfer_is_recomputed(tiny_model, make_engine, prompts_of, how) -> None:
+    model = tiny_model("qwen2_bias")
+    [prompt] = prompts_of([4 * BS + 5], seed=8)
+    expected = model.reference(prompt, N)
+    p_eng = make_engine(model.path, block_size=BS)
+    d_eng = make_engine(model.path, block_size=BS)
+    first = _prefill(p_eng, "r", prompt)
+    d_eng.add_request("r", prompt, SamplingParams(max_tokens=N), mode=RequestMode.REMOTE_KV,
+                      output_token_ids=[first])
+    d_ids, p_ids = d_eng.get_block_ids("r"), p_eng.get_block_ids("r")
+    if how == "failed":
+        d_eng.finish_remote_kv("r", ok=False)
+    else:
+        _copy_blocks(p_eng, p_ids, d_eng, d_ids, 0)
+        d_eng.kv_cache[d_ids[2]].fill_(1e3)  # garbage in block 2: reported invalid, must be recomputed
+        d_eng.finish_remote_kv("r", ok=True, invalid_block_ids={d_ids[2]})
+        assert d_eng.batch_scheduler.requests["r"].num_computed_tokens == 2 * BS
+    outs = _drain(d_eng, "r")
+    assert [t for o in outs for t in o.new_token_ids] == expected[1:]
+    assert p_eng.abort_request("r") is True  # aborting a pinned request releases it
+    assert p_eng.release("r") is False
+
+
+def test_abort_in_every_state_frees_blocks(tiny_model, make_engine, prompts_of) -> None:
+    model = tiny_model("llama_gqa_llama3")
+    eng = make_engine(model.path, block_size=BS)
+    p1, p2, p3 = prompts_of([30, 12, 20], seed=9)
+    eng.add_request("running", p1, SamplingParams(max_tokens=50))
+    eng.step()
+    eng.add_request("waiting", p2, SamplingParams(max_tokens=5))
+    eng.add_request("remote", p3, SamplingParams(max_tokens=5), mode=RequestMode.REMOTE_KV, output_token_ids=[3])
+    assert eng.load().num_running == 1 and eng.load().num_waiting == 1
+    assert all(eng.abort_request(r) for r in ("running", "waiting", "remote"))
+    assert eng.abort_request("running") is False
+    outs = eng.step()
+    assert sorted(o.request_id for o in outs) == ["remote", "running", "waiting"]
+    assert all(o.finished and o.finish_reason == "abort" for o in outs)
+    assert not eng.has_unfinished_requests()
+    assert eng.load().num_free_blocks == eng.kv_cache_spec.num_blocks
