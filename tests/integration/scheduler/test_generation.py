@@ -263,3 +263,108 @@ async def test_server_info_and_models(cluster: Cluster) -> None:
     assert (info.model, info.vocab_size, info.num_prefill_engines, info.num_decode_engines) == ("scripted", 1000, 1, 1)
     models = await cluster.stub.ListModels(pb.ListModelsRequest())
     assert [m.name for m in models.models] == ["scripted"]
+
+
+async def test_hung_decode_engine_is_declared_dead_and_its_request_migrates() -> None:
+    c = Cluster(heartbeat_timeout_s=0.3)
+    await c.start()
+    try:
+        await c.add("p0", "prefill")
+        hung = await c.add("d0", "decode", token_delay_s=0.05)
+        spare = await c.add("d1", "decode")
+        c.service.registry.engines["d1"].load = type(c.service.registry.engines["d1"].load)(num_running=5)
+        task = asyncio.ensure_future(c.generate(list(range(40)), max_tokens=40))
+        await eventually(lambda: len(hung.decode_requests) == 1)
+        assert hung.client is not None
+        await asyncio.to_thread(hung.client.close)  # the engine stops heartbeating; its stream still "runs"
+        chunks, done = await task
+        tokens, _ = tokens_and_indices(chunks)
+        assert tokens == [BASE + i for i in range(40)]
+        assert (done.decode_engine_id, done.num_migrations) == ("d1", 1)
+        assert spare.decode_requests and len(spare.decode_requests[0].output_token_ids) >= 1
+        await no_leaks(c)
+    finally:
+        await c.stop()
+
+
+async def test_text_and_chat_prompts_use_the_model_tokenizer() -> None:
+    from engine.demo_model import demo_model_dir
+    from services.scheduler.tokenization import PromptTokenizer
+
+    tokenizer = PromptTokenizer(demo_model_dir())
+    config = load_config(SchedulerConfig, env={}, overrides={"port": 0, "control_port": 0, "events_port": 0,
+                                                            "routing_policy": "load", "default_max_tokens": 2})
+    service = SchedulerService(config, model_dir=demo_model_dir(), sink=RecordingEventSink())
+    await service.start()
+    engine = ScriptedEngine("d0", "decode", service.control_port)
+    await engine.start()
+    try:
+        async with insecure_channel(f"127.0.0.1:{service.port}") as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            for chat in (False, True):
+                req = pb.GenerateRequest(text="Hello there", chat=chat)
+                [r async for r in stub.Generate(req, timeout=10)]
+            info = await stub.GetServerInfo(pb.GetServerInfoRequest())
+        plain, chat_ids = (list(r.prompt_token_ids) for r in engine.decode_requests)
+        assert plain == tokenizer.encode("Hello there")
+        assert chat_ids == tokenizer.encode(tokenizer.render_chat("Hello there")) and len(chat_ids) > len(plain)
+        assert info.vocab_size == 49152 and info.max_model_len == 8192
+    finally:
+        await engine.stop()
+        await service.stop(0)
+
+
+async def test_health_serving_and_drain_refuses_new_work() -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    c = Cluster()
+    await c.start()
+    try:
+        await c.add("d0", "decode", token_delay_s=0.02)
+        async with insecure_channel(f"127.0.0.1:{c.service.port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            check = health_pb2.HealthCheckRequest(service="pdserve.v1.Generation")
+            assert (await health.Check(check)).status == health_pb2.HealthCheckResponse.SERVING
+            running = asyncio.ensure_future(c.generate([1, 2, 3], max_tokens=10))
+            await eventually(lambda: bool(c.service.generation.flights))
+            drained = asyncio.ensure_future(c.service.drain(5.0))
+            await eventually(lambda: c.service.generation.draining)
+            assert (await health.Check(check)).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await c.generate([1, 2, 3])
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            chunks, _ = await running  # the in-flight request finishes
+            assert len(tokens_and_indices(chunks)[0]) == 10
+            assert await drained
+    finally:
+        await c.stop()
+
+
+async def test_engine_events_reach_event_plane_subscribers() -> None:
+    from connectors.kv_events import BlockStored, KVEventBatch
+    from pdserve.v1 import kv_events_pb2, kv_events_pb2_grpc
+    from services.common.control_client import StepReport
+
+    config = load_config(SchedulerConfig, env={}, overrides={"port": 0, "control_port": 0, "events_port": 0})
+    service = SchedulerService(config, facts=FACTS)  # the real event plane and prefix policy
+    await service.start()
+    engine = ScriptedEngine("p0", "prefill", service.control_port)
+    await engine.start()
+    try:
+        assert engine.client is not None
+        stored = BlockStored(block_hashes=(7,), parent_block_hash=None, token_ids=tuple(range(16)), block_size=16,
+                             medium="CPU")
+        seq = engine.client.report(StepReport(engine_events=KVEventBatch(ts=2.0, events=[stored])))
+        assert await asyncio.to_thread(engine.client.wait_acked, seq)
+        async with insecure_channel(f"127.0.0.1:{service.events_port}") as channel:
+            stream = kv_events_pb2_grpc.KVEventsStub(channel).Subscribe(kv_events_pb2.SubscribeRequest(from_seq=0))
+            async for msg in stream:
+                if msg.WhichOneof("payload") == "batch" and msg.batch.events:
+                    assert (msg.batch.engine_id, msg.batch.epoch) == ("p0", engine.epoch)
+                    assert list(msg.batch.events[0].block_stored.block_hashes) == [7]
+                    break
+            stream.cancel()
+        assert service.router.policy.name != "load"
+    finally:
+        await engine.stop()
+        await service.stop(0)
