@@ -240,7 +240,7 @@ def engine() -> Board:
     b.ts("Requests", [q(f"sum(pdserve_engine_running_requests{{{one}}})", "running"),
                       q(f"sum(pdserve_engine_waiting_requests{{{one}}})", "waiting"),
                       q(f"sum(pdserve_engine_pinned_requests{{{one}}})", "pinned (awaiting pull)")])
-    b.ts("KV cache", [q(f"max(pdserve_engine_kv_cache_usage_ratio{{{one}}})", "usage")], "percentunit")
+    b.ts("KV cache free blocks", [q(f"sum(pdserve_engine_kv_cache_free_blocks{{{one}}})", "free or evictable")])
     b.ts("Step time", [q(pct(p, "pdserve_engine_step_duration_seconds", selector=one), f"p{int(p * 100)}")
                        for p in (0.5, 0.99)], "s")
     b.ts("Tokens per step", [q(pct(p, "pdserve_engine_step_tokens", selector=one), f"p{int(p * 100)}")
