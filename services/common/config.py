@@ -112,7 +112,7 @@ class EngineConfig:
     host: str = opt("127.0.0.1", "address the Engine API binds to")
     advertise_host: str = opt("", "address peers use to reach this engine; default --host")
     port: int = opt(0, "Engine API port; 0 picks a free port")
-    metrics_port: int = opt(0, "Prometheus /metrics port; 0 disables")
+    metrics_port: int = opt(0, "Prometheus /metrics port of rank 0 (rank r serves on port + r); 0 disables")
     tp: int = opt(1, "tensor-parallel size (rank processes)")
     dtype: str = opt("auto", "float32, bfloat16, float16 or auto (float32 on CPU)")
     device: str = opt("auto", "cpu, cuda or auto")
