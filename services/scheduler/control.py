@@ -53,6 +53,7 @@ from services.scheduler.registry import (
     RegistrationErrorKind,
     Role,
 )
+from services.scheduler.telemetry import SchedulerTelemetry
 from services.scheduler.transfers import OutcomeKind, TransferOutcome, TransferTracker
 
 logger = logging.getLogger(__name__)
@@ -128,12 +129,14 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
     def __init__(self, registry: EngineRegistry, *, aggregator: KVOutputAggregator | None = None,
                  tracker: TransferTracker | None = None, sink: EventSink | None = None,
-                 heartbeat_interval_s: float = 1.0, scheduler_id: str = "") -> None:
+                 heartbeat_interval_s: float = 1.0, scheduler_id: str = "",
+                 telemetry: SchedulerTelemetry | None = None) -> None:
         self.registry = registry
         self.aggregator = aggregator or KVOutputAggregator(clock=registry.clock)
         self.tracker = tracker or TransferTracker(clock=registry.clock)
         self.sink: EventSink = sink or NullEventSink()
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.telemetry = telemetry or SchedulerTelemetry()
         self.scheduler_id = scheduler_id
         self.connections: dict[RankId, RankConnection] = {}
         # Hooks (set by the scheduler service): what to do with a transfer outcome (default:
@@ -279,6 +282,9 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             reg = self.registry.register(hello)
         except RegistrationError as e:
             self.counters[f"hello_refused_{e.kind}"] += 1
+            self.telemetry.metrics.count_registration_refused(
+                "malformed" if e.kind == RegistrationErrorKind.INVALID else "fenced" if "fenced" in str(e)
+                else "incompatible")
             code = (grpc.StatusCode.INVALID_ARGUMENT if e.kind == RegistrationErrorKind.INVALID
                     else grpc.StatusCode.FAILED_PRECONDITION)
             logger.warning("refused Hello from %s: %s", context.peer(), e)
@@ -293,6 +299,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             old.queue.put_nowait(_Close(grpc.StatusCode.ABORTED, "replaced by a newer stream of this rank"))
         self.connections[hello.rank_id] = conn
         conn.queue.put_nowait(self._welcome(engine, reg.rank))
+        if not reg.new_rank:
+            self.telemetry.metrics.count_control_reconnect(engine.engine_id)
         if reg.new_rank:
             other = Role.DECODE if engine.role == Role.PREFILL else Role.PREFILL
             update = pb.PeerUpdate(joined=[_peer_info(engine, reg.rank)])

@@ -44,6 +44,7 @@ from services.scheduler.control import ControlServicer
 from services.scheduler.lifecycle import EngineRef, ReleaseCause, RequestRecord, RequestState, RequestTable
 from services.scheduler.registry import EngineState, Role
 from services.scheduler.routing import EngineView, Route, Router, RoutingRequest
+from services.scheduler.telemetry import SchedulerTelemetry
 from services.scheduler.tokenization import ModelFacts, PromptTokenizer
 from services.scheduler.transfers import OutcomeKind, TransferOutcome
 from services.scheduler.validation import Limits, RequestError, ValidRequest, validate
@@ -94,6 +95,7 @@ class Flight:
     num_transferred_tokens: int = 0
     prefill_engine_id: str = ""
     first_token_at: float | None = None
+    last_token_at: float = 0.0
 
 
 _FINISH_FROM_ENGINE = {gen_pb.FINISH_REASON_STOP, gen_pb.FINISH_REASON_LENGTH}
@@ -104,8 +106,10 @@ class GenerationServicer(gen_grpc.GenerationServicer):
 
     def __init__(self, config: SchedulerConfig, *, facts: ModelFacts, tokenizer: PromptTokenizer | None,
                  control: ControlServicer, router: Router, admission: Admission, table: RequestTable,
-                 channels: EngineChannels | None = None) -> None:
+                 channels: EngineChannels | None = None, telemetry: SchedulerTelemetry | None = None) -> None:
         self.config = config
+        self.telemetry = telemetry or SchedulerTelemetry()
+        self.metrics = self.telemetry.metrics
         self.facts = facts
         self.tokenizer = tokenizer
         self.control = control
@@ -142,7 +146,10 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         try:
             flight, route = self._admit(request, context.time_remaining())
         except RequestError as e:
+            self.metrics.request_rejected()
             await context.abort(e.code, e.message)
+        self.metrics.request_started(flight.record.num_prompt_tokens)
+        self.telemetry.routed(route, self.router.policy.name)
         state, reason = RequestState.ABORTED, "cancelled"
         try:
             async for response in self._run(flight, route):
@@ -269,6 +276,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                 self._abort_on(engine_id, record.request_id)
                 record.failed_prefill_engines.add(engine_id)
                 next_engine = self._next_prefill(record, engine_id)
+                self.telemetry.prefill_failed(retried=next_engine is not None)
                 if record.state == RequestState.PREFILLING:
                     self.table.prefill_failed(record, retry=next_engine is not None)
                 if next_engine is None:
@@ -330,6 +338,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                 return
             except LegFailed as failure:
                 logger.warning("request %s: decode on %s failed: %s", record.request_id, engine_id, failure)
+                self.metrics.count_migration("decode_failed")
                 engine_id = self._migration_target(flight, engine_id)
                 descriptor = None
 
@@ -382,8 +391,14 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         raise LegFailed("decode stream ended without a finish reason")
 
     def _chunk(self, flight: Flight, token_ids: list[int], text: str) -> gen_pb.GenerateResponse:
+        now = time.monotonic()
         if flight.first_token_at is None:
-            flight.first_token_at = time.monotonic()
+            self.metrics.observe_ttft(now - flight.started, self._path(flight))
+            self.metrics.count_first_tokens(len(token_ids))
+        else:
+            self.metrics.observe_inter_token_latency(now - flight.last_token_at, len(token_ids))
+        flight.first_token_at = flight.first_token_at or now
+        flight.last_token_at = now
         index = self.table.tokens_streamed(flight.record, len(token_ids))
         flight.output_ids.extend(token_ids)
         return gen_pb.GenerateResponse(request_id=flight.record.request_id,
@@ -425,6 +440,13 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             self._give_slot(flight, engine_id)
         del self.flights[record.request_id]
         self.table.remove(record)
+        outcome = {RequestState.FINISHED: "success", RequestState.FAILED: "error"}.get(
+            record.state, "deadline" if reason == "deadline" else "cancelled")
+        self.metrics.request_finished(outcome, time.monotonic() - flight.started, self._path(flight))
+
+    @staticmethod
+    def _path(flight: Flight) -> str:
+        return "disaggregated" if flight.prefill_engine_id else "decode_only"
 
     def _drop_transfer(self, record: RequestRecord, cause: ReleaseCause) -> None:
         """Stops tracking the request's transfer and releases its prefill blocks (once)."""

@@ -100,8 +100,11 @@ class RequestRecord:
 class RequestTable:
     """Every live request (see the module docstring for the contracts)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 on_release: Callable[[ReleaseCause, bool], None] | None = None) -> None:
+        """`on_release(cause, first)` is told of every release_prefill call (for metrics)."""
         self.clock = clock
+        self.on_release = on_release
         self.requests: dict[str, RequestRecord] = {}
         self.outcomes: Counter[str] = Counter()
         self.release_outcomes: Counter[str] = Counter()
@@ -198,9 +201,13 @@ class RequestTable:
         """True exactly once per pinned request: the caller then frees the prefill blocks."""
         if not record.prefill_pinned or record.prefill_release is not None:
             self.release_noops[cause] += 1
+            if self.on_release is not None and record.prefill_pinned:
+                self.on_release(cause, False)
             return False
         record.prefill_release = cause
         self.release_outcomes[cause] += 1
+        if self.on_release is not None:
+            self.on_release(cause, True)
         return True
 
     def remove(self, record: RequestRecord) -> None:

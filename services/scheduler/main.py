@@ -6,9 +6,12 @@ import argparse
 import asyncio
 import logging
 
+from prometheus_client import CollectorRegistry
+
 from services.common.config import SchedulerConfig, add_config_arguments, load_config
 from services.common.grpc_server import install_drain_handler
 from services.common.logs import setup_logging
+from services.common.metrics import start_metrics_server
 from services.scheduler.service import SchedulerService
 
 logger = logging.getLogger(__name__)
@@ -25,7 +28,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def serve(config: SchedulerConfig) -> int:
-    service = SchedulerService(config)
+    registry = CollectorRegistry()
+    service = SchedulerService(config, prometheus=registry)
+    metrics_server = start_metrics_server(config.metrics_port, registry, config.host) if config.metrics_port else None
     await service.start()
 
     async def drain() -> None:
@@ -38,4 +43,6 @@ async def serve(config: SchedulerConfig) -> int:
         await done.wait()
     finally:
         await service.stop()
+        if metrics_server is not None:
+            metrics_server.close()
     return 0

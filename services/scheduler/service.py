@@ -24,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
 from pdserve.v1 import control_pb2_grpc, generation_pb2_grpc
 from services.common.config import SchedulerConfig
 from services.common.grpc_server import ServiceServer
@@ -34,6 +36,7 @@ from services.scheduler.generation import GenerationServicer
 from services.scheduler.lifecycle import ReleaseCause, RequestTable
 from services.scheduler.registry import EngineRegistry
 from services.scheduler.routing import Router, RoutingPolicy, make_policy
+from services.scheduler.telemetry import SchedulerTelemetry
 from services.scheduler.tokenization import ModelFacts, PromptTokenizer, read_model_facts
 
 logger = logging.getLogger(__name__)
@@ -57,8 +60,10 @@ class SchedulerService:
 
     def __init__(self, config: SchedulerConfig, *, model_dir: Path | None = None, facts: ModelFacts | None = None,
                  sink: EventSink | None = None, policy: RoutingPolicy | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 prometheus: CollectorRegistry | None = None) -> None:
         self.config = config
+        self.telemetry = SchedulerTelemetry(prometheus)
         self.scheduler_id = uuid.uuid4().hex[:12]
         self.tokenizer: PromptTokenizer | None = None
         if facts is None:
@@ -76,13 +81,15 @@ class SchedulerService:
         self.registry = EngineRegistry(block_size=config.block_size, hash_seed=config.hash_seed,
                                        compatibility_hash=config.compatibility_hash,
                                        heartbeat_timeout_s=config.heartbeat_timeout_s, clock=clock)
-        self.table = RequestTable(clock)
+        self.table = RequestTable(clock, on_release=self.telemetry.release)
         self.control = ControlServicer(self.registry, sink=sink, heartbeat_interval_s=config.heartbeat_interval_s,
-                                       scheduler_id=self.scheduler_id)
+                                       scheduler_id=self.scheduler_id, telemetry=self.telemetry)
+        self.telemetry.track(self.registry, self.control.aggregator)
         self.router = Router(policy, config.decode_only_threshold)
         self.admission = Admission(config.max_queue_per_engine)
         self.generation = GenerationServicer(config, facts=facts, tokenizer=self.tokenizer, control=self.control,
-                                             router=self.router, admission=self.admission, table=self.table)
+                                             router=self.router, admission=self.admission, table=self.table,
+                                             telemetry=self.telemetry)
         self.client_server = ServiceServer([GENERATION_SERVICE])
         self.control_server = ServiceServer([CONTROL_SERVICE])
         self.events_server = ServiceServer([EVENTS_SERVICE] if self.plane is not None else [])

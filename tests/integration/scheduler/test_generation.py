@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry
 from scheduler_harness import eventually
 from scripted_engine import BASE, ScriptedEngine
 
@@ -28,7 +29,8 @@ class Cluster:
         config = load_config(SchedulerConfig, env={}, overrides={
             "port": 0, "control_port": 0, "events_port": 0, "routing_policy": "load",
             "heartbeat_interval_s": 0.05, "default_max_tokens": 8, **overrides})
-        self.service = SchedulerService(config, facts=FACTS, sink=RecordingEventSink())
+        self.prometheus = CollectorRegistry()
+        self.service = SchedulerService(config, facts=FACTS, sink=RecordingEventSink(), prometheus=self.prometheus)
         self.engines: list[ScriptedEngine] = []
         self.channel: grpc.aio.Channel | None = None
 
@@ -101,6 +103,13 @@ async def test_disaggregated_stream_releases_prefill_blocks(cluster: Cluster) ->
     assert [type(m).__name__ for m in d.kv_outcomes] == ["KVReady"]
     await no_leaks(cluster)
     assert cluster.service.table.release_outcomes == {"transferred": 1}
+    sample = cluster.prometheus.get_sample_value
+    assert sample("pdserve_scheduler_requests_total", {"outcome": "success"}) == 1
+    assert sample("pdserve_scheduler_lease_outcomes_total", {"outcome": "released"}) == 1
+    assert sample("pdserve_scheduler_routing_decisions_total",
+                  {"role": "prefill", "engine": "p0", "policy": "load", "reason": "load"}) == 1
+    assert sample("pdserve_scheduler_time_to_first_token_seconds_count", {"path": "disaggregated"}) == 1
+    assert sample("pdserve_scheduler_registered_engines", {"role": "decode", "state": "routable"}) == 1
 
 
 async def test_first_token_can_end_the_request_at_prefill(cluster: Cluster) -> None:
