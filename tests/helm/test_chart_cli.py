@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import config_files, of_kind, one, rendered
+from chart_render import config_files, of_kind, one, rendered
 
 from services.common.cli import build_parser
 from services.common.config import EngineConfig, SchedulerConfig, load_config

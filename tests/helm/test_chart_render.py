@@ -12,7 +12,17 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from conftest import CHART, CI_VALUES, ROOT, config_files, load_script, of_kind, one, render_values, rendered
+from chart_render import (
+    CHART,
+    CI_VALUES,
+    ROOT,
+    config_files,
+    load_script,
+    of_kind,
+    one,
+    render_values,
+    rendered,
+)
 
 KUBE_VERSION = kubernetes_validate.latest_version()
 ENGINE_ROLES = ("prefill", "decode")
