@@ -61,6 +61,7 @@ logger = logging.getLogger(__name__)
 _ROLE_FROM_PB = {pb.ROLE_PREFILL: Role.PREFILL, pb.ROLE_DECODE: Role.DECODE}
 _ROLE_TO_PB = {v: k for k, v in _ROLE_FROM_PB.items()}
 HELLO_TIMEOUT_S = 10.0
+MAX_HELD_MESSAGES = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +140,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self.telemetry = telemetry or SchedulerTelemetry()
         self.scheduler_id = scheduler_id
         self.connections: dict[RankId, RankConnection] = {}
+        # Messages for ranks of a live epoch that are between streams, delivered after Welcome.
+        self.held: dict[tuple[RankId, int], list[pb.SchedulerMessage]] = {}
         # Hooks (set by the scheduler service): what to do with a transfer outcome (default:
         # deliver it to the engine), and who to tell when an engine goes down or comes back.
         self.on_transfer_outcome: Callable[[TransferOutcome], None] = self.deliver
@@ -182,12 +185,21 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
     # -- sending ------------------------------------------------------------------------------
 
     def send(self, rank_id: RankId, epoch: int, msg: pb.SchedulerMessage) -> bool:
+        """Queues `msg` for the rank's stream. While the rank (of that live epoch) is between
+        streams, up to MAX_HELD_MESSAGES are held and delivered after its next Welcome; False
+        when the message had to be dropped (no such rank or epoch)."""
         conn = self.connections.get(rank_id)
-        if conn is None or conn.epoch != epoch:
-            self.counters["send_no_stream"] += 1
-            return False
-        conn.queue.put_nowait(msg)
-        return True
+        if conn is not None and conn.epoch == epoch:
+            conn.queue.put_nowait(msg)
+            return True
+        if self.registry.rank(rank_id) is not None and self.registry.engine(rank_id.engine_id, epoch) is not None:
+            held = self.held.setdefault((rank_id, epoch), [])
+            if len(held) < MAX_HELD_MESSAGES:
+                held.append(msg)
+                self.counters["send_held"] += 1
+                return True
+        self.counters["send_no_stream"] += 1
+        return False
 
     def send_to_leader(self, engine: EngineRef, msg: pb.SchedulerMessage) -> bool:
         """Queues `msg` on the rank-0 stream of (engine_id, epoch); False when there is none."""
@@ -299,6 +311,11 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             old.queue.put_nowait(_Close(grpc.StatusCode.ABORTED, "replaced by a newer stream of this rank"))
         self.connections[hello.rank_id] = conn
         conn.queue.put_nowait(self._welcome(engine, reg.rank))
+        for held in self.held.pop((hello.rank_id, engine.epoch), []):
+            conn.queue.put_nowait(held)
+        if reg.fenced_engine is not None:
+            for rank_id in reg.fenced_engine.ranks:
+                self.held.pop((rank_id, reg.fenced_engine.epoch), None)
         if not reg.new_rank:
             self.telemetry.metrics.count_control_reconnect(engine.engine_id)
         if reg.new_rank:

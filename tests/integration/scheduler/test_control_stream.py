@@ -223,3 +223,19 @@ async def test_new_epoch_fences_the_old_stream(harness: ControlHarness) -> None:
     await eventually(lambda: any(u.joined and u.joined[0].rank.epoch == 200 for u in d_in.of(PeerUpdate)))
     assert harness.servicer.registry.engines["p0"].epoch == 200  # type: ignore[union-attr]
     assert isinstance(d.welcome, Welcome)
+
+
+async def test_messages_for_a_reconnecting_rank_are_held_and_delivered(harness: ControlHarness) -> None:
+    servicer = harness.servicer
+    assert servicer is not None
+    h = hello("d0", "decode", epoch=8080)
+    first = await harness.connect(h)
+    await asyncio.to_thread(first.close)
+    await eventually(lambda: not servicer.connections)
+    ref = EngineRef("d0", 8080)
+    assert servicer.send_to_leader(ref, pb.SchedulerMessage(kv_ready=pb.KVReady(request_id="held")))
+    assert not servicer.send_to_leader(EngineRef("d0", 1), pb.SchedulerMessage(kv_ready=pb.KVReady(request_id="x")))
+    again = await harness.connect(h)
+    inbox = Inbox(again)
+    await eventually(lambda: inbox.of(KVReady) == [KVReady("held")])
+    assert servicer.held == {}
