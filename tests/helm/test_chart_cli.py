@@ -4,13 +4,17 @@ accepted by the real CLI parser and config loader, so the chart cannot drift fro
 from __future__ import annotations
 
 import dataclasses
+import shlex
 from pathlib import Path
 from typing import Any
 
+import helm_python
 import pytest
 import yaml
-from chart_render import config_files, of_kind, one, rendered
+from chart_render import CHART, config_files, of_kind, one, rendered
+from google.protobuf import json_format
 
+from pdserve.v1 import generation_pb2
 from services.common.cli import build_parser
 from services.common.config import EngineConfig, SchedulerConfig, load_config
 
@@ -82,3 +86,20 @@ def test_a_bad_component_setting_is_refused_by_the_loader(tmp_path: Path) -> Non
     bad.write_text(yaml.safe_dump({"role": "prefill", "tp": 1, "blok_size": 16}))
     with pytest.raises(ValueError, match="unknown setting"):
         load_config(EngineConfig, build_parser("prefill").parse_args(["--config", str(bad)]), env={})
+
+
+def test_notes_show_a_working_generate_command() -> None:
+    chart = helm_python.Chart.load(str(CHART))
+    try:
+        notes = chart.render({"prefill": {"hpa": {"enabled": True}}}, name="demo", namespace="ns")[
+            "pdserve/templates/NOTES.txt"]
+    finally:
+        chart.close()
+    (line,) = [x.strip() for x in notes.splitlines() if x.strip().startswith("pdserve generate")]
+    args = build_parser("generate").parse_args(shlex.split(line)[2:])
+    assert args.target == "127.0.0.1:50051" and args.prompt == ["Hello"]
+    (grpcurl,) = [shlex.split(x) for x in notes.splitlines() if "Generation/Generate" in x]
+    request = json_format.Parse(grpcurl[grpcurl.index("-d") + 1], generation_pb2.GenerateRequest())
+    assert request.text == "Hello" and request.sampling.max_tokens == 16
+    assert grpcurl[-1] == f"{generation_pb2.DESCRIPTOR.package}.Generation/Generate"
+    assert "HPA 1..4 x tp 1" in notes and "helm test demo" in notes
