@@ -172,7 +172,7 @@ class LLMEngine:
         """Schedules and runs one batch; returns what each touched request produced."""
         outputs, self._pending_outputs = self._pending_outputs, []
         plan = self.batch_scheduler.schedule()
-        if not plan.chunks:
+        if not plan.chunks and _no_commands(plan.connector_meta):
             return outputs
         logits = self.workers.execute(plan)
         sampled: dict[str, int] = {}
@@ -280,6 +280,17 @@ class LLMEngine:
             for out in self.step():
                 result[out.request_id].extend(out.new_token_ids)
         return [result[rid] for rid in ids]
+
+
+def _no_commands(connector_meta: Any) -> bool:
+    """True when the step plan carries nothing for the ranks' connectors: a plan without
+    chunks is still broadcast when it does (e.g. data-plane commands between forwards)."""
+    from connectors.base import EmptyConnectorMetadata
+
+    if connector_meta is None or isinstance(connector_meta, EmptyConnectorMetadata):
+        return True
+    is_empty = getattr(connector_meta, "is_empty", None)
+    return bool(is_empty()) if callable(is_empty) else False
 
 
 def _load_tokenizer(model_dir: Path) -> Any:

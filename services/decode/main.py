@@ -1,11 +1,14 @@
-"""`pdserve decode`: run a decode engine (all its tp ranks)."""
+"""`pdserve decode`: run a decode engine — rank 0 serves the Engine API, ranks 1..tp-1 are
+spawned; every rank holds a control stream to the scheduler and a UCX data plane."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import socket
 
 from services.common.config import EngineConfig, add_config_arguments, load_config
-from services.common.errors import NotAvailableError
+from services.common.logs import setup_logging
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -13,5 +16,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    load_config(EngineConfig, args, overrides={"role": "decode"})
-    raise NotAvailableError("the decode service comes with the serving-path issue")
+    config = load_config(EngineConfig, args, overrides={"role": "decode"})
+    if not config.engine_id:
+        config.engine_id = f"decode-{socket.gethostname()}"
+    setup_logging(config.log_level, config.engine_id)
+    from services.common.engine_server import serve
+
+    asyncio.run(serve(config))
+    return 0

@@ -1,0 +1,375 @@
+"""The engine service: what `pdserve prefill` and `pdserve decode` run.
+
+One process per engine (rank 0; ranks 1..tp-1 are spawned by the engine). It serves the
+`Engine` gRPC API (Prefill, Decode, Abort, Release, Drain) over an `LLMEngine` driven by an
+`EngineLoop`, with a `RankAgent` per rank for the UCX data plane and the control stream.
+
+Request flow on a prefill engine: Prefill → PREFILL_ONLY request → first token; the request's
+prompt blocks stay pinned, every rank pins them for UCX readers, the answer carries the transfer
+descriptor. Blocks are freed on the scheduler's ReleaseBlocks (every reader done), on a
+Release/Abort RPC, or when the lease runs out — whichever comes first; the rest are no-ops.
+
+On a decode engine: Decode with a descriptor → REMOTE_KV request (blocks allocated, local
+prefix reused) → every rank pulls its heads of the missing blocks → the scheduler's KVReady
+(all ranks received) or KVFailed (recompute) lets it run; tokens stream back. Without a
+descriptor the engine computes the prompt itself (decode-only, or a migrated request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from connectors.ucx.handshake import KVTransferDescriptor
+from connectors.ucx.scheduler import UcxSchedulerConnector
+from engine.batch_scheduler import NoFreeBlocksError
+from engine.llm_engine import LLMEngine
+from engine.request import RequestMode, SamplingParams
+from pdserve.v1 import engine_pb2 as pb
+from pdserve.v1 import engine_pb2_grpc as pb_grpc
+from pdserve.v1 import generation_pb2 as gen_pb
+from services.common.config import EngineConfig
+from services.common.control_client import ControlMessage, EngineLoad, KVFailed, KVReady, ReleaseBlocks
+from services.common.engine_loop import Delivery, EngineLoop
+from services.common.grpc_server import ServiceServer, install_drain_handler
+from services.common.rank_agent import RankAgent, RankAgentFactory, compatibility_hash
+
+logger = logging.getLogger(__name__)
+
+FINISH = {"stop": gen_pb.FINISH_REASON_STOP, "length": gen_pb.FINISH_REASON_LENGTH,
+          "abort": gen_pb.FINISH_REASON_ABORT, None: gen_pb.FINISH_REASON_UNSPECIFIED}
+DEFAULT_MAX_TOKENS = 16
+
+
+def sampling_from_proto(p: gen_pb.SamplingParams) -> SamplingParams:
+    """Engine sampling params from the wire; unset tunables take the engine defaults."""
+    params = SamplingParams(max_tokens=p.max_tokens if p.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
+                            stop=list(p.stop), stop_token_ids=[int(t) for t in p.stop_token_ids])
+    if p.HasField("temperature"):
+        params.temperature = p.temperature
+    if p.HasField("top_p"):
+        params.top_p = p.top_p
+    if p.HasField("top_k"):
+        params.top_k = p.top_k
+    if p.HasField("seed"):
+        params.seed = p.seed
+    if p.HasField("ignore_eos"):
+        params.ignore_eos = p.ignore_eos
+    return params
+
+
+def descriptor_from_proto(d: pb.TransferDescriptor) -> KVTransferDescriptor:
+    return KVTransferDescriptor(d.engine_id, d.epoch, d.request_id, tuple(d.block_ids), d.num_tokens, d.tp_size,
+                                d.block_size, d.num_kv_heads, d.lease_expires_unix_ms)
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A live request on this engine, as the servicer sees it."""
+
+    queue: asyncio.Queue[Delivery]
+    remote_deadline: float | None = None  # decode: recompute locally if KV is not ready by then
+
+
+class EngineService(pb_grpc.EngineServicer):
+    def __init__(self, config: EngineConfig, engine_address: str) -> None:
+        self.config = config
+        self.role = config.role
+        self.engine_address = engine_address
+        self.epoch = secrets.randbits(63) | 1
+        self.engine: LLMEngine | None = None
+        self.loop: EngineLoop | None = None
+        self.agent: RankAgent | None = None
+        self.connector: UcxSchedulerConnector | None = None
+        self.draining = False
+        self._aio: asyncio.AbstractEventLoop | None = None
+        self._pending: dict[str, _Pending] = {}
+        self._pinned_until: dict[str, float] = {}
+
+    # -- start-up -------------------------------------------------------------------------------
+
+    def build(self) -> None:
+        """Loads the model, allocates KV, starts every rank and registers with the scheduler
+        (blocking; run it off the event loop)."""
+        from engine.config import ModelConfig
+        from engine.demo_model import demo_model_dir
+        from engine.kv_cache import make_kv_cache_spec
+
+        cfg = self.config
+        model = cfg.model or str(demo_model_dir())
+        self.connector = UcxSchedulerConnector(cfg.block_size)
+        model_config = ModelConfig.from_dir(model, dtype="float32" if cfg.dtype == "auto" else cfg.dtype,
+                                            max_model_len=cfg.max_model_len)
+        spec = make_kv_cache_spec(model_config, block_size=cfg.block_size, memory_bytes=cfg.kv_cache_bytes,
+                                  tp_size=cfg.tp, num_blocks=None, element_size=4)
+        factory = RankAgentFactory(
+            engine_id=cfg.engine_id, role=cfg.role, epoch=self.epoch, scheduler=cfg.scheduler,
+            engine_address=self.engine_address, num_kv_heads=model_config.num_kv_heads,
+            compat_hash=compatibility_hash(model_config, spec, cfg.hash_seed), hash_seed=cfg.hash_seed,
+            block_size=cfg.block_size, transfer_timeout_s=cfg.transfer_timeout_s, lease_s=cfg.lease_s,
+            max_inflight=cfg.max_inflight_transfers, ucx_tls=cfg.ucx_tls, ucx_net_devices=cfg.ucx_net_devices)
+        self.engine = LLMEngine(model, tp=cfg.tp, kv_cache_memory=cfg.kv_cache_memory, block_size=cfg.block_size,
+                                max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                max_model_len=cfg.max_model_len, dtype=cfg.dtype, device=cfg.device,
+                                hash_seed=cfg.hash_seed, kv_medium=cfg.kv_medium, torch_threads=cfg.torch_threads,
+                                rank_init=factory, scheduler_connector=self.connector)
+        self.agent = self.engine.workers.rank0.connector
+        assert isinstance(self.agent, RankAgent)
+        self.agent.set_inbox(self._on_control_message)
+        self.loop = EngineLoop(self.engine, deliver=self._deliver, flush_pending=self.connector.has_pending,
+                               after_step=self._after_step, periodic=self._periodic)
+        self.loop.start()
+        logger.info("%s engine %s ready (epoch %x, tp %d, %d KV blocks)", cfg.role, cfg.engine_id, self.epoch,
+                    cfg.tp, self.engine.kv_cache_spec.num_blocks)
+
+    def attach(self, aio_loop: asyncio.AbstractEventLoop) -> None:
+        self._aio = aio_loop
+
+    # -- engine loop callbacks (engine-loop thread) -------------------------------------------
+
+    def _deliver(self, deliveries: list[Delivery]) -> None:
+        assert self._aio is not None
+        self._aio.call_soon_threadsafe(self._dispatch, deliveries)
+
+    def _dispatch(self, deliveries: list[Delivery]) -> None:
+        for d in deliveries:
+            pending = self._pending.get(d.output.request_id)
+            if pending is not None:
+                pending.queue.put_nowait(d)
+
+    def _after_step(self, engine: LLMEngine) -> None:
+        events = engine.take_events()
+        if events and self.agent is not None:
+            self.agent.report_engine_events(events, time.time())
+
+    def _periodic(self, engine: LLMEngine) -> None:
+        load = engine.load()
+        if self.agent is not None and self.agent.control is not None:
+            self.agent.control.set_load(EngineLoad(load.num_running, load.num_waiting, load.kv_usage,
+                                                   load.num_pinned, load.num_free_blocks), self.draining)
+        now = time.monotonic()
+        for rid in [r for r, until in self._pinned_until.items() if until <= now]:
+            del self._pinned_until[rid]
+            if engine.release(rid):
+                logger.warning("released %s: its lease ran out before the scheduler released it", rid)
+        for rid, pending in list(self._pending.items()):
+            if pending.remote_deadline is not None and pending.remote_deadline <= now:
+                pending.remote_deadline = None
+                self._finish_remote(engine, rid, ok=False, invalid=set())
+                logger.warning("%s: no KV verdict from the scheduler in time; recomputing locally", rid)
+
+    def _on_control_message(self, msg: ControlMessage) -> None:
+        """Control-client thread: hand the scheduler's verdicts to the engine loop."""
+        assert self.loop is not None
+        if isinstance(msg, KVReady):
+            self.loop.call(lambda e: self._finish_remote(e, msg.request_id, ok=True, invalid=set()))
+        elif isinstance(msg, KVFailed):
+            invalid = set(msg.invalid_block_ids)
+            self.loop.call(lambda e: self._finish_remote(e, msg.request_id, ok=False, invalid=invalid))
+        elif isinstance(msg, ReleaseBlocks):
+            self.loop.call(lambda e: self._release(e, msg.request_id))
+
+    def _finish_remote(self, engine: LLMEngine, request_id: str, *, ok: bool, invalid: set[int]) -> None:
+        pending = self._pending.get(request_id)
+        if pending is not None:
+            pending.remote_deadline = None
+        try:
+            engine.finish_remote_kv(request_id, ok, invalid)
+        except ValueError:
+            pass  # already finished (deadline recompute, abort): the later verdict is a no-op
+
+    def _release(self, engine: LLMEngine, request_id: str) -> bool:
+        self._pinned_until.pop(request_id, None)
+        return engine.release(request_id)
+
+    # -- RPCs -----------------------------------------------------------------------------------
+
+    async def _check_ready(self, context: grpc.aio.ServicerContext, role: str) -> None:
+        if self.loop is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is still starting")
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is draining")
+        if self.role != role:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this is a {self.role} engine")
+
+    async def _add(self, context: grpc.aio.ServicerContext, request_id: str, fn: Any,
+                   remote_deadline: float | None = None) -> _Pending:
+        if not request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must be non-empty")
+        if request_id in self._pending:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id} is already running here")
+        assert self.loop is not None
+        pending = _Pending(asyncio.Queue(), remote_deadline)
+        self._pending[request_id] = pending
+        try:
+            await asyncio.wrap_future(self.loop.call(fn))
+        except ValueError as e:
+            del self._pending[request_id]
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except NoFreeBlocksError as e:
+            del self._pending[request_id]
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        return pending
+
+    async def _abort_in_engine(self, request_id: str) -> None:
+        assert self.loop is not None and self.connector is not None
+        self._pinned_until.pop(request_id, None)
+        self.connector.queue_cancel(request_id)
+        await asyncio.wrap_future(self.loop.call(lambda e: e.abort_request(request_id)))
+
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        await self._check_ready(context, "prefill")
+        rid, prompt = request.request_id, list(request.prompt_token_ids)
+        params = sampling_from_proto(request.sampling)
+        pending = await self._add(context, rid, lambda e: e.add_request(rid, prompt, params,
+                                                                         mode=RequestMode.PREFILL_ONLY))
+        try:
+            delivery = await pending.queue.get()
+        except asyncio.CancelledError:
+            await self._abort_in_engine(rid)
+            raise
+        finally:
+            self._pending.pop(rid, None)
+        out = delivery.output
+        if out.finish_reason == "abort":
+            await context.abort(grpc.StatusCode.ABORTED, f"request {rid} was aborted")
+        cfg = self.config
+        lease_until = time.time() + cfg.lease_s
+        self._pinned_until[rid] = time.monotonic() + cfg.lease_s * 2
+        assert self.engine is not None
+        num_blocks = -(-len(prompt) // cfg.block_size)
+        descriptor = pb.TransferDescriptor(
+            engine_id=cfg.engine_id, epoch=self.epoch, request_id=rid, block_ids=delivery.block_ids[:num_blocks],
+            num_tokens=len(prompt), tp_size=cfg.tp, block_size=cfg.block_size,
+            num_kv_heads=self.engine.model_config.num_kv_heads, lease_expires_unix_ms=int(lease_until * 1000))
+        reason = out.finish_reason if params.max_tokens == 1 or out.finish_reason == "stop" else None
+        return pb.PrefillResponse(request_id=rid, first_token_id=out.new_token_ids[0], descriptor=descriptor,
+                                  num_cached_tokens=out.num_cached_tokens, finish_reason=FINISH[reason],
+                                  first_token_text=out.text_delta)
+
+    async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeResponse]:
+        await self._check_ready(context, "decode")
+        rid, prompt = request.request_id, list(request.prompt_token_ids)
+        outputs = list(request.output_token_ids)
+        params = sampling_from_proto(request.sampling)
+        remote = request.HasField("descriptor")
+        if remote:
+            descriptor = descriptor_from_proto(request.descriptor)
+            if descriptor.block_size != self.config.block_size:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"descriptor block_size {descriptor.block_size} != {self.config.block_size}")
+        deadline = time.monotonic() + self.config.transfer_timeout_s * 3 if remote else None
+        info: dict[str, int] = {}
+
+        def add(engine: LLMEngine) -> None:
+            engine.add_request(rid, prompt, params, mode=RequestMode.REMOTE_KV if remote else RequestMode.NORMAL,
+                               output_token_ids=outputs)
+            cached = engine.num_local_cached_tokens(rid)
+            info["cached"] = cached
+            if remote:
+                assert self.connector is not None
+                bs = self.config.block_size
+                local = engine.get_block_ids(rid)[cached // bs: -(-len(prompt) // bs)]
+                self.connector.queue_pull(rid, descriptor, local)
+                info["transferred"] = len(prompt) - (cached // bs) * bs
+
+        pending = await self._add(context, rid, add, deadline)
+        first = True
+        try:
+            while True:
+                delivery = await pending.queue.get()
+                out = delivery.output
+                resp = pb.DecodeResponse(request_id=rid, token_ids=out.new_token_ids, text=out.text_delta,
+                                         finish_reason=FINISH[out.finish_reason])
+                if first:
+                    resp.num_cached_tokens = info.get("cached", 0)
+                    resp.num_transferred_tokens = info.get("transferred", 0)
+                    first = False
+                yield resp
+                if out.finished:
+                    return
+        except asyncio.CancelledError:
+            await self._abort_in_engine(rid)
+            raise
+        finally:
+            self._pending.pop(rid, None)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        if self.loop is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is still starting")
+        rid = request.request_id
+        assert self.loop is not None and self.connector is not None
+        self._pinned_until.pop(rid, None)
+        self.connector.queue_cancel(rid)
+        found = await asyncio.wrap_future(self.loop.call(lambda e: e.abort_request(rid)))
+        return pb.AbortResponse(found=bool(found))
+
+    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
+        if self.loop is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is still starting")
+        if request.epoch and request.epoch != self.epoch:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"epoch {request.epoch:x} is not this engine's ({self.epoch:x})")
+        assert self.loop is not None
+        rid = request.request_id
+        found = await asyncio.wrap_future(self.loop.call(lambda e: self._release(e, rid)))
+        return pb.ReleaseResponse(found=bool(found))
+
+    async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext) -> pb.DrainResponse:
+        self.draining = True
+        load = await self.wait_drained(self.config.drain_timeout_s)
+        return pb.DrainResponse(num_pinned=load.num_pinned, num_running=load.num_running)
+
+    async def wait_drained(self, timeout: float) -> Any:
+        """Waits until no request runs, waits or is pinned (or timeout); returns the last load."""
+        assert self.loop is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            load = await asyncio.wrap_future(self.loop.call(lambda e: e.load()))
+            busy = load.num_running + load.num_waiting + load.num_pinned + load.num_waiting_for_remote_kv
+            if busy == 0 or time.monotonic() >= deadline:
+                return load
+            await asyncio.sleep(0.1)
+
+    def shutdown(self) -> None:
+        if self.loop is not None:
+            self.loop.stop()
+        if self.engine is not None:
+            self.engine.shutdown()
+
+
+async def serve(config: EngineConfig) -> None:
+    """Runs one engine service until SIGTERM/SIGINT (then drains)."""
+    server = ServiceServer(["pdserve.v1.Engine"])
+    port = server.bind(config.host, config.port)
+    advertise = config.advertise_host or (config.host if config.host not in ("0.0.0.0", "::") else socket.getfqdn())
+    service = EngineService(config, f"{advertise}:{port}")
+    service.attach(asyncio.get_running_loop())
+    pb_grpc.add_EngineServicer_to_server(service, server.server)
+    await server.start()
+    logger.info("%s engine %s: Engine API on %s:%d, building the engine", config.role, config.engine_id,
+                config.host, port)
+
+    async def drain() -> None:
+        service.draining = True
+        await server.set_serving(False)
+        if service.loop is not None:
+            load = await service.wait_drained(config.drain_timeout_s)
+            logger.info("drained (%d pinned, %d running left)", load.num_pinned, load.num_running)
+
+    stopped = install_drain_handler(drain)
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, service.build)
+        await server.set_serving(True)
+        await stopped.wait()
+    finally:
+        await server.stop(1.0)
+        service.shutdown()

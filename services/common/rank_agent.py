@@ -1,0 +1,226 @@
+"""`RankAgent`: what every rank process of an engine runs beside its model shard.
+
+The engine's `rank_init` hook builds one per rank (in that rank's process). It owns the rank's
+UCX worker connector and the rank's control stream to the scheduler:
+
+- at `register_kv_caches` it starts UCX over the rank's KV tensor, registers with the
+  scheduler (Hello carries the UCX handshake metadata) and, on a decode rank, connects to every
+  prefill rank the Welcome names — endpoints exist before the first request;
+- every step it applies the data-plane commands of the step plan (`start_load_kv`);
+- a drain thread reports finished / failed transfers and per-pair stats on the control stream
+  as soon as they happen (transfers finish between steps, not in them);
+- rank 0's agent also hands the scheduler's KVReady / KVFailed / ReleaseBlocks to the engine
+  service through `set_inbox`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from connectors.base import KVConnectorMetadata, WorkerConnector
+from connectors.kv_events import KVCacheEvent
+from connectors.outputs import TransferResults
+from connectors.ucx.handshake import UcxHandshakeMetadata
+from connectors.ucx.scheduler import UcxConnectorMetadata
+from connectors.ucx.worker import UcxConnectorConfig, UcxTransferStats, UcxWorkerConnector
+from services.common.control_client import (
+    ControlClient,
+    ControlHello,
+    ControlMessage,
+    PeerUpdate,
+    RankIdentity,
+    StepReport,
+    TransferStat,
+    Welcome,
+)
+
+logger = logging.getLogger(__name__)
+
+DRAIN_INTERVAL_S = 0.002
+PROTOCOL_VERSION = 1
+
+
+def compatibility_hash(model_config: Any, kv_spec: Any, hash_seed: str) -> str:
+    """Digest of everything two engines must agree on to exchange KV blocks."""
+    parts = [
+        f"proto={PROTOCOL_VERSION}", f"arch={model_config.architecture}", f"vocab={model_config.vocab_size}",
+        f"hidden={model_config.hidden_size}", f"layers={model_config.num_layers}",
+        f"kv_heads={model_config.num_kv_heads}", f"head_dim={model_config.head_dim}",
+        f"dtype={model_config.dtype}", f"block_size={kv_spec.block_size}", f"layout={kv_spec.layout}",
+        f"hash=sha256_cbor:{hash_seed}",
+    ]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
+
+
+@dataclass(slots=True)
+class RankAgentFactory:
+    """The engine's `rank_init` hook (picklable: it travels to spawned rank processes)."""
+
+    engine_id: str
+    role: str
+    epoch: int
+    scheduler: str
+    engine_address: str
+    num_kv_heads: int
+    compat_hash: str
+    hash_seed: str
+    block_size: int
+    transfer_timeout_s: float
+    lease_s: float
+    max_inflight: int
+    ucx_tls: str = ""
+    ucx_net_devices: str = ""
+
+    def __call__(self, rank: int, tp_size: int, kv_cache: Any, spec: Any) -> RankAgent:
+        return RankAgent(self, rank, tp_size)
+
+
+class RankAgent(WorkerConnector):
+    """One rank's data plane and control stream (see the module docstring)."""
+
+    def __init__(self, factory: RankAgentFactory, rank: int, tp_size: int) -> None:
+        self.factory = factory
+        self.identity = RankIdentity(factory.engine_id, factory.role, factory.epoch, rank, tp_size)
+        config = UcxConnectorConfig(transfer_timeout_s=factory.transfer_timeout_s, lease_s=factory.lease_s,
+                                    max_inflight_transfers=factory.max_inflight, ucx_tls=factory.ucx_tls,
+                                    ucx_net_devices=factory.ucx_net_devices)
+        self.ucx = UcxWorkerConnector(engine_id=factory.engine_id, epoch=factory.epoch, tp_rank=rank,
+                                      tp_size=tp_size, num_kv_heads=factory.num_kv_heads,
+                                      compatibility_hash=factory.compat_hash, config=config)
+        self.control: ControlClient | None = None
+        self._inbox: Callable[[ControlMessage], None] | None = None
+        self._stop = threading.Event()
+        self._drain_thread: threading.Thread | None = None
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_cache: Any, spec: Any = None) -> None:
+        self.ucx.register_kv_caches(kv_cache, spec)
+        f = self.factory
+        hello = ControlHello(self.identity, f.compat_hash, f.engine_address, self.ucx.get_handshake_metadata(),
+                             hash_seed=f.hash_seed, block_size=f.block_size)
+        self.control = ControlClient(f.scheduler, hello, on_message=self._on_message)
+        self.control.start(timeout=None)
+        self._drain_thread = threading.Thread(target=self._drain_loop, name=f"rank{self.identity.tp_rank}-drain",
+                                              daemon=True)
+        self._drain_thread.start()
+
+    def set_inbox(self, inbox: Callable[[ControlMessage], None]) -> None:
+        """Rank 0: where KVReady / KVFailed / ReleaseBlocks go (called from the client thread)."""
+        self._inbox = inbox
+
+    def _on_message(self, msg: ControlMessage) -> None:
+        if isinstance(msg, Welcome):
+            if self.identity.role == "decode":
+                for peer in msg.peers:
+                    self._add_peer(peer.handshake_metadata)
+        elif isinstance(msg, PeerUpdate):
+            if self.identity.role == "decode":
+                for peer in msg.joined:
+                    self._add_peer(peer.handshake_metadata)
+                for left in msg.left:
+                    self.ucx.remove_peer(left.engine_id, left.epoch)
+        elif self._inbox is not None:
+            self._inbox(msg)
+
+    def _add_peer(self, blob: bytes) -> None:
+        try:
+            meta = UcxHandshakeMetadata.decode(blob, expected_hash=self.factory.compat_hash)
+            if meta.tp_rank == self.identity.tp_rank:
+                self.ucx.add_peer(meta)
+        except (ValueError, TypeError) as e:
+            logger.warning("ignoring a peer with bad handshake metadata: %s", e)
+
+    # -- per step -------------------------------------------------------------------------------
+
+    def start_load_kv(self, meta: KVConnectorMetadata) -> None:
+        if not isinstance(meta, UcxConnectorMetadata):
+            return
+        for send in meta.sends:
+            try:
+                self.ucx.expect_send(send.request_id, send.block_ids)
+            except ValueError as e:
+                logger.error("cannot pin %s for sending: %s", send.request_id, e)
+        for pull in meta.pulls:
+            try:
+                self.ucx.start_pull(pull.request_id, pull.descriptor, pull.local_block_ids)
+            except ValueError as e:
+                logger.error("cannot pull %s: %s", pull.request_id, e)
+                self._report(StepReport(failed_recving=[pull.request_id],
+                                        invalid_block_ids=list(pull.local_block_ids)))
+        for request_id in meta.cancels:
+            self.ucx.cancel(request_id)
+
+    def wait_for_layer_load(self, layer_idx: int) -> None:
+        pass
+
+    def save_kv_layer(self, layer_idx: int, kv_layer: Any) -> None:
+        pass
+
+    def wait_for_save(self) -> None:
+        pass
+
+    def get_transfer_results(self, finished_req_ids: frozenset[str] = frozenset()) -> TransferResults:
+        # The drain thread reports transfers as they finish; the per-step collection sees none.
+        return TransferResults(frozenset(), frozenset(), frozenset())
+
+    def get_kv_connector_kv_cache_events(self) -> list[KVCacheEvent]:
+        return []
+
+    def get_handshake_metadata(self) -> bytes | None:
+        return self.ucx.get_handshake_metadata()
+
+    # -- reporting ------------------------------------------------------------------------------
+
+    def report_engine_events(self, events: list[KVCacheEvent], ts: float) -> None:
+        """Rank 0: the engine's block-pool events of one step."""
+        from connectors.kv_events import KVEventBatch
+
+        self._report(StepReport(engine_events=KVEventBatch(ts=ts, events=events)))
+
+    def _report(self, report: StepReport) -> None:
+        if self.control is not None:
+            self.control.report(report)
+
+    def _drain_loop(self) -> None:
+        while not self._stop.wait(DRAIN_INTERVAL_S):
+            try:
+                self._drain_once()
+            except Exception:  # keep draining: one bad report must not stop the data plane
+                logger.exception("draining transfer results failed")
+
+    def _drain_once(self) -> None:
+        results = self.ucx.get_transfer_results()
+        invalid = self.ucx.get_block_ids_with_load_errors()
+        stats = self.ucx.get_kv_connector_stats()
+        if not (results.finished_sending or results.finished_recving or results.failed_recving) and (
+                stats is None or stats.is_empty()):
+            return
+        self._report(StepReport(finished_sending=sorted(results.finished_sending),
+                                finished_recving=sorted(results.finished_recving),
+                                failed_recving=sorted(results.failed_recving),
+                                invalid_block_ids=sorted(invalid), transfer_stats=_stats(stats)))
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self._drain_thread is not None:
+            self._drain_thread.join(timeout=2)
+            self._drain_once()
+        if self.control is not None:
+            self.control.close()
+        self.ucx.shutdown()
+
+
+def _stats(stats: UcxTransferStats | None) -> list[TransferStat]:
+    if stats is None:
+        return []
+    out = []
+    for (src, dst), pair in stats.pairs.items():
+        out.append(TransferStat(src, dst, pair.num_bytes, pair.seconds, pair.num_operations, pair.num_failures,
+                                dict(pair.failures_by_reason)))
+    return out
