@@ -261,7 +261,8 @@ class ControlClient:
             raise TimeoutError(f"no Welcome from the scheduler at {self.target} within {timeout} s")
         if self.error is not None:
             raise self.error
-        assert self.welcome is not None
+        if self.welcome is None:
+            raise RuntimeError("control client stopped before it was welcomed")
         return self.welcome
 
     def report(self, report: StepReport) -> int:
@@ -384,6 +385,8 @@ class ControlClient:
             if e.code() in _FINAL_CODES:
                 raise ControlRefusedError(e.code(), e.details() or "") from None
             logger.info("control stream to %s lost (%s); reconnecting", self.target, e.code().name)
+        except (OSError, RuntimeError, ValueError) as e:
+            logger.warning("control stream to %s failed (%s); reconnecting", self.target, e)
         finally:
             await channel.close(None)
         return registered

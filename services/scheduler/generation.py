@@ -96,6 +96,7 @@ class Flight:
     prefill_engine_id: str = ""
     first_token_at: float | None = None
     last_token_at: float = 0.0
+    dispatched: bool = False
 
 
 _FINISH_FROM_ENGINE = {gen_pb.FINISH_REASON_STOP, gen_pb.FINISH_REASON_LENGTH}
@@ -143,8 +144,9 @@ class GenerationServicer(gen_grpc.GenerationServicer):
 
     async def Generate(self, request: gen_pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[gen_pb.GenerateResponse]:
+        arrived = time.monotonic()
         try:
-            flight, route = self._admit(request, context.time_remaining())
+            flight, route = self._admit(request, context.time_remaining(), arrived)
         except RequestError as e:
             self.metrics.request_rejected()
             await context.abort(e.code, e.message)
@@ -170,7 +172,8 @@ class GenerationServicer(gen_grpc.GenerationServicer):
 
     # -- admission and routing ----------------------------------------------------------------
 
-    def _admit(self, request: gen_pb.GenerateRequest, time_remaining: float | None) -> tuple[Flight, Route]:
+    def _admit(self, request: gen_pb.GenerateRequest, time_remaining: float | None,
+               arrived: float) -> tuple[Flight, Route]:
         """Validates and routes; raises RequestError with nothing changed, else takes the slots."""
         if self.draining:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "the scheduler is draining")
@@ -189,7 +192,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         if route.decode.engine_id is None:
             raise self._no_decode_error(frozenset())
         record = self.table.admit(request_id, len(valid.prompt_token_ids), timeout)
-        flight = Flight(record, valid, time.monotonic())
+        flight = Flight(record, valid, arrived)
         self._take_slot(flight, route.decode.engine_id)
         if route.prefill.engine_id is not None:
             self._take_slot(flight, route.prefill.engine_id)
@@ -296,7 +299,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         record = flight.record
         request = eng_pb.PrefillRequest(request_id=record.request_id, prompt_token_ids=flight.valid.prompt_token_ids,
                                         sampling=flight.valid.sampling)
-        flight.engine_failed = None
+        self._dispatched(flight)
         call = self.channels.stub(engine).Prefill(request, timeout=self._remaining(flight))
         flight.call = call
         try:
@@ -314,6 +317,12 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         flight.num_cached_tokens = response.num_cached_tokens
         flight.prefill_engine_id = engine.engine_id
         return response
+
+    def _dispatched(self, flight: Flight) -> None:
+        flight.engine_failed = None
+        if not flight.dispatched:
+            flight.dispatched = True
+            self.metrics.observe_queue_time(time.monotonic() - flight.started)
 
     def _lease_deadline(self, lease_expires_unix_ms: int) -> float:
         if lease_expires_unix_ms:
@@ -366,7 +375,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                                        output_token_ids=flight.output_ids, sampling=flight.valid.sampling)
         if descriptor is not None:
             request.descriptor.CopyFrom(descriptor)
-        flight.engine_failed = None
+        self._dispatched(flight)
         call = self.channels.stub(engine).Decode(request, timeout=self._remaining(flight))
         flight.call = call
         first = True
