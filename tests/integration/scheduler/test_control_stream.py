@@ -239,3 +239,17 @@ async def test_messages_for_a_reconnecting_rank_are_held_and_delivered(harness: 
     inbox = Inbox(again)
     await eventually(lambda: inbox.of(KVReady) == [KVReady("held")])
     assert servicer.held == {}
+
+
+async def test_heartbeat_load_and_draining_reach_the_registry(harness: ControlHarness) -> None:
+    from services.common.control_client import EngineLoad
+
+    client = await harness.connect(hello("d0", "decode"))
+    registry = harness.servicer.registry  # type: ignore[union-attr]
+    client.set_load(EngineLoad(num_running=3, num_waiting=1, kv_usage=0.5, num_free_blocks=10))
+    client.heartbeat_now()
+    await eventually(lambda: registry.engines["d0"].load.num_running == 3)
+    assert registry.engines["d0"].load.kv_usage == 0.5 and registry.engines["d0"].routable
+    client.set_load(None, draining=True)
+    await eventually(lambda: registry.engines["d0"].draining)
+    assert not registry.engines["d0"].routable
