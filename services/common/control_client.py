@@ -241,6 +241,7 @@ class ControlClient:
         self._inbox: deque[ControlMessage] = deque()
         self._load: EngineLoad | None = None
         self._draining = False
+        self._beat_now = False
         self._connected = False
         self._closed = False
         self._started = threading.Event()
@@ -289,6 +290,8 @@ class ControlClient:
         self._load, self._draining = load, draining
 
     def heartbeat_now(self) -> None:
+        """Sends a heartbeat (with the current load) without waiting for the interval."""
+        self._beat_now = True
         self._poke()
 
     @property
@@ -444,8 +447,8 @@ class ControlClient:
                 sent_upto = m.seq
             interval = self.welcome.heartbeat_interval_s if self.welcome and self.welcome.heartbeat_interval_s > 0 else 1.0
             now = time.monotonic()
-            if now - last_beat >= interval:
-                last_beat = now
+            if now - last_beat >= interval or self._beat_now:
+                last_beat, self._beat_now = now, False
                 yield pb.RankMessage(heartbeat=self._heartbeat())
             await self._sleep(max(0.0, interval - (time.monotonic() - last_beat)))
 
