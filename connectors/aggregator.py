@@ -32,8 +32,11 @@ injectable for the pending-age metric.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from itertools import chain, islice, repeat
+from operator import attrgetter, or_
 from typing import TypeVar
 
 from connectors.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
@@ -124,35 +127,101 @@ class PendingCounts:
         return self.sending + self.recving + self.blocks + self.clears
 
 
-class _PendingId:
-    __slots__ = ("failed", "invalid", "mask", "needed", "since")
+class _IdCounters:
+    """Distinct-rank counters of request ids for one direction (sending or receiving).
 
-    def __init__(self, mask: int, needed: int, since: float) -> None:
-        self.mask = mask
-        self.needed = needed
-        self.since = since
-        self.failed = False
-        self.invalid: set[int] | None = None
+    Bulk dict operations (`map`, `update`) keep the per-id work in C; Python loops run only
+    for ids seen for the first time, ids released, and failure bookkeeping.
+    """
+
+    __slots__ = ("done", "failed", "invalid", "masks", "max_done", "needed", "since")
+
+    def __init__(self, max_done: int) -> None:
+        self.masks: dict[str, int] = {}       # id -> mask of ranks that reported it
+        self.since: dict[str, float] = {}     # id -> first report (insertion ordered)
+        self.needed: dict[str, int] = {}      # id -> ranks needed, when not every rank
+        self.failed: set[str] = set()
+        self.invalid: dict[str, set[int]] = {}
+        self.done: dict[str, None] = {}       # released or aborted ids (bounded, oldest first)
+        self.max_done = max_done
+
+    def count(self, ids: frozenset[str], bit: int, full: int, needed: int, now: float) -> list[str]:
+        """Counts `ids` for the rank `bit`; returns the ids this released."""
+        masks = self.masks
+        todo = list(ids)
+        olds = list(map(masks.get, todo, repeat(0)))
+        if 0 in olds and self.done:
+            # Only an id without counters can be a released or aborted one (pending and done
+            # are disjoint); drop those before counting.
+            done = self.done
+            if any(i in done for i, old in zip(todo, olds, strict=True) if not old):
+                todo = [i for i in todo if i not in done]
+                olds = list(map(masks.get, todo, repeat(0)))
+        news = list(map(or_, olds, repeat(bit)))
+        masks.update(zip(todo, news, strict=True))
+        if 0 in olds:
+            fresh = [i for i, old in zip(todo, olds, strict=True) if not old]
+            self.since.update(zip(fresh, repeat(now)))
+            if needed != full.bit_count():
+                self.needed.update(zip(fresh, repeat(needed)))
+        if self.needed:
+            need = self.needed
+            released = [i for i, new in zip(todo, news, strict=True)
+                        if new == full or (i in need and new.bit_count() >= need[i])]
+        elif full in news:
+            released = [i for i, new in zip(todo, news, strict=True) if new == full]
+        else:
+            return []
+        if released:
+            self._release(released)
+        return released
+
+    def _release(self, released: list[str]) -> None:
+        for mapping in (self.masks, self.since):
+            deque(map(mapping.pop, released), maxlen=0)
+        if self.needed:
+            deque(map(self.needed.pop, released, repeat(None)), maxlen=0)
+        self._remember(released)
+
+    def _remember(self, request_ids: list[str]) -> None:
+        done = self.done
+        done.update(zip(request_ids, repeat(None)))
+        excess = len(done) - self.max_done
+        if excess > 0:
+            deque(map(done.pop, list(islice(done, excess))), maxlen=0)
+
+    def forget(self, request_id: str) -> bool:
+        """Drops the id's counters and remembers it as done. True when it was pending."""
+        pending = self.masks.pop(request_id, None) is not None
+        if pending:
+            del self.since[request_id]
+            self.needed.pop(request_id, None)
+        self._remember([request_id])
+        return pending
+
+    def oldest(self) -> float | None:
+        return next(iter(self.since.values())) if self.since else None
 
 
 _MediumKey = tuple[str | None, int | None]
+_HASHES = attrgetter("block_hashes")
+_EVENT_TYPES = frozenset({BlockStored, BlockRemoved, AllBlocksCleared})
+_ONLY_STORED = frozenset({BlockStored})
+_MEDIUM_KEY_OF = attrgetter("medium", "group_idx")
 
 
 class _EngineState:
-    __slots__ = ("blocks", "clears", "done_recving", "done_sending", "epoch", "finished_count",
-                 "full_mask", "live", "pending_blocks", "rank_bits", "ranks", "recving",
-                 "sending", "unattributed_invalid")
+    __slots__ = ("blocks", "clears", "epoch", "finished_count", "full_mask", "live",
+                 "pending_blocks", "rank_bits", "ranks", "recving", "sending", "unattributed_invalid")
 
-    def __init__(self, epoch: int, ranks: tuple[int, ...], finished_count: int) -> None:
+    def __init__(self, epoch: int, ranks: tuple[int, ...], finished_count: int, max_done: int) -> None:
         self.epoch = epoch
         self.ranks = ranks
         self.rank_bits = {r: 1 << i for i, r in enumerate(ranks)}
         self.full_mask = (1 << len(ranks)) - 1
         self.finished_count = finished_count
-        self.sending: dict[str, _PendingId] = {}
-        self.recving: dict[str, _PendingId] = {}
-        self.done_sending: dict[str, None] = {}
-        self.done_recving: dict[str, None] = {}
+        self.sending = _IdCounters(max_done)
+        self.recving = _IdCounters(max_done)
         self.unattributed_invalid: dict[int, set[int]] = {}
         # (medium, group_idx) -> hash -> mask of ranks holding the block
         self.blocks: dict[_MediumKey, dict[object, int]] = {}
@@ -202,7 +271,7 @@ class KVOutputAggregator:
                 raise ValueError(f"engine {engine_id!r} epoch {epoch} is registered with ranks "
                                  f"{list(current.ranks)}, not {list(rank_tuple)}")
             return False
-        self._engines[engine_id] = _EngineState(epoch, rank_tuple, count)
+        self._engines[engine_id] = _EngineState(epoch, rank_tuple, count, self._max_done_ids)
         return True
 
     def drop_engine(self, engine_id: str) -> bool:
@@ -215,14 +284,15 @@ class KVOutputAggregator:
 
     def abort(self, request_id: str, engine_id: str | None = None) -> bool:
         """Drops the pending counters of `request_id` (on one engine, or every engine); later
-        reports of it are absorbed. True when something pending was dropped."""
+        reports of it are absorbed, also when no rank reported it yet. True when something
+        pending was dropped."""
         states = self._engines.values() if engine_id is None else [self._state(engine_id)]
         dropped = False
         for state in states:
-            for pending, done in ((state.sending, state.done_sending), (state.recving, state.done_recving)):
-                if pending.pop(request_id, None) is not None:
-                    dropped = True
-                    self._remember(done, request_id)
+            for counters in (state.sending, state.recving):
+                dropped |= counters.forget(request_id)
+            state.recving.failed.discard(request_id)
+            state.recving.invalid.pop(request_id, None)
         return dropped
 
     # -- reports ------------------------------------------------------------------------
@@ -257,7 +327,7 @@ class KVOutputAggregator:
     def pending_reports(self) -> dict[str, PendingCounts]:
         """Per engine id: the partial states waiting for more rank reports."""
         return {engine_id: PendingCounts(
-            sending=len(s.sending), recving=len(s.recving),
+            sending=len(s.sending.masks), recving=len(s.recving.masks),
             blocks=sum(len(p) for p in s.pending_blocks.values()),
             clears=len(s.clears)) for engine_id, s in self._engines.items()}
 
@@ -291,16 +361,17 @@ class KVOutputAggregator:
             raise ValueError(f"engine {engine_id!r}: rank {rank} is not one of the expected ranks {list(state.ranks)}")
         if output.expected_finished_count:
             self._check_count(output.expected_finished_count, len(state.ranks))
-        for event in output.kv_cache_events:
-            if not isinstance(event, BlockStored | BlockRemoved | AllBlocksCleared):
-                raise ValueError(f"not a KV cache event: {type(event).__name__}")
+        if output.kv_cache_events and not _EVENT_TYPES.issuperset(map(type, output.kv_cache_events)):
+            bad = next(e for e in output.kv_cache_events if type(e) not in _EVENT_TYPES)
+            raise ValueError(f"not a KV cache event: {type(bad).__name__}")
         return state
 
     @staticmethod
     def _oldest_in(state: _EngineState) -> Iterable[float]:
-        for pending in (state.sending, state.recving):
-            if pending:
-                yield next(iter(pending.values())).since
+        for counters in (state.sending, state.recving):
+            oldest = counters.oldest()
+            if oldest is not None:
+                yield oldest
         for blocks in state.pending_blocks.values():
             if blocks:
                 yield next(iter(blocks.values()))
@@ -311,73 +382,67 @@ class KVOutputAggregator:
         if output.expected_finished_count:
             state.finished_count = output.expected_finished_count
         if output.finished_sending:
-            self._count_sending(state, bit, output.finished_sending, result, now)
+            result.finished_sending += state.sending.count(
+                output.finished_sending, bit, state.full_mask, state.finished_count, now)
         if output.finished_recving or output.failed_recving:
             self._count_recving(state, rank, bit, output, result, now)
         elif output.invalid_block_ids:
             state.unattributed_invalid.setdefault(rank, set()).update(output.invalid_block_ids)
-        for event in output.kv_cache_events:
+        events = output.kv_cache_events
+        if not events:
+            return
+        if _ONLY_STORED == set(map(type, events)):
+            keys = set(map(_MEDIUM_KEY_OF, events))
+            if len(keys) == 1:
+                self._stored_run(state, bit, keys.pop(), events, result, now)  # type: ignore[arg-type]
+                return
+        i, n = 0, len(events)
+        while i < n:
+            event = events[i]
             if type(event) is BlockStored:
-                self._stored(state, bit, event, result, now)
-            elif type(event) is BlockRemoved:
+                # A run of BlockStored of one (medium, group) is applied in bulk; the result
+                # equals applying them one by one (they only add this rank's bit).
+                key = (event.medium, event.group_idx)
+                j = i + 1
+                while j < n and type(e := events[j]) is BlockStored and (e.medium, e.group_idx) == key:
+                    j += 1
+                self._stored_run(state, bit, key, events[i:j], result, now)  # type: ignore[arg-type]
+                i = j
+                continue
+            if type(event) is BlockRemoved:
                 self._removed(state, bit, event, result, now)
             else:
                 self._cleared(state, bit, event, result, now)  # type: ignore[arg-type]
-
-    def _remember(self, done: dict[str, None], request_id: str) -> None:
-        done[request_id] = None
-        if len(done) > self._max_done_ids:
-            del done[next(iter(done))]
-
-    def _count_sending(self, state: _EngineState, bit: int, ids: Iterable[str],
-                       result: AggregatedResult, now: float) -> None:
-        pending, done, needed = state.sending, state.done_sending, state.finished_count
-        for request_id in ids:
-            if request_id in done:
-                continue
-            entry = pending.get(request_id)
-            if entry is None:
-                entry = pending[request_id] = _PendingId(0, needed, now)
-            entry.mask |= bit
-            if entry.mask.bit_count() >= entry.needed:
-                del pending[request_id]
-                self._remember(done, request_id)
-                result.finished_sending.append(request_id)
+            i += 1
 
     def _count_recving(self, state: _EngineState, rank: int, bit: int, output: KVConnectorOutput,
                        result: AggregatedResult, now: float) -> None:
+        counters = state.recving
+        failed = output.failed_recving
+        ids = output.finished_recving | failed if failed else output.finished_recving
         invalid = set(output.invalid_block_ids)
         held = state.unattributed_invalid.pop(rank, None)
         if held:
             invalid |= held
-        pending, done, needed = state.recving, state.done_recving, state.finished_count
-        failed = output.failed_recving
-        ids = output.finished_recving | failed if failed else output.finished_recving
-        for request_id in ids:
-            if request_id in done:
-                continue
-            entry = pending.get(request_id)
-            if entry is None:
-                entry = pending[request_id] = _PendingId(0, needed, now)
-            entry.mask |= bit
-            if request_id in failed:
-                entry.failed = True
+        if failed or invalid:
+            live_ids = ids.difference(counters.done) if counters.done else ids
+            counters.failed.update(failed.intersection(live_ids))
             if invalid:
-                entry.invalid = invalid if entry.invalid is None else entry.invalid | invalid
-            if entry.mask.bit_count() >= entry.needed:
-                del pending[request_id]
-                self._remember(done, request_id)
-                result.finished_recving.append(request_id)
-                if entry.failed:
+                for request_id in live_ids:
+                    counters.invalid.setdefault(request_id, set()).update(invalid)
+        released = counters.count(ids, bit, state.full_mask, state.finished_count, now)
+        result.finished_recving += released
+        if counters.failed or counters.invalid:
+            for request_id in released:
+                if request_id in counters.failed:
+                    counters.failed.discard(request_id)
                     result.failed_recving.add(request_id)
-                if entry.invalid:
-                    result.invalid_block_ids[request_id] = frozenset(entry.invalid)
+                bad = counters.invalid.pop(request_id, None)
+                if bad:
+                    result.invalid_block_ids[request_id] = frozenset(bad)
 
-    def _stored(self, state: _EngineState, bit: int, event: BlockStored,
-                result: AggregatedResult, now: float) -> None:
-        if not event.block_hashes:
-            return
-        key = (event.medium, event.group_idx)
+    def _stored_run(self, state: _EngineState, bit: int, key: _MediumKey,
+                    events: tuple[BlockStored, ...], result: AggregatedResult, now: float) -> None:
         blocks = state.blocks.get(key)
         if blocks is None:
             blocks = state.blocks[key] = {}
@@ -385,23 +450,25 @@ class KVOutputAggregator:
             state.pending_blocks[key] = {}
         partial = state.pending_blocks[key]
         full = state.full_mask
-        whole = True
-        for h in event.block_hashes:
-            old = blocks.get(h, 0)
-            new = old | bit
-            if new != old:
-                blocks[h] = new
-                if new == full:
-                    partial.pop(h, None)
-                elif old == 0:
-                    partial[h] = now
-            if new != full:
-                whole = False
-        if whole:
-            live = state.live[key]
-            if not live.issuperset(event.block_hashes):
+        hashes: list[object] = list(chain.from_iterable(map(_HASHES, events)))
+        olds = list(map(blocks.get, hashes, repeat(0)))
+        news = list(map(or_, olds, repeat(bit)))
+        blocks.update(zip(hashes, news, strict=True))
+        if 0 in olds and bit != full:
+            partial.update((h, now) for h, old in zip(hashes, olds, strict=True) if not old)
+        if full not in news:
+            return
+        for h, old, new in zip(hashes, olds, news, strict=True):
+            if new == full and old != full:
+                partial.pop(h, None)
+        live = state.live[key]
+        offset = 0
+        for event in events:
+            size = len(event.block_hashes)
+            if size and news[offset:offset + size].count(full) == size and not live.issuperset(event.block_hashes):
                 live.update(event.block_hashes)
                 result.events.append(event)
+            offset += size
 
     def _drop_rank(self, state: _EngineState, key: _MediumKey, bit: int, hashes: Iterable[object],
                    now: float) -> bool:
