@@ -37,7 +37,8 @@ from pdserve.v1 import engine_pb2_grpc as eng_grpc
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import generation_pb2_grpc as gen_grpc
 from services.common.config import SchedulerConfig
-from services.common.grpc_server import insecure_channel
+from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.tracing import ComponentTracer, client_interceptors
 from services.common.version import __version__
 from services.scheduler.admission import Admission
 from services.scheduler.control import ControlServicer
@@ -69,7 +70,8 @@ class EngineChannels:
         if entry is None or entry[0] != engine.address:
             if entry is not None:
                 asyncio.get_running_loop().create_task(entry[1].close())
-            channel = insecure_channel(engine.address)
+            channel = grpc.aio.insecure_channel(engine.address, options=CHANNEL_OPTIONS,
+                                                interceptors=client_interceptors() or None)
             entry = (engine.address, channel, eng_grpc.EngineStub(channel))
             self._stubs[engine.engine_id] = entry
         return entry[2]
@@ -124,6 +126,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                              config.default_max_tokens)
         self.flights: dict[str, Flight] = {}
         self.draining = False
+        self.tracer = ComponentTracer("scheduler")
         self._background: set[asyncio.Task[Any]] = set()
         control.on_transfer_outcome = self.on_transfer_outcome
         control.on_engine_down.append(self.on_engine_down)
@@ -145,24 +148,26 @@ class GenerationServicer(gen_grpc.GenerationServicer):
     async def Generate(self, request: gen_pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[gen_pb.GenerateResponse]:
         arrived = time.monotonic()
-        try:
-            flight, route = self._admit(request, context.time_remaining(), arrived)
-        except RequestError as e:
-            self.metrics.request_rejected()
-            await context.abort(e.code, e.message)
-        self.metrics.request_started(flight.record.num_prompt_tokens)
-        self.telemetry.routed(route, self.router.policy.name)
-        state, reason = RequestState.ABORTED, "cancelled"
-        try:
-            async for response in self._run(flight, route):
-                yield response
-            state, reason = RequestState.FINISHED, "done"
-        except RequestError as e:
-            state, reason = self._end_state(e)
-            self._end(flight, state, reason)
-            await context.abort(e.code, e.message)
-        finally:
-            self._end(flight, state, reason)
+        with self.tracer.span("generate", request_id=request.request_id or None):
+            try:
+                with self.tracer.span("route"):
+                    flight, route = self._admit(request, context.time_remaining(), arrived)
+            except RequestError as e:
+                self.metrics.request_rejected()
+                await context.abort(e.code, e.message)
+            self.metrics.request_started(flight.record.num_prompt_tokens)
+            self.telemetry.routed(route, self.router.policy.name)
+            state, reason = RequestState.ABORTED, "cancelled"
+            try:
+                async for response in self._run(flight, route):
+                    yield response
+                state, reason = RequestState.FINISHED, "done"
+            except RequestError as e:
+                state, reason = self._end_state(e)
+                self._end(flight, state, reason)
+                await context.abort(e.code, e.message)
+            finally:
+                self._end(flight, state, reason)
 
     @staticmethod
     def _end_state(e: RequestError) -> tuple[RequestState, str]:

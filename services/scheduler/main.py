@@ -12,6 +12,7 @@ from services.common.config import SchedulerConfig, add_config_arguments, load_c
 from services.common.grpc_server import install_drain_handler
 from services.common.logs import setup_logging
 from services.common.metrics import start_metrics_server
+from services.common.tracing import setup_tracing
 from services.scheduler.service import SchedulerService
 
 logger = logging.getLogger(__name__)
@@ -24,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     config = load_config(SchedulerConfig, args)
     setup_logging(config.log_level, "scheduler")
+    setup_tracing("scheduler")
     return asyncio.run(serve(config))
 
 

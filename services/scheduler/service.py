@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry
 from pdserve.v1 import control_pb2_grpc, generation_pb2_grpc
 from services.common.config import SchedulerConfig
 from services.common.grpc_server import ServiceServer
+from services.common.tracing import server_interceptors
 from services.scheduler.admission import Admission
 from services.scheduler.control import ControlServicer
 from services.scheduler.event_sink import EventSink
@@ -90,7 +91,7 @@ class SchedulerService:
         self.generation = GenerationServicer(config, facts=facts, tokenizer=self.tokenizer, control=self.control,
                                              router=self.router, admission=self.admission, table=self.table,
                                              telemetry=self.telemetry)
-        self.client_server = ServiceServer([GENERATION_SERVICE])
+        self.client_server = ServiceServer([GENERATION_SERVICE], interceptors=server_interceptors())
         self.control_server = ServiceServer([CONTROL_SERVICE])
         self.events_server = ServiceServer([EVENTS_SERVICE] if self.plane is not None else [])
         generation_pb2_grpc.add_GenerationServicer_to_server(self.generation, self.client_server.server)
