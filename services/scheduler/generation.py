@@ -3,8 +3,11 @@ the engines, relay the token stream, and own every request's lifecycle.
 
 Contracts (see generation.proto):
 - Bad input is refused before any state changes (INVALID_ARGUMENT / NOT_FOUND with a message);
-  a request id already in flight gets ALREADY_EXISTS; no engine with room gets
+  no engine with room gets
   RESOURCE_EXHAUSTED, no healthy decode engine UNAVAILABLE; a draining scheduler UNAVAILABLE.
+- Responses echo the client's request id (a generated one when empty). Engines see a
+  scheduler-unique id (`<client id>.<random>`), so a client reusing an id never collides with
+  an earlier request's state on an engine or in the aggregator.
 - One deadline per request: the client's gRPC deadline or `default_deadline_s`, whichever is
   sooner; every engine call carries what is left. Past it: DEADLINE_EXCEEDED, both legs aborted.
 - The stream is chunks (`index` = position of the chunk's first token in the output, with no
@@ -89,6 +92,8 @@ class Flight:
     record: RequestRecord
     valid: ValidRequest
     started: float
+    # The id the client sees (record.request_id is what engines see).
+    client_id: str
     output_ids: list[int] = field(default_factory=list)
     slots: list[str] = field(default_factory=list)
     call: Any = None
@@ -183,9 +188,8 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         if self.draining:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "the scheduler is draining")
         valid = validate(request, self.facts, self.limits, self.tokenizer)
-        request_id = request.request_id or uuid.uuid4().hex
-        if self.table.get(request_id) is not None:
-            raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already in flight")
+        client_id = request.request_id or uuid.uuid4().hex
+        request_id = f"{request.request_id}.{uuid.uuid4().hex[:12]}" if request.request_id else client_id
         timeout = self.config.default_deadline_s
         if time_remaining is not None:
             timeout = min(timeout, time_remaining)
@@ -197,7 +201,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         if route.decode.engine_id is None:
             raise self._no_decode_error(frozenset())
         record = self.table.admit(request_id, len(valid.prompt_token_ids), timeout)
-        flight = Flight(record, valid, arrived)
+        flight = Flight(record, valid, arrived, client_id)
         self._take_slot(flight, route.decode.engine_id)
         if route.prefill.engine_id is not None:
             self._take_slot(flight, route.prefill.engine_id)
@@ -415,7 +419,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         flight.last_token_at = now
         index = self.table.tokens_streamed(flight.record, len(token_ids))
         flight.output_ids.extend(token_ids)
-        return gen_pb.GenerateResponse(request_id=flight.record.request_id,
+        return gen_pb.GenerateResponse(request_id=flight.client_id,
                                        chunk=gen_pb.Chunk(token_ids=token_ids, text=text, index=index))
 
     def _complete(self, flight: Flight, finish_reason: int) -> gen_pb.GenerateResponse:
@@ -427,7 +431,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                                    prefill_engine_id=flight.prefill_engine_id,
                                    decode_engine_id=record.decode.engine_id if record.decode else "",
                                    num_migrations=record.num_migrations)
-        return gen_pb.GenerateResponse(request_id=record.request_id, complete=complete)
+        return gen_pb.GenerateResponse(request_id=flight.client_id, complete=complete)
 
     # -- the end of a request -----------------------------------------------------------------
 

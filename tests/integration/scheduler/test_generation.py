@@ -112,6 +112,20 @@ async def test_disaggregated_stream_releases_prefill_blocks(cluster: Cluster) ->
     assert sample("pdserve_scheduler_registered_engines", {"role": "decode", "state": "routable"}) == 1
 
 
+async def test_reused_client_request_id_is_echoed_and_served_twice(cluster: Cluster) -> None:
+    await cluster.add("p0", "prefill")
+    d = await cluster.add("d0", "decode")
+    for _ in range(2):
+        req = pb.GenerateRequest(request_id="same", token_ids=pb.TokenIds(ids=list(range(40))),
+                                 sampling=pb.SamplingParams(max_tokens=3))
+        responses = [r async for r in cluster.stub.Generate(req, timeout=10)]
+        assert {r.request_id for r in responses} == {"same"}
+        assert responses[-1].complete.usage.generated_tokens == 3
+    assert len({r.request_id for r in d.decode_requests}) == 2
+    assert [type(m).__name__ for m in d.kv_outcomes] == ["KVReady", "KVReady"]
+    await no_leaks(cluster)
+
+
 async def test_first_token_can_end_the_request_at_prefill(cluster: Cluster) -> None:
     p = await cluster.add("p0", "prefill")
     d = await cluster.add("d0", "decode")
@@ -194,8 +208,10 @@ async def test_client_cancel_aborts_both_legs_and_releases(cluster: Cluster) -> 
         if seen >= 3:
             call.cancel()
             break
-    await eventually(lambda: "cancel-me" in d.aborted)
-    await eventually(lambda: "cancel-me" in p.released and not p.pinned)
+    engine_id = d.decode_requests[0].request_id
+    assert engine_id.startswith("cancel-me.")  # engines see a scheduler-unique id
+    await eventually(lambda: engine_id in d.aborted)
+    await eventually(lambda: engine_id in p.released and not p.pinned)
     await no_leaks(cluster)
     assert cluster.service.table.outcomes["aborted:cancelled"] == 1
 
