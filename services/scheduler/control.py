@@ -17,7 +17,8 @@ Contracts (see control.proto):
 - Each StepReport is applied at most once (seq <= last applied is a duplicate: ignored) and
   acknowledged with Ack(last applied seq). A report the scheduler cannot parse is acknowledged,
   dropped and counted (resending it would not help).
-- A rank silent for `heartbeat_timeout_s` is dead: its engine is down (transfers touching it
+- A rank silent for `heartbeat_timeout_s`, or whose stream closed and did not reopen within
+  one heartbeat interval, is dead: its engine is down (transfers touching it
   fail over, an AllBlocksCleared for its epoch goes to the event sink, `on_engine_down` hooks
   run). A rank of a live epoch that speaks again brings its engine back.
 """
@@ -137,6 +138,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self.tracker = tracker or TransferTracker(clock=registry.clock)
         self.sink: EventSink = sink or NullEventSink()
         self.heartbeat_interval_s = heartbeat_interval_s
+        # How long a closed rank stream may take to come back before its engine is down.
+        self.reconnect_grace_s = min(heartbeat_interval_s, registry.heartbeat_timeout_s)
         self.telemetry = telemetry or SchedulerTelemetry()
         self.scheduler_id = scheduler_id
         self.connections: dict[RankId, RankConnection] = {}
@@ -370,8 +373,19 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         except grpc.aio.AioRpcError:
             pass
         finally:
-            self.registry.disconnect(conn.rank_id, conn.conn_id)
+            if self.registry.disconnect(conn.rank_id, conn.conn_id):
+                asyncio.get_running_loop().call_later(self.reconnect_grace_s, self._check_reconnected,
+                                                      conn.rank_id, conn.conn_id)
             conn.queue.put_nowait(_Close(grpc.StatusCode.OK, "stream closed by the rank"))
+
+    def _check_reconnected(self, rank_id: RankId, conn_id: int) -> None:
+        """A rank whose stream closed and did not come back within the grace period takes its
+        engine down now (a killed process), rather than after the heartbeat timeout."""
+        rank = self.registry.rank(rank_id)
+        engine = self.registry.engine(rank_id.engine_id)
+        if rank is not None and engine is not None and rank.conn_id == conn_id and not rank.connected:
+            self.engine_down(EngineRef(engine.engine_id, engine.epoch),
+                             f"rank tp={rank_id.tp_rank} pp={rank_id.pp_rank} closed its control stream")
 
     def _on_heartbeat(self, conn: RankConnection, engine: EngineState, beat: pb.Heartbeat) -> None:
         if conn.rank_id == engine.leader:

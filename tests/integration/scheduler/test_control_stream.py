@@ -253,3 +253,19 @@ async def test_heartbeat_load_and_draining_reach_the_registry(harness: ControlHa
     client.set_load(None, draining=True)
     await eventually(lambda: registry.engines["d0"].draining)
     assert not registry.engines["d0"].routable
+
+
+async def test_closed_rank_stream_takes_its_engine_down_quickly(harness: ControlHarness) -> None:
+    servicer = harness.servicer
+    assert servicer is not None
+    p = await harness.connect(hello("p0", "prefill", epoch=606))
+    d = await harness.connect(hello("d0", "decode"))
+    d_in = Inbox(d)
+    servicer.tracker.start("r", EngineRef("p0", 606), EngineRef("d0", d.hello.identity.epoch))
+    await asyncio.to_thread(p.close)  # a killed prefill process: the stream closes, nothing comes back
+    await eventually(lambda: [m.request_id for m in d_in.of(KVFailed)] == ["r"])
+    await eventually(lambda: any(u.left for u in d_in.of(PeerUpdate)))
+    assert EngineRef("p0", 606) in servicer.down
+    back = await harness.connect(hello("p0", "prefill", epoch=606))  # the same process reconnecting
+    await eventually(lambda: EngineRef("p0", 606) not in servicer.down)
+    assert back.welcome is not None
