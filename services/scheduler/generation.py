@@ -104,6 +104,8 @@ class Flight:
     first_token_at: float | None = None
     last_token_at: float = 0.0
     dispatched: bool = False
+    # Time spent waiting on engines and on the client (not the scheduler's own work).
+    outside_s: float = 0.0
 
 
 _FINISH_FROM_ENGINE = {gen_pb.FINISH_REASON_STOP, gen_pb.FINISH_REASON_LENGTH}
@@ -165,7 +167,9 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             state, reason = RequestState.ABORTED, "cancelled"
             try:
                 async for response in self._run(flight, route):
+                    paused = time.monotonic()
                     yield response
+                    flight.outside_s += time.monotonic() - paused
                 state, reason = RequestState.FINISHED, "done"
             except RequestError as e:
                 state, reason = self._end_state(e)
@@ -312,7 +316,11 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         call = self.channels.stub(engine).Prefill(request, timeout=self._remaining(flight))
         flight.call = call
         try:
-            response: eng_pb.PrefillResponse = await call
+            started = time.monotonic()
+            try:
+                response: eng_pb.PrefillResponse = await call
+            finally:
+                flight.outside_s += time.monotonic() - started
         except (asyncio.CancelledError, grpc.aio.AioRpcError) as e:
             raise self._leg_error(flight, e, "prefill") from None
         finally:
@@ -389,7 +397,15 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         flight.call = call
         first = True
         try:
-            async for response in call:
+            responses = aiter(call)
+            while True:
+                waiting = time.monotonic()
+                try:
+                    response = await anext(responses)
+                except StopAsyncIteration:
+                    break
+                finally:
+                    flight.outside_s += time.monotonic() - waiting
                 if first and descriptor is not None:
                     flight.num_transferred_tokens = response.num_transferred_tokens
                 if first:
@@ -430,7 +446,9 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         complete = gen_pb.Complete(finish_reason=finish_reason, usage=usage,  # type: ignore[arg-type]
                                    prefill_engine_id=flight.prefill_engine_id,
                                    decode_engine_id=record.decode.engine_id if record.decode else "",
-                                   num_migrations=record.num_migrations)
+                                   num_migrations=record.num_migrations,
+                                   scheduler_overhead_ms=1000.0 * max(0.0, time.monotonic() - flight.started
+                                                                       - flight.outside_s))
         return gen_pb.GenerateResponse(request_id=flight.client_id, complete=complete)
 
     # -- the end of a request -----------------------------------------------------------------

@@ -258,12 +258,17 @@ class Complete(_message.Message):
     PREFILL_ENGINE_ID_FIELD_NUMBER: _builtins.int
     DECODE_ENGINE_ID_FIELD_NUMBER: _builtins.int
     NUM_MIGRATIONS_FIELD_NUMBER: _builtins.int
+    SCHEDULER_OVERHEAD_MS_FIELD_NUMBER: _builtins.int
     finish_reason: Global___FinishReason.ValueType
     prefill_engine_id: _builtins.str
     """Engines that served the request, for debugging and routing tests."""
     decode_engine_id: _builtins.str
     num_migrations: _builtins.int
     """Number of times the decode leg migrated to another engine."""
+    scheduler_overhead_ms: _builtins.float
+    """Wall time the scheduler spent on this request outside engine calls and client writes
+    (validation, tokenization, hashing, routing, relaying): the control-plane overhead.
+    """
     @_builtins.property
     def usage(self) -> Global___Usage: ...
     def __init__(
@@ -274,10 +279,11 @@ class Complete(_message.Message):
         prefill_engine_id: _builtins.str = ...,
         decode_engine_id: _builtins.str = ...,
         num_migrations: _builtins.int = ...,
+        scheduler_overhead_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_engine_id", b"decode_engine_id", "finish_reason", b"finish_reason", "num_migrations", b"num_migrations", "prefill_engine_id", b"prefill_engine_id", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_engine_id", b"decode_engine_id", "finish_reason", b"finish_reason", "num_migrations", b"num_migrations", "prefill_engine_id", b"prefill_engine_id", "scheduler_overhead_ms", b"scheduler_overhead_ms", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

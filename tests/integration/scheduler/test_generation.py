@@ -97,6 +97,7 @@ async def test_disaggregated_stream_releases_prefill_blocks(cluster: Cluster) ->
     assert done.finish_reason == pb.FINISH_REASON_LENGTH
     assert (done.prefill_engine_id, done.decode_engine_id, done.num_migrations) == ("p0", "d0", 0)
     assert (done.usage.prompt_tokens, done.usage.generated_tokens, done.usage.transferred_tokens) == (40, 6, 40)
+    assert done.scheduler_overhead_ms > 0
     assert list(d.decode_requests[0].output_token_ids) == [BASE]  # the first token came from prefill
     assert d.decode_requests[0].descriptor.engine_id == "p0"
     await eventually(lambda: p.released == [d.decode_requests[0].request_id] and not p.pinned)
