@@ -1,0 +1,586 @@
+"""`pdserve bench events`: the KV-event plane end to end, beside a vLLM-style ZMQ publisher.
+
+pdserve (section "pdserve"): a scheduler in this process (real Control servicer with its
+registry and per-rank aggregator, the republisher, the KVEvents gRPC service and the ZMQ PUB);
+a second process runs `--engines` x `--tp` simulated ranks, each a real `ControlClient` with its
+own control stream. Every engine step, each rank of the engine reports the same
+`--batch-events` worker-side BlockStored events (medium CPU_OFFLOAD, one hash each: its shard);
+the aggregator publishes them once every rank reported. A third process holds `--subscribers`
+subscribers, half gRPC `Subscribe`, half ZMQ SUB decoding vLLM's msgpack. The rank stamps its
+send time into the block hashes, so latency is from the rank's send (the engine step's first
+report) to the subscriber's receipt. Steps are paced to `--rate` published events/s.
+`lost` = events published but not received, summed over subscribers (resyncs count as lost).
+
+Baseline (section "vllm_style"): vLLM's `ZmqEventPublisher` design re-implemented from the
+reference spec §1.5 (bounded queue, one publisher thread, PUB with an HWM, replay deque) fed the
+same 64-event batches directly at the same rate (no aggregation, no control streams, no gRPC),
+to `--subscribers` ZMQ subscribers.
+
+Overload (section "overload"): the republisher driven unpaced for `--overload-seconds` with one
+subscriber that never reads and one that keeps up: publish rate, the stalled subscriber's
+largest buffer (bounded by `subscriber_buffer`), resyncs, and memory growth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import queue
+import resource
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from connectors.kv_events import MEDIUM_CPU_OFFLOAD, BlockStored, KVCacheEvent, KVEventBatch
+from connectors.wire import encode_batch
+
+STAMP = 1 << 12  # hash = send time in µs * STAMP + index within the step
+_MODULE = "bench.events"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engines", type=int, default=64, help="simulated engines")
+    parser.add_argument("--tp", type=int, default=8, help="ranks per engine (one control stream each)")
+    parser.add_argument("--batch-events", type=int, default=64, help="BlockStored events per engine step")
+    parser.add_argument("--rate", type=float, default=8000.0,
+                        help="published events/s to pace the end-to-end section at")
+    parser.add_argument("--direct-rate", type=float, default=64000.0,
+                        help="events/s for the event plane alone (republisher fed directly)")
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds of paced load per section")
+    parser.add_argument("--rank-client", choices=["stream", "control-client"], default="stream",
+                        help="simulated ranks as raw Control streams on one loop, or one ControlClient "
+                             "(thread + loop) per rank")
+    parser.add_argument("--subscribers", type=int, default=4, help="subscribers (half gRPC, half ZMQ)")
+    parser.add_argument("--overload-seconds", type=float, default=2.0, help="seconds of unpaced overload")
+    parser.add_argument("--subscriber-buffer", type=int, default=1024, help="batches per subscriber")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def stamp_events(now: float, n: int) -> list[KVCacheEvent]:
+    base = int(now * 1e6) * STAMP
+    return [BlockStored((base + i,), None, (), 0, medium=MEDIUM_CPU_OFFLOAD) for i in range(n)]
+
+
+def sent_at(block_hash: int) -> float:
+    return (block_hash // STAMP) / 1e6
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+class Pacer:
+    """Yields how many units are due now to hold `rate` units/s."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate, self.start, self.done = rate, time.monotonic(), 0
+
+    def due(self) -> int:
+        return int((time.monotonic() - self.start) * self.rate) - self.done
+
+
+# -- subscriber process --------------------------------------------------------------------------
+
+@dataclass
+class SubStats:
+    transport: str
+    batches: int = 0
+    events: int = 0
+    resyncs: int = 0
+    gaps: int = 0
+    last_seq: int | None = None
+
+    def seen(self, seq: int, n_events: int, first_hash: int, now: float, latencies: list[float]) -> None:
+        if self.last_seq is not None and seq != self.last_seq + 1:
+            self.gaps += 1
+        self.last_seq = seq
+        self.batches += 1
+        self.events += n_events
+        latencies.append(now - sent_at(first_hash))
+
+
+async def _grpc_subscriber(target: str, stats: SubStats, latencies: list[float], stop: asyncio.Event) -> None:
+    from pdserve.v1 import kv_events_pb2 as pb
+    from pdserve.v1 import kv_events_pb2_grpc as pb_grpc
+    from services.common.grpc_server import insecure_channel
+
+    async with insecure_channel(target) as channel:
+        call = pb_grpc.KVEventsStub(channel).Subscribe(pb.SubscribeRequest())
+        reader = asyncio.ensure_future(_grpc_read(call, pb, stats, latencies))
+        await stop.wait()
+        await asyncio.sleep(1.0)
+        call.cancel()
+        reader.cancel()
+
+
+async def _grpc_read(call: Any, pb: Any, stats: SubStats, latencies: list[float]) -> None:
+    snapshot = False
+    async for msg in call:
+        if msg.WhichOneof("payload") == "notice":
+            if msg.notice.kind == pb.StreamNotice.RESYNC:
+                stats.resyncs += 1
+            snapshot = msg.notice.kind in (pb.StreamNotice.RESYNC, pb.StreamNotice.SNAPSHOT_BEGIN)
+            if msg.notice.kind == pb.StreamNotice.SNAPSHOT_END:
+                snapshot, stats.last_seq = False, msg.notice.next_seq - 1
+            continue
+        if snapshot:
+            continue
+        b = msg.batch
+        stats.seen(b.seq, len(b.events), b.events[0].block_stored.block_hashes[0], time.time(), latencies)
+
+
+async def _zmq_subscriber(ctx: zmq.asyncio.Context, endpoint: str, stats: SubStats, latencies: list[float],
+                          stop: asyncio.Event) -> None:
+    sock = ctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(endpoint)
+    stop_at: float | None = None
+    while stop_at is None or time.monotonic() < stop_at:
+        if stop.is_set() and stop_at is None:
+            stop_at = time.monotonic() + 1.0
+        if not await sock.poll(50):
+            continue
+        _, seq, payload = await sock.recv_multipart()
+        _, events, _ = msgpack.unpackb(payload)
+        first = events[0]
+        first_hash = first["block_hashes"][0] if isinstance(first, dict) else first[1][0]
+        stats.seen(int.from_bytes(seq, "big"), len(events), first_hash, time.time(), latencies)
+    sock.close(linger=0)
+
+
+async def _subscribers_main(grpc_target: str, zmq_endpoint: str, n_grpc: int, n_zmq: int) -> None:
+    ctx = zmq.asyncio.Context()
+    stop = asyncio.Event()
+    latencies: list[float] = []
+    stats = [SubStats("grpc") for _ in range(n_grpc)] + [SubStats("zmq") for _ in range(n_zmq)]
+    tasks = [asyncio.ensure_future(_grpc_subscriber(grpc_target, s, latencies, stop)) for s in stats[:n_grpc]]
+    tasks += [asyncio.ensure_future(_zmq_subscriber(ctx, zmq_endpoint, s, latencies, stop)) for s in stats[n_grpc:]]
+    await asyncio.sleep(1.0)
+    print("ready", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    stop.set()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    ctx.destroy(linger=0)
+    print(json.dumps({"subscribers": [vars(s) for s in stats], "p50_ms": percentile(latencies, 50) * 1e3,
+                      "p99_ms": percentile(latencies, 99) * 1e3, "max_ms": max(latencies, default=0.0) * 1e3}),
+          flush=True)
+
+
+# -- rank process ----------------------------------------------------------------------------------
+
+def _ranks_main(target: str, engines: int, tp: int, batch_events: int, rate: float, duration: float) -> None:
+    from services.common.control_client import ControlClient, ControlHello, RankIdentity, StepReport
+
+    clients: list[list[ControlClient]] = []
+    for e in range(engines):
+        ranks = []
+        for r in range(tp):
+            identity = RankIdentity(f"bench-p{e}", "prefill", 1000 + e, r, tp)
+            hello = ControlHello(identity, "bench", "127.0.0.1:1", b"", hash_seed="0", block_size=16)
+            client = ControlClient(target, hello)
+            client.start(60.0)
+            ranks.append(client)
+        clients.append(ranks)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    pacer = Pacer(rate / batch_events)
+    end = time.monotonic() + duration
+    steps = 0
+    while time.monotonic() < end:
+        due = pacer.due()
+        if due <= 0:
+            time.sleep(0.001)
+            continue
+        for _ in range(min(due, 64)):
+            events = stamp_events(time.time(), batch_events)
+            for client in clients[steps % engines]:
+                client.report(StepReport(worker_events=events))
+            steps += 1
+            pacer.done += 1
+    for ranks in clients:
+        for client in ranks:
+            client.wait_acked(client.last_seq, 30.0)
+    print(json.dumps({"steps": steps, "rank_reports": steps * tp}), flush=True)
+    for ranks in clients:
+        for client in ranks:
+            client.close(1.0)
+
+
+async def _stream_ranks_main(target: str, engines: int, tp: int, batch_events: int, rate: float,
+                             duration: float) -> None:
+    """All ranks as raw Control streams on one event loop (one channel per engine): the same
+    protocol as ControlClient (Hello, Welcome, numbered StepReports, Acks) without a thread per
+    rank, so one process can stand in for hundreds of ranks."""
+    import grpc
+
+    from connectors.kv_events import event_to_proto
+    from pdserve.v1 import control_pb2 as cpb
+    from pdserve.v1 import control_pb2_grpc
+    from services.common.grpc_server import insecure_channel
+
+    channels = [insecure_channel(target) for _ in range(engines)]
+    outboxes: list[list[asyncio.Queue[Any]]] = []
+    calls = []
+    acked: dict[tuple[int, int], int] = {}
+
+    async def drain(call: Any, key: tuple[int, int]) -> None:
+        while (msg := await call.read()) is not grpc.aio.EOF:
+            if msg.WhichOneof("payload") == "ack":
+                acked[key] = msg.ack.seq
+
+    for e in range(engines):
+        stub = control_pb2_grpc.ControlStub(channels[e])
+        boxes: list[asyncio.Queue[Any]] = []
+        for r in range(tp):
+            box: asyncio.Queue[Any] = asyncio.Queue()
+            identity = cpb.RankIdentity(engine_id=f"bench-p{e}", role=cpb.ROLE_PREFILL, epoch=1000 + e,
+                                        tp_rank=r, tp_size=tp, pp_size=1)
+            box.put_nowait(cpb.RankMessage(hello=cpb.Hello(
+                rank=identity, compatibility_hash="bench", protocol_version=1, engine_address="127.0.0.1:1",
+                hash_seed="0", block_size=16)))
+
+            async def gen(box: asyncio.Queue[Any] = box) -> Any:
+                while (m := await box.get()) is not None:
+                    yield m
+
+            call = stub.Connect(gen())
+            await call.read()  # Welcome
+            calls.append(asyncio.ensure_future(drain(call, (e, r))))
+            boxes.append(box)
+        outboxes.append(boxes)
+    print("ready", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    pacer = Pacer(rate / batch_events)
+    end = time.monotonic() + duration
+    steps = 0
+    seqs = [[0] * tp for _ in range(engines)]
+    while time.monotonic() < end:
+        due = pacer.due()
+        if due <= 0:
+            await asyncio.sleep(0.001)
+            continue
+        for _ in range(min(due, 64)):
+            e = steps % engines
+            protos = [event_to_proto(ev) for ev in stamp_events(time.time(), batch_events)]
+            for r, box in enumerate(outboxes[e]):
+                seqs[e][r] += 1
+                box.put_nowait(cpb.RankMessage(report=cpb.StepReport(seq=seqs[e][r], worker_events=protos)))
+            steps += 1
+            pacer.done += 1
+        await asyncio.sleep(0)
+    send_s = time.monotonic() - pacer.start
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(acked.get((e, r), 0) < seqs[e][r]
+                                              for e in range(engines) for r in range(tp)):
+        await asyncio.sleep(0.01)
+    print(json.dumps({"steps": steps, "rank_reports": steps * tp, "send_s": send_s,
+                      "ack_wait_s": time.monotonic() - pacer.start - send_s}), flush=True)
+    for boxes in outboxes:
+        for box in boxes:
+            box.put_nowait(None)
+    for task in calls:
+        task.cancel()
+    for channel in channels:
+        await channel.close()
+
+
+# -- in-process scheduler ------------------------------------------------------------------------
+
+def _spawn(*argv: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.path.join(os.getcwd(), "protos"),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen([sys.executable, "-m", _MODULE, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=env)
+
+
+async def _readline(proc: subprocess.Popen[str]) -> str:
+    assert proc.stdout is not None
+    line = await asyncio.to_thread(proc.stdout.readline)
+    if not line:
+        raise RuntimeError(f"bench helper process exited with {proc.wait()}")
+    return line.strip()
+
+
+def _tell(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+
+
+def _split(n: int) -> tuple[int, int]:
+    return (n + 1) // 2, n // 2
+
+
+async def _pdserve_section(args: argparse.Namespace) -> dict[str, Any]:
+    from pdserve.v1 import control_pb2_grpc
+    from services.common.config import SchedulerConfig
+    from services.common.grpc_server import ServiceServer
+    from services.scheduler.control import ControlServicer
+    from services.scheduler.events.plane import EventPlane
+    from services.scheduler.events.servicer import SERVICE_NAME
+    from services.scheduler.registry import EngineRegistry
+
+    config = SchedulerConfig(zmq_endpoint="tcp://127.0.0.1:*", subscriber_buffer=args.subscriber_buffer,
+                             prefix_index_max_entries=200_000)
+    plane = EventPlane.from_config(config, model_name="bench")
+    registry = EngineRegistry(block_size=16, hash_seed="0", heartbeat_timeout_s=120.0)
+    control = ControlServicer(registry, sink=plane.republisher, heartbeat_interval_s=5.0, scheduler_id="bench")
+    server = ServiceServer(["pdserve.v1.Control", SERVICE_NAME])
+    control_pb2_grpc.add_ControlServicer_to_server(control, server.server)
+    plane.add_to_server(server.server)
+    port = server.bind("127.0.0.1", 0)
+    await server.start()
+    plane.start()
+    control.start_monitor()
+    assert plane.zmq is not None
+    n_grpc, n_zmq = _split(args.subscribers)
+    subs = _spawn("--role", "subscribers", "--grpc", f"127.0.0.1:{port}", "--zmq", plane.zmq.bound_endpoint,
+                  "--n-grpc", str(n_grpc), "--n-zmq", str(n_zmq))
+    ranks = _spawn("--role", "ranks" if args.rank_client == "control-client" else "stream-ranks", "--grpc", f"127.0.0.1:{port}", "--engines", str(args.engines),
+                   "--tp", str(args.tp), "--batch-events", str(args.batch_events), "--rate", str(args.rate),
+                   "--duration", str(args.duration))
+    try:
+        await _readline(subs)
+        t0 = time.monotonic()
+        await _readline(ranks)
+        setup_s = time.monotonic() - t0
+        start_batches = plane.republisher.stats().num_batches
+        _tell(ranks)
+        t0 = time.monotonic()
+        sent = json.loads(await _readline(ranks))
+        elapsed = time.monotonic() - t0
+        _tell(subs)
+        got = json.loads(await _readline(subs))
+    finally:
+        for p in (subs, ranks):
+            p.kill() if p.poll() is None else None
+        await control.stop()
+        await server.stop(0)
+        plane.close()
+    stats = plane.republisher.stats()
+    published = stats.num_events
+    batches = stats.num_batches - start_batches
+    lost = sum(max(0, published - s["events"]) for s in got["subscribers"])
+    return {"events_per_s": published / elapsed, "rank_events_per_s": sent["rank_reports"] * args.batch_events / elapsed,
+            "p50_ms": got["p50_ms"], "p99_ms": got["p99_ms"], "max_ms": got["max_ms"], "lost": lost,
+            "published_events": published, "published_batches": batches, "engine_steps": sent["steps"],
+            "seconds": elapsed, "setup_s": setup_s, "rank_send_s": sent.get("send_s"),
+            "rank_ack_wait_s": sent.get("ack_wait_s"), "subscribers": got["subscribers"],
+            "resyncs": stats.num_resyncs}
+
+
+async def _direct_section(args: argparse.Namespace) -> dict[str, Any]:
+    """The event plane alone: batches published straight into the republisher (from a producer
+    thread, as many control streams would), fanned out over gRPC and ZMQ."""
+    from services.common.config import SchedulerConfig
+    from services.common.grpc_server import ServiceServer
+    from services.scheduler.events.plane import EventPlane
+    from services.scheduler.events.servicer import SERVICE_NAME
+
+    config = SchedulerConfig(zmq_endpoint="tcp://127.0.0.1:*", subscriber_buffer=args.subscriber_buffer,
+                             prefix_index_max_entries=200_000)
+    plane = EventPlane.from_config(config, model_name="bench")
+    server = ServiceServer([SERVICE_NAME])
+    plane.add_to_server(server.server)
+    port = server.bind("127.0.0.1", 0)
+    await server.start()
+    plane.start()
+    assert plane.zmq is not None
+    n_grpc, n_zmq = _split(args.subscribers)
+    subs = _spawn("--role", "subscribers", "--grpc", f"127.0.0.1:{port}", "--zmq", plane.zmq.bound_endpoint,
+                  "--n-grpc", str(n_grpc), "--n-zmq", str(n_zmq))
+    engines = [f"bench-p{e}" for e in range(args.engines)]
+    turn = iter(range(1 << 62))
+
+    def publish(batch: KVEventBatch) -> None:
+        plane.republisher.publish(engines[next(turn) % len(engines)], 1, batch)
+
+    try:
+        await _readline(subs)
+        t0 = time.monotonic()
+        published = await asyncio.to_thread(_drive, publish, args.direct_rate, args.batch_events, args.duration)
+        elapsed = time.monotonic() - t0
+        _tell(subs)
+        got = json.loads(await _readline(subs))
+    finally:
+        subs.kill() if subs.poll() is None else None
+        await server.stop(0)
+        plane.close()
+    lost = sum(max(0, published - s["events"]) for s in got["subscribers"])
+    return {"events_per_s": published / elapsed, "p50_ms": got["p50_ms"], "p99_ms": got["p99_ms"],
+            "max_ms": got["max_ms"], "lost": lost, "published_events": published,
+            "resyncs": plane.republisher.stats().num_resyncs, "subscribers": got["subscribers"]}
+
+
+# -- baseline: vLLM's publisher design (reference spec §1.5), re-implemented ----------------------
+
+class VllmStylePublisher:
+    """Bounded queue, one publisher thread, PUB with an HWM, replay deque; put() blocks when full."""
+
+    def __init__(self, endpoint: str, *, hwm: int = 100_000, max_queue_size: int = 100_000,
+                 buffer_steps: int = 10_000) -> None:
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.set_hwm(hwm)
+        self._pub.bind(endpoint)
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(maxsize=max_queue_size)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def publish(self, batch: KVEventBatch) -> None:
+        if batch.data_parallel_rank is None:
+            batch.data_parallel_rank = 0
+        self._queue.put(batch)
+
+    def _run(self) -> None:
+        seq = 0
+        while True:
+            batch = self._queue.get()
+            if batch is None:
+                return
+            payload = encode_batch(batch)
+            self._pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+            self._buffer.append((seq, payload))
+            seq += 1
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(5.0)
+        self._pub.close(linger=0)
+        self._ctx.term()
+
+
+async def _baseline_section(args: argparse.Namespace) -> dict[str, Any]:
+    publisher = VllmStylePublisher("tcp://127.0.0.1:*")
+    subs = _spawn("--role", "subscribers", "--grpc", "", "--zmq", publisher.endpoint, "--n-grpc", "0",
+                  "--n-zmq", str(args.subscribers))
+    try:
+        await _readline(subs)
+        t0 = time.monotonic()
+        published = await asyncio.to_thread(_drive, publisher.publish, args.direct_rate, args.batch_events,
+                                            args.duration)
+        elapsed = time.monotonic() - t0
+        _tell(subs)
+        got = json.loads(await _readline(subs))
+    finally:
+        subs.kill() if subs.poll() is None else None
+        publisher.close()
+    lost = sum(max(0, published - s["events"]) for s in got["subscribers"])
+    return {"events_per_s": published / elapsed, "p50_ms": got["p50_ms"], "p99_ms": got["p99_ms"],
+            "max_ms": got["max_ms"], "lost": lost, "published_events": published}
+
+
+def _drive(publish: Callable[[KVEventBatch], Any], rate: float, batch_events: int, duration: float) -> int:
+    pacer = Pacer(rate / batch_events)
+    end = time.monotonic() + duration
+    published = 0
+    while time.monotonic() < end:
+        due = pacer.due()
+        if due <= 0:
+            time.sleep(0.001)
+            continue
+        for _ in range(min(due, 64)):
+            publish(KVEventBatch(time.time(), list(stamp_events(time.time(), batch_events))))
+            published += batch_events
+            pacer.done += 1
+    return published
+
+
+# -- overload ------------------------------------------------------------------------------------
+
+def _overload_section(args: argparse.Namespace) -> dict[str, Any]:
+    from services.scheduler.events import EventRepublisher, NoticeKind, StreamNotice
+    from services.scheduler.prefix_index import InMemoryPrefixIndex
+
+    rp = EventRepublisher(InMemoryPrefixIndex(100_000), ring_size=4096, subscriber_buffer=args.subscriber_buffer)
+    stalled = rp.subscribe(None)
+    live = rp.subscribe(None)
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    end = time.monotonic() + args.overload_seconds
+    events = max_lag = drained = 0
+    t0 = time.monotonic()
+    while time.monotonic() < end:
+        rp.publish("p0", 1, KVEventBatch(time.time(), list(stamp_events(time.time(), args.batch_events))))
+        events += args.batch_events
+        max_lag = max(max_lag, stalled.lag)
+        drained += len(live.take(1024))
+    elapsed = time.monotonic() - t0
+    resynced = [i for i in stalled.take(10) if isinstance(i, StreamNotice) and i.kind is NoticeKind.RESYNC]
+    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"events_per_s": events / elapsed, "stalled_max_buffered_batches": max_lag,
+            "subscriber_buffer": args.subscriber_buffer, "stalled_resyncs": stalled.num_resyncs,
+            "stalled_told_resync": bool(resynced), "live_received_batches": drained,
+            "published_batches": rp.stats().num_batches, "max_rss_growth_mib": (rss1 - rss0) / 1024}
+
+
+# -- entry points ----------------------------------------------------------------------------------
+
+def run(args: argparse.Namespace) -> int:
+    pdserve = asyncio.run(_pdserve_section(args))
+    direct = asyncio.run(_direct_section(args))
+    baseline = asyncio.run(_baseline_section(args))
+    overload = _overload_section(args)
+    result = {"events_per_s": pdserve["events_per_s"], "p99_ms": pdserve["p99_ms"], "lost": pdserve["lost"],
+              "pdserve": pdserve, "event_plane_direct": direct, "vllm_style": baseline, "overload": overload,
+              "config": {"engines": args.engines, "tp": args.tp, "batch_events": args.batch_events,
+                         "rate": args.rate, "duration_s": args.duration, "subscribers": args.subscribers},
+              "p99_ratio_vs_vllm_style": pdserve["p99_ms"] / baseline["p99_ms"] if baseline["p99_ms"] else None}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"KV-event plane, {args.engines} engines x tp {args.tp}, {args.batch_events}-event batches, "
+          f"{args.subscribers} subscribers (half gRPC, half ZMQ)")
+    for name, r in ((f"pdserve end to end, paced {args.rate:.0f}/s", pdserve),
+                    (f"pdserve event plane alone, paced {args.direct_rate:.0f}/s", direct),
+                    (f"vLLM-style ZMQ publisher, paced {args.direct_rate:.0f}/s", baseline)):
+        print(f"  {name:45s} {r['events_per_s']:10.0f} events/s  p50 {r['p50_ms']:7.2f} ms  "
+              f"p99 {r['p99_ms']:7.2f} ms  lost {r['lost']}")
+    print(f"  rank-side events (x tp): {pdserve['rank_events_per_s']:.0f}/s through {args.engines * args.tp} "
+          f"control streams")
+    o = overload
+    print(f"  overload: {o['events_per_s']:.0f} events/s unpaced; stalled subscriber held at most "
+          f"{o['stalled_max_buffered_batches']} batches (buffer {o['subscriber_buffer']}), resynced "
+          f"{o['stalled_resyncs']}x, told: {o['stalled_told_resync']}; max RSS growth {o['max_rss_growth_mib']:.1f} MiB")
+    return 0
+
+
+def _main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--role", choices=["subscribers", "ranks", "stream-ranks"], required=True)
+    p.add_argument("--grpc", default="")
+    p.add_argument("--zmq", default="")
+    p.add_argument("--n-grpc", type=int, default=0)
+    p.add_argument("--n-zmq", type=int, default=0)
+    p.add_argument("--engines", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--batch-events", type=int, default=64)
+    p.add_argument("--rate", type=float, default=1000.0)
+    p.add_argument("--duration", type=float, default=1.0)
+    a = p.parse_args()
+    if a.role == "subscribers":
+        asyncio.run(_subscribers_main(a.grpc, a.zmq, a.n_grpc, a.n_zmq))
+    elif a.role == "stream-ranks":
+        asyncio.run(_stream_ranks_main(a.grpc, a.engines, a.tp, a.batch_events, a.rate, a.duration))
+    else:
+        _ranks_main(a.grpc, a.engines, a.tp, a.batch_events, a.rate, a.duration)
+
+
+if __name__ == "__main__":
+    _main()
