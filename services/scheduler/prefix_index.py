@@ -132,6 +132,7 @@ class InMemoryPrefixIndex:
         self._engines: dict[str, _EngineState] = {}
         # engine id -> its (hash, medium) entries, so dropping an engine costs its own size
         self._by_engine: dict[str, set[tuple[int, str]]] = {}
+        self._per_medium: dict[str, int] = {}
         self._stats = IndexStats()
 
     def __len__(self) -> int:
@@ -145,6 +146,10 @@ class InMemoryPrefixIndex:
     def epoch_of(self, engine_id: str) -> int | None:
         state = self._engines.get(engine_id)
         return state.epoch if state is not None else None
+
+    def blocks_by_medium(self) -> dict[str, int]:
+        """Entries per medium (for the index-size metric)."""
+        return {m: n for m, n in self._per_medium.items() if n}
 
     def begin_epoch(self, engine_id: str, epoch: int) -> int | None:
         """Makes `epoch` the engine's live epoch; returns the replaced epoch (its entries are
@@ -227,6 +232,7 @@ class InMemoryPrefixIndex:
             return
         self._blocks.setdefault(h, {}).setdefault(engine_id, set()).add(medium)
         self._by_engine.setdefault(engine_id, set()).add((h, medium))
+        self._per_medium[medium] = self._per_medium.get(medium, 0) + 1
         self._lru[key] = None
         while len(self._lru) > self._max_entries:
             old_key, _ = self._lru.popitem(last=False)
@@ -240,6 +246,7 @@ class InMemoryPrefixIndex:
             self._unlink(h, engine_id, medium)
 
     def _unlink(self, h: int, engine_id: str, medium: str) -> None:
+        self._per_medium[medium] -= 1
         owned = self._by_engine[engine_id]
         owned.discard((h, medium))
         if not owned:

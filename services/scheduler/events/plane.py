@@ -7,6 +7,7 @@ What the scheduler main wires up:
     plane.start()                               # binds ZMQ when configured
     sink = plane.republisher                    # EventSink: publish(engine_id, epoch, batch)
     policy = plane.routing_policy()             # RoutingPolicy for routing_policy == "prefix"
+    plane.instrument(EventMetrics(registry))    # optional Prometheus metrics
     ...
     plane.close()
 """
@@ -16,6 +17,8 @@ from __future__ import annotations
 import grpc
 
 from services.common.config import SchedulerConfig
+from services.common.metrics import EventMetrics
+from services.scheduler.events.metrics import instrument
 from services.scheduler.events.republisher import EventRepublisher
 from services.scheduler.events.servicer import KVEventsServicer
 from services.scheduler.events.zmq_publisher import ZmqEventPublisher
@@ -52,6 +55,9 @@ class EventPlane:
 
     def routing_policy(self) -> PrefixAwarePolicy:
         return PrefixAwarePolicy(self.index, medium_weights=self._medium_weights, load_weight=self._load_weight)
+
+    def instrument(self, metrics: EventMetrics) -> None:
+        instrument(self.republisher, metrics)
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         self.servicer.add_to_server(server)

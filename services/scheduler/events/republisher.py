@@ -192,6 +192,8 @@ class Subscription:
             self._ready.clear()
             self.num_resyncs += 1
             self._owner._stats.num_resyncs += 1
+            for observer in self._owner.on_resync:
+                observer(self)
             logger.warning("KV-event subscriber fell %d batches behind at seq %d: resyncing",
                            self._buffer, sb.seq)
             self._wake()
@@ -224,6 +226,10 @@ class EventRepublisher:
         self._subscribers: list[Subscription] = []
         self._listeners: list[Callable[[SequencedBatch], None]] = []
         self._stats = RepublisherStats()
+        # Observers (metrics): called under the lock, must not block.
+        self.on_received: list[Callable[[str, KVEventBatch], None]] = []
+        self.on_rejected: list[Callable[[str, int], None]] = []
+        self.on_resync: list[Callable[[Subscription], None]] = []
 
     # -- producers -------------------------------------------------------------------------
 
@@ -239,8 +245,12 @@ class EventRepublisher:
         """
         _check_batch(engine_id, epoch, batch)
         with self._lock:
+            for observer in self.on_received:
+                observer(engine_id, batch)
             if epoch in self._dead_epochs.get(engine_id, ()):
                 self._stats.num_stale_batches += 1
+                for rejected in self.on_rejected:
+                    rejected("stale_epoch", len(batch.events))
                 logger.debug("dropping KV events of %s from dead epoch %d", engine_id, epoch)
                 return None
             self._adopt_epoch(engine_id, epoch)
