@@ -6,6 +6,7 @@ What the scheduler main wires up:
     plane.add_to_server(events_server.server)   # KVEvents on config.events_port
     plane.start()                               # binds ZMQ when configured
     sink = plane.republisher                    # EventSink: publish(engine_id, epoch, batch)
+    control.on_engine_up.append(plane.engine_up)  # a new epoch retires the old one at once
     policy = plane.routing_policy()             # RoutingPolicy for routing_policy == "prefix"
     plane.instrument(EventMetrics(registry))    # optional Prometheus metrics
     ...
@@ -13,6 +14,8 @@ What the scheduler main wires up:
 """
 
 from __future__ import annotations
+
+import logging
 
 import grpc
 
@@ -22,8 +25,11 @@ from services.scheduler.events.metrics import instrument
 from services.scheduler.events.republisher import EventRepublisher
 from services.scheduler.events.servicer import KVEventsServicer
 from services.scheduler.events.zmq_publisher import ZmqEventPublisher
+from services.scheduler.lifecycle import EngineRef
 from services.scheduler.prefix_index import InMemoryPrefixIndex
 from services.scheduler.prefix_routing import PrefixAwarePolicy, parse_medium_weights
+
+logger = logging.getLogger(__name__)
 
 
 class EventPlane:
@@ -55,6 +61,14 @@ class EventPlane:
 
     def routing_policy(self) -> PrefixAwarePolicy:
         return PrefixAwarePolicy(self.index, medium_weights=self._medium_weights, load_weight=self._load_weight)
+
+    def engine_up(self, ref: EngineRef) -> None:
+        """Hook for `ControlServicer.on_engine_up`: the engine's current epoch is `ref.epoch`, so
+        an older one is retired now (its entries dropped, its late events refused)."""
+        try:
+            self.republisher.register_epoch(ref.engine_id, ref.epoch)
+        except ValueError as e:
+            logger.warning("KV-event plane: %s", e)
 
     def instrument(self, metrics: EventMetrics) -> None:
         instrument(self.republisher, metrics)

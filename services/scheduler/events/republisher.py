@@ -12,7 +12,8 @@ Contract:
   last `ring_size` batches) and offers it to every subscriber and listener, in sequence order.
   It never blocks on a consumer. An empty batch publishes nothing.
 - An engine's new epoch (seen in `register_epoch` or `publish`) first publishes an
-  `AllBlocksCleared` batch stamped with the old epoch, then marks the old epoch dead; batches
+  `AllBlocksCleared` batch stamped with the old epoch (unless that epoch's last batch already
+  was one, e.g. from the Control servicer's fencing), then marks the old epoch dead; batches
   from a dead epoch are refused (None, counted). `remove_engine` does the same for an engine
   that left.
 - A subscription starting at `from_seq`: inside the ring (oldest <= from_seq <= next) gets
@@ -222,6 +223,8 @@ class EventRepublisher:
         self._ring: deque[SequencedBatch] = deque(maxlen=ring_size)
         self._next_seq = 0
         self._epochs: dict[str, int] = {}
+        # engine -> epoch whose last published batch ended in a full AllBlocksCleared
+        self._cleared: dict[str, int] = {}
         self._dead_epochs: dict[str, deque[int]] = {}
         self._subscribers: list[Subscription] = []
         self._listeners: list[Callable[[SequencedBatch], None]] = []
@@ -288,6 +291,11 @@ class EventRepublisher:
 
     # -- consumers -------------------------------------------------------------------------
 
+    def epoch_of(self, engine_id: str) -> int | None:
+        """The engine's live epoch as the republisher knows it (None: unknown or removed)."""
+        with self._lock:
+            return self._epochs.get(engine_id)
+
     @property
     def next_seq(self) -> int:
         return self._next_seq
@@ -351,6 +359,11 @@ class EventRepublisher:
         self._next_seq += 1
         sb = SequencedBatch(seq, engine_id, epoch, batch)
         self.index.apply(engine_id, epoch, batch.events)
+        last = batch.events[-1]
+        if isinstance(last, AllBlocksCleared) and last.medium is None:
+            self._cleared[engine_id] = epoch
+        else:
+            self._cleared.pop(engine_id, None)
         self._ring.append(sb)
         s = self._stats
         s.num_batches += 1
@@ -377,7 +390,9 @@ class EventRepublisher:
         self._epochs[engine_id] = epoch
 
     def _retire(self, engine_id: str, epoch: int) -> None:
-        self._append(engine_id, epoch, KVEventBatch(self._clock(), [AllBlocksCleared()]))
+        if self._cleared.get(engine_id) != epoch:  # not already cleared by its producer
+            self._append(engine_id, epoch, KVEventBatch(self._clock(), [AllBlocksCleared()]))
+        self._cleared.pop(engine_id, None)
         dead = self._dead_epochs.setdefault(engine_id, deque(maxlen=MAX_DEAD_EPOCHS))
         dead.append(epoch)
 

@@ -1,0 +1,104 @@
+"""Engines' KV events through real control streams (ControlClient -> Control servicer) into the
+event plane: the prefix-aware policy routes to the engine holding the prefix, and an engine's
+restart (new epoch) removes its entries from the index and from routing at once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from connectors.hashing import BlockHasher
+from connectors.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
+from pdserve.v1 import control_pb2_grpc
+from services.common.config import SchedulerConfig
+from services.common.control_client import ControlClient, ControlHello, RankIdentity, StepReport
+from services.common.grpc_server import ServiceServer
+from services.scheduler.control import ControlServicer
+from services.scheduler.events.plane import EventPlane
+from services.scheduler.registry import EngineRegistry
+from services.scheduler.routing import REASON_PREFIX, EngineView, RoutingRequest
+
+HASHER = BlockHasher(block_size=16, seed="0")
+
+
+@dataclass
+class Scheduler:
+    plane: EventPlane
+    servicer: ControlServicer
+    server: ServiceServer
+    port: int
+    clients: list[ControlClient] = field(default_factory=list)
+
+    async def rank(self, engine_id: str, epoch: int) -> ControlClient:
+        identity = RankIdentity(engine_id, "prefill", epoch, 0, 1)
+        client = ControlClient(f"127.0.0.1:{self.port}", ControlHello(identity, "compat", "127.0.0.1:1", b"",
+                                                                       hash_seed="0", block_size=16))
+        self.clients.append(client)
+        await asyncio.to_thread(client.start, 10.0)
+        return client
+
+
+@pytest.fixture
+async def scheduler() -> AsyncIterator[Scheduler]:
+    plane = EventPlane.from_config(SchedulerConfig())
+    servicer = ControlServicer(EngineRegistry(block_size=16, hash_seed="0"), sink=plane.republisher,
+                               heartbeat_interval_s=0.1)
+    server = ServiceServer(["pdserve.v1.Control"])
+    control_pb2_grpc.add_ControlServicer_to_server(servicer, server.server)
+    port = server.bind("127.0.0.1", 0)
+    await server.start()
+    servicer.on_engine_up.append(plane.engine_up)  # an engine back from down
+    s = Scheduler(plane, servicer, server, port)
+    yield s
+    for c in s.clients:
+        await asyncio.to_thread(c.close)
+    await servicer.stop()
+    await server.stop(0)
+
+
+async def eventually(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+def stored(tokens: list[int]) -> KVEventBatch:
+    hashes = HASHER.external_hashes(tokens)
+    return KVEventBatch(1.0, [BlockStored(tuple(hashes), None, tuple(tokens), 16, medium="CPU")], 0)
+
+
+async def test_routes_to_the_prefix_holder_and_forgets_a_restarted_engine(scheduler: Scheduler) -> None:
+    shared = list(range(1000, 1064))  # 4 blocks of a shared system prompt
+    await scheduler.rank("p0", 0xA0)
+    p1 = await scheduler.rank("p1", 0xB1)
+    sub = scheduler.plane.republisher.subscribe(0)
+    seq = p1.report(StepReport(engine_events=stored(shared)))
+    assert await asyncio.to_thread(p1.wait_acked, seq)
+    await eventually(lambda: scheduler.plane.index.epoch_of("p1") == 0xB1)
+    policy = scheduler.plane.routing_policy()
+    engines = [EngineView("p0", 0xA0, "prefill"), EngineView("p1", 0xB1, "prefill")]
+    for i in range(4):
+        prompt = shared + [i] * 20
+        d = policy.choose_prefill(RoutingRequest(HASHER.external_hashes(prompt), len(prompt)), engines)
+        assert (d.engine_id, d.reason, d.matched_blocks) == ("p1", REASON_PREFIX, 4)
+    # p1 restarts: a new epoch registers; its old entries go at once, with an AllBlocksCleared
+    new_p1 = await scheduler.rank("p1", 0xB2)
+    await eventually(lambda: scheduler.plane.index.match(HASHER.external_hashes(shared)) == {})
+    seq = new_p1.report(StepReport(engine_events=stored(list(range(64)))))
+    assert await asyncio.to_thread(new_p1.wait_acked, seq)
+    await eventually(lambda: scheduler.plane.republisher.epoch_of("p1") == 0xB2)
+    restarted = [EngineView("p0", 0xA0, "prefill"), EngineView("p1", 0xB2, "prefill")]
+    d = policy.choose_prefill(RoutingRequest(HASHER.external_hashes(shared), len(shared)), restarted)
+    assert d.matched_blocks == 0
+    items = sub.take()
+    batches = [(i.engine_id, i.epoch, i.batch.events) for i in items]  # type: ignore[union-attr]
+    assert batches[0][:2] == ("p1", 0xB1) and isinstance(batches[0][2][0], BlockStored)
+    assert [b for b in batches[1:] if b[:2] == ("p1", 0xB1)] == [("p1", 0xB1, [AllBlocksCleared()])]  # once
+    # a late report of the dead epoch changes nothing
+    scheduler.plane.republisher.publish("p1", 0xB1, stored(shared))
+    assert scheduler.plane.index.match(HASHER.external_hashes(shared)) == {}
