@@ -19,6 +19,8 @@ from pathlib import Path
 
 import grpc
 
+from pdserve.v1 import engine_pb2 as engine_pb
+from pdserve.v1 import engine_pb2_grpc as engine_grpc
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import generation_pb2_grpc as gen_grpc
 
@@ -62,6 +64,7 @@ class Component:
     name: str
     argv: list[str]
     metrics_port: int | None = None
+    address: str = ""
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
 
@@ -114,11 +117,12 @@ class LocalCluster:
         s = self.spec
         metrics_port = free_port(s.host) if s.metrics else 0
         engine_id = f"{role}-{index}"
+        port = free_port(s.host)
         argv = self._cli(role, "--engine-id", engine_id, "--scheduler", f"{s.host}:{self.control_port}",
-                         "--host", s.host, "--tp", str(s.tp), "--torch-threads", str(self.torch_threads),
+                         "--host", s.host, "--port", str(port), "--tp", str(s.tp), "--torch-threads", str(self.torch_threads),
                          "--metrics-port", str(metrics_port), "--kv-cache-memory", s.kv_cache_memory,
                          *(["--model", s.model] if s.model else []), *s.engine_args)
-        return Component(engine_id, argv, metrics_port or None)
+        return Component(engine_id, argv, metrics_port or None, f"{s.host}:{port}")
 
     def start(self, timeout: float = 180.0) -> None:
         """Starts every component and returns once the scheduler sees every engine registered."""
@@ -171,6 +175,23 @@ class LocalCluster:
             time.sleep(0.2)
         raise TimeoutError(f"cluster not ready after {timeout:.0f}s ({last_error})")
 
+    def inspect(self, name: str, timeout: float = 5.0) -> engine_pb.InspectResponse:
+        """The engine's load and leak report (Engine.Inspect)."""
+        with grpc.insecure_channel(self.components[name].address) as channel:
+            return engine_grpc.EngineStub(channel).Inspect(engine_pb.InspectRequest(), timeout=timeout)
+
+    def wait_no_leaks(self, names: list[str] | None = None, timeout: float = 15.0) -> dict[str, list[str]]:
+        """Waits until every named engine (default: all alive) reports no leaks; returns the
+        leaks still reported at the timeout (empty dict when clean)."""
+        names = names or [n for n, c in self.components.items() if n != "scheduler" and c.alive]
+        deadline = time.monotonic() + timeout
+        while True:
+            leaks = {n: list(self.inspect(n).leaks) for n in names}
+            leaks = {n: v for n, v in leaks.items() if v}
+            if not leaks or time.monotonic() >= deadline:
+                return leaks
+            time.sleep(0.2)
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Sends `sig` to a component's whole process group (its rank processes too)."""
         comp = self.components[name]
@@ -187,7 +208,7 @@ class LocalCluster:
         comp = self.components[name]
         if comp.alive:
             self.kill(name)
-        self._launch(Component(comp.name, comp.argv, comp.metrics_port))
+        self._launch(Component(comp.name, comp.argv, comp.metrics_port, comp.address))
 
     def stop(self, grace: float = 15.0) -> None:
         """SIGTERM every component (engines first), SIGKILL what is left after `grace` seconds."""

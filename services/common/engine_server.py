@@ -328,6 +328,27 @@ class EngineService(pb_grpc.EngineServicer):
         load = await self.wait_drained(self.config.drain_timeout_s)
         return pb.DrainResponse(num_pinned=load.num_pinned, num_running=load.num_running)
 
+    async def Inspect(self, request: pb.InspectRequest, context: grpc.aio.ServicerContext) -> pb.InspectResponse:
+        if self.loop is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is still starting")
+        assert self.loop is not None
+
+        def inspect(engine: LLMEngine) -> tuple[Any, list[str]]:
+            leaks = list(engine.check_leaks())
+            if self._pending:
+                leaks.append(f"service: {len(self._pending)} requests in flight")
+            if self._pinned_until:
+                leaks.append(f"service: {len(self._pinned_until)} pinned leases")
+            if self.agent is not None and self.agent.ucx.num_pending():
+                leaks.append(f"data plane: {self.agent.ucx.num_pending()} transfers or leases pending")
+            return engine.load(), leaks
+
+        load, leaks = await asyncio.wrap_future(self.loop.call(inspect))
+        return pb.InspectResponse(engine_id=self.config.engine_id, epoch=self.epoch, role=self.role,
+                                  num_running=load.num_running, num_waiting=load.num_waiting,
+                                  num_pinned=load.num_pinned, num_waiting_for_remote_kv=load.num_waiting_for_remote_kv,
+                                  num_free_blocks=load.num_free_blocks, num_blocks=load.num_blocks, leaks=leaks)
+
     async def wait_drained(self, timeout: float) -> Any:
         """Waits until no request runs, waits or is pinned (or timeout); returns the last load."""
         assert self.loop is not None

@@ -329,3 +329,65 @@ class DrainResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DrainResponse: _TypeAlias = DrainResponse  # noqa: Y015
+
+@_typing.final
+class InspectRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InspectRequest: _TypeAlias = InspectRequest  # noqa: Y015
+
+@_typing.final
+class InspectResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    NUM_RUNNING_FIELD_NUMBER: _builtins.int
+    NUM_WAITING_FIELD_NUMBER: _builtins.int
+    NUM_PINNED_FIELD_NUMBER: _builtins.int
+    NUM_WAITING_FOR_REMOTE_KV_FIELD_NUMBER: _builtins.int
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    LEAKS_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    epoch: _builtins.int
+    role: _builtins.str
+    num_running: _builtins.int
+    num_waiting: _builtins.int
+    num_pinned: _builtins.int
+    num_waiting_for_remote_kv: _builtins.int
+    num_free_blocks: _builtins.int
+    num_blocks: _builtins.int
+    @_builtins.property
+    def leaks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        engine_id: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        role: _builtins.str = ...,
+        num_running: _builtins.int = ...,
+        num_waiting: _builtins.int = ...,
+        num_pinned: _builtins.int = ...,
+        num_waiting_for_remote_kv: _builtins.int = ...,
+        num_free_blocks: _builtins.int = ...,
+        num_blocks: _builtins.int = ...,
+        leaks: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "epoch", b"epoch", "leaks", b"leaks", "num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_pinned", b"num_pinned", "num_running", b"num_running", "num_waiting", b"num_waiting", "num_waiting_for_remote_kv", b"num_waiting_for_remote_kv", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InspectResponse: _TypeAlias = InspectResponse  # noqa: Y015

@@ -59,6 +59,11 @@ class EngineStub:
                 request_serializer=pdserve_dot_v1_dot_engine__pb2.DrainRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_engine__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Inspect = channel.unary_unary(
+                '/pdserve.v1.Engine/Inspect',
+                request_serializer=pdserve_dot_v1_dot_engine__pb2.InspectRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_engine__pb2.InspectResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -100,6 +105,14 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Inspect(self, request, context):
+        """The engine's state for operators and tests: load, and `leaks` (empty when every block is
+        back in the pool and every request map is empty, with nothing in flight).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +140,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=pdserve_dot_v1_dot_engine__pb2.DrainRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_engine__pb2.DrainResponse.SerializeToString,
+            ),
+            'Inspect': grpc.unary_unary_rpc_method_handler(
+                    servicer.Inspect,
+                    request_deserializer=pdserve_dot_v1_dot_engine__pb2.InspectRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_engine__pb2.InspectResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +282,33 @@ class Engine:
             '/pdserve.v1.Engine/Drain',
             pdserve_dot_v1_dot_engine__pb2.DrainRequest.SerializeToString,
             pdserve_dot_v1_dot_engine__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Inspect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Engine/Inspect',
+            pdserve_dot_v1_dot_engine__pb2.InspectRequest.SerializeToString,
+            pdserve_dot_v1_dot_engine__pb2.InspectResponse.FromString,
             options,
             channel_credentials,
             insecure,

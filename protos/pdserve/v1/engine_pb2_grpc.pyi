@@ -44,6 +44,10 @@ class EngineStub:
     """Frees a prefill request's pinned blocks; idempotent."""
     Drain: _grpc.UnaryUnaryMultiCallable[_engine_pb2.DrainRequest, _engine_pb2.DrainResponse]
     """Stops taking new work; answers when the engine holds no pinned or running requests."""
+    Inspect: _grpc.UnaryUnaryMultiCallable[_engine_pb2.InspectRequest, _engine_pb2.InspectResponse]
+    """The engine's state for operators and tests: load, and `leaks` (empty when every block is
+    back in the pool and every request map is empty, with nothing in flight).
+    """
 
 @_typing.type_check_only
 class EngineAsyncStub(EngineStub):
@@ -61,6 +65,10 @@ class EngineAsyncStub(EngineStub):
     """Frees a prefill request's pinned blocks; idempotent."""
     Drain: _aio.UnaryUnaryMultiCallable[_engine_pb2.DrainRequest, _engine_pb2.DrainResponse]  # type: ignore[assignment]
     """Stops taking new work; answers when the engine holds no pinned or running requests."""
+    Inspect: _aio.UnaryUnaryMultiCallable[_engine_pb2.InspectRequest, _engine_pb2.InspectResponse]  # type: ignore[assignment]
+    """The engine's state for operators and tests: load, and `leaks` (empty when every block is
+    back in the pool and every request map is empty, with nothing in flight).
+    """
 
 class EngineServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -105,5 +113,15 @@ class EngineServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_engine_pb2.DrainResponse, _abc.Awaitable[_engine_pb2.DrainResponse]]:
         """Stops taking new work; answers when the engine holds no pinned or running requests."""
+
+    @_abc_1.abstractmethod
+    def Inspect(
+        self,
+        request: _engine_pb2.InspectRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_pb2.InspectResponse, _abc.Awaitable[_engine_pb2.InspectResponse]]:
+        """The engine's state for operators and tests: load, and `leaks` (empty when every block is
+        back in the pool and every request map is empty, with nothing in flight).
+        """
 
 def add_EngineServicer_to_server(servicer: EngineServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
