@@ -166,17 +166,21 @@ async def _zmq_subscriber(ctx: zmq.asyncio.Context, endpoint: str, stats: SubSta
 async def _subscribers_main(grpc_target: str, zmq_endpoint: str, n_grpc: int, n_zmq: int) -> None:
     ctx = zmq.asyncio.Context()
     stop = asyncio.Event()
-    latencies: list[float] = []
     stats = [SubStats("grpc") for _ in range(n_grpc)] + [SubStats("zmq") for _ in range(n_zmq)]
-    tasks = [asyncio.ensure_future(_grpc_subscriber(grpc_target, s, latencies, stop)) for s in stats[:n_grpc]]
-    tasks += [asyncio.ensure_future(_zmq_subscriber(ctx, zmq_endpoint, s, latencies, stop)) for s in stats[n_grpc:]]
+    grpc_lat: list[float] = []
+    zmq_lat: list[float] = []
+    tasks = [asyncio.ensure_future(_grpc_subscriber(grpc_target, s, grpc_lat, stop)) for s in stats[:n_grpc]]
+    tasks += [asyncio.ensure_future(_zmq_subscriber(ctx, zmq_endpoint, s, zmq_lat, stop)) for s in stats[n_grpc:]]
     await asyncio.sleep(1.0)
     print("ready", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     stop.set()
     await asyncio.gather(*tasks, return_exceptions=True)
     ctx.destroy(linger=0)
+    latencies = grpc_lat + zmq_lat
+    by_transport = {t: [x * 1e3 for x in lat] for t, lat in (("grpc", grpc_lat), ("zmq", zmq_lat))}
     print(json.dumps({"subscribers": [vars(s) for s in stats], "p50_ms": percentile(latencies, 50) * 1e3,
+                      "p99_ms_by_transport": {t: percentile(v, 99) for t, v in by_transport.items() if v},
                       "p99_ms": percentile(latencies, 99) * 1e3, "max_ms": max(latencies, default=0.0) * 1e3}),
           flush=True)
 
@@ -378,6 +382,7 @@ async def _pdserve_section(args: argparse.Namespace) -> dict[str, Any]:
     lost = sum(max(0, published - s["events"]) for s in got["subscribers"])
     return {"events_per_s": published / elapsed, "rank_events_per_s": sent["rank_reports"] * args.batch_events / elapsed,
             "p50_ms": got["p50_ms"], "p99_ms": got["p99_ms"], "max_ms": got["max_ms"], "lost": lost,
+            "p99_ms_by_transport": got["p99_ms_by_transport"],
             "published_events": published, "published_batches": batches, "engine_steps": sent["steps"],
             "seconds": elapsed, "setup_s": setup_s, "rank_send_s": sent.get("send_s"),
             "rank_ack_wait_s": sent.get("ack_wait_s"), "subscribers": got["subscribers"],
@@ -385,8 +390,8 @@ async def _pdserve_section(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _direct_section(args: argparse.Namespace) -> dict[str, Any]:
-    """The event plane alone: batches published straight into the republisher (from a producer
-    thread, as many control streams would), fanned out over gRPC and ZMQ."""
+    """The event plane alone: batches published straight into the republisher from a producer
+    thread, fanned out over gRPC and ZMQ."""
     from services.common.config import SchedulerConfig
     from services.common.grpc_server import ServiceServer
     from services.scheduler.events.plane import EventPlane
@@ -424,7 +429,7 @@ async def _direct_section(args: argparse.Namespace) -> dict[str, Any]:
     lost = sum(max(0, published - s["events"]) for s in got["subscribers"])
     return {"events_per_s": published / elapsed, "p50_ms": got["p50_ms"], "p99_ms": got["p99_ms"],
             "max_ms": got["max_ms"], "lost": lost, "published_events": published,
-            "resyncs": plane.republisher.stats().num_resyncs, "subscribers": got["subscribers"]}
+            "p99_ms_by_transport": got["p99_ms_by_transport"], "resyncs": plane.republisher.stats().num_resyncs, "subscribers": got["subscribers"]}
 
 
 # -- baseline: vLLM's publisher design (reference spec §1.5), re-implemented ----------------------
