@@ -79,15 +79,18 @@ class _Serve:
     request_id: str
     reader: PeerKey
     pending_sends: int
+    deadline: float
     done_ok: bool | None = None  # set when the reader's `done` arrived
 
 
 class UcxTagTransport(KVTransport):
     """See the module docstring. `region` is the rank's KV bytes (a flat uint8 view) and
-    `local_key` this rank's identity as peers know it."""
+    `local_key` this rank's identity as peers know it. A reader that has not said `done`
+    `serve_timeout_s` after its pull is presumed dead: its endpoint is closed (cancelling
+    its sends) and every request it was reading is reported done with ok=False."""
 
     def __init__(self, region: np.ndarray, block_nbytes: int, local_key: PeerKey, *,
-                 ucx_config: dict[str, str] | None = None, name: str = "ucx") -> None:
+                 ucx_config: dict[str, str] | None = None, serve_timeout_s: float = 30.0, name: str = "ucx") -> None:
         import ucxx._lib.libucxx as ucx_api
         from ucxx._lib.arr import Array
 
@@ -105,6 +108,7 @@ class UcxTagTransport(KVTransport):
         self._address = bytes(self._worker.address.tobytes())
         self._name = name
         self._local_key = local_key
+        self._serve_timeout_s = serve_timeout_s
         self._commands: deque[Callable[[], None]] = deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -378,12 +382,24 @@ class UcxTagTransport(KVTransport):
             self._forget_if_idle(pull)
 
     def _expire(self) -> None:
-        if not self._pulls:
-            return
         now = time.monotonic()
         for pull in list(self._pulls.values()):
             if not pull.finished and now >= pull.deadline:
                 self._finish(pull, "timeout", notify_peer=True)
+        dead = {key[0] for key, serve in self._serves.items() if now >= serve.deadline}
+        for reader in dead:
+            self._drop_reader(reader)
+
+    def _drop_reader(self, reader: PeerKey) -> None:
+        logger.warning("%s: reader %s silent past the serve timeout; closing its endpoint", self._name, reader)
+        address = self._reader_addr.pop(reader, None)
+        ep = self._reply_eps.pop(address, None) if address is not None else None
+        if ep is not None:
+            _close(ep)
+        for key in [k for k in self._serves if k[0] == reader]:
+            serve = self._serves.pop(key)
+            if self._listener is not None:
+                self._listener.on_reader_done(serve.request_id, reader, False)
 
     def _on_refuse_msg(self, message: dict[str, Any]) -> None:
         pull = self._pulls.get(int(message["x"]))
@@ -416,7 +432,8 @@ class UcxTagTransport(KVTransport):
             self._send_ctrl(ep, {"k": "refuse", "x": request.xfer_id, "why": why})
             return
         key = (reader, request.xfer_id)
-        self._serves[key] = _Serve(request.request_id, reader, pending_sends=len(segments))
+        self._serves[key] = _Serve(request.request_id, reader, len(segments),
+                                   time.monotonic() + self._serve_timeout_s)
         for index, seg in enumerate(segments):
             start = seg.remote_block * self._block_nbytes
             view = self._region[start:start + seg.num_blocks * self._block_nbytes]

@@ -14,7 +14,7 @@ pulls of the blocks they pinned for it. The service drives it explicitly:
 
 Contracts:
 - Every pull ends exactly once: in `finished_recving`, or in `failed_recving` with the local
-  block ids that did not receive their bytes in `invalid_block_ids`, within
+  block ids that did not receive their bytes in `get_block_ids_with_load_errors()`, within
   `transfer_timeout_s` of its dispatch (plus one drain); never a hang. A stale epoch, an
   unknown peer or blocks out of the peer's range fail at once without a byte moved.
 - A prefill rank reports `finished_sending` once every expected reader said it is done (success
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from collections import defaultdict
@@ -37,6 +38,9 @@ from typing import Any
 
 import numpy as np
 
+from connectors.base import KVConnectorMetadata, WorkerConnector
+from connectors.kv_events import KVCacheEvent
+from connectors.outputs import KVConnectorStats, TransferResults
 from connectors.ucx.handshake import (
     KV_LAYOUT,
     KVRegionLayout,
@@ -49,9 +53,19 @@ from connectors.ucx.transport import KVTransport, PullOp, PullRequest, PullResul
 logger = logging.getLogger(__name__)
 
 
+# CMA rendezvous makes the reader process_vm_readv() the writer's memory, and with endpoint
+# error handling off (needed for shared memory at all) UCX aborts the reading process when the
+# writer dies mid-read. Copy-in/copy-out through SysV shared memory is as fast on one host (two
+# cores pipeline the copies) and a dead peer only stalls it, which our timeouts handle.
+DEFAULT_UCX_TLS = "^cma"
+
+
 @dataclass(slots=True)
 class UcxConnectorConfig:
-    """Data-plane settings (EngineConfig carries the same names)."""
+    """Data-plane settings (EngineConfig carries the same names).
+
+    `ucx_tls` empty means UCX_TLS from the environment if set, else `DEFAULT_UCX_TLS`.
+    """
 
     transfer_timeout_s: float = 5.0
     lease_s: float = 30.0
@@ -68,44 +82,89 @@ class UcxConnectorConfig:
             raise ValueError("max_inflight_transfers: must be >= 1")
 
     def ucx_options(self) -> dict[str, str]:
+        """UCX context options (UCX_ names without the prefix)."""
         options = {}
         if self.ucx_tls:
             options["TLS"] = self.ucx_tls
+        elif "UCX_TLS" not in os.environ:
+            options["TLS"] = DEFAULT_UCX_TLS
         if self.ucx_net_devices:
             options["NET_DEVICES"] = self.ucx_net_devices
         return options
 
 
 @dataclass(slots=True)
-class TransferResults:
-    """What finished since the previous `get_transfer_results()` call (each id once)."""
-
+class _Results:
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     failed_recving: set[str] = field(default_factory=set)
-    invalid_block_ids: set[int] = field(default_factory=set)
-    failure_reasons: dict[str, str] = field(default_factory=dict)
-
-    def __bool__(self) -> bool:
-        return bool(self.finished_sending or self.finished_recving or self.failed_recving)
 
 
 @dataclass(slots=True)
 class PairTransferStats:
-    """Transfers from one prefill engine to one decode engine since the last stats drain."""
+    """Pulls from one prefill engine (src) to one decode engine (dst) in one interval."""
 
     src_engine_id: str
     dst_engine_id: str
     num_bytes: int = 0
-    seconds: float = 0.0
+    num_blocks: int = 0
     num_operations: int = 0
-    num_failures: int = 0
+    durations: list[float] = field(default_factory=list)  # seconds of each successful pull
     failures_by_reason: dict[str, int] = field(default_factory=dict)
 
+    @property
+    def seconds(self) -> float:
+        return float(sum(self.durations))
+
+    @property
+    def num_failures(self) -> int:
+        return sum(self.failures_by_reason.values())
+
     def record_failure(self, reason: str) -> None:
-        self.num_failures += 1
-        key = reason.split(":", 1)[0] if not reason.startswith("refused:") else reason
+        key = reason if reason.startswith("refused:") else reason.split(":", 1)[0]
         self.failures_by_reason[key] = self.failures_by_reason.get(key, 0) + 1
+
+    def merge(self, other: PairTransferStats) -> None:
+        self.num_bytes += other.num_bytes
+        self.num_blocks += other.num_blocks
+        self.num_operations += other.num_operations
+        self.durations.extend(other.durations)
+        for reason, n in other.failures_by_reason.items():
+            self.failures_by_reason[reason] = self.failures_by_reason.get(reason, 0) + n
+
+
+@dataclass(slots=True)
+class UcxTransferStats(KVConnectorStats):
+    """`KVConnectorStats` plus the per prefill→decode pair breakdown the metrics need.
+
+    Series in `data`: `transfer_duration` (s), `bytes_transferred`, `num_failed_transfers`
+    (1 each), `num_kv_expired_reqs` (1 each), as in vLLM's NIXL stats.
+    """
+
+    pairs: dict[tuple[str, str], PairTransferStats] = field(default_factory=dict)
+    lease_expiries: int = 0
+
+    def pair(self, src: str, dst: str) -> PairTransferStats:
+        stats = self.pairs.get((src, dst))
+        if stats is None:
+            stats = self.pairs[(src, dst)] = PairTransferStats(src, dst)
+        return stats
+
+    def is_empty(self) -> bool:
+        return not self.pairs and not self.lease_expiries and not any(self.data.values())
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        KVConnectorStats.aggregate(self, other)
+        assert isinstance(other, UcxTransferStats)
+        for key, pair in other.pairs.items():
+            self.pair(*key).merge(pair)
+        self.lease_expiries += other.lease_expiries
+        return self
+
+    def clone_and_reset(self) -> KVConnectorStats:
+        snapshot = UcxTransferStats(data=self.data, pairs=self.pairs, lease_expiries=self.lease_expiries)
+        self.data, self.pairs, self.lease_expiries = {}, {}, 0
+        return snapshot
 
 
 @dataclass(slots=True)
@@ -124,7 +183,7 @@ class _Lease:
     active: int = 0
 
 
-class UcxWorkerConnector:
+class UcxWorkerConnector(WorkerConnector):
     """Worker-side `ucx` connector; see the module docstring for the contract."""
 
     def __init__(self, *, engine_id: str, epoch: int, tp_rank: int, tp_size: int, num_kv_heads: int,
@@ -147,29 +206,33 @@ class UcxWorkerConnector:
         self._queued: list[str] = []
         self._inflight = 0
         self._leases: dict[str, _Lease] = {}
-        self._results = TransferResults()
+        self._results = _Results()
         self._load_errors: set[int] = set()
-        self._stats: dict[tuple[str, str], PairTransferStats] = {}
+        self._failure_reasons: dict[str, str] = {}
+        self._stats = UcxTransferStats()
         self._last_renew = time.monotonic()
         if kv_cache is not None:
-            self.register_kv_caches(kv_cache)
+            self.register_kv_caches(kv_cache, None)
 
     # -- registration and handshake ------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: Any, transport: KVTransport | None = None) -> None:
+    def register_kv_caches(self, kv_cache: Any, spec: Any = None, *, transport: KVTransport | None = None) -> None:
         """Registers the rank's KV tensor (or a one-entry {name: tensor} dict) and starts UCX.
 
         The tensor must be contiguous with shape [num_blocks, num_layers, 2, heads_local,
-        block_size, head_dim] on the CPU. `transport` overrides the UCX tag transport.
+        block_size, head_dim] on the CPU; everything the handshake needs is read from it
+        (`spec` is accepted for the base API and not needed). `transport` overrides the UCX tag
+        transport (e.g. an RMA backend).
         """
         if self._transport is not None:
             raise RuntimeError("KV caches are already registered")
-        tensor = _single_tensor(kv_caches)
+        tensor = _single_tensor(kv_cache)
         region, layout = self._describe(tensor)
         if transport is None:
             from connectors.ucx.tag_transport import UcxTagTransport
 
             transport = UcxTagTransport(region, layout.block_nbytes, self.key, ucx_config=self.config.ucx_options(),
+                                        serve_timeout_s=self.config.lease_s,
                                         name=f"ucx-{self.key.engine_id}-{self.key.tp_rank}")
         self._metadata = UcxHandshakeMetadata(self.key.engine_id, self.key.epoch, self.key.tp_rank, self.tp_size,
                                               self.compatibility_hash, transport.worker_address, layout)
@@ -233,7 +296,7 @@ class UcxWorkerConnector:
     def remove_peer(self, engine_id: str, epoch: int | None = None) -> None:
         """Forgets an engine's ranks (of `epoch`, or every epoch): their pulls fail with peer_gone."""
         with self._lock:
-            for key in [k for k in self._peers if k.engine_id == engine_id and epoch in (None, k.epoch)]:
+            for key in [k for k in self._peers if k.engine_id == engine_id and (epoch is None or k.epoch == epoch)]:
                 self._drop_peer_locked(key)
 
     def _drop_peer_locked(self, key: PeerKey) -> None:
@@ -337,11 +400,14 @@ class UcxWorkerConnector:
                 return  # cancelled
             self._inflight -= 1
             recv = self._recvs.pop(request_id)
-            stats = self._pair_stats(recv.peer.engine_id, self.key.engine_id)
+            stats = self._stats.pair(recv.peer.engine_id, self.key.engine_id)
+            stats.num_operations += 1
             if result.ok:
                 stats.num_bytes += result.num_bytes
-                stats.seconds += result.seconds
-                stats.num_operations += 1
+                stats.num_blocks += len(recv.local_block_ids)
+                stats.durations.append(result.seconds)
+                self._stats.record("transfer_duration", result.seconds)
+                self._stats.record("bytes_transferred", result.num_bytes)
                 self._results.finished_recving.add(request_id)
             else:
                 self._fail_locked(recv, result.reason or "unknown", result.done_segments)
@@ -351,10 +417,10 @@ class UcxWorkerConnector:
         received = {s.local_block + i for s in done_segments for i in range(s.num_blocks)}
         invalid = set(recv.local_block_ids) - received
         self._results.failed_recving.add(recv.request_id)
-        self._results.invalid_block_ids |= invalid
-        self._results.failure_reasons[recv.request_id] = reason
+        self._failure_reasons[recv.request_id] = reason
         self._load_errors |= invalid
-        self._pair_stats(recv.peer.engine_id, self.key.engine_id).record_failure(reason)
+        self._stats.pair(recv.peer.engine_id, self.key.engine_id).record_failure(reason)
+        self._stats.record("num_failed_transfers", 1)
         logger.warning("KV pull of %s from %s failed: %s (%d invalid blocks)", recv.request_id, recv.peer,
                        reason, len(invalid))
 
@@ -383,7 +449,7 @@ class UcxWorkerConnector:
         with self._lock:
             why = self._pull_problem_locked(request)
             if why is not None:
-                self._pair_stats(self.key.engine_id, request.reader.engine_id).record_failure(f"refused:{why}")
+                self._stats.pair(self.key.engine_id, request.reader.engine_id).record_failure(f"refused:{why}")
                 logger.warning("refused a pull of %s by %s: %s", request.request_id, request.reader, why)
                 return why
             self._leases[request.request_id].active += 1
@@ -425,16 +491,29 @@ class UcxWorkerConnector:
 
     # -- draining --------------------------------------------------------------------------
 
-    def get_transfer_results(self) -> TransferResults:
-        """Drains what finished since the last call; also expires leases and renews ours."""
+    def get_transfer_results(self, finished_req_ids: frozenset[str] = frozenset()) -> TransferResults:
+        """Drains what finished since the last call (each id once); also expires leases and
+        renews the leases of our pending pulls. `finished_req_ids` is not needed: a sending id
+        exists only after `expect_send`, which the service calls once the prefill finished.
+        Invalid block ids of failed pulls come from `get_block_ids_with_load_errors()` (drain
+        it in the same step), the reasons from `take_failure_reasons()`."""
         with self._lock:
             self._expire_leases_locked()
             renew = self._renewals_locked()
-            results, self._results = self._results, TransferResults()
-        assert self._transport is not None or not renew
-        for peer, rids in renew.items():
-            self._transport.renew(peer, rids)  # type: ignore[union-attr]
-        return results
+            r, self._results = self._results, _Results()
+            transport = self._transport
+        if transport is not None:
+            for peer, rids in renew.items():
+                transport.renew(peer, rids)
+        return TransferResults(frozenset(r.finished_sending), frozenset(r.finished_recving),
+                               frozenset(r.failed_recving))
+
+    def take_failure_reasons(self) -> dict[str, str]:
+        """Why each failed pull failed (request id -> reason, e.g. timeout, stale_epoch,
+        peer_gone, out_of_range, refused:<why>) since the last call."""
+        with self._lock:
+            reasons, self._failure_reasons = self._failure_reasons, {}
+        return reasons
 
     def _expire_leases_locked(self) -> None:
         now = time.monotonic()
@@ -443,7 +522,8 @@ class UcxWorkerConnector:
                 del self._leases[rid]
                 self._results.finished_sending.add(rid)
                 logger.info("lease of %s expired before every reader was done", rid)
-                self._pair_stats(self.key.engine_id, "").record_failure("lease_expired")
+                self._stats.lease_expiries += 1
+                self._stats.record("num_kv_expired_reqs", 1)
 
     def _renewals_locked(self) -> dict[PeerKey, list[str]]:
         now = time.monotonic()
@@ -457,21 +537,18 @@ class UcxWorkerConnector:
         return renew
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Local block ids whose pull failed, since the last call (also in the results)."""
+        """Local block ids whose pull failed (bytes not fully received), since the last call.
+        They are recorded before the request shows up in `failed_recving`."""
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def get_kv_connector_stats(self) -> list[PairTransferStats] | None:
-        """Per prefill→decode pair stats since the last call, or None when nothing happened."""
+    def get_kv_connector_stats(self) -> UcxTransferStats | None:
+        """Stats since the last call (per prefill→decode pair), or None when nothing happened."""
         with self._lock:
-            stats, self._stats = self._stats, {}
-        return list(stats.values()) or None
-
-    def _pair_stats(self, src: str, dst: str) -> PairTransferStats:
-        stats = self._stats.get((src, dst))
-        if stats is None:
-            stats = self._stats[(src, dst)] = PairTransferStats(src, dst)
+            if self._stats.is_empty():
+                return None
+            stats, self._stats = self._stats, UcxTransferStats()
         return stats
 
     def num_pending(self) -> int:
@@ -481,26 +558,20 @@ class UcxWorkerConnector:
 
     # -- vLLM-style per-step hooks (the service drives pulls explicitly) -----------------------
 
-    def start_load_kv(self, meta: Any = None) -> None:
+    def start_load_kv(self, meta: KVConnectorMetadata) -> None:
         """No-op: pulls start from `start_pull`."""
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
+    def wait_for_layer_load(self, layer_idx: int) -> None:
         """No-op: KV arrives before the request is scheduled."""
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any = None) -> None:
+    def save_kv_layer(self, layer_idx: int, kv_layer: Any) -> None:
         """No-op: prefill KV is read in place."""
 
     def wait_for_save(self) -> None:
         """No-op."""
 
-    def handle_preemptions(self, meta: Any = None) -> None:
-        """No-op: pinned prefill blocks are never preempted."""
-
-    def get_kv_connector_kv_cache_events(self) -> None:
-        return None
-
-    def build_connector_worker_meta(self) -> None:
-        return None
+    def get_kv_connector_kv_cache_events(self) -> list[KVCacheEvent]:
+        return []
 
     def shutdown(self) -> None:
         """Stops the transport; in-flight pulls fail (reason shutdown). Idempotent."""

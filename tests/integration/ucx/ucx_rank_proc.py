@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -50,12 +50,28 @@ class RankProc:
             self.proc.join()
 
 
+@dataclass(slots=True)
+class _Seen:
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+    failure_reasons: dict[str, str] = field(default_factory=dict)
+    duplicates: set[str] = field(default_factory=set)
+
+
+def _stats(stats: Any) -> dict[str, Any]:
+    if stats is None:
+        return {"pairs": [], "lease_expiries": 0}
+    return {"pairs": [asdict(p) for p in stats.pairs.values()], "lease_expiries": stats.lease_expiries}
+
+
 def rank_main(conn: Connection, spec: dict[str, Any]) -> None:
     import torch
 
     torch.set_num_threads(1)
     from connectors.ucx.handshake import KVTransferDescriptor
-    from connectors.ucx.worker import TransferResults, UcxConnectorConfig, UcxWorkerConnector
+    from connectors.ucx.worker import UcxConnectorConfig, UcxWorkerConnector
 
     heads = spec["num_kv_heads"] // spec["tp_size"]
     kv = torch.zeros(spec["num_blocks"], spec["num_layers"], 2, heads, spec["block_size"], spec["head_dim"])
@@ -66,15 +82,16 @@ def rank_main(conn: Connection, spec: dict[str, Any]) -> None:
     connector = UcxWorkerConnector(engine_id=spec["engine_id"], epoch=spec["epoch"], tp_rank=spec["tp_rank"],
                                    tp_size=spec["tp_size"], num_kv_heads=spec["num_kv_heads"],
                                    compatibility_hash=spec["hash"], kv_cache=kv, config=config)
-    seen = TransferResults()
+    seen = _Seen()
 
     def drain() -> None:
         r = connector.get_transfer_results()
-        seen.finished_sending |= r.finished_sending
-        seen.finished_recving |= r.finished_recving
-        seen.failed_recving |= r.failed_recving
-        seen.invalid_block_ids |= r.invalid_block_ids
-        seen.failure_reasons.update(r.failure_reasons)
+        seen.invalid_block_ids |= connector.get_block_ids_with_load_errors()
+        seen.failure_reasons.update(connector.take_failure_reasons())
+        for name in ("finished_sending", "finished_recving", "failed_recving"):
+            mine, new = getattr(seen, name), getattr(r, name)
+            seen.duplicates |= mine & new
+            mine |= new
 
     def wait_results(ids: list[str], timeout: float) -> dict[str, Any]:
         start = time.monotonic()
@@ -89,6 +106,7 @@ def rank_main(conn: Connection, spec: dict[str, Any]) -> None:
                 "finished_recving": sorted(seen.finished_recving & want),
                 "failed_recving": sorted(seen.failed_recving & want),
                 "reasons": {k: v for k, v in seen.failure_reasons.items() if k in want},
+                "duplicates": sorted(seen.duplicates),
                 "elapsed": time.monotonic() - start}
 
     def take_invalid() -> list[int]:
@@ -113,10 +131,9 @@ def rank_main(conn: Connection, spec: dict[str, Any]) -> None:
         "cancel": connector.cancel,
         "wait_results": wait_results,
         "invalid": take_invalid,
-        "load_errors": lambda: sorted(connector.get_block_ids_with_load_errors()),
         "digests": digests,
         "zero": zero,
-        "stats": lambda: [asdict(s) for s in connector.get_kv_connector_stats() or []],
+        "stats": lambda: _stats(connector.get_kv_connector_stats()),
         "pending": connector.num_pending,
     }
     while True:
