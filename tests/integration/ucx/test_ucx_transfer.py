@@ -47,7 +47,7 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
 
 def pull_and_check(prefill: RankProc, decode: RankProc, jobs: dict[str, tuple[list[int], list[int]]]) -> None:
     """Pins, pulls and verifies byte for byte: jobs = request id -> (remote ids, local ids)."""
-    for rid, (_, local) in jobs.items():
+    for _, local in jobs.values():
         decode.call("zero", local)
     for rid, (remote, _) in jobs.items():
         prefill.call("expect_send", rid, remote)
