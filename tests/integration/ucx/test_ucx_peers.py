@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import time
@@ -34,7 +33,7 @@ def test_prefill_killed_mid_transfer_reports_exactly_the_missing_blocks() -> Non
         decode.call("zero", local)
         decode.call("start_pull", "victim", descriptor(doomed, "victim", remote), local)
         time.sleep(0.003)
-        os.kill(doomed.proc.pid, signal.SIGKILL)
+        doomed.signal(signal.SIGKILL)
         got = decode.call("wait_results", ["victim"], WAIT_S)
         assert got["finished_recving"] + got["failed_recving"] == ["victim"]
         invalid = set(decode.call("invalid"))
@@ -69,7 +68,7 @@ def test_decode_killed_mid_transfer_frees_prefill_blocks_and_prefill_keeps_servi
         prefill.call("expect_send", "orphaned", remote)
         doomed.call("start_pull", "orphaned", descriptor(prefill, "orphaned", remote), list(range(500)))
         time.sleep(0.003)
-        os.kill(doomed.proc.pid, signal.SIGKILL)
+        doomed.signal(signal.SIGKILL)
         # the reader never says done: the prefill rank releases the request within the lease
         assert prefill.call("wait_results", ["orphaned"], WAIT_S)["finished_sending"] == ["orphaned"]
         assert prefill.call("pending") == 0

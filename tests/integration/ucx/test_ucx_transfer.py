@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import time
@@ -176,10 +175,10 @@ def test_killed_prefill_fails_within_timeout_and_next_request_succeeds(pair: tup
         doomed.call("expect_send", "dead", [4, 5, 6, 20, 21])
         local = [30, 31, 32, 33, 34]
         # a peer killed while a pull is in flight: the pull fails by timeout, all blocks invalid
-        os.kill(doomed.proc.pid, signal.SIGSTOP)
+        doomed.signal(signal.SIGSTOP)
         decode.call("start_pull", "dead", descriptor(doomed, "dead", [4, 5, 6, 20, 21]), local)
         time.sleep(0.1)
-        os.kill(doomed.proc.pid, signal.SIGKILL)
+        doomed.signal(signal.SIGKILL)
         got = decode.call("wait_results", ["dead"], WAIT_S)
         assert got["failed_recving"] == ["dead"] and got["reasons"] == {"dead": "timeout"}
         assert got["elapsed"] < WAIT_S

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing as mp
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
@@ -37,6 +38,12 @@ class RankProc:
         if status != "ok":
             raise RuntimeError(value)
         return value
+
+    def signal(self, signum: int) -> None:
+        """Sends a signal to the rank process (SIGSTOP / SIGKILL in the failure tests)."""
+        if self.proc.pid is None:
+            raise RuntimeError("rank process not started")
+        os.kill(self.proc.pid, signum)
 
     def close(self) -> None:
         if self.proc.is_alive():
