@@ -94,6 +94,8 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         self._order = 0
         self.workers = Workers(RankSetup(self.model_config, self.kv_cache_spec, device, threads, rank_init))
+        # Finished ids reach the worker connectors even in a step with nothing to compute.
+        self._has_connectors = rank_init is not None
         self._closed = False
 
     # -- requests ---------------------------------------------------------------------------
@@ -172,7 +174,8 @@ class LLMEngine:
         """Schedules and runs one batch; returns what each touched request produced."""
         outputs, self._pending_outputs = self._pending_outputs, []
         plan = self.batch_scheduler.schedule()
-        if not plan.chunks and _no_commands(plan.connector_meta):
+        idle = not plan.chunks and not (plan.finished_ids and self._has_connectors)
+        if idle and _no_commands(plan.connector_meta):
             return outputs
         logits = self.workers.execute(plan)
         sampled: dict[str, int] = {}
@@ -224,7 +227,9 @@ class LLMEngine:
         return (request.num_cached_tokens or 0) if request is not None else 0
 
     def has_unfinished_requests(self) -> bool:
-        return self.batch_scheduler.has_unfinished_requests() or bool(self._pending_outputs)
+        s = self.batch_scheduler
+        return s.has_unfinished_requests() or bool(self._pending_outputs) or \
+            (self._has_connectors and bool(s._finished_since_plan))
 
     def take_events(self) -> list[KVCacheEvent]:
         return self.kv.pool.take_events()

@@ -19,6 +19,7 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -127,8 +128,14 @@ def _rank_main(setup: RankSetup, rank: int) -> None:
     torch.set_num_threads(setup.torch_threads)
     store = dist.TCPStore("127.0.0.1", setup.store_port, setup.spec.tp_size, False,
                           timeout=datetime.timedelta(seconds=setup.timeout_s))
+    store.set(f"started{rank}", "1")
     group = TPGroup(rank, setup.spec.tp_size, store, setup.timeout_s)
-    worker = RankWorker(setup, rank, group)
+    try:
+        worker = RankWorker(setup, rank, group)
+    except Exception as e:
+        store.set(f"error{rank}", f"{type(e).__name__}: {e}")
+        raise
+    store.set(f"loaded{rank}", "1")
     group.broadcast_object("ready")
     try:
         while True:
@@ -148,7 +155,8 @@ class Workers:
         self.procs: list[Any] = []
         self.group: TPGroup | None = None
         if tp > 1:
-            store = dist.TCPStore("127.0.0.1", 0, tp, True, timeout=datetime.timedelta(seconds=setup.timeout_s))
+            store = dist.TCPStore("127.0.0.1", 0, tp, True, timeout=datetime.timedelta(seconds=setup.timeout_s),
+                                  wait_for_workers=False)
             setup.store_port = store.port
             ctx = mp.get_context("spawn")
             for rank in range(1, tp):
@@ -156,11 +164,41 @@ class Workers:
                                 name=f"pdserve-rank{rank}")
                 p.start()
                 self.procs.append(p)
+            self._wait_for_ranks(store, "started", setup.timeout_s)
             self.group = TPGroup(0, tp, store, setup.timeout_s)
         self.rank0 = RankWorker(setup, 0, self.group)
         if self.group is not None:
+            self._wait_for_ranks(store, "loaded", setup.timeout_s)
             self.group.broadcast_object("ready")
         logger.info("engine ranks ready (tp=%d, pid %d)", tp, os.getpid())
+
+    def _wait_for_ranks(self, store: Any, stage: str, timeout_s: float) -> None:
+        """Waits until every spawned rank reached `stage`; a rank that died or reported an error
+        fails the engine's start with its message instead of a collective timeout."""
+        deadline = time.monotonic() + timeout_s
+        pending = {r + 1: p for r, p in enumerate(self.procs)}
+        while pending:
+            for rank, p in list(pending.items()):
+                if store.check([f"error{rank}"]):
+                    msg = store.get(f"error{rank}").decode()
+                    self._kill()
+                    raise RuntimeError(f"rank {rank} failed to start: {msg}")
+                if store.check([f"{stage}{rank}"]):
+                    del pending[rank]
+                elif not p.is_alive():
+                    self._kill()
+                    raise RuntimeError(f"rank {rank} exited with code {p.exitcode} before {stage!r}")
+            if time.monotonic() > deadline:
+                self._kill()
+                raise RuntimeError(f"ranks {sorted(pending)} not {stage} within {timeout_s:.0f} s")
+            time.sleep(0.02)
+
+    def _kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+            p.join(timeout=5)
+        self.procs = []
 
     @property
     def kv_cache(self) -> torch.Tensor:
