@@ -11,13 +11,16 @@ from dataclasses import dataclass, field
 import pytest
 
 from connectors.hashing import BlockHasher
-from connectors.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
+from connectors.kv_events import AllBlocksCleared, BlockStored, KVEventBatch, event_from_proto
 from pdserve.v1 import control_pb2_grpc
+from pdserve.v1 import kv_events_pb2 as kpb
+from pdserve.v1 import kv_events_pb2_grpc as kpb_grpc
 from services.common.config import SchedulerConfig
 from services.common.control_client import ControlClient, ControlHello, RankIdentity, StepReport
-from services.common.grpc_server import ServiceServer
+from services.common.grpc_server import ServiceServer, insecure_channel
 from services.scheduler.control import ControlServicer
 from services.scheduler.events.plane import EventPlane
+from services.scheduler.events.servicer import SERVICE_NAME
 from services.scheduler.registry import EngineRegistry
 from services.scheduler.routing import REASON_PREFIX, EngineView, RoutingRequest
 
@@ -32,8 +35,8 @@ class Scheduler:
     port: int
     clients: list[ControlClient] = field(default_factory=list)
 
-    async def rank(self, engine_id: str, epoch: int) -> ControlClient:
-        identity = RankIdentity(engine_id, "prefill", epoch, 0, 1)
+    async def rank(self, engine_id: str, epoch: int, tp_rank: int = 0, tp_size: int = 1) -> ControlClient:
+        identity = RankIdentity(engine_id, "prefill", epoch, tp_rank, tp_size)
         client = ControlClient(f"127.0.0.1:{self.port}", ControlHello(identity, "compat", "127.0.0.1:1", b"",
                                                                        hash_seed="0", block_size=16))
         self.clients.append(client)
@@ -46,8 +49,9 @@ async def scheduler() -> AsyncIterator[Scheduler]:
     plane = EventPlane.from_config(SchedulerConfig())
     servicer = ControlServicer(EngineRegistry(block_size=16, hash_seed="0"), sink=plane.republisher,
                                heartbeat_interval_s=0.1)
-    server = ServiceServer(["pdserve.v1.Control"])
+    server = ServiceServer(["pdserve.v1.Control", SERVICE_NAME])
     control_pb2_grpc.add_ControlServicer_to_server(servicer, server.server)
+    plane.add_to_server(server.server)
     port = server.bind("127.0.0.1", 0)
     await server.start()
     servicer.on_engine_up.append(plane.engine_up)  # an engine back from down
@@ -102,3 +106,34 @@ async def test_routes_to_the_prefix_holder_and_forgets_a_restarted_engine(schedu
     # a late report of the dead epoch changes nothing
     scheduler.plane.republisher.publish("p1", 0xB1, stored(shared))
     assert scheduler.plane.index.match(HASHER.external_hashes(shared)) == {}
+
+
+async def test_both_producers_reach_a_grpc_subscriber_once_in_order(scheduler: Scheduler) -> None:
+    ranks = [await scheduler.rank("p2", 0xC2, r, 2) for r in range(2)]
+    async with insecure_channel(f"127.0.0.1:{scheduler.port}") as channel:
+        call = kpb_grpc.KVEventsStub(channel).Subscribe(kpb.SubscribeRequest(from_seq=0))
+        tokens = list(range(48))
+        hashes = HASHER.external_hashes(tokens)
+        gpu_first = KVEventBatch(1.0, [BlockStored(tuple(hashes[:2]), None, tuple(tokens[:32]), 16, medium="CPU")], 0)
+        gpu_next = KVEventBatch(2.0, [BlockStored(tuple(hashes[2:]), hashes[1], tuple(tokens[32:]), 16,
+                                                  medium="CPU")], 0)
+        offload = BlockStored(tuple(hashes[:2]), None, (), 0, medium="CPU_OFFLOAD")
+        # rank 0: the block pool's events and its offload shard; rank 1: its shard only, later
+        ranks[0].report(StepReport(engine_events=gpu_first, worker_events=[offload]))
+        ranks[0].report(StepReport(engine_events=gpu_next))
+        ranks[1].report(StepReport(engine_events=gpu_first))  # not rank 0: ignored
+        seq = ranks[1].report(StepReport(worker_events=[offload]))
+        assert await asyncio.to_thread(ranks[1].wait_acked, seq)
+        msgs: list[kpb.EventStreamMessage] = []
+        async with asyncio.timeout(10):
+            while len(msgs) < 3:
+                msgs.append(await call.read())
+        assert [m.batch.seq for m in msgs] == [0, 1, 2]
+        assert all((m.batch.engine_id, m.batch.epoch) == ("p2", 0xC2) for m in msgs)
+        events = [event_from_proto(e) for m in msgs for e in m.batch.events]
+        assert [(e.medium, e.block_hashes, e.parent_block_hash) for e in events] == [  # type: ignore[union-attr]
+            ("CPU", tuple(hashes[:2]), None), ("CPU", tuple(hashes[2:]), hashes[1]),
+            ("CPU_OFFLOAD", tuple(hashes[:2]), None)]
+        with pytest.raises(asyncio.TimeoutError):  # exactly once
+            await asyncio.wait_for(call.read(), 0.3)
+        call.cancel()

@@ -151,3 +151,23 @@ def test_plain_topic_and_bad_endpoint() -> None:
     finally:
         pub.close()
         ctx.destroy(linger=0)
+
+
+def test_legacy_array_events_for_old_consumers() -> None:
+    ctx = zmq.Context()
+    rp = EventRepublisher(InMemoryPrefixIndex())
+    pub = ZmqEventPublisher(rp, "inproc://kv-legacy", topic="", legacy=True, context=ctx)
+    pub.start()
+    try:
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect("inproc://kv-legacy")
+        rp.publish("p0", 1, KVEventBatch(1.0, [BlockRemoved((7,), "GPU")]))
+        assert sub.poll(RECV_MS)
+        _, _, payload = sub.recv_multipart()
+        _, events, _ = vllm_decode(payload)
+        assert events == [["BlockRemoved", [7], "GPU", None]]
+        sub.close(linger=0)
+    finally:
+        pub.close()
+        ctx.destroy(linger=0)
