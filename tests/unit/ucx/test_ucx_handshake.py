@@ -1,0 +1,157 @@
+"""Handshake metadata, segment coalescing, tags and in-process connector validation."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import msgpack
+import pytest
+import torch
+
+from connectors.base import create_worker_connector, registered_connectors
+from connectors.ucx.handshake import (
+    HANDSHAKE_VERSION,
+    KVRegionLayout,
+    KVTransferDescriptor,
+    UcxHandshakeMetadata,
+)
+from connectors.ucx.tag_transport import MAX_SEGMENTS, data_tag, split_data_tag
+from connectors.ucx.transport import Segment, coalesce
+from connectors.ucx.worker import DEFAULT_UCX_TLS, UcxConnectorConfig, UcxWorkerConnector
+
+
+def region(**over: object) -> KVRegionLayout:
+    base = {"num_blocks": 64, "block_nbytes": 2 * 2 * 2 * 4 * 8 * 4, "num_layers": 2, "block_size": 4,
+            "head_dim": 8, "num_kv_heads": 4, "head_start": 2, "head_end": 4, "dtype": "float32"}
+    return KVRegionLayout(**{**base, **over})  # type: ignore[arg-type]
+
+
+def metadata(**over: object) -> UcxHandshakeMetadata:
+    base = {"engine_id": "prefill-a", "epoch": 2**63 + 5, "tp_rank": 1, "tp_size": 2, "compatibility_hash": "h1",
+            "worker_address": b"\x01" * 200, "region": region()}
+    return UcxHandshakeMetadata(**{**base, **over})  # type: ignore[arg-type]
+
+
+def test_metadata_round_trips() -> None:
+    meta = metadata()
+    assert UcxHandshakeMetadata.decode(meta.encode(), expected_hash="h1") == meta
+
+
+@pytest.mark.parametrize(("blob", "message"), [
+    (b"\xc1", "not msgpack"),
+    (msgpack.packb({"v": HANDSHAKE_VERSION + 1, "hash": "h1", "meta": b""}), "unsupported metadata version"),
+    (msgpack.packb([1, 2]), "unsupported metadata version"),
+    (msgpack.packb({"v": HANDSHAKE_VERSION, "hash": "h1", "meta": msgpack.packb({"engine_id": "x"})}), "malformed"),
+    (b"\x00" * 70_000, "exceeds"),
+])
+def test_malformed_metadata_is_refused_with_a_reason(blob: bytes, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        UcxHandshakeMetadata.decode(blob, expected_hash="h1")
+
+
+def test_compatibility_hash_is_checked_before_the_body() -> None:
+    blob = msgpack.packb({"v": HANDSHAKE_VERSION, "hash": "other", "meta": b"garbage"})
+    with pytest.raises(ValueError, match="compatibility hash"):
+        UcxHandshakeMetadata.decode(blob, expected_hash="h1")
+
+
+@pytest.mark.parametrize(("over", "message"), [
+    ({"tp_rank": 2}, "tp_rank"),
+    ({"engine_id": ""}, "engine_id"),
+    ({"worker_address": b""}, "worker_address"),
+    ({"region": region(head_start=0, head_end=2)}, "must hold heads"),
+    ({"region": region(block_nbytes=1000)}, "block_nbytes"),
+    ({"region": region(layout="NHD")}, "layout"),
+    ({"region": region(head_end=5)}, "heads"),
+])
+def test_inconsistent_metadata_is_refused(over: dict[str, object], message: str) -> None:
+    blob = metadata(**over).encode()
+    with pytest.raises(ValueError, match=message):
+        UcxHandshakeMetadata.decode(blob, expected_hash="h1")
+
+
+def test_wrong_field_types_are_refused() -> None:
+    body = dataclasses.asdict(metadata())
+    body["epoch"] = "five"
+    blob = msgpack.packb({"v": HANDSHAKE_VERSION, "hash": "h1", "meta": msgpack.packb(body)})
+    with pytest.raises(ValueError, match="epoch"):
+        UcxHandshakeMetadata.decode(blob, expected_hash="h1")
+
+
+def test_coalesce_makes_runs_consecutive_on_both_sides() -> None:
+    assert coalesce([4, 5, 6, 9, 10, 2], [0, 1, 2, 3, 7, 8]) == [
+        Segment(4, 0, 3), Segment(9, 3, 1), Segment(10, 7, 1), Segment(2, 8, 1)]
+    assert coalesce([], []) == []
+    with pytest.raises(ValueError):
+        coalesce([1], [])
+
+
+def test_data_tags_round_trip() -> None:
+    for xfer, index in [(1, 0), (2**40 - 1, MAX_SEGMENTS - 1), (12345, 678)]:
+        assert split_data_tag(data_tag(xfer, index)) == (xfer, index)
+    assert data_tag(1, 0) >> 60 == 2
+
+
+def test_config_validation_and_ucx_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    for bad in ({"transfer_timeout_s": 0}, {"lease_s": -1}, {"max_inflight_transfers": 0}):
+        with pytest.raises(ValueError):
+            UcxConnectorConfig(**bad).validate()  # type: ignore[arg-type]
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    assert UcxConnectorConfig().ucx_options() == {"TLS": DEFAULT_UCX_TLS}
+    assert UcxConnectorConfig(ucx_tls="rc,sm", ucx_net_devices="mlx5_0:1").ucx_options() == {
+        "TLS": "rc,sm", "NET_DEVICES": "mlx5_0:1"}
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    assert UcxConnectorConfig().ucx_options() == {}
+
+
+@pytest.fixture
+def connector() -> Iterator[UcxWorkerConnector]:
+    kv = torch.zeros(64, 2, 2, 2, 4, 8)
+    c = UcxWorkerConnector(engine_id="decode-u", epoch=9, tp_rank=1, tp_size=2, num_kv_heads=4,
+                           compatibility_hash="h1", kv_cache=kv)
+    yield c
+    c.shutdown()
+
+
+def test_connector_publishes_its_layout(connector: UcxWorkerConnector) -> None:
+    meta = UcxHandshakeMetadata.decode(connector.get_handshake_metadata(), expected_hash="h1")
+    assert meta.region == region(num_blocks=64)
+    assert (meta.engine_id, meta.epoch, meta.tp_rank, meta.tp_size) == ("decode-u", 9, 1, 2)
+    assert meta.worker_address
+
+
+def test_incompatible_peers_are_refused_and_change_nothing(connector: UcxWorkerConnector) -> None:
+    with pytest.raises(ValueError, match="compatibility hash"):
+        connector.add_peer(metadata(compatibility_hash="h2").encode())
+    with pytest.raises(ValueError, match="layout differs"):
+        connector.add_peer(metadata(region=region(block_size=8, block_nbytes=2 * 2 * 2 * 8 * 8 * 4)))
+    desc = KVTransferDescriptor("prefill-a", 2**63 + 5, "r", (1, 2), 8, 2, 4, 4)
+    connector.start_pull("r", desc, [3, 4])
+    assert connector.get_transfer_results().failed_recving == {"r"}
+    assert connector.take_failure_reasons() == {"r": "peer_unknown"}
+    assert connector.get_block_ids_with_load_errors() == {3, 4}
+
+
+def test_caller_errors_raise_without_state_change(connector: UcxWorkerConnector) -> None:
+    desc = KVTransferDescriptor("prefill-a", 1, "r", (1, 2), 8, 2, 4, 4)
+    for local in ([64, 1], [1, 1], [1, 2, 3]):
+        with pytest.raises(ValueError):
+            connector.start_pull("r", desc, local)
+    with pytest.raises(ValueError):
+        connector.expect_send("s", [64])
+    with pytest.raises(ValueError):
+        connector.expect_send("s", [1], lease_s=0)
+    assert connector.num_pending() == 0
+    assert not connector.get_transfer_results().failed_recving
+    connector.start_pull("empty", desc, [])  # full local hit: nothing to pull
+    assert connector.get_transfer_results().finished_recving == {"empty"}
+
+
+def test_registered_under_ucx() -> None:
+    assert "ucx" in registered_connectors()
+    c = create_worker_connector("ucx", engine_id="e", epoch=1, tp_rank=0, tp_size=1, num_kv_heads=2,
+                                compatibility_hash="h")
+    assert isinstance(c, UcxWorkerConnector)
+    with pytest.raises(RuntimeError, match="register_kv_caches"):
+        c.get_handshake_metadata()
