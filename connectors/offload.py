@@ -305,12 +305,36 @@ class OffloadWorker(WorkerConnector):
         events, self._events = self._events, []
         return events
 
+    def slot_hashes(self) -> dict[int, int]:
+        """CPU slot -> 64-bit hash of the block it holds on this rank."""
+        return dict(self._slot_hash)
+
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         return None if self._stats.is_empty() else self._stats.clone_and_reset()
 
     def shutdown(self) -> None:
         self.pool = None
         self.kv_cache = None
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadRankInit:
+    """The engine's `rank_init` hook for the tier: every rank gets its own `OffloadWorker`.
+
+    Picklable (it travels to the spawned rank processes). `reports`, when given, holds one
+    callable per rank that receives that rank's per-step output (picklable too, e.g. the `put`
+    of a multiprocessing queue, or the rank's control-stream sender).
+    """
+
+    num_cpu_blocks: int
+    medium: str = MEDIUM_CPU
+    reports: tuple[Callable[[KVConnectorOutput], None], ...] | None = None
+
+    def __call__(self, rank: int, tp_size: int, kv_cache: Any, spec: Any) -> OffloadWorker:
+        if self.reports is not None and len(self.reports) != tp_size:
+            raise ValueError(f"OffloadRankInit has {len(self.reports)} report callables for tp {tp_size}")
+        report = self.reports[rank] if self.reports is not None else None
+        return OffloadWorker(self.num_cpu_blocks, medium=self.medium, report=report)
 
 
 register_connector("offload", OffloadScheduler, OffloadWorker)
