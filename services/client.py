@@ -51,6 +51,7 @@ class GenerationResult:
     prefill_engine_id: str = ""
     decode_engine_id: str = ""
     num_migrations: int = 0
+    scheduler_overhead_ms: float = 0.0
     ttft_s: float | None = None
     e2e_s: float = 0.0
     token_times_s: list[float] = field(default_factory=list)
@@ -111,6 +112,7 @@ class _ResultBuilder:
         r.transferred_tokens, r.generated_tokens = u.transferred_tokens, u.generated_tokens
         r.prefill_engine_id, r.decode_engine_id = done.prefill_engine_id, done.decode_engine_id
         r.num_migrations = done.num_migrations
+        r.scheduler_overhead_ms = done.scheduler_overhead_ms
         r.e2e_s = now
         return None
 

@@ -35,11 +35,13 @@ class Delivery:
 
     output: RequestOutput
     block_ids: list[int] = field(default_factory=list)
+    first: bool = False  # the request's first output from this engine
 
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, *, deliver: Callable[[list[Delivery]], None],
-                 flush_pending: Callable[[], bool], after_step: Callable[[LLMEngine], None],
+                 flush_pending: Callable[[], bool],
+                 after_step: Callable[[LLMEngine, float, list[Delivery]], None],
                  periodic: Callable[[LLMEngine], None], period_s: float = 0.25) -> None:
         self.engine = engine
         self._deliver = deliver
@@ -53,6 +55,7 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, name="engine-loop", daemon=True)
         self.num_steps = 0
+        self._started: set[str] = set()
 
     def start(self) -> None:
         self._thread.start()
@@ -105,6 +108,7 @@ class EngineLoop:
         self._run_calls()
 
     def _step(self) -> None:
+        start = time.perf_counter()
         try:
             outputs = self.engine.step()
             if self._flush_pending():
@@ -113,10 +117,19 @@ class EngineLoop:
             logger.exception("engine step failed")
             raise
         self.num_steps += 1
-        deliveries = [Delivery(o, self._blocks_for(o)) for o in outputs]
-        self._after_step(self.engine)
+        deliveries = [self._delivery(o) for o in outputs]
+        self._after_step(self.engine, time.perf_counter() - start, deliveries)
         if deliveries:
             self._deliver(deliveries)
+
+    def _delivery(self, output: RequestOutput) -> Delivery:
+        rid = output.request_id
+        first = rid not in self._started
+        if output.finished:
+            self._started.discard(rid)
+        elif first:
+            self._started.add(rid)
+        return Delivery(output, self._blocks_for(output), first)
 
     def _blocks_for(self, output: RequestOutput) -> list[int]:
         if output.finished and output.finish_reason != "abort":

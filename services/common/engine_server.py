@@ -40,6 +40,7 @@ from services.common.config import EngineConfig
 from services.common.control_client import ControlMessage, EngineLoad, KVFailed, KVReady, ReleaseBlocks
 from services.common.engine_loop import Delivery, EngineLoop
 from services.common.grpc_server import ServiceServer, install_drain_handler
+from services.common.metrics import EngineMetrics
 from services.common.rank_agent import RankAgent, RankAgentFactory, compatibility_hash
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,8 @@ class EngineService(pb_grpc.EngineServicer):
         self._aio: asyncio.AbstractEventLoop | None = None
         self._pending: dict[str, _Pending] = {}
         self._pinned_until: dict[str, float] = {}
+        self.metrics: EngineMetrics | None = None
+        self._last_load: Any = None
 
     # -- start-up -------------------------------------------------------------------------------
 
@@ -115,7 +118,8 @@ class EngineService(pb_grpc.EngineServicer):
             engine_address=self.engine_address, num_kv_heads=model_config.num_kv_heads,
             compat_hash=compatibility_hash(model_config, spec, cfg.hash_seed), hash_seed=cfg.hash_seed,
             block_size=cfg.block_size, transfer_timeout_s=cfg.transfer_timeout_s, lease_s=cfg.lease_s,
-            max_inflight=cfg.max_inflight_transfers, ucx_tls=cfg.ucx_tls, ucx_net_devices=cfg.ucx_net_devices)
+            max_inflight=cfg.max_inflight_transfers, ucx_tls=cfg.ucx_tls, ucx_net_devices=cfg.ucx_net_devices,
+            metrics_port=cfg.metrics_port)
         self.engine = LLMEngine(model, tp=cfg.tp, kv_cache_memory=cfg.kv_cache_memory, block_size=cfg.block_size,
                                 max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                                 max_model_len=cfg.max_model_len, dtype=cfg.dtype, device=cfg.device,
@@ -124,6 +128,10 @@ class EngineService(pb_grpc.EngineServicer):
         self.agent = self.engine.workers.rank0.connector
         assert isinstance(self.agent, RankAgent)
         self.agent.set_inbox(self._on_control_message)
+        if self.agent.registry is not None:
+            self.metrics = EngineMetrics(self.agent.registry, cfg.engine_id, cfg.role, tp_size=cfg.tp)
+            self.metrics.track_load(lambda: self._last_load)
+        self._last_load = self.engine.load()
         self.loop = EngineLoop(self.engine, deliver=self._deliver, flush_pending=self.connector.has_pending,
                                after_step=self._after_step, periodic=self._periodic)
         self.loop.start()
@@ -145,13 +153,28 @@ class EngineService(pb_grpc.EngineServicer):
             if pending is not None:
                 pending.queue.put_nowait(d)
 
-    def _after_step(self, engine: LLMEngine) -> None:
+    def _after_step(self, engine: LLMEngine, seconds: float, deliveries: list[Delivery]) -> None:
         events = engine.take_events()
         if events and self.agent is not None:
             self.agent.report_engine_events(events, time.time())
+        if self.metrics is not None:
+            self._record_step(seconds, deliveries, events)
+
+    def _record_step(self, seconds: float, deliveries: list[Delivery], events: list[Any]) -> None:
+        assert self.metrics is not None
+        generated = sum(len(d.output.new_token_ids) for d in deliveries)
+        self.metrics.observe_step(seconds, 0, generated)
+        for d in deliveries:
+            out = d.output
+            if d.first:
+                self.metrics.count_prefix_cache(out.num_prompt_tokens, out.num_cached_tokens)
+            if out.finished and out.finish_reason is not None:
+                self.metrics.count_finished(out.finish_reason)
+        for event in events:
+            self.metrics.count_kv_events(type(event).__name__, getattr(event, "medium", None) or "")
 
     def _periodic(self, engine: LLMEngine) -> None:
-        load = engine.load()
+        load = self._last_load = engine.load()
         if self.agent is not None and self.agent.control is not None:
             self.agent.control.set_load(EngineLoad(load.num_running, load.num_waiting, load.kv_usage,
                                                    load.num_pinned, load.num_free_blocks), self.draining)

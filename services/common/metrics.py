@@ -554,6 +554,26 @@ class TransferMetrics(_Group):
             src_engine=src_engine, dst_engine=dst_engine, reason=reason).inc()
         self._m["pdserve_transfer_inflight_operations"].labels(engine=dst_engine).dec()
 
+    def record_interval(self, src_engine: str, dst_engine: str, *, num_bytes: int, num_blocks: int,
+                        durations: Iterable[float], failures_by_reason: Mapping[str, int]) -> None:
+        """What one rank's pulls from `src_engine` did since its last drain: every finished
+        pull's duration, the bytes and blocks they moved, and failures by reason."""
+        pair = {"src_engine": src_engine, "dst_engine": dst_engine}
+        durations = list(durations)
+        num_ops = len(durations) + sum(failures_by_reason.values())
+        if num_ops:
+            self._m["pdserve_transfer_operations_total"].labels(**pair).inc(num_ops)
+        self._m["pdserve_transfer_bytes_total"].labels(**pair).inc(num_bytes)
+        self._m["pdserve_transfer_blocks_total"].labels(**pair).inc(num_blocks)
+        for seconds in durations:
+            self._m["pdserve_transfer_duration_seconds"].labels(**pair).observe(seconds)
+        for reason, n in failures_by_reason.items():
+            self._m["pdserve_transfer_failures_total"].labels(**pair, reason=reason).inc(n)
+
+    def set_inflight(self, engine: str, num_operations: int) -> None:
+        """Pulls of `engine` (this rank) queued or in flight right now."""
+        self._m["pdserve_transfer_inflight_operations"].labels(engine=engine).set(num_operations)
+
     def count_lease_expiry(self, engine: str, n: int = 1) -> None:
         """Prefill side: `n` KV holds of `engine` were freed by lease expiry."""
         self._m["pdserve_transfer_lease_expiries_total"].labels(engine=engine).inc(n)

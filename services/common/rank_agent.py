@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
 from connectors.base import KVConnectorMetadata, WorkerConnector
 from connectors.kv_events import KVCacheEvent
 from connectors.outputs import TransferResults
@@ -37,6 +39,12 @@ from services.common.control_client import (
     StepReport,
     TransferStat,
     Welcome,
+)
+from services.common.metrics import (
+    MetricsServer,
+    TransferMetrics,
+    metrics_port_for_rank,
+    start_metrics_server,
 )
 
 logger = logging.getLogger(__name__)
@@ -75,6 +83,7 @@ class RankAgentFactory:
     max_inflight: int
     ucx_tls: str = ""
     ucx_net_devices: str = ""
+    metrics_port: int = 0  # rank r serves /metrics on metrics_port + r; 0 disables
 
     def __call__(self, rank: int, tp_size: int, kv_cache: Any, spec: Any) -> RankAgent:
         return RankAgent(self, rank, tp_size)
@@ -93,6 +102,14 @@ class RankAgent(WorkerConnector):
                                       tp_size=tp_size, num_kv_heads=factory.num_kv_heads,
                                       compatibility_hash=factory.compat_hash, config=config)
         self.control: ControlClient | None = None
+        self.metrics: TransferMetrics | None = None
+        self.registry: CollectorRegistry | None = None
+        self._metrics_server: MetricsServer | None = None
+        port = metrics_port_for_rank(factory.metrics_port, rank)
+        if port is not None:
+            self.registry = CollectorRegistry()
+            self.metrics = TransferMetrics(self.registry)
+            self._metrics_server = start_metrics_server(port, self.registry)
         self._inbox: Callable[[ControlMessage], None] | None = None
         self._stop = threading.Event()
         self._drain_thread: threading.Thread | None = None
@@ -198,6 +215,7 @@ class RankAgent(WorkerConnector):
         results = self.ucx.get_transfer_results()
         invalid = self.ucx.get_block_ids_with_load_errors()
         stats = self.ucx.get_kv_connector_stats()
+        self._record_metrics(stats)
         if not (results.finished_sending or results.finished_recving or results.failed_recving) and (
                 stats is None or stats.is_empty()):
             return
@@ -205,6 +223,18 @@ class RankAgent(WorkerConnector):
                                 finished_recving=sorted(results.finished_recving),
                                 failed_recving=sorted(results.failed_recving),
                                 invalid_block_ids=sorted(invalid), transfer_stats=_stats(stats)))
+
+    def _record_metrics(self, stats: UcxTransferStats | None) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.set_inflight(self.identity.engine_id, self.ucx.num_pending())
+        if stats is None:
+            return
+        for (src, dst), pair in stats.pairs.items():
+            self.metrics.record_interval(src, dst, num_bytes=pair.num_bytes, num_blocks=pair.num_blocks,
+                                         durations=pair.durations, failures_by_reason=pair.failures_by_reason)
+        if stats.lease_expiries:
+            self.metrics.count_lease_expiry(self.identity.engine_id, stats.lease_expiries)
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -214,6 +244,8 @@ class RankAgent(WorkerConnector):
         if self.control is not None:
             self.control.close()
         self.ucx.shutdown()
+        if self._metrics_server is not None:
+            self._metrics_server.close()
 
 
 def _stats(stats: UcxTransferStats | None) -> list[TransferStat]:

@@ -1,0 +1,229 @@
+"""`pdserve bench serve`: a load generator against a pdserve cluster.
+
+By default it starts local clusters itself (`--up`) and runs the same workload twice, side by
+side: disaggregated (prefill engine + decode engine, KV over UCX) and colocated (decode-only:
+the decode engine computes the prompt). With `--compare-routing` it instead runs prefix-aware
+vs round-robin prefill routing on `--prefill` (≥ 2) engines with a shared-prefix workload.
+`--target HOST:PORT` measures an existing cluster as is (one section, "target").
+
+Reports TTFT / inter-token latency / end-to-end percentiles, throughput, goodput under an SLO,
+the scheduler's control-plane overhead per request (Complete.scheduler_overhead_ms), and
+writes JSON + a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.client import AsyncClient, GenerationResult
+from services.local_cluster import ClusterSpec, LocalCluster
+
+
+@dataclass(slots=True)
+class Workload:
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="", help="measure an existing cluster at HOST:PORT instead of --up")
+    parser.add_argument("--up", action="store_true", default=True, help="start local clusters (the default)")
+    parser.add_argument("--model", default="", help="model directory for --up; default: the demo model")
+    parser.add_argument("--num-requests", type=int, default=48, help="requests per mode")
+    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
+    parser.add_argument("--request-rate", type=float, default=0.0,
+                        help="open-loop Poisson arrivals per second instead of fixed concurrency")
+    parser.add_argument("--prompt-len", default="64:512", help="prompt length range MIN:MAX (uniform)")
+    parser.add_argument("--output-len", default="16:32", help="output length range MIN:MAX (uniform)")
+    parser.add_argument("--workload", choices=["random", "shared-prefix"], default="random",
+                        help="shared-prefix: prompts share one of a few long prefixes")
+    parser.add_argument("--num-prefixes", type=int, default=4, help="distinct shared prefixes")
+    parser.add_argument("--prefix-len", type=int, default=384, help="tokens of each shared prefix")
+    parser.add_argument("--compare-routing", action="store_true",
+                        help="prefix-aware vs round-robin routing (needs --prefill >= 2)")
+    parser.add_argument("--prefill", type=int, default=1, help="prefill engines per cluster (--up)")
+    parser.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput SLO on TTFT")
+    parser.add_argument("--slo-itl-ms", type=float, default=200.0, help="goodput SLO on mean inter-token latency")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed")
+    parser.add_argument("--out", default="bench-results", help="directory for serve.json and serve.png")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    a, b = int(lo), int(hi or lo)
+    if not 1 <= a <= b:
+        raise ValueError(f"length range must be MIN:MAX with 1 <= MIN <= MAX, got {text!r}")
+    return a, b
+
+
+def build_workload(args: argparse.Namespace, vocab: int) -> Workload:
+    rng = random.Random(args.seed)
+    p_lo, p_hi = _range(args.prompt_len)
+    o_lo, o_hi = _range(args.output_len)
+    token = lambda: rng.randrange(100, vocab)  # noqa: E731 - skip special tokens at the bottom
+    prefixes = [[token() for _ in range(args.prefix_len)] for _ in range(args.num_prefixes)]
+    prompts, outs = [], []
+    for i in range(args.num_requests):
+        n = rng.randint(p_lo, p_hi)
+        if args.workload == "shared-prefix":
+            prompts.append(prefixes[i % len(prefixes)] + [token() for _ in range(max(1, n - args.prefix_len))])
+        else:
+            prompts.append([token() for _ in range(n)])
+        outs.append(rng.randint(o_lo, o_hi))
+    return Workload(prompts, outs)
+
+
+async def _drive(target: str, wl: Workload, concurrency: int, rate: float) -> tuple[list[GenerationResult], float]:
+    async with AsyncClient(target) as client:
+        sem = asyncio.Semaphore(concurrency if rate <= 0 else len(wl.prompts))
+        done = 0
+
+        async def one(i: int) -> GenerationResult:
+            nonlocal done
+            async with sem:
+                r = await client.generate(wl.prompts[i], max_tokens=wl.max_tokens[i], temperature=0.0,
+                                          ignore_eos=True, timeout=600)
+            done += 1
+            print(f"\r  {done}/{len(wl.prompts)} requests", end="", file=sys.stderr, flush=True)
+            return r
+
+        start = time.perf_counter()
+        tasks = []
+        rng = random.Random(1)
+        for i in range(len(wl.prompts)):
+            tasks.append(asyncio.create_task(one(i)))
+            if rate > 0:
+                await asyncio.sleep(rng.expovariate(rate))
+        results = list(await asyncio.gather(*tasks))
+        print(file=sys.stderr)
+        return results, time.perf_counter() - start
+
+
+def _pct(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": 0.0, "p90": 0.0, "p99": 0.0}
+    s = sorted(values)
+
+    def q(p: float) -> float:
+        return s[min(len(s) - 1, int(round(p * (len(s) - 1))))]
+
+    return {"p50": round(q(0.5), 2), "p90": round(q(0.9), 2), "p99": round(q(0.99), 2)}
+
+
+def summarize(results: list[GenerationResult], wall_s: float, args: argparse.Namespace) -> dict[str, Any]:
+    ttft = [r.ttft_s * 1000 for r in results if r.ttft_s is not None]
+    itl: list[float] = []
+    good = 0
+    for r in results:
+        gaps = [(b - a) * 1000 for a, b in zip(r.token_times_s, r.token_times_s[1:], strict=False)]
+        itl.extend(gaps)
+        mean_itl = statistics.fmean(gaps) if gaps else 0.0
+        if r.ttft_s is not None and r.ttft_s * 1000 <= args.slo_ttft_ms and mean_itl <= args.slo_itl_ms:
+            good += 1
+    tokens = sum(r.generated_tokens for r in results)
+    prompt_tokens = sum(r.prompt_tokens for r in results)
+    cached = sum(r.cached_tokens for r in results)
+    return {
+        "requests": len(results),
+        "ttft_ms": _pct(ttft), "itl_ms": _pct(itl), "e2e_ms": _pct([r.e2e_s * 1000 for r in results]),
+        "throughput_tok_s": round(tokens / wall_s, 2),
+        "goodput_req_s": round(good / wall_s, 3),
+        "control_plane_overhead_ms_p50": _pct([r.scheduler_overhead_ms for r in results])["p50"],
+        "prefix_hit_rate": round(cached / prompt_tokens, 4) if prompt_tokens else 0.0,
+        "transferred_tokens": sum(r.transferred_tokens for r in results),
+        "wall_s": round(wall_s, 2),
+    }
+
+
+def _run_mode(name: str, args: argparse.Namespace, wl: Workload, **cluster: Any) -> dict[str, Any]:
+    print(f"[{name}] starting a local cluster ({cluster})", file=sys.stderr)
+    spec = ClusterSpec(model=args.model, log_dir=str(Path(args.out) / "logs" / name), torch_threads=1, **cluster)
+    with LocalCluster(spec) as c:
+        warm = Workload(wl.prompts[:2], [2, 2])
+        asyncio.run(_drive(c.target, warm, 2, 0.0))
+        results, wall = asyncio.run(_drive(c.target, wl, args.concurrency, args.request_rate))
+    summary = summarize(results, wall, args)
+    print(f"[{name}] TTFT p50 {summary['ttft_ms']['p50']} ms, ITL p50 {summary['itl_ms']['p50']} ms, "
+          f"{summary['throughput_tok_s']} tok/s, overhead p50 {summary['control_plane_overhead_ms_p50']} ms",
+          file=sys.stderr)
+    return summary
+
+
+def _vocab(args: argparse.Namespace) -> int:
+    from engine.demo_model import demo_model_dir
+
+    model = Path(args.model or demo_model_dir())
+    args.model = str(model)
+    return int(json.loads((model / "config.json").read_text())["vocab_size"])
+
+
+def _plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = [m for m in report if isinstance(report[m], dict) and "ttft_ms" in report[m]]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+    for ax, key, label in zip(axes, ("ttft_ms", "itl_ms", "e2e_ms"), ("TTFT (ms)", "ITL (ms)", "end-to-end (ms)"),
+                              strict=True):
+        for i, m in enumerate(modes):
+            vals = [report[m][key][p] for p in ("p50", "p90", "p99")]
+            ax.bar([x + i * 0.8 / len(modes) for x in range(3)], vals, width=0.8 / len(modes), label=m)
+        ax.set_xticks([x + 0.4 - 0.4 / len(modes) for x in range(3)], ["p50", "p90", "p99"])
+        ax.set_title(label)
+    axes[0].legend()
+    fig.suptitle("pdserve bench serve")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = _vocab(args) if not args.target else 49152
+    if args.compare_routing:
+        args.workload = "shared-prefix"
+    wl = build_workload(args, vocab)
+    report: dict[str, Any] = {"workload": {k: getattr(args, k) for k in (
+        "num_requests", "concurrency", "request_rate", "prompt_len", "output_len", "workload", "seed")}}
+    if args.target:
+        results, wall = asyncio.run(_drive(args.target, wl, args.concurrency, args.request_rate))
+        report["target"] = summarize(results, wall, args)
+    elif args.compare_routing:
+        n = max(2, args.prefill)
+        report["prefix_aware"] = _run_mode("prefix_aware", args, wl, num_prefill=n,
+                                           scheduler_args=["--routing-policy", "prefix"])
+        report["round_robin"] = _run_mode("round_robin", args, wl, num_prefill=n,
+                                          scheduler_args=["--routing-policy", "round_robin"])
+        a, b = report["prefix_aware"]["ttft_ms"]["p50"], report["round_robin"]["ttft_ms"]["p50"]
+        report["ttft_p50_speedup"] = round(b / a, 2) if a else 0.0
+    else:
+        report["disaggregated"] = _run_mode("disaggregated", args, wl, num_prefill=args.prefill)
+        report["colocated"] = _run_mode("colocated", args, wl, num_prefill=0)
+        report["control_plane_overhead_ms_p50"] = report["disaggregated"]["control_plane_overhead_ms_p50"]
+        d, c = report["disaggregated"], report["colocated"]
+        report["ratios"] = {
+            "ttft_p50_colocated_over_disaggregated": round(c["ttft_ms"]["p50"] / max(d["ttft_ms"]["p50"], 1e-9), 2),
+            "itl_p50_colocated_over_disaggregated": round(c["itl_ms"]["p50"] / max(d["itl_ms"]["p50"], 1e-9), 2),
+            "throughput_disaggregated_over_colocated": round(
+                d["throughput_tok_s"] / max(c["throughput_tok_s"], 1e-9), 2),
+        }
+    (out / "serve.json").write_text(json.dumps(report, indent=2))
+    _plot(report, out / "serve.png")
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(json.dumps(report, indent=2))
+        print(f"wrote {out / 'serve.json'} and {out / 'serve.png'}")
+    return 0
