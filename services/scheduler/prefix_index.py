@@ -106,7 +106,7 @@ class PrefixIndex(Protocol):
 @dataclass(slots=True)
 class _EngineState:
     epoch: int
-    dead_epochs: set[int] = field(default_factory=set)
+    dead_epochs: list[int] = field(default_factory=list)  # oldest first
 
 
 class InMemoryPrefixIndex:
@@ -164,9 +164,8 @@ class InMemoryPrefixIndex:
             raise ValueError(f"engine {engine_id!r}: epoch {epoch} was already replaced")
         old = state.epoch
         self._drop(engine_id, None)
-        state.dead_epochs.add(old)
-        if len(state.dead_epochs) > self._max_dead_epochs:
-            state.dead_epochs.pop()
+        state.dead_epochs.append(old)
+        del state.dead_epochs[:-self._max_dead_epochs]
         state.epoch = epoch
         self._stats.num_epoch_changes += 1
         return old
@@ -182,9 +181,7 @@ class InMemoryPrefixIndex:
         self.begin_epoch(engine_id, epoch)
         for event in events:
             if isinstance(event, BlockStored):
-                medium = event.medium or DEFAULT_MEDIUM
-                for h in event.block_hashes:
-                    self._store(block_key(h), engine_id, medium)
+                self._store(event.block_hashes, engine_id, event.medium or DEFAULT_MEDIUM)
             elif isinstance(event, BlockRemoved):
                 medium = event.medium or DEFAULT_MEDIUM
                 for h in event.block_hashes:
@@ -225,17 +222,30 @@ class InMemoryPrefixIndex:
         """Every (hash, engine id, medium), least recently used first."""
         return iter(list(self._lru))
 
-    def _store(self, h: int, engine_id: str, medium: str) -> None:
-        key = (h, engine_id, medium)
-        if key in self._lru:
-            self._lru.move_to_end(key)
-            return
-        self._blocks.setdefault(h, {}).setdefault(engine_id, set()).add(medium)
-        self._by_engine.setdefault(engine_id, set()).add((h, medium))
-        self._per_medium[medium] = self._per_medium.get(medium, 0) + 1
-        self._lru[key] = None
-        while len(self._lru) > self._max_entries:
-            old_key, _ = self._lru.popitem(last=False)
+    def _store(self, hashes: Sequence[ExternalBlockHash], engine_id: str, medium: str) -> None:
+        # The hot path of every published batch: locals and no helper calls per hash.
+        lru, blocks = self._lru, self._blocks
+        owned = self._by_engine.setdefault(engine_id, set())
+        added = 0
+        for raw in hashes:
+            h = raw if type(raw) is int else block_key(raw)
+            key = (h, engine_id, medium)
+            if key in lru:
+                lru.move_to_end(key)
+                continue
+            holders = blocks.get(h)
+            if holders is None:
+                blocks[h] = {engine_id: {medium}}
+            elif (held := holders.get(engine_id)) is None:
+                holders[engine_id] = {medium}
+            else:
+                held.add(medium)
+            owned.add((h, medium))
+            lru[key] = None
+            added += 1
+        self._per_medium[medium] = self._per_medium.get(medium, 0) + added
+        while len(lru) > self._max_entries:
+            old_key, _ = lru.popitem(last=False)
             self._unlink(*old_key)
             self._stats.num_evicted += 1
 

@@ -120,7 +120,8 @@ async def test_both_producers_reach_a_grpc_subscriber_once_in_order(scheduler: S
         offload = BlockStored(tuple(hashes[:2]), None, (), 0, medium="CPU_OFFLOAD")
         # rank 0: the block pool's events and its offload shard; rank 1: its shard only, later
         ranks[0].report(StepReport(engine_events=gpu_first, worker_events=[offload]))
-        ranks[0].report(StepReport(engine_events=gpu_next))
+        first_seq = ranks[0].report(StepReport(engine_events=gpu_next))
+        assert await asyncio.to_thread(ranks[0].wait_acked, first_seq)  # streams are independent
         ranks[1].report(StepReport(engine_events=gpu_first))  # not rank 0: ignored
         seq = ranks[1].report(StepReport(worker_events=[offload]))
         assert await asyncio.to_thread(ranks[1].wait_acked, seq)
