@@ -149,7 +149,8 @@ def _run_mode(name: str, args: argparse.Namespace, wl: Workload, **cluster: Any)
     print(f"[{name}] starting a local cluster ({cluster})", file=sys.stderr)
     spec = ClusterSpec(model=args.model, log_dir=str(Path(args.out) / "logs" / name), torch_threads=1, **cluster)
     with LocalCluster(spec) as c:
-        warm = Workload(wl.prompts[:2], [2, 2])
+        rng = random.Random(-1)  # warm-up prompts share nothing with the workload
+        warm = Workload([[rng.randrange(100, 1000) for _ in range(24)] for _ in range(2)], [2, 2])
         asyncio.run(_drive(c.target, warm, 2, 0.0))
         results, wall = asyncio.run(_drive(c.target, wl, args.concurrency, args.request_rate))
     summary = summarize(results, wall, args)
