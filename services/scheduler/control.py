@@ -150,6 +150,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self.on_transfer_outcome: Callable[[TransferOutcome], None] = self.deliver
         self.on_engine_down: list[Callable[[EngineRef, str], None]] = []
         self.on_engine_up: list[Callable[[EngineRef], None]] = []
+        # Called for every accepted Hello (first registration, reconnect or new epoch).
+        self.on_registered: list[Callable[[EngineRef], None]] = []
         self.down: set[EngineRef] = set()
         self.counters: Counter[str] = Counter()
         self.transfer_bytes: Counter[tuple[str, str]] = Counter()
@@ -328,6 +330,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self.counters["hello_accepted"] += 1
         logger.info("rank %s tp=%d/%d of %s engine %s epoch %#x registered", hello.tp_rank, hello.tp_rank,
                     hello.tp_size, engine.role, engine.engine_id, engine.epoch)
+        for hook in self.on_registered:
+            hook(EngineRef(engine.engine_id, engine.epoch))
         self._engine_up(engine)
         return conn
 

@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry
 from pdserve.v1 import control_pb2_grpc, generation_pb2_grpc
 from services.common.config import SchedulerConfig
 from services.common.grpc_server import ServiceServer
+from services.common.metrics import EventMetrics
 from services.common.tracing import server_interceptors
 from services.scheduler.admission import Admission
 from services.scheduler.control import ControlServicer
@@ -86,6 +87,10 @@ class SchedulerService:
         self.control = ControlServicer(self.registry, sink=sink, heartbeat_interval_s=config.heartbeat_interval_s,
                                        scheduler_id=self.scheduler_id, telemetry=self.telemetry)
         self.telemetry.track(self.registry, self.control.aggregator)
+        if self.plane is not None:
+            self.control.on_registered.append(self.plane.engine_up)
+            self.control.on_engine_up.append(self.plane.engine_up)
+            self.plane.instrument(EventMetrics(self.telemetry.prometheus))
         self.router = Router(policy, config.decode_only_threshold)
         self.admission = Admission(config.max_queue_per_engine)
         self.generation = GenerationServicer(config, facts=facts, tokenizer=self.tokenizer, control=self.control,
