@@ -35,7 +35,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from itertools import chain, islice, repeat
+from itertools import chain, compress, islice, repeat
 from operator import attrgetter, or_
 from typing import TypeVar
 
@@ -451,17 +451,24 @@ class KVOutputAggregator:
         partial = state.pending_blocks[key]
         full = state.full_mask
         hashes: list[object] = list(chain.from_iterable(map(_HASHES, events)))
-        olds = list(map(blocks.get, hashes, repeat(0)))
-        news = list(map(or_, olds, repeat(bit)))
+        news = list(map(or_, map(blocks.get, hashes, repeat(0)), repeat(bit)))
         blocks.update(zip(hashes, news, strict=True))
-        if 0 in olds and bit != full:
-            partial.update((h, now) for h, old in zip(hashes, olds, strict=True) if not old)
+        if bit != full and bit in news:
+            # Only this rank holds these: new partial blocks (a repeat keeps its first time).
+            partial.update((h, now) for h, new in zip(hashes, news, strict=True) if new == bit and h not in partial)
         if full not in news:
             return
-        for h, old, new in zip(hashes, olds, news, strict=True):
-            if new == full and old != full:
-                partial.pop(h, None)
+        whole = news.count(full) == len(news)
+        deque(map(partial.pop, compress(hashes, map(full.__eq__, news)) if not whole else hashes,
+                  repeat(None)), maxlen=0)
         live = state.live[key]
+        if whole:
+            distinct = set(hashes)
+            if len(distinct) == len(hashes) and live.isdisjoint(distinct):
+                # Every event is whole, none was published and none repeats: publish them all.
+                live |= distinct
+                result.events.extend(events)
+                return
         offset = 0
         for event in events:
             size = len(event.block_hashes)
