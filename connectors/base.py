@@ -29,6 +29,7 @@ Implementations register under a name (`register_connector`) and are built by na
 from __future__ import annotations
 
 import enum
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ from connectors.outputs import (
     KVConnectorWorkerMetadata,
     TransferResults,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class KVConnectorRole(enum.Enum):
@@ -243,12 +246,17 @@ def register_connector(name: str, scheduler: SchedulerFactory, worker: WorkerFac
 
 
 def registered_connectors() -> list[str]:
-    _load_builtin()
+    """Names of the registered connectors, built-ins that import cleanly included."""
+    for name in _BUILTIN_MODULES:
+        try:
+            _load_builtin(name)
+        except ImportError as e:  # e.g. UCX libraries missing on this machine
+            logger.debug("connector %r unavailable: %s", name, e)
     return sorted(_REGISTRY)
 
 
 def _lookup(name: str) -> tuple[SchedulerFactory, WorkerFactory]:
-    _load_builtin()
+    _load_builtin(name)
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -265,17 +273,14 @@ def create_worker_connector(name: str, **kwargs: Any) -> WorkerConnector:
     return _lookup(name)[1](**kwargs)
 
 
-# connectors.ucx registers its connector from its package __init__ when it has one.
-_BUILTIN_MODULES = ("connectors.offload", "connectors.multi", "connectors.ucx")
+# Built-in connectors register themselves when their module is imported; only the module of a
+# requested name is imported (the ucx one pulls in UCX).
+_BUILTIN_MODULES = {"offload": "connectors.offload", "multi": "connectors.multi", "ucx": "connectors.ucx"}
 
 
-def _load_builtin() -> None:
-    """Imports the built-in connector modules, which register themselves on import."""
-    import importlib
+def _load_builtin(name: str) -> None:
+    module = _BUILTIN_MODULES.get(name)
+    if module is not None and name not in _REGISTRY:
+        import importlib
 
-    for module in _BUILTIN_MODULES:
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
+        importlib.import_module(module)
