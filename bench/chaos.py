@@ -1,0 +1,322 @@
+"""`pdserve bench chaos`: kill engines and the scheduler under a steady streaming load and count
+what the clients lost.
+
+A local cluster (default 2 prefill + 2 decode engines) serves `--concurrency` client loops, each
+streaming greedy requests from a fixed prompt set back to back. Every `--kill-interval` seconds
+(jittered ±50 %, and never before the previous victim is back) one random component — an
+engine's process group (rank processes included) or the scheduler — gets SIGKILL and is
+restarted at once. Clients resume a stream cut by UNAVAILABLE (a dead scheduler) with the
+prompt plus the tokens they already hold, as any client of a restarted server would.
+
+The report counts requests sent / completed / failed (by status code) / lost (never answered:
+no Complete and no status within the scheduler's deadline plus a grace) / with token errors
+(a repeated or skipped chunk index, or any token that differs from the greedy output of the
+in-process engine), and the recovery time of every kill: from the SIGKILL until a probe
+request sent after it completes (the cluster serves again); `restart` is until the victim is
+registered again (back at full strength). Goal: 0 lost, 0 token errors, failures only with a
+clear status for requests whose deadline passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import signal
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from bench.workload import (
+    OK,
+    StreamOutcome,
+    greedy_reference,
+    model_vocab_size,
+    percentiles,
+    random_prompts,
+    stream_checked,
+    token_errors,
+)
+from services.local_cluster import ClusterSpec, LocalCluster
+
+ANSWER_GRACE_S = 15.0
+
+
+@dataclass(slots=True)
+class ChaosConfig:
+    """One chaos run. `schedule` fixes the kills as (seconds after the load starts, component
+    name); without it kills are random, every `kill_interval_s` ± 50 %."""
+
+    duration_s: float = 120.0
+    num_prefill: int = 2
+    num_decode: int = 2
+    kill_interval_s: float = 20.0
+    concurrency: int = 6
+    num_prompts: int = 16
+    prompt_len: tuple[int, int] = (16, 96)
+    max_tokens: int = 32
+    deadline_s: float = 60.0
+    seed: int = 0
+    include_scheduler: bool = True
+    schedule: list[tuple[float, str]] | None = None
+    model: str = ""
+    log_dir: str = ""
+    lease_s: float = 8.0
+
+    def validate(self) -> None:
+        if self.duration_s <= 0 or self.kill_interval_s <= 0 or self.deadline_s <= 0:
+            raise ValueError("duration, kill interval and deadline must be > 0")
+        if self.num_decode < 1 or self.num_prefill < 0:
+            raise ValueError(f"need >= 1 decode and >= 0 prefill engines, got {self.num_decode}, {self.num_prefill}")
+        if self.concurrency < 1 or self.num_prompts < 1 or self.max_tokens < 1:
+            raise ValueError("concurrency, num_prompts and max_tokens must be >= 1")
+
+
+@dataclass(slots=True)
+class Kill:
+    """One SIGKILL: when (seconds into the load), whom, and how long until the cluster served a
+    new request (`recovery_s`) and the victim was registered again (`restart_s`)."""
+
+    at_s: float
+    victim: str
+    recovery_s: float | None = None
+    restart_s: float | None = None
+
+
+@dataclass(slots=True)
+class ChaosReport:
+    sent: int = 0
+    completed: int = 0
+    failed: dict[str, int] = field(default_factory=dict)
+    lost: int = 0
+    token_errors: int = 0
+    resumed: int = 0
+    migrated: int = 0
+    kills: list[Kill] = field(default_factory=list)
+    leaks: dict[str, list[str]] = field(default_factory=dict)
+    examples: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+    e2e_ms: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def recovery_p99_s(self) -> float | None:
+        values = [k.recovery_s for k in self.kills if k.recovery_s is not None]
+        return percentiles(values)["p99"] if values else None
+
+    @property
+    def restart_p99_s(self) -> float | None:
+        values = [k.restart_s for k in self.kills if k.restart_s is not None]
+        return percentiles(values)["p99"] if values else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "sent": self.sent, "completed": self.completed, "failed": sum(self.failed.values()),
+            "failed_by_status": self.failed, "lost": self.lost, "token_errors": self.token_errors,
+            "recovery_p99_s": self.recovery_p99_s, "restart_p99_s": self.restart_p99_s,
+            "resumed": self.resumed, "migrated": self.migrated, "e2e_ms": self.e2e_ms,
+            "kills": [{"at_s": round(k.at_s, 2), "victim": k.victim,
+                       "recovery_s": None if k.recovery_s is None else round(k.recovery_s, 2),
+                       "restart_s": None if k.restart_s is None else round(k.restart_s, 2)} for k in self.kills],
+            "leaks": self.leaks, "examples": self.examples, "wall_s": round(self.wall_s, 2),
+        }
+
+
+class ChaosRun:
+    """Drives the load, the kills and the probes against one started cluster."""
+
+    def __init__(self, cfg: ChaosConfig, cluster: LocalCluster, prompts: list[list[int]],
+                 expected: list[list[int]], progress: Callable[[str], None]) -> None:
+        self.cfg = cfg
+        self.cluster = cluster
+        self.prompts = prompts
+        self.expected = expected
+        self.progress = progress
+        self.outcomes: list[StreamOutcome] = []
+        self.kills: list[Kill] = []
+        self.inflight = 0
+        self.sent = 0
+        self.rng = random.Random(cfg.seed)
+        self.t0 = 0.0
+
+    def _now(self) -> float:
+        return time.monotonic() - self.t0
+
+    async def run(self) -> None:
+        self.t0 = time.monotonic()
+        stop_at = self.t0 + self.cfg.duration_s
+        workers = [asyncio.create_task(self._client_loop(i, stop_at)) for i in range(self.cfg.concurrency)]
+        killer = asyncio.create_task(self._killer(stop_at))
+        reporter = asyncio.create_task(self._reporter())
+        try:
+            await asyncio.gather(*workers, killer)
+        finally:
+            reporter.cancel()
+
+    async def _client_loop(self, worker: int, stop_at: float) -> None:
+        n = 0
+        while time.monotonic() < stop_at:
+            i = self.rng.randrange(len(self.prompts))
+            self.sent += 1
+            self.inflight += 1
+            out = await stream_checked(self.cluster.target, self.prompts[i], self.cfg.max_tokens, prompt_index=i,
+                                       request_id=f"chaos-{worker}-{n}",
+                                       answer_timeout_s=self.cfg.deadline_s + ANSWER_GRACE_S,
+                                       budget_s=self.cfg.deadline_s)
+            self.inflight -= 1
+            self.outcomes.append(out)
+            n += 1
+            if out.status != OK:
+                await asyncio.sleep(0.2)  # a failed client backs off a little before its next request
+
+    def _victims(self) -> list[str]:
+        names = [n for n in self.cluster.components if n != "scheduler"]
+        return names + (["scheduler"] if self.cfg.include_scheduler else [])
+
+    def _schedule(self) -> list[tuple[float, str]]:
+        if self.cfg.schedule is not None:
+            return sorted(self.cfg.schedule)
+        plan: list[tuple[float, str]] = []
+        t = 0.0
+        while True:
+            t += self.cfg.kill_interval_s * self.rng.uniform(0.5, 1.5)
+            if t >= self.cfg.duration_s - 5.0:
+                return plan
+            plan.append((t, self.rng.choice(self._victims())))
+
+    async def _killer(self, stop_at: float) -> None:
+        for at_s, victim in self._schedule():
+            await asyncio.sleep(max(0.0, self.t0 + at_s - time.monotonic()))
+            if time.monotonic() >= stop_at:
+                return
+            await self._full_strength(300.0)
+            kill = Kill(self._now(), victim)
+            self.kills.append(kill)
+            self.progress(f"t={kill.at_s:5.1f}s SIGKILL {victim} (and restart it)")
+            killed_at = time.monotonic()
+            await asyncio.to_thread(self.cluster.kill, victim, signal.SIGKILL)
+            await asyncio.to_thread(self.cluster.restart, victim)
+            probe = asyncio.create_task(self._probe(kill, killed_at))
+            await asyncio.to_thread(self._wait_back, victim, 300.0)
+            kill.restart_s = time.monotonic() - killed_at
+            await probe
+            self.progress(f"t={self._now():5.1f}s {victim} back: served again after {kill.recovery_s:.2f}s, "
+                          f"registered after {kill.restart_s:.2f}s")
+
+    async def _full_strength(self, timeout: float) -> None:
+        await asyncio.to_thread(self.cluster.wait_ready, self.cfg.num_prefill, self.cfg.num_decode, timeout)
+
+    def _wait_back(self, victim: str, timeout: float) -> None:
+        """Blocks until the restarted victim serves (an engine answers Inspect, the scheduler
+        answers GetServerInfo) and the scheduler sees every engine registered."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if victim != "scheduler":
+                    self.cluster.inspect(victim, timeout=2.0)
+                self.cluster.wait_ready(self.cfg.num_prefill, self.cfg.num_decode, max(1.0, deadline - time.monotonic()))
+                return
+            except grpc.RpcError:
+                time.sleep(0.2)
+        raise TimeoutError(f"{victim} not back after {timeout:.0f} s")
+
+    async def _probe(self, kill: Kill, killed_at: float) -> None:
+        """Sends one short request after another until one completes: the cluster serves again."""
+        probe = self.prompts[0][:8]
+        while True:
+            out = await stream_checked(self.cluster.target, probe, 2, answer_timeout_s=self.cfg.deadline_s + ANSWER_GRACE_S,
+                                       budget_s=0.0)
+            if out.status == OK:
+                kill.recovery_s = time.monotonic() - killed_at
+                return
+            await asyncio.sleep(0.1)
+
+    async def _reporter(self) -> None:
+        while True:
+            await asyncio.sleep(5.0)
+            done = Counter(o.status for o in self.outcomes)
+            self.progress(f"t={self._now():5.1f}s sent {self.sent}, completed {done[OK]}, "
+                          f"not ok {sum(done.values()) - done[OK]}, in flight {self.inflight}, kills {len(self.kills)}")
+
+    def report(self, leaks: dict[str, list[str]], wall_s: float) -> ChaosReport:
+        r = ChaosReport(sent=self.sent, kills=self.kills, leaks=leaks, wall_s=wall_s)
+        for out in self.outcomes:
+            if out.status == OK:
+                r.completed += 1
+            elif out.status == "LOST":
+                r.lost += 1
+                r.examples.append(f"{out.request_id}: lost ({out.detail})")
+            else:
+                r.failed[out.status] = r.failed.get(out.status, 0) + 1
+                r.examples.append(f"{out.request_id}: {out.status} {out.detail}")
+            errors = token_errors(out, self.expected[out.prompt_index])
+            if errors:
+                r.token_errors += 1
+                r.examples.append(f"{out.request_id}: token error: {'; '.join(errors[:3])}")
+            r.resumed += 1 if out.num_resumes else 0
+            r.migrated += 1 if out.num_migrations else 0
+        r.examples = r.examples[:20]
+        r.e2e_ms = percentiles([o.e2e_s * 1000 for o in self.outcomes if o.status == OK])
+        return r
+
+
+def run_chaos(cfg: ChaosConfig, progress: Callable[[str], None] | None = None) -> ChaosReport:
+    """Starts a cluster, runs the load with kills for `cfg.duration_s`, waits for every request's
+    answer, checks the engines for leaked blocks, stops the cluster and returns the report."""
+    cfg.validate()
+    say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
+    from engine.demo_model import demo_model_dir
+
+    model = cfg.model or str(demo_model_dir())
+    prompts = random_prompts(cfg.seed, cfg.num_prompts, *cfg.prompt_len, model_vocab_size(model))
+    say(f"greedy reference for {len(prompts)} prompts x {cfg.max_tokens} tokens (in-process engine)")
+    expected = greedy_reference(model, prompts, cfg.max_tokens)
+    spec = ClusterSpec(model=model, num_prefill=cfg.num_prefill, num_decode=cfg.num_decode, torch_threads=1,
+                       kv_cache_memory="64MiB", log_dir=cfg.log_dir,
+                       scheduler_args=["--default-deadline-s", str(cfg.deadline_s)],
+                       engine_args=["--lease-s", str(cfg.lease_s)],
+                       env={"PDSERVE_TRANSFER_TIMEOUT_S": "3"})
+    say(f"starting a local cluster: {cfg.num_prefill} prefill + {cfg.num_decode} decode engines")
+    with LocalCluster(spec) as cluster:
+        chaos = ChaosRun(cfg, cluster, prompts, expected, say)
+        started = time.monotonic()
+        asyncio.run(chaos.run())
+        wall = time.monotonic() - started
+        cluster.wait_ready(cfg.num_prefill, cfg.num_decode, 300.0)
+        leaks = cluster.wait_no_leaks(timeout=cfg.lease_s + 15.0)
+    return chaos.report(leaks, wall)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--duration", type=float, default=120.0, help="seconds of load with kills")
+    parser.add_argument("--prefill", type=int, default=2, help="prefill engines")
+    parser.add_argument("--decode", type=int, default=2, help="decode engines")
+    parser.add_argument("--kill-interval", type=float, default=20.0, help="mean seconds between kills (±50 %%)")
+    parser.add_argument("--concurrency", type=int, default=6, help="client loops streaming back to back")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens per request (greedy, ignore_eos)")
+    parser.add_argument("--deadline", type=float, default=60.0, help="per-request deadline (scheduler default)")
+    parser.add_argument("--no-scheduler-kills", action="store_true", help="kill engines only")
+    parser.add_argument("--seed", type=int, default=0, help="workload and kill schedule seed")
+    parser.add_argument("--model", default="", help="model directory; default: the demo model")
+    parser.add_argument("--out", default="bench-results", help="directory for chaos.json and the cluster logs")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = ChaosConfig(duration_s=args.duration, num_prefill=args.prefill, num_decode=args.decode,
+                      kill_interval_s=args.kill_interval, concurrency=args.concurrency, max_tokens=args.max_tokens,
+                      deadline_s=args.deadline, seed=args.seed, include_scheduler=not args.no_scheduler_kills,
+                      model=args.model, log_dir=str(out / "logs" / "chaos"))
+    report = run_chaos(cfg).to_json()
+    (out / "chaos.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps(report) if args.json else json.dumps(report, indent=2))
+    ok = report["lost"] == 0 and report["token_errors"] == 0 and not report["leaks"]
+    return 0 if ok else 1
