@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.workload import percentiles as _pct
 from services.client import AsyncClient, GenerationResult
 from services.local_cluster import ClusterSpec, LocalCluster
 
@@ -107,17 +108,6 @@ async def _drive(target: str, wl: Workload, concurrency: int, rate: float) -> tu
         results = list(await asyncio.gather(*tasks))
         print(file=sys.stderr)
         return results, time.perf_counter() - start
-
-
-def _pct(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"p50": 0.0, "p90": 0.0, "p99": 0.0}
-    s = sorted(values)
-
-    def q(p: float) -> float:
-        return s[min(len(s) - 1, int(round(p * (len(s) - 1))))]
-
-    return {"p50": round(q(0.5), 2), "p90": round(q(0.9), 2), "p99": round(q(0.99), 2)}
 
 
 def summarize(results: list[GenerationResult], wall_s: float, args: argparse.Namespace) -> dict[str, Any]:
