@@ -52,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare-routing", action="store_true",
                         help="prefix-aware vs round-robin routing (needs --prefill >= 2)")
     parser.add_argument("--prefill", type=int, default=1, help="prefill engines per cluster (--up)")
+    parser.add_argument("--kv-cache-memory", default="256MiB",
+                        help="KV cache per engine rank (--up); a small cache makes routing matter")
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput SLO on TTFT")
     parser.add_argument("--slo-itl-ms", type=float, default=200.0, help="goodput SLO on mean inter-token latency")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
@@ -137,7 +139,8 @@ def summarize(results: list[GenerationResult], wall_s: float, args: argparse.Nam
 
 def _run_mode(name: str, args: argparse.Namespace, wl: Workload, **cluster: Any) -> dict[str, Any]:
     print(f"[{name}] starting a local cluster ({cluster})", file=sys.stderr)
-    spec = ClusterSpec(model=args.model, log_dir=str(Path(args.out) / "logs" / name), torch_threads=1, **cluster)
+    spec = ClusterSpec(model=args.model, log_dir=str(Path(args.out) / "logs" / name), torch_threads=1,
+                       kv_cache_memory=args.kv_cache_memory, **cluster)
     with LocalCluster(spec) as c:
         rng = random.Random(-1)  # warm-up prompts share nothing with the workload
         warm = Workload([[rng.randrange(100, 1000) for _ in range(24)] for _ in range(2)], [2, 2])
