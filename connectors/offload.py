@@ -37,7 +37,14 @@ from connectors.base import (
     register_connector,
 )
 from connectors.hashing import DEFAULT_HASH_SEED, BlockHash, BlockHasher, to_external
-from connectors.kv_events import MEDIUM_CPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from connectors.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_CPU_OFFLOAD,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
 from connectors.outputs import KVConnectorOutput, KVConnectorStats
 
 logger = logging.getLogger(__name__)
@@ -335,6 +342,25 @@ class OffloadRankInit:
             raise ValueError(f"OffloadRankInit has {len(self.reports)} report callables for tp {tp_size}")
         report = self.reports[rank] if self.reports is not None else None
         return OffloadWorker(self.num_cpu_blocks, medium=self.medium, report=report)
+
+
+def offload_medium(working_medium: str) -> str:
+    """The tier's event medium: `CPU` (vLLM's name) unless the working cache is itself in host
+    memory (`CPU`), then `CPU_OFFLOAD`, so the two tiers stay distinguishable."""
+    return MEDIUM_CPU_OFFLOAD if working_medium == MEDIUM_CPU else MEDIUM_CPU
+
+
+def build_offload(*, memory_bytes: int, block_size: int, block_nbytes: int, working_medium: str,
+                  hash_seed: str = DEFAULT_HASH_SEED,
+                  reports: tuple[Callable[[KVConnectorOutput], None], ...] | None = None,
+                  ) -> tuple[OffloadScheduler, OffloadRankInit]:
+    """Both halves for an engine with `--kv-offload-memory` (bytes per rank): pass the first as
+    `scheduler_connector` and the second as `rank_init`."""
+    num = num_cpu_blocks_for(memory_bytes, block_nbytes)
+    if num < 1:
+        raise ValueError(f"--kv-offload-memory of {memory_bytes} bytes holds no block of {block_nbytes} bytes")
+    return (OffloadScheduler(block_size, num, hash_seed),
+            OffloadRankInit(num, offload_medium(working_medium), reports))
 
 
 register_connector("offload", OffloadScheduler, OffloadWorker)

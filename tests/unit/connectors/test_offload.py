@@ -12,7 +12,16 @@ from connectors.aggregator import KVOutputAggregator
 from connectors.base import collect_output, create_scheduler_connector, create_worker_connector
 from connectors.hashing import BlockHasher, to_external
 from connectors.kv_events import MEDIUM_CPU_OFFLOAD, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from connectors.offload import BlockLoad, OffloadMetadata, OffloadScheduler, OffloadWorker, num_cpu_blocks_for
+from connectors.offload import (
+    BlockLoad,
+    OffloadMetadata,
+    OffloadRankInit,
+    OffloadScheduler,
+    OffloadWorker,
+    build_offload,
+    num_cpu_blocks_for,
+    offload_medium,
+)
 from engine.batch_scheduler import ScheduledChunk, StepPlan
 
 BS = 4  # tokens per block
@@ -189,3 +198,15 @@ def test_registered_by_name() -> None:
     sched = create_scheduler_connector("offload", block_size=BS, num_cpu_blocks=4)
     worker = create_worker_connector("offload", num_cpu_blocks=4)
     assert isinstance(sched, OffloadScheduler) and isinstance(worker, OffloadWorker)
+
+
+def test_build_offload_for_an_engine() -> None:
+    sched, rank_init = build_offload(memory_bytes=10 * 96, block_size=BS, block_nbytes=96, working_medium="CPU")
+    assert sched.num_cpu_blocks == 10 and rank_init.num_cpu_blocks == 10
+    assert rank_init.medium == MEDIUM_CPU_OFFLOAD and offload_medium("GPU") == "CPU"
+    worker = rank_init(0, 1, torch.zeros(SHAPE), None)
+    assert isinstance(worker, OffloadWorker) and worker.medium == MEDIUM_CPU_OFFLOAD
+    with pytest.raises(ValueError, match="holds no block"):
+        build_offload(memory_bytes=10, block_size=BS, block_nbytes=96, working_medium="CPU")
+    with pytest.raises(ValueError, match="report callables"):
+        OffloadRankInit(4, reports=(print,))(0, 2, torch.zeros(SHAPE), None)
