@@ -13,7 +13,7 @@ one that sampled the first token — before the service hands the descriptor out
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,9 @@ class PullCommand:
     request_id: str
     descriptor: KVTransferDescriptor
     local_block_ids: list[int]
+    # W3C trace context of the request's decode span (services.common.tracing.inject_carrier),
+    # so every rank's kv_transfer span joins the request's trace; None when tracing is off.
+    trace_carrier: dict[str, str] | None = None
 
 
 @dataclass(slots=True)
@@ -54,9 +57,12 @@ class UcxSchedulerConnector(SchedulerConnector):
         self._lock = threading.Lock()
         self._pending = UcxConnectorMetadata()
 
-    def queue_pull(self, request_id: str, descriptor: KVTransferDescriptor, local_block_ids: Sequence[int]) -> None:
+    def queue_pull(self, request_id: str, descriptor: KVTransferDescriptor, local_block_ids: Sequence[int],
+                   trace_carrier: Mapping[str, str] | None = None) -> None:
+        command = PullCommand(request_id, descriptor, list(local_block_ids),
+                              dict(trace_carrier) if trace_carrier else None)
         with self._lock:
-            self._pending.pulls.append(PullCommand(request_id, descriptor, list(local_block_ids)))
+            self._pending.pulls.append(command)
 
     def queue_cancel(self, request_id: str) -> None:
         with self._lock:

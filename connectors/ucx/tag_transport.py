@@ -48,8 +48,9 @@ SEG_BITS = 20
 KIND_MASK = 0xF << KIND_SHIFT
 MAX_SEGMENTS = 1 << SEG_BITS
 MAX_CTRL_BYTES = 16 << 20
+_SPIN_ROUNDS = 100
+_PENDING_WAIT_S = 0.001
 _IDLE_WAIT_S = 0.05
-_BUSY_WAIT_S = 0.002
 
 
 def data_tag(xfer_id: int, index: int) -> int:
@@ -187,14 +188,16 @@ class UcxTagTransport(KVTransport):
         idle_rounds = 0
         while self._running:
             busy = self._run_commands()
-            self._worker.progress()
+            busy |= bool(self._worker.progress_once())
             busy |= self._probe_ctrl()
             busy |= self._probe_data()
             busy |= self._reap()
             self._expire()
+            # Spin while UCX makes progress (rendezvous fragments need it on both sides); when
+            # it stalls, sleep until UCX or a command wakes us, briefly if requests are pending.
             idle_rounds = 0 if busy else idle_rounds + 1
-            if idle_rounds > 200 and self._worker.arm():
-                timeout = _BUSY_WAIT_S if (self._pending or self._pulls) else _IDLE_WAIT_S
+            if idle_rounds > _SPIN_ROUNDS and self._worker.arm():
+                timeout = _PENDING_WAIT_S if self._pending or self._pulls else _IDLE_WAIT_S
                 try:
                     select.select([efd, self._wake_r], [], [], timeout)
                     os.read(self._wake_r, 4096)

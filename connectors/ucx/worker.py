@@ -197,6 +197,7 @@ class UcxWorkerConnector(WorkerConnector):
         self.num_kv_heads = num_kv_heads
         self.compatibility_hash = compatibility_hash
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
         self._transport: KVTransport | None = None
         self._metadata: UcxHandshakeMetadata | None = None
         self._peers: dict[PeerKey, UcxHandshakeMetadata] = {}
@@ -409,6 +410,7 @@ class UcxWorkerConnector(WorkerConnector):
                 self._stats.record("transfer_duration", result.seconds)
                 self._stats.record("bytes_transferred", result.num_bytes)
                 self._results.finished_recving.add(request_id)
+                self._changed.notify_all()
             else:
                 self._fail_locked(recv, result.reason or "unknown", result.done_segments)
             self._dispatch_locked()
@@ -417,6 +419,7 @@ class UcxWorkerConnector(WorkerConnector):
         received = {s.local_block + i for s in done_segments for i in range(s.num_blocks)}
         invalid = set(recv.local_block_ids) - received
         self._results.failed_recving.add(recv.request_id)
+        self._changed.notify_all()
         self._failure_reasons[recv.request_id] = reason
         self._load_errors |= invalid
         self._stats.pair(recv.peer.engine_id, self.key.engine_id).record_failure(reason)
@@ -479,6 +482,7 @@ class UcxWorkerConnector(WorkerConnector):
             if lease.readers_left <= 0 and lease.active <= 0:
                 del self._leases[request_id]
                 self._results.finished_sending.add(request_id)
+                self._changed.notify_all()
 
     def on_renew(self, request_ids: list[str], reader: PeerKey) -> None:
         """Transport callback: extends the leases of requests a live reader still wants."""
@@ -507,6 +511,13 @@ class UcxWorkerConnector(WorkerConnector):
                 transport.renew(peer, rids)
         return TransferResults(frozenset(r.finished_sending), frozenset(r.finished_recving),
                                frozenset(r.failed_recving))
+
+    def wait_for_results(self, timeout_s: float) -> bool:
+        """Blocks until some transfer finished or failed since the last `get_transfer_results()`
+        (True) or `timeout_s` passed (False). Lets a drain loop sleep instead of spinning."""
+        with self._changed:
+            return self._changed.wait_for(lambda: bool(self._results.finished_sending or self._results.finished_recving
+                                                       or self._results.failed_recving), timeout_s)
 
     def take_failure_reasons(self) -> dict[str, str]:
         """Why each failed pull failed (request id -> reason, e.g. timeout, stale_epoch,

@@ -108,7 +108,7 @@ def rank_main(conn: Connection, spec: dict[str, Any]) -> None:
             done = seen.finished_sending | seen.finished_recving | seen.failed_recving
             if want <= done or time.monotonic() - start > timeout:
                 break
-            time.sleep(0.002)
+            connector.wait_for_results(0.01)
         return {"finished_sending": sorted(seen.finished_sending & want),
                 "finished_recving": sorted(seen.finished_recving & want),
                 "failed_recving": sorted(seen.failed_recving & want),

@@ -1,0 +1,588 @@
+"""`pdserve bench transfer`: the UCX connector against raw ucxx, NIXL, gRPC and memcpy.
+
+The same KV bytes move five ways, side by side in one run, each between two fresh processes
+(memcpy: one process): (a) `pdserve` — the UCX worker connector, engine KV tensor to engine KV
+tensor (`start_pull` → `finished_recving`); (b) `ucxx` — raw ucxx tagged send/receive of the
+same bytes (endpoints from worker addresses, error handling off, polling progress, UCX's
+default transports); (c) `nixl` — NIXL READ over its UCX backend with error handling off (what
+vLLM, Dynamo and llm-d use); (d) `grpc` — a gRPC server stream of the same bytes in 4 MiB
+chunks; (e) `memcpy` — a single-thread copy in one process (the local limit).
+
+Cases: one request of 1, 16, 256 and 1024 blocks, and 32 requests of 16 blocks concurrently.
+Each timing is the median of `--iters` runs after one warm-up, measured on the reader from the
+request to the last byte (a control round trip included for every method but memcpy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+METHODS = ("pdserve", "ucxx", "nixl", "grpc", "memcpy")
+BASELINES = {"ucxx": "min_ratio_vs_ucxx", "nixl": "min_ratio_vs_nixl", "grpc": "min_ratio_vs_grpc"}
+CHUNK = 4 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    label: str
+    request_blocks: tuple[int, ...]  # blocks per concurrent request
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(self.request_blocks)
+
+    def runs(self) -> list[tuple[int, int]]:
+        """(first block, number of blocks) per request; requests lie back to back."""
+        out, start = [], 0
+        for n in self.request_blocks:
+            out.append((start, n))
+            start += n
+        return out
+
+
+@dataclass(slots=True)
+class Shape:
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    num_blocks: int
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.num_layers * 2 * self.kv_heads * self.block_size * self.head_dim * 4
+
+    def tensor(self, seed: int = 0) -> Any:
+        import torch
+
+        kv = torch.empty(self.num_blocks, self.num_layers, 2, self.kv_heads, self.block_size, self.head_dim)
+        if seed:
+            kv.uniform_(generator=torch.Generator().manual_seed(seed))
+        else:
+            kv.zero_()
+        return kv
+
+
+@dataclass(slots=True)
+class Row:
+    case: str
+    num_blocks: int
+    num_bytes: int
+    gbps: dict[str, float | None] = field(default_factory=dict)
+    ratios: dict[str, float | None] = field(default_factory=dict)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--out", default="bench-results", help="directory for transfer.json and transfer.png")
+    parser.add_argument("--iters", type=int, default=5, help="timed runs per case and method (median)")
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+    parser.add_argument("--sizes", default="1,16,256,1024", help="blocks of the single-request cases")
+    parser.add_argument("--concurrent", type=int, default=32, help="requests of the concurrent case (0: none)")
+    parser.add_argument("--concurrent-blocks", type=int, default=16, help="blocks per concurrent request")
+    # Default block: the demo model's (SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64), 16 tokens, fp32.
+    parser.add_argument("--num-layers", type=int, default=30)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+
+
+def run(args: argparse.Namespace) -> int:
+    cases = [Case(str(n), (n,)) for n in _int_list(args.sizes)]
+    if args.concurrent:
+        cases.append(Case(f"{args.concurrent}x{args.concurrent_blocks}", (args.concurrent_blocks,) * args.concurrent))
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = set(methods) - set(METHODS)
+    if unknown or "pdserve" not in methods or args.iters < 1:
+        raise ValueError(f"--methods must include pdserve and name only {METHODS}; --iters >= 1")
+    shape = Shape(args.num_layers, args.kv_heads, args.head_dim, args.block_size,
+                  max(c.num_blocks for c in cases))
+    timings: dict[str, dict[str, float | None]] = {}
+    for method in methods:
+        _log(args, f"running {method} ...")
+        timings[method] = _run_method(method, shape, cases, args.iters)
+    rows = _rows(cases, shape, methods, timings)
+    summary = _summary(rows, shape, args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "transfer.json").write_text(json.dumps(summary, indent=2))
+    _plot(rows, methods, out / "transfer.png")
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        _print_table(rows, methods, summary, out)
+    return 0
+
+
+def _int_list(text: str) -> list[int]:
+    values = [int(x) for x in text.split(",") if x.strip()]
+    if not values or min(values) < 1:
+        raise ValueError(f"--sizes must list positive block counts, got {text!r}")
+    return values
+
+
+def _log(args: argparse.Namespace, text: str) -> None:
+    print(text, file=sys.stderr if args.json else sys.stdout, flush=True)
+
+
+def _rows(cases: list[Case], shape: Shape, methods: list[str],
+          timings: dict[str, dict[str, float | None]]) -> list[Row]:
+    rows = []
+    for case in cases:
+        nbytes = case.num_blocks * shape.block_nbytes
+        row = Row(case.label, case.num_blocks, nbytes)
+        for m in methods:
+            seconds = timings[m].get(case.label)
+            row.gbps[m] = nbytes / seconds / 1e9 if seconds else None
+        ours = row.gbps["pdserve"]
+        for m in methods:
+            if m != "pdserve":
+                theirs = row.gbps[m]
+                row.ratios[m] = ours / theirs if ours and theirs else None
+        rows.append(row)
+    return rows
+
+
+def _summary(rows: list[Row], shape: Shape, args: argparse.Namespace) -> dict[str, Any]:
+    summary: dict[str, Any] = {
+        "block_nbytes": shape.block_nbytes, "iters": args.iters,
+        "rows": [{"case": r.case, "num_blocks": r.num_blocks, "num_bytes": r.num_bytes, "gbps": r.gbps,
+                  "ratio_vs": r.ratios} for r in rows],
+    }
+    for method, key in BASELINES.items():
+        ratios = [r.ratios.get(method) for r in rows if r.num_blocks >= 16]
+        known = [x for x in ratios if x is not None]
+        summary[key] = min(known) if known and len(known) == len(ratios) else None
+    return summary
+
+
+def _print_table(rows: list[Row], methods: list[str], summary: dict[str, Any], out: Path) -> None:
+    print(f"KV transfer, block = {summary['block_nbytes']} bytes, GB/s (median of {summary['iters']})")
+    print(f"{'case':>8} {'MiB':>8} " + " ".join(f"{m:>9}" for m in methods) + "   pdserve / "
+          + " / ".join(m for m in methods if m != "pdserve"))
+    for r in rows:
+        cells = " ".join(f"{r.gbps[m]:9.2f}" if r.gbps[m] else f"{'-':>9}" for m in methods)
+        ratios = " ".join(f"{r.ratios[m]:.2f}x" if r.ratios[m] else "-" for m in methods if m != "pdserve")
+        print(f"{r.case:>8} {r.num_bytes / 2**20:8.1f} {cells}   {ratios}")
+    for key in BASELINES.values():
+        value = summary[key]
+        print(f"{key}: {value:.2f}" if value is not None else f"{key}: n/a")
+    print(f"wrote {out / 'transfer.json'} and {out / 'transfer.png'}")
+
+
+def _plot(rows: list[Row], methods: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.8 / len(methods)
+    for i, m in enumerate(methods):
+        xs = [j + i * width for j in range(len(rows))]
+        ax.bar(xs, [r.gbps[m] or 0.0 for r in rows], width, label=m)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], [f"{r.case} blk" for r in rows])
+    ax.set_ylabel("GB/s")
+    ax.set_title("KV transfer between two processes (memcpy: one process)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# -- orchestration ------------------------------------------------------------------------------
+
+def _run_method(method: str, shape: Shape, cases: list[Case], iters: int) -> dict[str, float | None]:
+    if method == "memcpy":
+        return _in_child(_memcpy_main, shape, cases, iters)
+    writer_main, reader_main = _PAIRS[method]
+    ctx = mp.get_context("spawn")
+    w_conn, w_child = ctx.Pipe()
+    r_conn, r_child = ctx.Pipe()
+    writer = ctx.Process(target=writer_main, args=(w_child, shape), daemon=True)
+    reader = ctx.Process(target=reader_main, args=(r_child, shape), daemon=True)
+    writer.start()
+    reader.start()
+    try:
+        r_conn.send(_expect(w_conn))  # writer's address / metadata
+        w_conn.send(_expect(r_conn))  # reader's address (or None)
+        _expect(w_conn), _expect(r_conn)  # both connected
+        results: dict[str, float | None] = {}
+        for case in cases:
+            samples = []
+            for i in range(iters + 1):
+                tag = f"{case.label}-{i}"
+                w_conn.send(("prepare", case, tag))
+                _expect(w_conn)
+                r_conn.send(("run", case, tag))
+                seconds = _expect(r_conn)
+                w_conn.send(("finish", case, tag))
+                _expect(w_conn)
+                if i:
+                    samples.append(seconds)
+            results[case.label] = statistics.median(samples)
+        return results
+    except _MethodUnavailable as e:
+        print(f"{method}: unavailable ({e})", file=sys.stderr)
+        return {}
+    finally:
+        for conn, proc in ((w_conn, writer), (r_conn, reader)):
+            try:
+                conn.send(("stop", None, ""))
+            except (BrokenPipeError, OSError):
+                pass
+            proc.join(timeout=20)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+class _MethodUnavailable(RuntimeError):
+    pass
+
+
+def _expect(conn: Connection, timeout: float = 300.0) -> Any:
+    if not conn.poll(timeout):
+        raise TimeoutError("benchmark process did not answer")
+    status, value = conn.recv()
+    if status == "unavailable":
+        raise _MethodUnavailable(value)
+    if status != "ok":
+        raise RuntimeError(value)
+    return value
+
+
+def _in_child(main: Callable[..., None], shape: Shape, cases: list[Case], iters: int) -> dict[str, float | None]:
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=main, args=(child, shape, cases, iters), daemon=True)
+    proc.start()
+    try:
+        result: dict[str, float | None] = _expect(conn)
+        return result
+    finally:
+        proc.join(timeout=20)
+
+
+def _serve(conn: Connection, handlers: dict[str, Callable[[Case, str], Any]]) -> None:
+    """A child's command loop: ("prepare" | "run" | "finish", case, tag) until "stop"."""
+    while True:
+        command, case, tag = conn.recv()
+        if command == "stop":
+            return
+        try:
+            handler = handlers.get(command)
+            conn.send(("ok", handler(case, tag) if handler else None))
+        except Exception as e:
+            conn.send(("err", f"{type(e).__name__}: {e}"))
+
+
+def _child_setup() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+# -- (a) pdserve UCX connector -------------------------------------------------------------------
+
+def _pdserve_writer(conn: Connection, shape: Shape) -> None:
+    _child_setup()
+    from connectors.ucx.worker import UcxWorkerConnector
+
+    c = UcxWorkerConnector(engine_id="bench-prefill", epoch=1, tp_rank=0, tp_size=1, num_kv_heads=shape.kv_heads,
+                           compatibility_hash="bench", kv_cache=shape.tensor(seed=1))
+    conn.send(("ok", c.get_handshake_metadata()))
+    conn.recv()
+    conn.send(("ok", None))
+
+    def prepare(case: Case, tag: str) -> None:
+        for i, (start, n) in enumerate(case.runs()):
+            c.expect_send(f"{tag}-{i}", list(range(start, start + n)))
+
+    def finish(case: Case, tag: str) -> None:
+        want = {f"{tag}-{i}" for i in range(len(case.request_blocks))}
+        deadline = time.monotonic() + 60
+        while want and time.monotonic() < deadline:
+            c.wait_for_results(0.05)
+            want -= c.get_transfer_results().finished_sending
+        if want:
+            raise RuntimeError(f"finished_sending missing for {sorted(want)[:3]}")
+
+    _serve(conn, {"prepare": prepare, "finish": finish})
+    c.shutdown()
+
+
+def _pdserve_reader(conn: Connection, shape: Shape) -> None:
+    _child_setup()
+    from connectors.ucx.handshake import KVTransferDescriptor
+    from connectors.ucx.worker import UcxWorkerConnector
+
+    c = UcxWorkerConnector(engine_id="bench-decode", epoch=2, tp_rank=0, tp_size=1, num_kv_heads=shape.kv_heads,
+                           compatibility_hash="bench", kv_cache=shape.tensor())
+    c.add_peer(conn.recv())
+    conn.send(("ok", None))
+    conn.send(("ok", None))
+
+    def run(case: Case, tag: str) -> float:
+        t0 = time.perf_counter()
+        want = set()
+        for i, (start, n) in enumerate(case.runs()):
+            ids = tuple(range(start, start + n))
+            d = KVTransferDescriptor("bench-prefill", 1, f"{tag}-{i}", ids, n * shape.block_size, 1,
+                                     shape.block_size, shape.kv_heads)
+            c.start_pull(f"{tag}-{i}", d, list(ids))
+            want.add(f"{tag}-{i}")
+        while want:
+            c.wait_for_results(1.0)
+            r = c.get_transfer_results()
+            if r.failed_recving:
+                raise RuntimeError(f"pull failed: {c.take_failure_reasons()}")
+            want -= r.finished_recving
+        return time.perf_counter() - t0
+
+    _serve(conn, {"run": run})
+    c.shutdown()
+
+
+# -- (b) raw ucxx tagged messages ---------------------------------------------------------------
+
+def _ucxx_worker() -> tuple[Any, Any, Any]:
+    import os
+
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    import ucxx._lib.libucxx as ucx_api
+    from ucxx._lib.arr import Array
+
+    ctx = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG,))
+    return ucx_api, Array, ucx_api.UCXWorker(ctx)
+
+
+def _ucxx_wait(worker: Any, requests: list[Any]) -> None:
+    while not all(r.completed for r in requests):
+        worker.progress()
+    for r in requests:
+        r.check_error()
+
+
+def _ucxx_writer(conn: Connection, shape: Shape) -> None:
+    _child_setup()
+    ucx_api, Array, worker = _ucxx_worker()
+    region = shape.tensor(seed=1).view(-1).view(__import__("torch").uint8).numpy()
+    conn.send(("ok", bytes(worker.address.tobytes())))
+    reader_address = conn.recv()
+    ep = ucx_api.UCXEndpoint.create_from_worker_address(
+        worker, ucx_api.UCXAddress.create_from_buffer(reader_address), False)
+    conn.send(("ok", None))
+    import numpy as np
+
+    go = np.zeros(1, dtype=np.uint64)
+
+    def prepare(case: Case, tag: str) -> None:
+        conn.send(("ok", None))  # answer early: the reader's "go" message starts the sends
+        _ucxx_wait(worker, [worker.tag_recv(Array(go), ucx_api.UCXXTag(1))])
+        sends = []
+        for i, (start, n) in enumerate(case.runs()):
+            view = region[start * shape.block_nbytes:(start + n) * shape.block_nbytes]
+            sends.append(ep.tag_send(Array(view), ucx_api.UCXXTag(100 + i)))
+        _ucxx_wait(worker, sends)
+
+    while True:
+        command, case, tag = conn.recv()
+        if command == "stop":
+            return
+        if command == "prepare":
+            prepare(case, tag)
+        else:
+            conn.send(("ok", None))
+
+
+def _ucxx_reader(conn: Connection, shape: Shape) -> None:
+    _child_setup()
+    ucx_api, Array, worker = _ucxx_worker()
+    import numpy as np
+
+    region = shape.tensor().view(-1).view(__import__("torch").uint8).numpy()
+    writer_address = conn.recv()
+    ep = ucx_api.UCXEndpoint.create_from_worker_address(
+        worker, ucx_api.UCXAddress.create_from_buffer(writer_address), False)
+    conn.send(("ok", bytes(worker.address.tobytes())))
+    conn.send(("ok", None))
+    go = np.ones(1, dtype=np.uint64)
+
+    def run(case: Case, tag: str) -> float:
+        t0 = time.perf_counter()
+        recvs = []
+        for i, (start, n) in enumerate(case.runs()):
+            view = region[start * shape.block_nbytes:(start + n) * shape.block_nbytes]
+            recvs.append(worker.tag_recv(Array(view), ucx_api.UCXXTag(100 + i)))
+        _ucxx_wait(worker, [ep.tag_send(Array(go), ucx_api.UCXXTag(1))])
+        _ucxx_wait(worker, recvs)
+        return time.perf_counter() - t0
+
+    _serve(conn, {"run": run})
+
+
+# -- (c) NIXL READ --------------------------------------------------------------------------------
+
+def _nixl_agent(name: str) -> Any:
+    try:
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
+    except ImportError as e:
+        raise _MethodUnavailable(f"nixl-cu12 not installed: {e}") from None
+    agent = nixl_agent(name, nixl_agent_config(backends=[]))
+    agent.create_backend("UCX", {"ucx_error_handling_mode": "none"})
+    return agent
+
+
+def _nixl_writer(conn: Connection, shape: Shape) -> None:
+    _child_setup()
+    try:
+        agent = _nixl_agent("bench-writer")
+    except _MethodUnavailable as e:
+        conn.send(("unavailable", str(e)))
+        return
+    kv = shape.tensor(seed=1)
+    agent.register_memory(kv)
+    conn.send(("ok", (agent.get_agent_metadata(), kv.data_ptr())))
+    conn.recv()
+    conn.send(("ok", None))
+    _serve(conn, {})
+
+
+def _nixl_reader(conn: Connection, shape: Shape) -> None:
+    _child_setup()
+    try:
+        agent = _nixl_agent("bench-reader")
+    except _MethodUnavailable as e:
+        conn.send(("unavailable", str(e)))
+        return
+    kv = shape.tensor()
+    agent.register_memory(kv)
+    metadata, remote_base = conn.recv()
+    remote_name = agent.add_remote_agent(metadata)
+    conn.send(("ok", None))
+    conn.send(("ok", None))
+    local_base, bn = kv.data_ptr(), shape.block_nbytes
+
+    def run(case: Case, tag: str) -> float:
+        t0 = time.perf_counter()
+        handles = []
+        for start, n in case.runs():
+            local = agent.get_xfer_descs([(local_base + start * bn, n * bn, 0)], "DRAM")
+            remote = agent.get_xfer_descs([(remote_base + start * bn, n * bn, 0)], "DRAM")
+            handle = agent.initialize_xfer("READ", local, remote, remote_name, tag.encode())
+            if agent.transfer(handle) == "ERR":
+                raise RuntimeError("NIXL transfer failed to post")
+            handles.append(handle)
+        pending = list(handles)
+        while pending:
+            states = [agent.check_xfer_state(h) for h in pending]
+            if "ERR" in states:
+                raise RuntimeError("NIXL transfer failed")
+            pending = [h for h, s in zip(pending, states, strict=True) if s != "DONE"]
+        elapsed = time.perf_counter() - t0
+        for h in handles:
+            agent.release_xfer_handle(h)
+        return elapsed
+
+    _serve(conn, {"run": run})
+
+
+# -- (d) gRPC streaming ----------------------------------------------------------------------------
+
+def _grpc_writer(conn: Connection, shape: Shape) -> None:
+    _child_setup()
+    from concurrent import futures
+
+    import grpc
+    import torch
+
+    region = shape.tensor(seed=1).view(-1).view(torch.uint8).numpy()
+
+    def pull(request: bytes, context: Any) -> Any:
+        start, n = json.loads(request)
+        lo, hi = start * shape.block_nbytes, (start + n) * shape.block_nbytes
+        for offset in range(lo, hi, CHUNK):
+            yield region[offset:min(offset + CHUNK, hi)].tobytes()
+
+    handler = grpc.method_handlers_generic_handler("bench.Transfer", {
+        "Pull": grpc.unary_stream_rpc_method_handler(pull, request_deserializer=None, response_serializer=None)})
+    options = [("grpc.max_send_message_length", 2 * CHUNK), ("grpc.max_receive_message_length", 2 * CHUNK)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=options)
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    conn.send(("ok", port))
+    conn.recv()
+    conn.send(("ok", None))
+    _serve(conn, {})
+    server.stop(grace=None)
+
+
+def _grpc_reader(conn: Connection, shape: Shape) -> None:
+    _child_setup()
+    from concurrent import futures
+
+    import grpc
+    import numpy as np
+    import torch
+
+    region = shape.tensor().view(-1).view(torch.uint8).numpy()
+    port = conn.recv()
+    options = [("grpc.max_receive_message_length", 2 * CHUNK)]
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=options)
+    pull = channel.unary_stream("/bench.Transfer/Pull", request_serializer=None, response_deserializer=None)
+    conn.send(("ok", None))
+    conn.send(("ok", None))
+    pool = futures.ThreadPoolExecutor(max_workers=32)
+
+    def fetch(start: int, n: int) -> None:
+        offset = start * shape.block_nbytes
+        for chunk in pull(json.dumps([start, n]).encode()):
+            region[offset:offset + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
+            offset += len(chunk)
+
+    def run(case: Case, tag: str) -> float:
+        t0 = time.perf_counter()
+        for f in [pool.submit(fetch, start, n) for start, n in case.runs()]:
+            f.result()
+        return time.perf_counter() - t0
+
+    _serve(conn, {"run": run})
+    channel.close()
+
+
+# -- (e) memcpy --------------------------------------------------------------------------------------
+
+def _memcpy_main(conn: Connection, shape: Shape, cases: list[Case], iters: int) -> None:
+    _child_setup()
+    src, dst = shape.tensor(seed=1), shape.tensor()
+    results: dict[str, float] = {}
+    for case in cases:
+        samples = []
+        for i in range(iters + 1):
+            t0 = time.perf_counter()
+            for start, n in case.runs():
+                dst[start:start + n].copy_(src[start:start + n])
+            if i:
+                samples.append(time.perf_counter() - t0)
+        results[case.label] = statistics.median(samples)
+    conn.send(("ok", results))
+
+
+_PAIRS: dict[str, tuple[Callable[[Connection, Shape], None], Callable[[Connection, Shape], None]]] = {
+    "pdserve": (_pdserve_writer, _pdserve_reader),
+    "ucxx": (_ucxx_writer, _ucxx_reader),
+    "nixl": (_nixl_writer, _nixl_reader),
+    "grpc": (_grpc_writer, _grpc_reader),
+}
