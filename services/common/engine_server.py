@@ -13,16 +13,21 @@ On a decode engine: Decode with a descriptor → REMOTE_KV request (blocks alloc
 prefix reused) → every rank pulls its heads of the missing blocks → the scheduler's KVReady
 (all ranks received) or KVFailed (recompute) lets it run; tokens stream back. Without a
 descriptor the engine computes the prompt itself (decode-only, or a migrated request).
+
+Tracing (on from the OTEL_* environment, see services.common.tracing): the Engine RPCs get SERVER
+spans continuing the scheduler's W3C context, Prefill a `prefill` span and Decode a `decode` span
+(request id attribute), and the decode span's context rides the pull command to every rank.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +47,8 @@ from services.common.engine_loop import Delivery, EngineLoop
 from services.common.grpc_server import ServiceServer, install_drain_handler
 from services.common.metrics import EngineMetrics
 from services.common.rank_agent import RankAgent, RankAgentFactory, compatibility_hash
+from services.common.security import component_channel_security, component_server_security
+from services.common.tracing import ComponentTracer, server_interceptors, trace_carrier
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +103,7 @@ class EngineService(pb_grpc.EngineServicer):
         self._pinned_until: dict[str, float] = {}
         self.metrics: EngineMetrics | None = None
         self._last_load: Any = None
+        self.tracer = ComponentTracer(config.role)
 
     # -- start-up -------------------------------------------------------------------------------
 
@@ -119,7 +127,7 @@ class EngineService(pb_grpc.EngineServicer):
             compat_hash=compatibility_hash(model_config, spec, cfg.hash_seed), hash_seed=cfg.hash_seed,
             block_size=cfg.block_size, transfer_timeout_s=cfg.transfer_timeout_s, lease_s=cfg.lease_s,
             max_inflight=cfg.max_inflight_transfers, ucx_tls=cfg.ucx_tls, ucx_net_devices=cfg.ucx_net_devices,
-            metrics_port=cfg.metrics_port)
+            metrics_port=cfg.metrics_port, security=component_channel_security(cfg))
         self.engine = LLMEngine(model, tp=cfg.tp, kv_cache_memory=cfg.kv_cache_memory, block_size=cfg.block_size,
                                 max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                                 max_model_len=cfg.max_model_len, dtype=cfg.dtype, device=cfg.device,
@@ -249,6 +257,15 @@ class EngineService(pb_grpc.EngineServicer):
         await asyncio.wrap_future(self.loop.call(lambda e: e.abort_request(request_id)))
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        with self.tracer.span("prefill", request_id=request.request_id,
+                              attributes={"pdserve.engine_id": self.config.engine_id,
+                                          "pdserve.prompt_tokens": len(request.prompt_token_ids)}) as span:
+            response = await self._prefill(request, context)
+            span.set_attribute("pdserve.cached_tokens", response.num_cached_tokens)
+            span.set_attribute("pdserve.kv.blocks", len(response.descriptor.block_ids))
+            return response
+
+    async def _prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         await self._check_ready(context, "prefill")
         rid, prompt = request.request_id, list(request.prompt_token_ids)
         params = sampling_from_proto(request.sampling)
@@ -279,6 +296,16 @@ class EngineService(pb_grpc.EngineServicer):
                                   first_token_text=out.text_delta)
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeResponse]:
+        with self.tracer.span("decode", request_id=request.request_id,
+                              attributes={"pdserve.engine_id": self.config.engine_id,
+                                          "pdserve.prompt_tokens": len(request.prompt_token_ids),
+                                          "pdserve.remote_kv": request.HasField("descriptor")}):
+            async with contextlib.aclosing(self._decode(request, context)) as responses:
+                async for response in responses:
+                    yield response
+
+    async def _decode(self, request: pb.DecodeRequest,
+                      context: grpc.aio.ServicerContext) -> AsyncGenerator[pb.DecodeResponse, None]:
         await self._check_ready(context, "decode")
         rid, prompt = request.request_id, list(request.prompt_token_ids)
         outputs = list(request.output_token_ids)
@@ -291,6 +318,7 @@ class EngineService(pb_grpc.EngineServicer):
                                     f"descriptor block_size {descriptor.block_size} != {self.config.block_size}")
         deadline = time.monotonic() + self.config.transfer_timeout_s * 3 if remote else None
         info: dict[str, int] = {}
+        carrier = trace_carrier() if remote else None  # the decode span's context, for every rank
 
         def add(engine: LLMEngine) -> None:
             engine.add_request(rid, prompt, params, mode=RequestMode.REMOTE_KV if remote else RequestMode.NORMAL,
@@ -301,7 +329,7 @@ class EngineService(pb_grpc.EngineServicer):
                 assert self.connector is not None
                 bs = self.config.block_size
                 local = engine.get_block_ids(rid)[cached // bs: -(-len(prompt) // bs)]
-                self.connector.queue_pull(rid, descriptor, local)
+                self.connector.queue_pull(rid, descriptor, local, carrier)
                 info["transferred"] = len(prompt) - (cached // bs) * bs
 
         pending = await self._add(context, rid, add, deadline)
@@ -392,8 +420,10 @@ class EngineService(pb_grpc.EngineServicer):
 
 async def serve(config: EngineConfig) -> None:
     """Runs one engine service until SIGTERM/SIGINT (then drains)."""
-    server = ServiceServer(["pdserve.v1.Engine"])
-    port = server.bind(config.host, config.port)
+    server = ServiceServer(["pdserve.v1.Engine"], max_message_bytes=config.max_message_bytes, interceptors=server_interceptors())
+    port = server.bind(config.host, config.port, component_server_security(config, require_client_cert=True))
+    if config.health_port:
+        server.bind_health(config.host, config.health_port)
     advertise = config.advertise_host or (config.host if config.host not in ("0.0.0.0", "::") else socket.getfqdn())
     service = EngineService(config, f"{advertise}:{port}")
     service.attach(asyncio.get_running_loop())

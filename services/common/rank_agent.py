@@ -10,7 +10,10 @@ UCX worker connector and the rank's control stream to the scheduler:
 - a drain thread reports finished / failed transfers and per-pair stats on the control stream
   as soon as they happen (transfers finish between steps, not in them);
 - rank 0's agent also hands the scheduler's KVReady / KVFailed / ReleaseBlocks to the engine
-  service through `set_inbox`.
+  service through `set_inbox`;
+- with tracing on, every pull gets a `kv_transfer` span on this rank, from `start_pull` until
+  the drain sees it finish (or fail, or be cancelled), child of the decode span whose W3C
+  context the step plan's `PullCommand.trace_carrier` carries.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ from services.common.metrics import (
     metrics_port_for_rank,
     start_metrics_server,
 )
+from services.common.security import ChannelSecurity
+from services.common.tracing import extract_carrier, flush_tracing, process_tracer
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +89,7 @@ class RankAgentFactory:
     ucx_tls: str = ""
     ucx_net_devices: str = ""
     metrics_port: int = 0  # rank r serves /metrics on metrics_port + r; 0 disables
+    security: ChannelSecurity | None = None  # TLS to the scheduler, the engine's certificate as identity
 
     def __call__(self, rank: int, tp_size: int, kv_cache: Any, spec: Any) -> RankAgent:
         return RankAgent(self, rank, tp_size)
@@ -111,6 +117,9 @@ class RankAgent(WorkerConnector):
             self.metrics = TransferMetrics(self.registry)
             self._metrics_server = start_metrics_server(port, self.registry)
         self._inbox: Callable[[ControlMessage], None] | None = None
+        self._tracer = process_tracer(factory.role, {"pdserve.engine_id": factory.engine_id, "pdserve.rank": rank})
+        self._spans: dict[str, Any] = {}  # request id -> open kv_transfer span (tracing on only)
+        self._spans_lock = threading.Lock()
         self._stop = threading.Event()
         self._drain_thread: threading.Thread | None = None
 
@@ -121,7 +130,7 @@ class RankAgent(WorkerConnector):
         f = self.factory
         hello = ControlHello(self.identity, f.compat_hash, f.engine_address, self.ucx.get_handshake_metadata(),
                              hash_seed=f.hash_seed, block_size=f.block_size)
-        self.control = ControlClient(f.scheduler, hello, on_message=self._on_message)
+        self.control = ControlClient(f.scheduler, hello, on_message=self._on_message, security=f.security)
         self.control.start(timeout=None)
         self._drain_thread = threading.Thread(target=self._drain_loop, name=f"rank{self.identity.tp_rank}-drain",
                                               daemon=True)
@@ -164,14 +173,57 @@ class RankAgent(WorkerConnector):
             except ValueError as e:
                 logger.error("cannot pin %s for sending: %s", send.request_id, e)
         for pull in meta.pulls:
+            if self._tracer is not None:
+                self._start_span(pull)
             try:
                 self.ucx.start_pull(pull.request_id, pull.descriptor, pull.local_block_ids)
             except ValueError as e:
                 logger.error("cannot pull %s: %s", pull.request_id, e)
+                self._end_span(pull.request_id, f"not started: {e}")
                 self._report(StepReport(failed_recving=[pull.request_id],
                                         invalid_block_ids=list(pull.local_block_ids)))
         for request_id in meta.cancels:
             self.ucx.cancel(request_id)
+            self._end_span(request_id, "cancelled")
+
+    def _start_span(self, pull: Any) -> None:
+        """Opens the pull's kv_transfer span (before start_pull: the drain may end it at once)."""
+        assert self._tracer is not None
+        d = pull.descriptor
+        num_blocks = len(pull.local_block_ids)
+        attributes: dict[str, str | int | float | bool] = {
+            "pdserve.engine_id": self.identity.engine_id, "pdserve.rank": self.identity.tp_rank,
+            "pdserve.kv.blocks": num_blocks, "pdserve.kv.bytes": num_blocks * self._block_nbytes(),
+            "pdserve.peer.engine_id": d.engine_id, "pdserve.peer.epoch": d.epoch,
+            "pdserve.peer.rank": self.identity.tp_rank}
+        span = self._tracer.start("kv_transfer", request_id=pull.request_id,
+                                  parent=extract_carrier(pull.trace_carrier), attributes=attributes)
+        with self._spans_lock:
+            old = self._spans.pop(pull.request_id, None)
+            if span is not None:
+                self._spans[pull.request_id] = span
+        if old is not None:
+            old.end()
+
+    def _block_nbytes(self) -> int:
+        try:
+            return int(self.ucx.handshake_metadata.region.block_nbytes)
+        except RuntimeError:  # KV caches not registered yet
+            return 0
+
+    def _end_span(self, request_id: str, error: str | None = None) -> None:
+        """Ends the request's kv_transfer span, if one is open; `error` marks it failed."""
+        if self._tracer is None:
+            return
+        with self._spans_lock:
+            span = self._spans.pop(request_id, None)
+        if span is None:
+            return
+        if error is not None:
+            from opentelemetry.trace import Status, StatusCode
+
+            span.set_status(Status(StatusCode.ERROR, error))
+        span.end()
 
     def wait_for_layer_load(self, layer_idx: int) -> None:
         pass
@@ -216,6 +268,11 @@ class RankAgent(WorkerConnector):
         invalid = self.ucx.get_block_ids_with_load_errors()
         stats = self.ucx.get_kv_connector_stats()
         self._record_metrics(stats)
+        if self._tracer is not None:
+            for request_id in results.finished_recving:
+                self._end_span(request_id)
+            for request_id in results.failed_recving:
+                self._end_span(request_id, "KV pull failed")
         if not (results.finished_sending or results.finished_recving or results.failed_recving) and (
                 stats is None or stats.is_empty()):
             return
@@ -244,6 +301,10 @@ class RankAgent(WorkerConnector):
         if self.control is not None:
             self.control.close()
         self.ucx.shutdown()
+        if self._tracer is not None:
+            for request_id in list(self._spans):
+                self._end_span(request_id, "rank shut down")
+            flush_tracing()
         if self._metrics_server is not None:
             self._metrics_server.close()
 

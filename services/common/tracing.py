@@ -18,7 +18,12 @@ Context crosses processes as W3C trace context: in gRPC metadata through
 `client_interceptors()` / `server_interceptors()` (the opentelemetry grpc instrumentation,
 limited to the Generation and Engine services so health checks and the long-lived control and
 event streams make no spans), or by hand with `inject_metadata` / `extract_metadata`; to a
-rank process inside step metadata with `inject_carrier` / `extract_carrier`.
+rank process inside step metadata with `inject_carrier` / `extract_carrier` (or `trace_carrier`,
+None when there is nothing to carry).
+
+Processes: the scheduler and each engine's rank 0 call `setup_tracing` at start and
+`shutdown_tracing` on exit (SIGTERM drain included) so batched spans are flushed; a spawned
+rank process (tp > 1) sets itself up from the inherited environment with `process_tracer`.
 """
 
 from __future__ import annotations
@@ -78,24 +83,30 @@ def _exporter_from_env(env: Mapping[str, str]) -> SpanExporter:
 
 
 def setup_tracing(component: str, *, exporter: SpanExporter | None = None,
-                  env: Mapping[str, str] | None = None, set_global: bool = True) -> TracerProvider | None:
+                  env: Mapping[str, str] | None = None, set_global: bool = True,
+                  attributes: Mapping[str, str | int] | None = None) -> TracerProvider | None:
     """Creates this process's tracer provider, or returns None when tracing is off.
 
     `exporter` (tests: the SDK's InMemorySpanExporter) forces tracing on and is wired with a
     synchronous processor; otherwise the exporter comes from the environment behind a batch
-    processor. With `set_global` the provider becomes OpenTelemetry's global one (once per
-    process) and the default of every helper here.
+    processor (`OTEL_BSP_*` tune it). `attributes` are added to the resource (e.g.
+    `pdserve.engine_id`, `pdserve.rank`). With `set_global` the provider becomes OpenTelemetry's
+    global one and the default of every helper here; a second global call in the same process
+    returns the first provider unchanged.
     """
     global _provider
+    if set_global and _provider is not None:
+        return _provider
     env = os.environ if env is None else env
     if exporter is None and not tracing_enabled(env):
         return None
     from services.common.version import __version__
 
-    attributes: dict[str, Any] = {"service.version": __version__, COMPONENT_ATTRIBUTE: component}
+    resource: dict[str, Any] = {"service.version": __version__, COMPONENT_ATTRIBUTE: component,
+                                **(attributes or {})}
     if not env.get("OTEL_SERVICE_NAME"):
-        attributes["service.name"] = f"pdserve-{component}"
-    provider = TracerProvider(resource=Resource.create(attributes))
+        resource["service.name"] = f"pdserve-{component}"
+    provider = TracerProvider(resource=Resource.create(resource))
     if exporter is not None:
         from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
@@ -109,26 +120,95 @@ def setup_tracing(component: str, *, exporter: SpanExporter | None = None,
     return provider
 
 
+def tracing_active() -> bool:
+    """Whether `setup_tracing` installed a provider in this process."""
+    return _provider is not None
+
+
+def flush_tracing(timeout_s: float = 5.0) -> bool:
+    """Exports the spans this process has batched so far (True when done in time, or off)."""
+    return _provider.force_flush(int(timeout_s * 1000)) if _provider is not None else True
+
+
+def shutdown_tracing() -> None:
+    """Flushes and closes this process's provider (idempotent; a no-op when tracing is off).
+
+    Call it when a process ends (the services do, after their SIGTERM drain); the SDK's own exit
+    hook is a second line of defence.
+    """
+    global _provider
+    provider, _provider = _provider, None
+    if provider is not None:
+        provider.shutdown()
+
+
+def process_tracer(component: str, attributes: Mapping[str, str | int] | None = None) -> ComponentTracer | None:
+    """This process's tracer for `component`, or None when tracing is off.
+
+    Sets tracing up from the environment when no provider exists yet: a spawned rank process
+    inherits its engine's `OTEL_*` variables. Rank 0 shares the engine process's provider.
+    """
+    if _provider is None and setup_tracing(component, attributes=attributes) is None:
+        return None
+    return ComponentTracer(component)
+
+
+Attributes = Mapping[str, str | int | float | bool]
+
+
 class ComponentTracer:
-    """Starts spans of one component, tagged with `pdserve.component` and the request id."""
+    """Starts spans of one component, tagged with `pdserve.component` and the request id.
+
+    Without a provider (tracing off: no `provider` given, no `setup_tracing`, no global SDK
+    provider) a span costs one check and yields the invalid span; nothing is attached.
+    """
 
     def __init__(self, component: str, provider: trace.TracerProvider | None = None) -> None:
         self.component = component
-        self._tracer = (provider or _provider or trace.get_tracer_provider()).get_tracer("pdserve")
+        self._explicit = provider
+        self._tracer: trace.Tracer | None = None
+
+    def tracer(self) -> trace.Tracer | None:
+        """The underlying tracer, or None while tracing is off in this process."""
+        if self._tracer is None:
+            provider = self._explicit or _provider
+            if provider is None:
+                provider = trace.get_tracer_provider()
+                if isinstance(provider, trace.ProxyTracerProvider):
+                    return None
+            self._tracer = provider.get_tracer("pdserve")
+        return self._tracer
+
+    def _attributes(self, request_id: str | None, attributes: Attributes | None) -> dict[str, str | int | float | bool]:
+        attrs: dict[str, str | int | float | bool] = {COMPONENT_ATTRIBUTE: self.component, **(attributes or {})}
+        if request_id is not None:
+            attrs[REQUEST_ID_ATTRIBUTE] = request_id
+        return attrs
 
     @contextmanager
     def span(self, name: str, *, request_id: str | None = None, parent: Context | None = None,
              kind: trace.SpanKind = trace.SpanKind.INTERNAL,
-             attributes: Mapping[str, str | int | float | bool] | None = None) -> Iterator[trace.Span]:
+             attributes: Attributes | None = None) -> Iterator[trace.Span]:
         """A span around the `with` body, current inside it; child of `parent` or of the current span.
 
         An exception leaving the body is recorded on the span and re-raised.
         """
-        attrs: dict[str, str | int | float | bool] = {COMPONENT_ATTRIBUTE: self.component, **(attributes or {})}
-        if request_id is not None:
-            attrs[REQUEST_ID_ATTRIBUTE] = request_id
-        with self._tracer.start_as_current_span(name, context=parent, kind=kind, attributes=attrs) as span:
+        tracer = self.tracer()
+        if tracer is None:
+            yield trace.INVALID_SPAN
+            return
+        with tracer.start_as_current_span(name, context=parent, kind=kind,
+                                          attributes=self._attributes(request_id, attributes)) as span:
             yield span
+
+    def start(self, name: str, *, request_id: str | None = None, parent: Context | None = None,
+              attributes: Attributes | None = None) -> trace.Span | None:
+        """A span that outlives a `with` block (e.g. begun in one thread, ended in another);
+        the caller ends it with `span.end()`. Not made current. None when tracing is off."""
+        tracer = self.tracer()
+        if tracer is None:
+            return None
+        return tracer.start_span(name, context=parent, attributes=self._attributes(request_id, attributes))
 
 
 def inject_metadata(metadata: Iterable[tuple[str, str]] = (), context: Context | None = None
@@ -154,6 +234,14 @@ def inject_carrier(context: Context | None = None) -> dict[str, str]:
     carrier: dict[str, str] = {}
     propagate.inject(carrier, context=context)
     return carrier
+
+
+def trace_carrier() -> dict[str, str] | None:
+    """The current span's context as an `inject_carrier` dict, or None when no span is being
+    recorded here (tracing off, or not sampled): the cheap way to fill an optional carrier."""
+    if not trace.get_current_span().is_recording():
+        return None
+    return inject_carrier()
 
 
 def extract_carrier(carrier: Mapping[str, str] | None) -> Context:

@@ -9,6 +9,7 @@ import socket
 
 from services.common.config import EngineConfig, add_config_arguments, load_config
 from services.common.logs import setup_logging
+from services.common.tracing import setup_tracing, shutdown_tracing
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,7 +21,11 @@ def run(args: argparse.Namespace) -> int:
     if not config.engine_id:
         config.engine_id = f"decode-{socket.gethostname()}"
     setup_logging(config.log_level, config.engine_id)
+    setup_tracing("decode", attributes={"pdserve.engine_id": config.engine_id, "pdserve.rank": 0})
     from services.common.engine_server import serve
 
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    finally:
+        shutdown_tracing()  # flush batched spans (after the SIGTERM drain too)
     return 0

@@ -41,7 +41,8 @@ from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import generation_pb2_grpc as gen_grpc
 from services.common.config import SchedulerConfig
 from services.common.grpc_server import CHANNEL_OPTIONS
-from services.common.tracing import ComponentTracer, client_interceptors
+from services.common.security import ChannelSecurity, component_channel_security, open_channel
+from services.common.tracing import ComponentTracer, client_interceptors, tracing_active
 from services.common.version import __version__
 from services.scheduler.admission import Admission
 from services.scheduler.control import ControlServicer
@@ -56,6 +57,20 @@ from services.scheduler.validation import Limits, RequestError, ValidRequest, va
 logger = logging.getLogger(__name__)
 
 ABORT_RPC_TIMEOUT_S = 2.0
+STREAM_END_TIMEOUT_S = 1.0
+
+
+async def _read_to_end(responses: AsyncIterator[Any]) -> None:
+    """Reads a finished engine stream to its end (the status) so the traced call's CLIENT span
+    ends with the call, not when the garbage collector closes the iterator; bounded, best effort."""
+    async def drain() -> None:
+        async for _ in responses:
+            pass
+
+    try:
+        await asyncio.wait_for(drain(), STREAM_END_TIMEOUT_S)
+    except (TimeoutError, grpc.aio.AioRpcError):
+        pass
 
 
 class LegFailed(Exception):
@@ -65,7 +80,8 @@ class LegFailed(Exception):
 class EngineChannels:
     """One channel and Engine stub per engine, re-created when the engine's address changes."""
 
-    def __init__(self) -> None:
+    def __init__(self, security: ChannelSecurity | None = None) -> None:
+        self.security = security  # mTLS towards the engines when the scheduler has certificates
         self._stubs: dict[str, tuple[str, grpc.aio.Channel, eng_grpc.EngineStub]] = {}
 
     def stub(self, engine: EngineState) -> eng_grpc.EngineStub:
@@ -73,8 +89,8 @@ class EngineChannels:
         if entry is None or entry[0] != engine.address:
             if entry is not None:
                 asyncio.get_running_loop().create_task(entry[1].close())
-            channel = grpc.aio.insecure_channel(engine.address, options=CHANNEL_OPTIONS,
-                                                interceptors=client_interceptors() or None)
+            channel = open_channel(engine.address, self.security, CHANNEL_OPTIONS,
+                                   interceptors=client_interceptors() or None)
             entry = (engine.address, channel, eng_grpc.EngineStub(channel))
             self._stubs[engine.engine_id] = entry
         return entry[2]
@@ -127,7 +143,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         self.router = router
         self.admission = admission
         self.table = table
-        self.channels = channels or EngineChannels()
+        self.channels = channels or EngineChannels(component_channel_security(config))
         self.hasher = BlockHasher(config.block_size, config.hash_seed)
         self.limits = Limits(config.max_prompt_tokens or facts.max_model_len - 1, config.max_new_tokens,
                              config.default_max_tokens)
@@ -155,10 +171,12 @@ class GenerationServicer(gen_grpc.GenerationServicer):
     async def Generate(self, request: gen_pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[gen_pb.GenerateResponse]:
         arrived = time.monotonic()
-        with self.tracer.span("generate", request_id=request.request_id or None):
+        with self.tracer.span("generate", request_id=request.request_id or None) as span:
             try:
-                with self.tracer.span("route"):
+                with self.tracer.span("route") as route_span:
                     flight, route = self._admit(request, context.time_remaining(), arrived)
+                    if route_span.is_recording():
+                        self._trace_route(span, route_span, flight, route)
             except RequestError as e:
                 self.metrics.request_rejected()
                 await context.abort(e.code, e.message)
@@ -177,6 +195,18 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                 await context.abort(e.code, e.message)
             finally:
                 self._end(flight, state, reason)
+
+    @staticmethod
+    def _trace_route(span: Any, route_span: Any, flight: Flight, route: Route) -> None:
+        """Span attributes: the engines' request id (client id + suffix) and the routing decision."""
+        span.set_attribute("pdserve.request_id", flight.record.request_id)
+        span.set_attribute("pdserve.client_request_id", flight.client_id)
+        span.set_attribute("pdserve.prompt_tokens", flight.record.num_prompt_tokens)
+        route_span.set_attribute("pdserve.request_id", flight.record.request_id)
+        route_span.set_attribute("pdserve.route.decode", route.decode.engine_id or "")
+        route_span.set_attribute("pdserve.route.prefill", route.prefill.engine_id or "")
+        route_span.set_attribute("pdserve.route.reason", route.prefill.reason)
+        route_span.set_attribute("pdserve.route.matched_blocks", route.prefill.matched_blocks)
 
     @staticmethod
     def _end_state(e: RequestError) -> tuple[RequestState, str]:
@@ -415,6 +445,8 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                     yield self._chunk(flight, list(response.token_ids), response.text)
                 if response.finish_reason in _FINISH_FROM_ENGINE:
                     yield self._complete(flight, response.finish_reason)
+                    if tracing_active():
+                        await _read_to_end(responses)
                     return
                 if response.finish_reason == gen_pb.FINISH_REASON_ABORT:
                     raise LegFailed("the decode engine aborted the request")
