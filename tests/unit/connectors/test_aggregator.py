@@ -343,6 +343,21 @@ EVENTS = st.one_of(
 )
 
 
+def _run(medium: str, *hash_lists: tuple[int, ...]) -> tuple[KVCacheEvent, ...]:
+    return tuple(BlockStored(hs, None, (), 0, medium=medium, group_idx=0) for hs in hash_lists)
+
+
+# Whole runs that several ranks report identically (the common case the bulk path serves),
+# including overlapping and repeated hashes.
+RUNS = st.sampled_from([
+    _run(MEDIUM_CPU, (1, 2), (3,), (4, 5)),
+    _run(MEDIUM_CPU, (1,), (2,)),
+    _run(MEDIUM_CPU, (2, 3), (3, 4)),
+    _run(MEDIUM_CPU, (5,), (5,)),
+    _run(MEDIUM_CPU_OFFLOAD, (1, 2, 3)),
+])
+
+
 def _report(num_ranks: int) -> st.SearchStrategy[tuple[str, int, KVConnectorOutput]]:
     ids = st.frozensets(st.sampled_from(IDS), max_size=3)
     return st.tuples(
@@ -352,7 +367,7 @@ def _report(num_ranks: int) -> st.SearchStrategy[tuple[str, int, KVConnectorOutp
         st.builds(KVConnectorOutput, finished_sending=ids, finished_recving=ids,
                   failed_recving=st.frozensets(st.sampled_from(IDS), max_size=1),
                   invalid_block_ids=st.frozensets(st.integers(0, 9), max_size=2),
-                  kv_cache_events=st.lists(EVENTS, max_size=4).map(tuple),
+                  kv_cache_events=st.one_of(st.lists(EVENTS, max_size=4).map(tuple), RUNS),
                   expected_finished_count=st.integers(0, num_ranks)))
 
 
