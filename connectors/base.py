@@ -96,10 +96,12 @@ class SchedulerConnector(ABC):
     @abstractmethod
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: Sequence[int],
                                  num_external_tokens: int) -> None:
-        """Called after blocks were allocated for `request`. `block_ids` are all of its blocks
-        in order; the last ceil(num_external_tokens / block_size) blocks after the locally
-        computed ones are to be filled by this connector. For async loads it may be called
-        twice (the second time with `num_external_tokens` 0)."""
+        """Called after blocks were allocated for `request`, before its `num_computed_tokens`
+        counts the local hit or the external tokens. `block_ids` are all of its blocks in
+        order; the num_external_tokens / block_size blocks right after the locally cached ones
+        are this connector's to fill (in this step's `start_load_kv` for a synchronous load).
+        For async loads it may be called twice (the second time with `num_external_tokens` 0).
+        The engine then counts the external tokens as computed."""
 
     @abstractmethod
     def build_connector_meta(self, step: Any) -> KVConnectorMetadata:
