@@ -21,6 +21,7 @@ import grpc
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.security import ChannelSecurity
 
 FINISH_REASONS = {
     pb.FINISH_REASON_STOP: "stop",
@@ -121,13 +122,17 @@ class AsyncClient:
     """asyncio client; one channel, many concurrent streams."""
 
     def __init__(self, target: str, *, credentials: grpc.ChannelCredentials | None = None,
-                 metadata: Sequence[tuple[str, str]] = ()) -> None:
+                 metadata: Sequence[tuple[str, str]] = (), security: ChannelSecurity | None = None) -> None:
+        """`security` (CA, client certificate, bearer token) or raw `credentials` and `metadata`."""
+        options = security.options(CHANNEL_OPTIONS) if security is not None else CHANNEL_OPTIONS
+        if credentials is None and security is not None:
+            credentials = security.credentials()
         if credentials is None:
-            self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+            self._channel = grpc.aio.insecure_channel(target, options=options)
         else:
-            self._channel = grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+            self._channel = grpc.aio.secure_channel(target, credentials, options=options)
         self._stub = pb_grpc.GenerationStub(self._channel)
-        self._metadata = tuple(metadata)
+        self._metadata = tuple(metadata) + (security.metadata() if security is not None else ())
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -169,13 +174,17 @@ class Client:
     """Blocking client over a synchronous channel."""
 
     def __init__(self, target: str, *, credentials: grpc.ChannelCredentials | None = None,
-                 metadata: Sequence[tuple[str, str]] = ()) -> None:
+                 metadata: Sequence[tuple[str, str]] = (), security: ChannelSecurity | None = None) -> None:
+        """`security` (CA, client certificate, bearer token) or raw `credentials` and `metadata`."""
+        options = security.options(CHANNEL_OPTIONS) if security is not None else CHANNEL_OPTIONS
+        if credentials is None and security is not None:
+            credentials = security.credentials()
         if credentials is None:
-            self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+            self._channel = grpc.insecure_channel(target, options=options)
         else:
-            self._channel = grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+            self._channel = grpc.secure_channel(target, credentials, options=options)
         self._stub = pb_grpc.GenerationStub(self._channel)
-        self._metadata = tuple(metadata)
+        self._metadata = tuple(metadata) + (security.metadata() if security is not None else ())
 
     def __enter__(self) -> Client:
         return self

@@ -23,6 +23,11 @@ import grpc
 
 from connectors.kv_events import KVCacheEvent, KVEventBatch, event_from_proto
 from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.security import (
+    add_client_security_arguments,
+    client_security_from_args,
+    open_sync_channel,
+)
 
 END_SEQ = b"\xff" * 8
 _TYPES = {"BlockStored": 1, "BlockRemoved": 2, "AllBlocksCleared": 3}
@@ -40,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=0, help="exit after this many batches (0: never)")
     parser.add_argument("--duration", type=float, default=0.0, help="exit after this many seconds (0: never)")
     parser.add_argument("--json", action="store_true", help="JSON lines (the default output; accepted for symmetry)")
+    add_client_security_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,8 +84,10 @@ def _run_grpc(args: argparse.Namespace, out: TextIO) -> int:
     if args.from_seq is not None:
         request.from_seq = args.from_seq
     num_batches = 0
-    with grpc.insecure_channel(args.target, options=CHANNEL_OPTIONS) as channel:
-        call = pb_grpc.KVEventsStub(channel).Subscribe(request, timeout=args.duration or None)
+    security = client_security_from_args(args)
+    with open_sync_channel(args.target, security, CHANNEL_OPTIONS) as channel:
+        call = pb_grpc.KVEventsStub(channel).Subscribe(request, timeout=args.duration or None,
+                                                       metadata=security.metadata() if security else ())
         snapshot = False
         try:
             for msg in call:

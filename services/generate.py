@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 
 from services.client import Client
+from services.common.security import add_client_security_arguments, client_security_from_args
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -50,6 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt: token ids, text, finish reason, usage")
     add_sampling_arguments(parser)
+    add_client_security_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     if not prompts:
         raise ValueError("give at least one --prompt or --prompt-ids")
     kwargs = sampling_kwargs(args)
-    with Client(args.target) as client:
+    with Client(args.target, security=client_security_from_args(args)) as client:
         for prompt in prompts:
             try:
                 if args.json:

@@ -3,6 +3,10 @@ tests and the serving benchmarks run.
 
 Every component is a child process in its own session (process group), so stopping the cluster
 also stops the rank processes an engine spawned; nothing is left behind.
+
+With `ClusterSpec.tls` every component gets certificates from a throwaway CA (services/common/
+certs.py) and every channel is mTLS; `auth_tokens` are given to the scheduler (environment, not
+flags) and the first one is what `client_security` sends.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +28,9 @@ from pdserve.v1 import engine_pb2 as engine_pb
 from pdserve.v1 import engine_pb2_grpc as engine_grpc
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import generation_pb2_grpc as gen_grpc
+from services.common.certs import LocalPki, make_local_pki
+from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.security import ChannelSecurity, open_sync_channel
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +65,9 @@ class ClusterSpec:
     engine_args: list[str] = field(default_factory=list)
     log_dir: str = ""
     env: dict[str, str] = field(default_factory=dict)
+    tls: bool = False  # mTLS on every channel with a throwaway CA
+    tls_dir: str = ""  # where the certificates go (default: a new temporary directory)
+    auth_tokens: list[str] = field(default_factory=list)  # bearer tokens of the client API and KV events
 
 
 @dataclass(slots=True)
@@ -85,6 +96,20 @@ class LocalCluster:
         self.torch_threads = spec.torch_threads or default_torch_threads(ranks)
         self.components: dict[str, Component] = {}
         self._log_dir = Path(spec.log_dir) if spec.log_dir else None
+        self.pki: LocalPki | None = None
+        if spec.tls:
+            self.pki = make_local_pki(spec.tls_dir or tempfile.mkdtemp(prefix="pdserve-tls-"), [spec.host])
+        token = spec.auth_tokens[0] if spec.auth_tokens else ""
+        # What a client of the Generate / KVEvents APIs uses, and what Engine.Inspect uses (mTLS).
+        self.client_security: ChannelSecurity | None = None
+        self.engine_security: ChannelSecurity | None = None
+        if self.pki is not None:
+            self.client_security = ChannelSecurity(ca=str(self.pki.ca_cert), cert=str(self.pki.client_cert),
+                                                   key=str(self.pki.client_key), token=token)
+            self.engine_security = ChannelSecurity(ca=str(self.pki.ca_cert), cert=str(self.pki.server_cert),
+                                                   key=str(self.pki.server_key))
+        elif token:
+            self.client_security = ChannelSecurity(token=token)
 
     @property
     def target(self) -> str:
@@ -102,7 +127,13 @@ class LocalCluster:
         self.stop()
 
     def _cli(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "services.common.cli", *args]
+        return [sys.executable, "-m", "services.common.cli", *args, *self._tls_args()]
+
+    def _tls_args(self) -> list[str]:
+        if self.pki is None:
+            return []
+        return ["--tls-cert", str(self.pki.server_cert), "--tls-key", str(self.pki.server_key),
+                "--tls-ca", str(self.pki.ca_cert)]
 
     def _scheduler_component(self) -> Component:
         s = self.spec
@@ -140,6 +171,8 @@ class LocalCluster:
 
     def _launch(self, comp: Component) -> None:
         env = {**os.environ, **self.spec.env, "PYTHONUNBUFFERED": "1"}
+        if self.spec.auth_tokens:
+            env["PDSERVE_AUTH_TOKENS"] = ",".join(self.spec.auth_tokens)
         if self._log_dir is not None:
             self._log_dir.mkdir(parents=True, exist_ok=True)
             comp.log_path = self._log_dir / f"{comp.name}.log"
@@ -153,8 +186,10 @@ class LocalCluster:
         logger.info("started %s (pid %d)", comp.name, comp.proc.pid)
 
     def server_info(self, timeout: float = 2.0) -> gen_pb.ServerInfo:
-        with grpc.insecure_channel(self.target) as channel:
-            return gen_grpc.GenerationStub(channel).GetServerInfo(gen_pb.GetServerInfoRequest(), timeout=timeout)
+        security = self.client_security
+        with open_sync_channel(self.target, security, CHANNEL_OPTIONS) as channel:
+            return gen_grpc.GenerationStub(channel).GetServerInfo(
+                gen_pb.GetServerInfoRequest(), timeout=timeout, metadata=security.metadata() if security else ())
 
     def wait_ready(self, num_prefill: int, num_decode: int, timeout: float = 180.0) -> None:
         """Waits until the scheduler reports at least these many registered, healthy engines."""
@@ -177,7 +212,7 @@ class LocalCluster:
 
     def inspect(self, name: str, timeout: float = 5.0) -> engine_pb.InspectResponse:
         """The engine's load and leak report (Engine.Inspect)."""
-        with grpc.insecure_channel(self.components[name].address) as channel:
+        with open_sync_channel(self.components[name].address, self.engine_security, CHANNEL_OPTIONS) as channel:
             return engine_grpc.EngineStub(channel).Inspect(engine_pb.InspectRequest(), timeout=timeout)
 
     def wait_no_leaks(self, names: list[str] | None = None, timeout: float = 15.0) -> dict[str, list[str]]:

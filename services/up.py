@@ -26,6 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zmq-endpoint", default="", help="ZMQ PUB endpoint for vLLM-format KV events")
     parser.add_argument("--zmq-replay-endpoint", default="", help="ZMQ ROUTER replay endpoint (vLLM format)")
     parser.add_argument("--log-dir", default="", help="write each component's log to DIR/<name>.log")
+    parser.add_argument("--tls", action="store_true",
+                        help="mTLS on every channel with a throwaway CA (default: plaintext, loopback only)")
+    parser.add_argument("--tls-dir", default="", help="where --tls writes its certificates (default: a temp dir)")
+    parser.add_argument("--auth-tokens-file", default="",
+                        help="bearer tokens required on Generate and KV events (see `pdserve scheduler --help`)")
     parser.add_argument("--log-level", default="INFO", help="logging level")
 
 
@@ -37,11 +42,13 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         scheduler_args += ["--zmq-endpoint", args.zmq_endpoint]
     if args.zmq_replay_endpoint:
         scheduler_args += ["--zmq-replay-endpoint", args.zmq_replay_endpoint]
+    if args.auth_tokens_file:
+        scheduler_args += ["--auth-tokens-file", args.auth_tokens_file]
     return ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode, tp=args.tp,
                        host=args.host, port=args.port, control_port=args.control_port,
                        events_port=args.events_port, metrics=args.metrics, torch_threads=args.torch_threads,
                        kv_cache_memory=args.kv_cache_memory, scheduler_args=scheduler_args,
-                       log_dir=args.log_dir)
+                       log_dir=args.log_dir, tls=args.tls, tls_dir=args.tls_dir)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,8 +60,15 @@ def run(args: argparse.Namespace) -> int:
     print("pdserve up: starting scheduler, "
           f"{args.prefill} prefill and {args.decode} decode engine(s), tp {args.tp} ...", flush=True)
     with cluster:
-        print(f"  Generate API   {cluster.target}   (pdserve generate --target {cluster.target} --prompt ...)")
-        print(f"  KV events      {cluster.events_target}   (pdserve events --target {cluster.events_target})")
+        flags = ""
+        if cluster.pki is not None:
+            p = cluster.pki
+            flags = f" --tls-ca {p.ca_cert} --tls-cert {p.client_cert} --tls-key {p.client_key}"
+            print(f"  mTLS           certificates in {p.directory}")
+        if args.auth_tokens_file:
+            flags += " --token-file <file with one of your tokens>"
+        print(f"  Generate API   {cluster.target}   (pdserve generate --target {cluster.target}{flags} --prompt ...)")
+        print(f"  KV events      {cluster.events_target}   (pdserve events --target {cluster.events_target}{flags})")
         print(f"  control plane  {args.host}:{cluster.control_port}")
         for comp in cluster.components.values():
             if comp.metrics_port:

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import yaml
 
 from connectors.hashing import DEFAULT_HASH_SEED
+from services.common.security import TokenStore, check_plaintext, check_tls_files, target_host
 
 ENV_PREFIX = "PDSERVE_"
 C = TypeVar("C")
@@ -84,6 +85,21 @@ class SchedulerConfig:
     lease_s: float = opt(30.0, "prefill KV lease assumed when a descriptor states none")
     drain_timeout_s: float = opt(60.0, "longest SIGTERM drain (in-flight requests finish) before exiting")
     log_level: str = opt("INFO", "logging level")
+    # Security (services/common/security.py; docs/architecture.md "Security").
+    tls_cert: str = opt("", "PEM certificate of the scheduler (server identity, and client identity towards engines)")
+    tls_key: str = opt("", "PEM private key of tls_cert")
+    tls_ca: str = opt("", "PEM CA bundle peers' certificates must chain to; tls_cert, tls_key, tls_ca turn TLS on")
+    tls_server_name: str = opt("", "name expected in engines' server certificates (default: the address dialed)")
+    tls_require_client_cert: bool = opt(False, "client API and KV events also require a client certificate "
+                                               "(control streams always do under TLS)")
+    allow_plaintext: bool = opt(False, "explicit opt-in to plaintext gRPC on a non-loopback host")
+    health_port: int = opt(0, "plaintext port serving only the gRPC health service (probes under TLS); 0 disables")
+    auth_tokens_file: str = opt("", "bearer tokens for Generate and KVEvents, one per line: <token> [generate,events]")
+    auth_tokens: str = opt("", "comma-separated bearer tokens (all scopes); prefer env PDSERVE_AUTH_TOKENS")
+    max_message_bytes: int = opt(64 * 1024 * 1024, "largest gRPC message received or sent")
+    max_streams_per_client: int = opt(1024, "concurrent Generate / Subscribe streams per client; 0 unbounded")
+    rate_limit_rps: float = opt(0.0, "requests per second per client (client API, KV events); 0 disables")
+    rate_limit_burst: int = opt(100, "burst allowed above rate_limit_rps")
 
     def validate(self) -> None:
         _require(self.routing_policy in ("prefix", "load", "round_robin"), "routing_policy",
@@ -97,8 +113,14 @@ class SchedulerConfig:
         _require(self.subscriber_buffer >= 1, "subscriber_buffer", "must be >= 1")
         _require(self.prefix_load_weight >= 0, "prefix_load_weight", "must be >= 0")
         _require(self.prefix_index_max_entries >= 1, "prefix_index_max_entries", "must be >= 1")
-        for name in ("port", "control_port", "events_port", "metrics_port"):
+        for name in ("port", "control_port", "events_port", "metrics_port", "health_port"):
             _require(0 <= getattr(self, name) < 65536, name, "must be a TCP port (0..65535)")
+        _validate_security(self, [("host", self.host)])
+        _require(self.max_streams_per_client >= 0, "max_streams_per_client", "must be >= 0")
+        _require(self.rate_limit_rps >= 0, "rate_limit_rps", "must be >= 0")
+        _require(self.rate_limit_burst >= 1, "rate_limit_burst", "must be >= 1")
+        if self.auth_tokens:
+            TokenStore.from_config("", self.auth_tokens)
 
 
 @dataclass(slots=True)
@@ -131,6 +153,14 @@ class EngineConfig:
     max_inflight_transfers: int = opt(64, "concurrent KV pulls per decode rank")
     drain_timeout_s: float = opt(60.0, "longest SIGTERM drain before exiting")
     log_level: str = opt("INFO", "logging level")
+    # Security (services/common/security.py; docs/architecture.md "Security").
+    tls_cert: str = opt("", "PEM certificate of this engine (Engine API server identity, control-stream client identity)")
+    tls_key: str = opt("", "PEM private key of tls_cert")
+    tls_ca: str = opt("", "PEM CA bundle peers' certificates must chain to; tls_cert, tls_key, tls_ca turn TLS on")
+    tls_server_name: str = opt("", "name expected in the scheduler's certificate (default: the address dialed)")
+    allow_plaintext: bool = opt(False, "explicit opt-in to plaintext gRPC on a non-loopback host or scheduler")
+    health_port: int = opt(0, "plaintext port serving only the gRPC health service (probes under TLS); 0 disables")
+    max_message_bytes: int = opt(64 * 1024 * 1024, "largest gRPC message received or sent")
 
     def validate(self) -> None:
         _require(self.role in ("prefill", "decode"), "role", f"must be prefill or decode, got {self.role!r}")
@@ -148,10 +178,19 @@ class EngineConfig:
             parse_size(self.kv_cache_memory)
         except ValueError as e:
             raise ValueError(f"kv_cache_memory: {e}") from None
+        _validate_security(self, [("host", self.host), ("scheduler", target_host(self.scheduler))])
+        _require(0 <= self.health_port < 65536, "health_port", "must be a TCP port (0..65535)")
 
     @property
     def kv_cache_bytes(self) -> int:
         return parse_size(self.kv_cache_memory)
+
+
+def _validate_security(config: SchedulerConfig | EngineConfig, hosts: list[tuple[str, str]]) -> None:
+    check_tls_files(config.tls_cert, config.tls_key, config.tls_ca)
+    for name, host in hosts:
+        check_plaintext(name, host, tls=bool(config.tls_cert), allow_plaintext=config.allow_plaintext)
+    _require(config.max_message_bytes >= 1024, "max_message_bytes", "must be >= 1024")
 
 
 def _require(ok: bool, name: str, message: str) -> None:

@@ -24,6 +24,9 @@ Contracts:
 - A refusal (FAILED_PRECONDITION: incompatible or fenced; INVALID_ARGUMENT: malformed Hello)
   is final: `start()` raises `ControlRefusedError`, or, after a successful start, the client
   stops and `error` holds it.
+- With `security` the stream is TLS and presents the rank's certificate (mTLS). A scheduler that
+  rejects the certificate ends the TLS handshake without a reason, so that looks like an
+  unreachable scheduler (UNAVAILABLE, retried with backoff), never like a registration.
 - `on_message`, when given, is called from the client thread for every message, in order;
   it must not block. `poll()` returns the same messages (drain, don't push).
 """
@@ -43,7 +46,8 @@ import grpc
 from connectors.kv_events import KVCacheEvent, KVEventBatch, event_to_proto
 from pdserve.v1 import control_pb2 as pb
 from pdserve.v1 import control_pb2_grpc, kv_events_pb2
-from services.common.grpc_server import insecure_channel
+from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.security import ChannelSecurity, open_channel
 
 logger = logging.getLogger(__name__)
 
@@ -223,8 +227,9 @@ class ControlClient:
     def __init__(self, target: str, hello: ControlHello, *,
                  on_message: Callable[[ControlMessage], None] | None = None,
                  backoff_initial_s: float = 0.05, backoff_max_s: float = 2.0,
-                 max_unacked: int = 100_000) -> None:
+                 max_unacked: int = 100_000, security: ChannelSecurity | None = None) -> None:
         self.target = target
+        self.security = security
         self.hello = hello
         self.on_message = on_message
         self.backoff_initial_s = backoff_initial_s
@@ -378,7 +383,7 @@ class ControlClient:
     async def _session(self) -> bool:
         """One connection; returns whether it got as far as a Welcome."""
         registered = False
-        channel = insecure_channel(self.target)
+        channel = open_channel(self.target, self.security, CHANNEL_OPTIONS)
         try:
             stub = control_pb2_grpc.ControlStub(channel)
             call = stub.Connect(self._outgoing())

@@ -12,6 +12,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.security import ServerSecurity
+
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -51,18 +53,38 @@ class ServiceServer:
         reflection.enable_server_reflection(
             [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         self.port: int | None = None
+        self.health_server: grpc.aio.Server | None = None
 
-    def bind(self, host: str, port: int) -> int:
-        """Binds host:port (0 picks a free port) and returns the bound port."""
-        bound = self.server.add_insecure_port(f"{host}:{port}")
+    def bind(self, host: str, port: int, security: ServerSecurity | None = None) -> int:
+        """Binds host:port (0 picks a free port) with TLS when `security` is given, plaintext
+        otherwise (logged as a warning: see services/common/security.py), and returns the port."""
+        if security is None:
+            bound = self.server.add_insecure_port(f"{host}:{port}")
+        else:
+            bound = self.server.add_secure_port(f"{host}:{port}", security.credentials())
         if bound == 0:
             raise OSError(f"cannot bind gRPC server to {host}:{port}")
+        if security is None:
+            logger.warning("PLAINTEXT gRPC (no TLS, no peer verification) for %s on %s:%d",
+                           ", ".join(self.service_names) or "health", host, bound)
         self.port = bound
+        return bound
+
+    def bind_health(self, host: str, port: int) -> int:
+        """A second, plaintext listener that serves only this server's health service (for
+        Kubernetes gRPC probes, which cannot speak TLS); returns the bound port."""
+        self.health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+        bound = self.health_server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"cannot bind the health port {host}:{port}")
         return bound
 
     async def start(self) -> None:
         await self.set_serving(False)
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -70,6 +92,8 @@ class ServiceServer:
             await self.health.set(name, status)
 
     async def stop(self, grace: float | None = 5.0) -> None:
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         await self.server.stop(grace)
 
 

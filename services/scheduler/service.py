@@ -30,6 +30,7 @@ from pdserve.v1 import control_pb2_grpc, generation_pb2_grpc
 from services.common.config import SchedulerConfig
 from services.common.grpc_server import ServiceServer
 from services.common.metrics import EventMetrics
+from services.common.security import component_server_security, server_guard
 from services.common.tracing import server_interceptors
 from services.scheduler.admission import Admission
 from services.scheduler.control import ControlServicer
@@ -96,14 +97,19 @@ class SchedulerService:
         self.generation = GenerationServicer(config, facts=facts, tokenizer=self.tokenizer, control=self.control,
                                              router=self.router, admission=self.admission, table=self.table,
                                              telemetry=self.telemetry)
-        self.client_server = ServiceServer([GENERATION_SERVICE], interceptors=server_interceptors())
-        self.control_server = ServiceServer([CONTROL_SERVICE])
-        self.events_server = ServiceServer([EVENTS_SERVICE] if self.plane is not None else [])
+        # Bearer tokens and per-client limits guard the client API and KV events (not control).
+        self.guard = server_guard(config)
+        size = config.max_message_bytes
+        self.client_server = ServiceServer([GENERATION_SERVICE], max_message_bytes=size,
+                                           interceptors=[self.guard, *server_interceptors()])
+        self.control_server = ServiceServer([CONTROL_SERVICE], max_message_bytes=size)
+        self.events_server = ServiceServer([EVENTS_SERVICE] if self.plane is not None else [],
+                                           max_message_bytes=size, interceptors=[self.guard])
         generation_pb2_grpc.add_GenerationServicer_to_server(self.generation, self.client_server.server)
         control_pb2_grpc.add_ControlServicer_to_server(self.control, self.control_server.server)
         if self.plane is not None:
             self.plane.add_to_server(self.events_server.server)
-        self.port = self.control_port = self.events_port = 0
+        self.port = self.control_port = self.events_port = self.health_port = 0
         self._sweeper: asyncio.Task[None] | None = None
 
     def _event_plane(self) -> Any:
@@ -121,9 +127,13 @@ class SchedulerService:
     async def start(self) -> None:
         """Binds the three ports (0 picks free ones), starts serving and reports SERVING."""
         c = self.config
-        self.port = self.client_server.bind(c.host, c.port)
-        self.control_port = self.control_server.bind(c.host, c.control_port)
-        self.events_port = self.events_server.bind(c.host, c.events_port)
+        public = component_server_security(c, require_client_cert=c.tls_require_client_cert)
+        ranks = component_server_security(c, require_client_cert=True)  # registration needs a certificate
+        self.port = self.client_server.bind(c.host, c.port, public)
+        self.control_port = self.control_server.bind(c.host, c.control_port, ranks)
+        self.events_port = self.events_server.bind(c.host, c.events_port, public)
+        if c.health_port:
+            self.health_port = self.client_server.bind_health(c.host, c.health_port)
         if self.plane is not None:
             self.plane.start()
         for server in self.servers:
@@ -169,4 +179,6 @@ class SchedulerService:
         problems += [f"flight {r}" for r in self.generation.flights]
         if self.admission.total():
             problems.append(f"{self.admission.total()} admission slots held")
+        if self.guard.streams.total():
+            problems.append(f"{self.guard.streams.total()} client streams counted open")
         return problems

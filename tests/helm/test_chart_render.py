@@ -35,6 +35,9 @@ CRD_SCHEMAS: dict[str, dict[str, Any]] = {
     "PrometheusRule": {"type": "object", "required": ["groups"], "properties": {"groups": {
         "type": "array", "minItems": 1, "items": {"type": "object", "required": ["name", "rules"], "properties": {
             "rules": {"type": "array", "items": {"type": "object", "required": ["expr"]}}}}}}},
+    "Certificate": {"type": "object", "required": ["secretName", "issuerRef", "dnsNames"], "properties": {
+        "dnsNames": {"type": "array", "minItems": 1, "items": {"type": "string"}},
+        "issuerRef": {"type": "object", "required": ["name", "kind"]}}},
 }
 
 
@@ -128,7 +131,8 @@ def test_required_values_fail_with_a_clear_message() -> None:
 def test_manifests_validate_strictly_against_kubernetes(values_name: str) -> None:
     for path, doc in rendered(values_name):
         if doc["kind"] in CRD_SCHEMAS:
-            assert doc["apiVersion"] == "monitoring.coreos.com/v1", path
+            group = "cert-manager.io/v1" if doc["kind"] == "Certificate" else "monitoring.coreos.com/v1"
+            assert doc["apiVersion"] == group, path
             jsonschema.validate(doc["spec"], CRD_SCHEMAS[doc["kind"]])
             continue
         kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
@@ -165,8 +169,11 @@ def test_probes_are_native_grpc_on_the_health_port(values_name: str) -> None:
         (container,) = containers(one(docs, kind, component))
         grpc_port = port_of(container, "grpc")
         assert grpc_port == configs[component]["port"]
+        # Under TLS the kubelet (which cannot speak TLS) probes the plaintext health-only port.
+        probe_port = port_of(container, "health") if "health_port" in configs[component] else grpc_port
+        assert probe_port == configs[component].get("health_port", grpc_port)
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert container[probe]["grpc"] == {"port": grpc_port}, (component, probe)
+            assert container[probe]["grpc"] == {"port": probe_port}, (component, probe)
             assert set(container[probe]) & {"httpGet", "tcpSocket", "exec"} == set()
 
 

@@ -21,7 +21,7 @@
 {{- if .Values.tls.enabled }}
 - name: tls
   secret:
-    secretName: {{ required "tls.secretName is required when tls.enabled" .Values.tls.secretName }}
+    secretName: {{ include "pdserve.tlsSecretName" . }}
     defaultMode: 0440
 {{- end }}
 {{- end }}

@@ -1,0 +1,458 @@
+"""Transport security, client authentication and per-client limits for every gRPC channel.
+
+Transport (see docs/architecture.md, "Security"):
+- A component with `tls_cert`, `tls_key` and `tls_ca` configured serves TLS on every port and
+  dials every peer with TLS, presenting its certificate (mTLS). The control port and the Engine
+  API always require a client certificate that chains to `tls_ca`; the client API and KVEvents
+  port require one only with `tls_require_client_cert`.
+- Without certificates a component is plaintext. That is allowed implicitly only on loopback
+  addresses (`pdserve up`, tests); any other address needs the explicit `allow_plaintext`
+  opt-in (`check_plaintext`), and every plaintext listener logs a warning at start.
+
+Client auth (`ServerGuard`, an aio server interceptor): bearer tokens on the services it is
+given (Generation, KVEvents), from a token file and/or a comma-separated list (env
+`PDSERVE_AUTH_TOKENS`). Missing or unknown token: UNAUTHENTICATED; a token without the
+service's scope: PERMISSION_DENIED. Tokens are compared as SHA-256 digests with
+`hmac.compare_digest` against every configured token (no early exit). Health and reflection are
+never guarded. The same interceptor enforces per-client limits with RESOURCE_EXHAUSTED:
+concurrent streams and a token-bucket request rate. A client is its token's name when it sent a
+valid one, else its peer IP address.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import inspect
+import ipaddress
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+logger = logging.getLogger(__name__)
+
+MIN_TOKEN_CHARS = 16
+SCOPE_GENERATE = "generate"
+SCOPE_EVENTS = "events"
+SCOPES = (SCOPE_GENERATE, SCOPE_EVENTS)
+GUARDED_SERVICES = {"pdserve.v1.Generation": SCOPE_GENERATE, "pdserve.v1.KVEvents": SCOPE_EVENTS}
+
+
+# -- plaintext policy -------------------------------------------------------------------------
+
+def is_loopback(host: str) -> bool:
+    """True for localhost and loopback IP addresses (the host part of a target or bind address)."""
+    host = host.strip().strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def target_host(target: str) -> str:
+    """The host part of `host:port`, `[v6]:port` or a bare host."""
+    if target.startswith("["):
+        return target[1:target.index("]")] if "]" in target else target
+    return target.rsplit(":", 1)[0] if target.count(":") == 1 else target
+
+
+def check_plaintext(field_name: str, host: str, *, tls: bool, allow_plaintext: bool) -> None:
+    """Raises ValueError when `host` would be served or dialed in plaintext off loopback without
+    the explicit `allow_plaintext` opt-in."""
+    if not tls and not allow_plaintext and not is_loopback(host):
+        raise ValueError(f"{field_name}: {host!r} is not a loopback address, so plaintext gRPC needs the explicit "
+                         "allow_plaintext opt-in; configure tls_cert, tls_key and tls_ca instead")
+
+
+def check_tls_files(cert: str, key: str, ca: str) -> None:
+    """All three files or none (they are read when a port is bound or a channel opened, so a
+    config can be checked where the files are not mounted)."""
+    given = {"tls_cert": cert, "tls_key": key, "tls_ca": ca}
+    if any(given.values()) and not all(given.values()):
+        missing = ", ".join(k for k, v in given.items() if not v)
+        raise ValueError(f"{missing}: TLS needs tls_cert, tls_key and tls_ca together")
+
+
+def read_pem(path: str, what: str) -> bytes:
+    """The file's bytes; ValueError naming the setting when it cannot be read."""
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"{what}: cannot read {path}: {e.strerror}") from None
+
+
+# -- credentials ------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class ServerSecurity:
+    """TLS settings of one listening port (file paths; read when the port is bound)."""
+
+    cert: str
+    key: str
+    ca: str
+    require_client_cert: bool
+
+    def credentials(self) -> grpc.ServerCredentials:
+        ca = read_pem(self.ca, "tls_ca") if self.ca else None
+        pair = (read_pem(self.key, "tls_key"), read_pem(self.cert, "tls_cert"))
+        return grpc.ssl_server_credentials([pair], root_certificates=ca,
+                                           require_client_auth=self.require_client_cert)
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelSecurity:
+    """How to dial a pdserve endpoint. Picklable (it travels to engine rank processes).
+
+    `ca` empty means plaintext. `cert`/`key` present a client certificate (mTLS).
+    `server_name` overrides the name checked in the server's certificate (default: the host
+    dialed). `token` is sent as `authorization: Bearer <token>` metadata by the clients that
+    use `metadata()` (client API, KVEvents)."""
+
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+    server_name: str = ""
+    token: str = ""
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.ca)
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        if not self.ca:
+            return None
+        chain = read_pem(self.cert, "tls_cert") if self.cert else None
+        key = read_pem(self.key, "tls_key") if self.key else None
+        return grpc.ssl_channel_credentials(read_pem(self.ca, "tls_ca"), key, chain)
+
+    def options(self, base: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        options = list(base)
+        if self.tls and self.server_name:
+            options.append(("grpc.ssl_target_name_override", self.server_name))
+        return options
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+
+def open_channel(target: str, security: ChannelSecurity | None, options: Sequence[tuple[str, Any]],
+                 interceptors: Sequence[Any] | None = None) -> grpc.aio.Channel:
+    """An aio channel to `target`: TLS when `security` carries a CA, plaintext otherwise."""
+    creds = security.credentials() if security is not None else None
+    opts = security.options(options) if security is not None else list(options)
+    if creds is None:
+        return grpc.aio.insecure_channel(target, options=opts, interceptors=interceptors)
+    return grpc.aio.secure_channel(target, creds, options=opts, interceptors=interceptors)
+
+
+def open_sync_channel(target: str, security: ChannelSecurity | None,
+                      options: Sequence[tuple[str, Any]]) -> grpc.Channel:
+    """The blocking-channel twin of `open_channel`."""
+    creds = security.credentials() if security is not None else None
+    opts = security.options(options) if security is not None else list(options)
+    if creds is None:
+        return grpc.insecure_channel(target, options=opts)
+    return grpc.secure_channel(target, creds, options=opts)
+
+
+def component_server_security(config: Any, *, require_client_cert: bool) -> ServerSecurity | None:
+    """The listening side of a component config (`tls_cert`, `tls_key`, `tls_ca`); None: plaintext."""
+    if not config.tls_cert:
+        return None
+    return ServerSecurity(config.tls_cert, config.tls_key, config.tls_ca, require_client_cert)
+
+
+def component_channel_security(config: Any) -> ChannelSecurity | None:
+    """The dialing side of a component config: its certificate as client identity (mTLS)."""
+    if not config.tls_cert:
+        return None
+    return ChannelSecurity(ca=config.tls_ca, cert=config.tls_cert, key=config.tls_key,
+                           server_name=config.tls_server_name)
+
+
+# -- bearer tokens ----------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class ApiToken:
+    """A configured token: `name` (source and line, safe to log), SHA-256 of the secret, scopes."""
+
+    name: str
+    digest: bytes
+    scopes: frozenset[str]
+
+
+def _token(name: str, secret: str, scopes: Iterable[str]) -> ApiToken:
+    if len(secret) < MIN_TOKEN_CHARS:
+        raise ValueError(f"{name}: tokens must be at least {MIN_TOKEN_CHARS} characters")
+    scope_set = frozenset(scopes) or frozenset(SCOPES)
+    unknown = scope_set - set(SCOPES)
+    if unknown:
+        raise ValueError(f"{name}: unknown scope(s) {sorted(unknown)}; known: {', '.join(SCOPES)}")
+    return ApiToken(name, hashlib.sha256(secret.encode()).digest(), scope_set)
+
+
+def parse_token_file(text: str, source: str = "auth_tokens_file") -> list[ApiToken]:
+    """One token per line, optionally followed by comma-separated scopes (`generate`, `events`;
+    none means all). Blank lines and lines starting with # are skipped."""
+    tokens = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        parts = line.split()
+        if not parts or parts[0].startswith("#"):
+            continue
+        if len(parts) > 2:
+            raise ValueError(f"{source}:{lineno}: expected `<token> [scope,scope]`")
+        scopes = [s for s in parts[1].split(",") if s] if len(parts) == 2 else []
+        tokens.append(_token(f"{source}:{lineno}", parts[0], scopes))
+    return tokens
+
+
+class TokenStore:
+    """The configured tokens; `check` is constant-time in the presented token's content."""
+
+    def __init__(self, tokens: Iterable[ApiToken]) -> None:
+        self.tokens = list(tokens)
+        if not self.tokens:
+            raise ValueError("a TokenStore needs at least one token")
+
+    @staticmethod
+    def from_config(tokens_file: str, inline: str) -> TokenStore | None:
+        """Tokens from `auth_tokens_file` and the comma-separated `auth_tokens`; None when neither
+        is set (no client auth)."""
+        tokens: list[ApiToken] = []
+        if tokens_file:
+            tokens += parse_token_file(Path(tokens_file).read_text(), tokens_file)
+        for i, secret in enumerate(s.strip() for s in inline.split(",")):
+            if secret:
+                tokens.append(_token(f"auth_tokens[{i}]", secret, ()))
+        if (tokens_file or inline) and not tokens:
+            raise ValueError("auth_tokens_file / auth_tokens: no tokens found")
+        return TokenStore(tokens) if tokens else None
+
+    def check(self, presented: str) -> ApiToken | None:
+        digest = hashlib.sha256(presented.encode()).digest()
+        found = None
+        for token in self.tokens:
+            if hmac.compare_digest(token.digest, digest):
+                found = token
+        return found
+
+
+def bearer_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+    """The token of an `authorization: Bearer <token>` header, or None."""
+    for key, value in metadata or ():
+        if key.lower() == "authorization":
+            text = value.decode(errors="replace") if isinstance(value, bytes) else value
+            scheme, _, token = text.strip().partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+    return None
+
+
+# -- per-client limits ------------------------------------------------------------------------
+
+class RateLimiter:
+    """Token bucket per client: `rate` requests per second, bursts of `burst`. Pure (injected
+    clock). At most `max_clients` buckets are kept; the fullest ones are forgotten first (a
+    forgotten client starts again with a full bucket, which it would have anyway)."""
+
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic,
+                 max_clients: int = 100_000) -> None:
+        if rate <= 0 or burst < 1:
+            raise ValueError(f"rate must be > 0 and burst >= 1, got {rate} and {burst}")
+        self.rate, self.burst, self.clock, self.max_clients = rate, burst, clock, max_clients
+        self._buckets: dict[str, tuple[float, float]] = {}
+
+    def allow(self, client: str) -> bool:
+        now = self.clock()
+        level, last = self._buckets.get(client, (float(self.burst), now))
+        level = min(float(self.burst), level + (now - last) * self.rate)
+        ok = level >= 1.0
+        self._buckets[client] = (level - 1.0 if ok else level, now)
+        if len(self._buckets) > self.max_clients:
+            self._forget(now)
+        return ok
+
+    def _forget(self, now: float) -> None:
+        def refilled(item: tuple[str, tuple[float, float]]) -> float:
+            level, last = item[1]
+            return level + (now - last) * self.rate
+
+        for client, _ in sorted(self._buckets.items(), key=refilled, reverse=True)[:len(self._buckets) // 10 + 1]:
+            del self._buckets[client]
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+
+class StreamCounter:
+    """Concurrent streams per client with one bound (0: unbounded)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._open: Counter[str] = Counter()
+
+    def acquire(self, client: str) -> bool:
+        if self.limit and self._open[client] >= self.limit:
+            return False
+        self._open[client] += 1
+        return True
+
+    def release(self, client: str) -> None:
+        self._open[client] -= 1
+        if self._open[client] <= 0:
+            del self._open[client]
+
+    def open(self, client: str) -> int:
+        return self._open[client]
+
+    def total(self) -> int:
+        return sum(self._open.values())
+
+
+# -- the interceptor --------------------------------------------------------------------------
+
+def peer_address(peer: str) -> str:
+    """The address part of a gRPC peer string (`ipv4:1.2.3.4:5`, `ipv6:[::1]:5`, `unix:/p`)."""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv4":
+        return rest.rsplit(":", 1)[0]
+    if kind == "ipv6":
+        return rest[1:rest.index("]")] if rest.startswith("[") and "]" in rest else rest
+    return peer
+
+
+class ServerGuard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Bearer-token auth and per-client limits for the services in `scopes` (service name →
+    required scope); every other service (health, reflection) passes untouched."""
+
+    def __init__(self, *, tokens: TokenStore | None, scopes: Mapping[str, str] | None = None,
+                 max_streams_per_client: int = 0, rate_limiter: RateLimiter | None = None) -> None:
+        self.tokens = tokens
+        self.scopes = dict(GUARDED_SERVICES if scopes is None else scopes)
+        self.streams = StreamCounter(max_streams_per_client)
+        self.rate_limiter = rate_limiter
+        self.refused: Counter[str] = Counter()
+
+    async def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        handler = await continuation(details)
+        service = details.method.lstrip("/").split("/", 1)[0]
+        scope = self.scopes.get(service)
+        if handler is None or scope is None:
+            return handler
+        if handler.unary_unary is not None:
+            return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary, scope))
+        if handler.stream_unary is not None:
+            return handler._replace(stream_unary=self._wrap_unary(handler.stream_unary, scope))
+        if handler.unary_stream is not None:
+            return handler._replace(unary_stream=self._wrap_stream(handler.unary_stream, scope))
+        return handler._replace(stream_stream=self._wrap_stream(handler.stream_stream, scope))
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, reason: str,
+                      message: str) -> None:
+        self.refused[reason] += 1
+        logger.info("refused %s from %s: %s", reason, context.peer(), message)
+        await context.abort(code, message)
+
+    async def _admit(self, context: grpc.aio.ServicerContext, scope: str) -> str:
+        """Checks the token and the rate; returns the client key (aborts the call otherwise)."""
+        client = peer_address(context.peer())
+        if self.tokens is not None:
+            presented = bearer_token(context.invocation_metadata())
+            if presented is None:
+                await self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "missing_token",
+                                   "missing bearer token (send metadata `authorization: Bearer <token>`)")
+            token = self.tokens.check(presented or "")
+            if token is None:
+                await self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "bad_token", "invalid bearer token")
+            assert token is not None
+            if scope not in token.scopes:
+                await self._refuse(context, grpc.StatusCode.PERMISSION_DENIED, "scope",
+                                   f"this token lacks the {scope!r} scope")
+            client = token.name
+        if self.rate_limiter is not None and not self.rate_limiter.allow(client):
+            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "rate",
+                               f"rate limit of {self.rate_limiter.rate:g} requests/s exceeded; retry later")
+        return client
+
+    def _wrap_unary(self, behavior: Callable[..., Any], scope: str) -> Callable[..., Any]:
+        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await self._admit(context, scope)
+            return await behavior(request, context)
+
+        return guarded
+
+    def _wrap_stream(self, behavior: Callable[..., Any], scope: str) -> Callable[..., Any]:
+        async def open_stream(context: grpc.aio.ServicerContext) -> str:
+            client = await self._admit(context, scope)
+            if not self.streams.acquire(client):
+                await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "streams",
+                                   f"too many concurrent streams from this client (limit {self.streams.limit})")
+            return client
+
+        if inspect.isasyncgenfunction(behavior):
+            async def guarded_gen(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                client = await open_stream(context)
+                try:
+                    async for item in behavior(request, context):
+                        yield item
+                finally:
+                    self.streams.release(client)
+
+            return guarded_gen
+
+        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            client = await open_stream(context)
+            try:
+                result = behavior(request, context)
+                return await result if inspect.isawaitable(result) else result
+            finally:
+                self.streams.release(client)
+
+        return guarded
+
+
+def server_guard(config: Any) -> ServerGuard:
+    """The scheduler's guard from its config (auth tokens, stream and rate limits)."""
+    tokens = TokenStore.from_config(config.auth_tokens_file, config.auth_tokens)
+    limiter = RateLimiter(config.rate_limit_rps, config.rate_limit_burst) if config.rate_limit_rps > 0 else None
+    if tokens is None:
+        logger.warning("client API and KV events are UNAUTHENTICATED: no auth_tokens_file / auth_tokens configured")
+    return ServerGuard(tokens=tokens, max_streams_per_client=config.max_streams_per_client, rate_limiter=limiter)
+
+
+# -- command-line clients (pdserve generate / events) -----------------------------------------
+
+def add_client_security_arguments(parser: Any) -> None:
+    """TLS and token flags of the command-line clients."""
+    parser.add_argument("--tls-ca", default="", help="CA bundle to verify the scheduler with (turns TLS on)")
+    parser.add_argument("--tls-cert", default="", help="client certificate, when the server requires one")
+    parser.add_argument("--tls-key", default="", help="private key of --tls-cert")
+    parser.add_argument("--tls-server-name", default="", help="name expected in the server's certificate")
+    parser.add_argument("--token-file", default="", help="file holding the bearer token (first line)")
+
+
+def client_security_from_args(args: Any) -> ChannelSecurity | None:
+    """ChannelSecurity from the flags of `add_client_security_arguments`; None when plaintext
+    without a token."""
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    if (args.tls_cert or args.tls_server_name) and not args.tls_ca:
+        raise ValueError("--tls-cert / --tls-server-name need --tls-ca")
+    token = ""
+    if args.token_file:
+        lines = Path(args.token_file).read_text().split()
+        if not lines:
+            raise ValueError(f"--token-file {args.token_file} is empty")
+        token = lines[0]
+    if not (args.tls_ca or token):
+        return None
+    return ChannelSecurity(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key, server_name=args.tls_server_name,
+                           token=token)
