@@ -74,8 +74,8 @@ def paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionM
         if seq.start_pos == 0:
             o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            qpos = torch.arange(seq.start_pos, total).unsqueeze(1)
-            mask = torch.arange(total).unsqueeze(0) <= qpos
+            qpos = torch.arange(seq.start_pos, total, device=q.device).unsqueeze(1)
+            mask = torch.arange(total, device=q.device).unsqueeze(0) <= qpos
             o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[rows] = o.transpose(0, 1)
     return out
