@@ -11,9 +11,9 @@ UCX worker connector and the rank's control stream to the scheduler:
   as soon as they happen (transfers finish between steps, not in them);
 - rank 0's agent also hands the scheduler's KVReady / KVFailed / ReleaseBlocks to the engine
   service through `set_inbox`;
-- with tracing on, every pull gets a `kv_transfer` span on this rank, from `start_pull` until
-  the drain sees it finish (or fail, or be cancelled), child of the decode span whose W3C
-  context the step plan's `PullCommand.trace_carrier` carries.
+- with tracing on, every traced pull (its `PullCommand.trace_carrier` holds the W3C context of
+  a sampled decode span) gets a `kv_transfer` span on this rank, child of that decode span,
+  from `start_pull` until the drain sees it finish (or fail, or be cancelled).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from services.common.metrics import (
     start_metrics_server,
 )
 from services.common.security import ChannelSecurity
-from services.common.tracing import extract_carrier, flush_tracing, process_tracer
+from services.common.tracing import ComponentTracer, extract_carrier, flush_tracing, process_tracer
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,9 @@ class RankAgent(WorkerConnector):
             self.metrics = TransferMetrics(self.registry)
             self._metrics_server = start_metrics_server(port, self.registry)
         self._inbox: Callable[[ControlMessage], None] | None = None
-        self._tracer = process_tracer(factory.role, {"pdserve.engine_id": factory.engine_id, "pdserve.rank": rank})
+        self._tracer: ComponentTracer | None = None
+        if factory.role == "decode":  # only decode ranks make spans (kv_transfer)
+            self._tracer = process_tracer("decode", {"pdserve.engine_id": factory.engine_id, "pdserve.rank": rank})
         self._spans: dict[str, Any] = {}  # request id -> open kv_transfer span (tracing on only)
         self._spans_lock = threading.Lock()
         self._stop = threading.Event()
@@ -173,7 +175,7 @@ class RankAgent(WorkerConnector):
             except ValueError as e:
                 logger.error("cannot pin %s for sending: %s", send.request_id, e)
         for pull in meta.pulls:
-            if self._tracer is not None:
+            if self._tracer is not None and pull.trace_carrier:
                 self._start_span(pull)
             try:
                 self.ucx.start_pull(pull.request_id, pull.descriptor, pull.local_block_ids)
