@@ -15,6 +15,9 @@ in-process engine), and the recovery time of every kill: from the SIGKILL until 
 request sent after it completes (the cluster serves again); `restart` is until the victim is
 registered again (back at full strength). Goal: 0 lost, 0 token errors, failures only with a
 clear status for requests whose deadline passed.
+
+The baseline, side by side: first `--baseline` seconds of the same load on the same cluster
+without kills; the ratios compare completed requests per second and p99 end-to-end latency.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +72,8 @@ class ChaosConfig:
     model: str = ""
     log_dir: str = ""
     lease_s: float = 8.0
+    # Seconds of the same load without kills, on the same cluster before the chaos: the baseline.
+    baseline_s: float = 0.0
 
     def validate(self) -> None:
         if self.duration_s <= 0 or self.kill_interval_s <= 0 or self.deadline_s <= 0:
@@ -104,6 +109,11 @@ class ChaosReport:
     examples: list[str] = field(default_factory=list)
     wall_s: float = 0.0
     e2e_ms: dict[str, float] = field(default_factory=dict)
+    baseline: ChaosReport | None = None
+
+    @property
+    def completed_per_s(self) -> float:
+        return round(self.completed / self.wall_s, 3) if self.wall_s else 0.0
 
     @property
     def recovery_p99_s(self) -> float | None:
@@ -125,6 +135,22 @@ class ChaosReport:
                        "recovery_s": None if k.recovery_s is None else round(k.recovery_s, 2),
                        "restart_s": None if k.restart_s is None else round(k.restart_s, 2)} for k in self.kills],
             "leaks": self.leaks, "examples": self.examples, "wall_s": round(self.wall_s, 2),
+            "completed_per_s": self.completed_per_s, **self._baseline_json(),
+        }
+
+    def _baseline_json(self) -> dict[str, Any]:
+        b = self.baseline
+        if b is None:
+            return {}
+        return {
+            "baseline_no_kills": {"sent": b.sent, "completed": b.completed, "failed": sum(b.failed.values()),
+                                  "lost": b.lost, "token_errors": b.token_errors,
+                                  "completed_per_s": b.completed_per_s, "e2e_ms": b.e2e_ms},
+            "ratios": {
+                "completed_per_s_chaos_over_no_kills": round(self.completed_per_s / max(b.completed_per_s, 1e-9), 2),
+                "e2e_p99_chaos_over_no_kills": round(self.e2e_ms.get("p99", 0.0) / max(b.e2e_ms.get("p99", 0.0), 1e-9),
+                                                     2),
+            },
         }
 
 
@@ -284,12 +310,24 @@ def run_chaos(cfg: ChaosConfig, progress: Callable[[str], None] | None = None) -
                        env={"PDSERVE_TRANSFER_TIMEOUT_S": "3"})
     say(f"starting a local cluster: {cfg.num_prefill} prefill + {cfg.num_decode} decode engines")
     with LocalCluster(spec) as cluster:
-        chaos = ChaosRun(cfg, cluster, prompts, expected, say)
-        started = time.monotonic()
-        asyncio.run(chaos.run())
-        wall = time.monotonic() - started
-        cluster.wait_ready(cfg.num_prefill, cfg.num_decode, 300.0)
-        leaks = cluster.wait_no_leaks(timeout=cfg.lease_s + 15.0)
+        baseline = None
+        if cfg.baseline_s > 0:
+            say(f"baseline: {cfg.baseline_s:.0f} s of the same load without kills")
+            baseline = _phase(replace(cfg, duration_s=cfg.baseline_s, schedule=[]), cluster, prompts, expected, say)
+            say(f"baseline: {baseline.completed} of {baseline.sent} completed; now with kills")
+        report = _phase(cfg, cluster, prompts, expected, say)
+    report.baseline = baseline
+    return report
+
+
+def _phase(cfg: ChaosConfig, cluster: LocalCluster, prompts: list[list[int]], expected: list[list[int]],
+           say: Callable[[str], None]) -> ChaosReport:
+    chaos = ChaosRun(cfg, cluster, prompts, expected, say)
+    started = time.monotonic()
+    asyncio.run(chaos.run())
+    wall = time.monotonic() - started
+    cluster.wait_ready(cfg.num_prefill, cfg.num_decode, 300.0)
+    leaks = cluster.wait_no_leaks(timeout=cfg.lease_s + 15.0)
     return chaos.report(leaks, wall)
 
 
@@ -302,6 +340,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per request (greedy, ignore_eos)")
     parser.add_argument("--deadline", type=float, default=60.0, help="per-request deadline (scheduler default)")
     parser.add_argument("--no-scheduler-kills", action="store_true", help="kill engines only")
+    parser.add_argument("--baseline", type=float, default=30.0,
+                        help="seconds of the same load without kills first (0: none), for the ratios")
     parser.add_argument("--seed", type=int, default=0, help="workload and kill schedule seed")
     parser.add_argument("--model", default="", help="model directory; default: the demo model")
     parser.add_argument("--out", default="bench-results", help="directory for chaos.json and the cluster logs")
@@ -314,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = ChaosConfig(duration_s=args.duration, num_prefill=args.prefill, num_decode=args.decode,
                       kill_interval_s=args.kill_interval, concurrency=args.concurrency, max_tokens=args.max_tokens,
                       deadline_s=args.deadline, seed=args.seed, include_scheduler=not args.no_scheduler_kills,
-                      model=args.model, log_dir=str(out / "logs" / "chaos"))
+                      model=args.model, log_dir=str(out / "logs" / "chaos"), baseline_s=args.baseline)
     report = run_chaos(cfg).to_json()
     (out / "chaos.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report) if args.json else json.dumps(report, indent=2))

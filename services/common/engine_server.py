@@ -219,6 +219,10 @@ class EngineService(pb_grpc.EngineServicer):
 
     def _release(self, engine: LLMEngine, request_id: str) -> bool:
         self._pinned_until.pop(request_id, None)
+        # Every rank's send lease goes with the blocks (a reader that pulled nothing, e.g. on a
+        # full local prefix hit, never ends it), so no stale lease can admit a pull of reused blocks.
+        if self.connector is not None:
+            self.connector.queue_cancel(request_id)
         return engine.release(request_id)
 
     # -- RPCs -----------------------------------------------------------------------------------
