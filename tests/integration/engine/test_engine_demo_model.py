@@ -38,3 +38,12 @@ def test_converted_demo_model_matches_transformers_gguf(make_engine) -> None:
         n = len(want)  # transformers stops at EOS like the engine does
         assert got == want[:n]
     assert "Red" in engine.tokenizer.decode(ours[0])
+
+    # Stop strings and incremental text on the real tokenizer.
+    engine.add_request("s", prompts[0], SamplingParams(max_tokens=20, stop=["Blue"]))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    text = "".join(o.text_delta for o in outs)
+    assert outs[-1].finish_reason == "stop" and "Red" in text and "Blue" not in text
+    assert text == engine.tokenizer.decode(ours[0])[: len(text)]
