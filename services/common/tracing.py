@@ -21,9 +21,10 @@ event streams make no spans), or by hand with `inject_metadata` / `extract_metad
 rank process inside step metadata with `inject_carrier` / `extract_carrier` (or `trace_carrier`,
 None when there is nothing to carry).
 
-Processes: the scheduler and each engine's rank 0 call `setup_tracing` at start and
-`shutdown_tracing` on exit (SIGTERM drain included) so batched spans are flushed; a spawned
-rank process (tp > 1) sets itself up from the inherited environment with `process_tracer`.
+Processes: the scheduler and each engine's rank 0 call `setup_tracing` at start; batched spans
+are flushed at exit, after the SIGTERM drain (`shutdown_tracing` in the engines, the SDK's exit
+hook in the scheduler). A spawned rank process (tp > 1) sets itself up from the inherited
+environment with `process_tracer` and flushes when its RankAgent shuts down.
 """
 
 from __future__ import annotations
