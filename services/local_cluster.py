@@ -157,8 +157,13 @@ class LocalCluster:
 
     def start(self, timeout: float = 180.0) -> None:
         """Starts every component and returns once the scheduler sees every engine registered."""
-        s = self.spec
         self._launch(self._scheduler_component())
+        self.start_engines(timeout)
+
+    def start_engines(self, timeout: float = 180.0) -> None:
+        """Starts only the engines, against a scheduler already listening on the spec's ports (an
+        in-process SchedulerService in tests), and returns once it sees every engine registered."""
+        s = self.spec
         for i in range(s.num_prefill):
             self._launch(self._engine_component("prefill", i))
         for i in range(s.num_decode):

@@ -12,7 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.security import ServerSecurity
+from services.common.security import MalformedRequestGuard, ServerSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,9 @@ class ServiceServer:
         options = [o for o in SERVER_OPTIONS if "message_length" not in o[0]]
         options += [("grpc.max_send_message_length", max_message_bytes),
                     ("grpc.max_receive_message_length", max_message_bytes)]
-        self.server = grpc.aio.server(options=options, interceptors=list(interceptors))
+        # Malformed request bytes: INVALID_ARGUMENT with the reason (see MalformedRequestGuard).
+        self.malformed = MalformedRequestGuard()
+        self.server = grpc.aio.server(options=options, interceptors=[self.malformed, *interceptors])
         self.service_names = list(service_names)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

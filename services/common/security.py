@@ -419,6 +419,86 @@ class ServerGuard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return guarded
 
 
+@dataclass(frozen=True, slots=True)
+class _Malformed:
+    error: str
+
+
+class MalformedRequestGuard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Answers a request whose bytes do not parse as its message type with INVALID_ARGUMENT and
+    a reason (grpc's aio server would report an unexpected exception: UNKNOWN); the servicer
+    never sees it. On a request stream the call ends at the first malformed message."""
+
+    def __init__(self) -> None:
+        self.num_malformed = 0
+
+    async def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+
+        def safe_parse(data: bytes) -> Any:
+            try:
+                return parse(data)
+            except Exception as e:  # noqa: BLE001 - any decoder failure is the client's malformed input
+                return _Malformed(f"{type(e).__name__}: {e}")
+
+        handler = handler._replace(request_deserializer=safe_parse)
+        if handler.unary_unary is not None:
+            return handler._replace(unary_unary=self._unary(handler.unary_unary, details.method))
+        if handler.unary_stream is not None:
+            return handler._replace(unary_stream=self._unary(handler.unary_stream, details.method))
+        if handler.stream_unary is not None:
+            return handler._replace(stream_unary=self._streaming(handler.stream_unary, details.method))
+        return handler._replace(stream_stream=self._streaming(handler.stream_stream, details.method))
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, method: str, bad: _Malformed) -> None:
+        self.num_malformed += 1
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request for {method}: {bad.error}")
+
+    def _unary(self, behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+        if inspect.isasyncgenfunction(behavior):
+            async def checked_gen(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                if isinstance(request, _Malformed):
+                    await self._refuse(context, method, request)
+                async for item in behavior(request, context):
+                    yield item
+
+            return checked_gen
+
+        async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Malformed):
+                await self._refuse(context, method, request)
+            result = behavior(request, context)
+            return await result if inspect.isawaitable(result) else result
+
+        return checked
+
+    def _streaming(self, behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+        def requests(iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async def gen() -> AsyncIterator[Any]:
+                async for request in iterator:
+                    if isinstance(request, _Malformed):
+                        await self._refuse(context, method, request)
+                    yield request
+
+            return gen()
+
+        if inspect.isasyncgenfunction(behavior):
+            async def checked_gen(iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                async for item in behavior(requests(iterator, context), context):
+                    yield item
+
+            return checked_gen
+
+        async def checked(iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+            result = behavior(requests(iterator, context), context)
+            return await result if inspect.isawaitable(result) else result
+
+        return checked
+
+
 def server_guard(config: Any) -> ServerGuard:
     """The scheduler's guard from its config (auth tokens, stream and rate limits)."""
     tokens = TokenStore.from_config(config.auth_tokens_file, config.auth_tokens)
