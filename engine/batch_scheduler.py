@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.block_pool import NoFreeBlocksError
+from engine.block_pool import KVCacheBlock, NoFreeBlocksError
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestMode, RequestStatus
 
@@ -100,12 +100,15 @@ class BatchScheduler:
                                     f"{target} prompt tokens ({self.kv.pool.num_free_blocks} blocks free)")
         request.num_computed_tokens = num_hit
         request.num_cached_tokens = num_hit
+        request.remote_kv_target = target
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.remote[request.request_id] = request
 
     @staticmethod
     def remote_kv_tokens(request: Request) -> int:
         """Tokens whose KV a REMOTE_KV request expects from the data plane (cached ones included)."""
+        if request.remote_kv_target is not None:
+            return request.remote_kv_target
         return min(request.num_prompt_tokens, request.num_tokens - 1)
 
     def finish_remote_kv(self, request_id: str, ok: bool, invalid_block_ids: set[int]) -> None:
@@ -121,6 +124,7 @@ class BatchScheduler:
         if bad:
             valid = min(valid, bad[0] * self.block_size)
         request.num_computed_tokens = max(request.num_computed_tokens, valid)
+        request.remote_kv_target = None
         del self.remote[request_id]
         self.kv.cache_blocks(request, request.num_computed_tokens)
         request.status = RequestStatus.WAITING
@@ -159,20 +163,56 @@ class BatchScheduler:
     def _schedule_waiting(self, plan: StepPlan, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            computed = self.kv.get_computed_blocks(request) if request.num_computed_tokens == 0 else []
+            fresh = request.request_id not in self.kv.req_to_blocks  # new or preempted
+            computed = self.kv.get_computed_blocks(request) if fresh else []
             num_hit = len(computed) * self.block_size
-            n = min(request.num_tokens - request.num_computed_tokens - num_hit, budget)
-            if not self.kv.allocate_slots(request, n, computed):
+            num_ext, is_async = self._external_match(request, num_hit) if fresh else (0, False)
+            if num_ext is None:
+                break  # the connector does not know yet; keep FIFO order and ask next step
+            if is_async and num_ext > 0:
+                if not self._park_for_external_kv(request, computed, num_ext):
+                    break
+                continue
+            n = min(request.num_tokens - request.num_computed_tokens - num_hit - num_ext, budget)
+            if not self.kv.allocate_slots(request, num_ext + n, computed):
                 break
-            request.num_computed_tokens += num_hit
+            request.num_computed_tokens += num_hit + num_ext
             if request.num_cached_tokens is None:
-                request.num_cached_tokens = request.num_computed_tokens
+                request.num_cached_tokens = num_hit
+            if fresh and self.connector is not None:
+                self.connector.update_state_after_alloc(request, self.kv.get_block_ids(request.request_id), num_ext)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             plan.chunks.append(self._chunk(request, n))
             budget -= n
         return budget
+
+    def _external_match(self, request: Request, num_hit: int) -> tuple[int | None, bool]:
+        """Tokens the scheduler-side connector can load beyond the local prefix hit."""
+        if self.connector is None or not hasattr(self.connector, "get_num_new_matched_tokens"):
+            return 0, False
+        num_ext, is_async = self.connector.get_num_new_matched_tokens(request, num_hit)
+        if num_ext is not None and num_hit + num_ext >= request.num_tokens:
+            raise RuntimeError(f"connector offered {num_ext} tokens of request {request.request_id!r}, "
+                               "leaving none to compute")
+        return num_ext, is_async
+
+    def _park_for_external_kv(self, request: Request, computed: list[KVCacheBlock], num_ext: int) -> bool:
+        """An asynchronous connector load: blocks now, WAITING_FOR_REMOTE_KV until the load is
+        reported finished (`finish_remote_kv`)."""
+        num_hit = len(computed) * self.block_size
+        if not self.kv.allocate_slots(request, num_ext, computed):
+            return False
+        request.num_computed_tokens = num_hit
+        request.num_cached_tokens = num_hit
+        request.remote_kv_target = num_hit + num_ext
+        assert self.connector is not None
+        self.connector.update_state_after_alloc(request, self.kv.get_block_ids(request.request_id), num_ext)
+        self.waiting.popleft()
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.remote[request.request_id] = request
+        return True
 
     def _chunk(self, request: Request, n: int) -> ScheduledChunk:
         start = request.num_computed_tokens

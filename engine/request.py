@@ -92,8 +92,7 @@ class Request:
     finish_reason: str | None = None
     arrival_order: int = 0
     num_preemptions: int = 0
-    remote_kv_ready: bool = False
-    remote_invalid_block_ids: set[int] = field(default_factory=set)
+    remote_kv_target: int | None = None  # tokens computed once WAITING_FOR_REMOTE_KV ends
 
     @property
     def num_prompt_tokens(self) -> int:
