@@ -109,3 +109,38 @@ def test_remote_kv_without_room_changes_nothing() -> None:
     with pytest.raises(NoFreeBlocksError):
         s.add_request(_req("d", 20, mode=RequestMode.REMOTE_KV, outputs=[1]))
     assert s.check_leaks() == []
+
+
+class _AsyncLoader:
+    """A scheduler-side connector that offers 8 external tokens, loaded asynchronously."""
+
+    def __init__(self) -> None:
+        self.allocs: list[tuple[str, list[int], int]] = []
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return (8, True) if request.request_id == "ext" else (0, False)
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        self.allocs.append((request.request_id, list(block_ids), num_external_tokens))
+
+    def build_connector_meta(self, step):
+        return None
+
+
+def test_async_connector_load_parks_the_request_until_finished() -> None:
+    pool = BlockPool(16, 4)
+    loader = _AsyncLoader()
+    s = BatchScheduler(BatchSchedulerConfig(8, 32), KVCacheManager(pool, BlockHasher(4)), connector=loader)
+    s.add_request(_req("ext", 10))
+    s.add_request(_req("local", 3))
+    plan = _step(s)
+    assert [c.request_id for c in plan.chunks] == ["local"]
+    assert s.requests["ext"].status is RequestStatus.WAITING_FOR_REMOTE_KV
+    assert loader.allocs[0][0] == "ext" and len(loader.allocs[0][1]) == 2 and loader.allocs[0][2] == 8
+    s.finish_remote_kv("ext", ok=True, invalid_block_ids=set())
+    plan = _step(s)
+    ext = next(c for c in plan.chunks if c.request_id == "ext")
+    assert ext.start_pos == 8 and len(ext.token_ids) == 2
+    for rid in ("ext", "local"):
+        s.finish_request(rid, "stop")
+    assert s.check_leaks() == []
