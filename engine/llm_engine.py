@@ -8,6 +8,7 @@ method validates first and raises ValueError on bad input without changing any s
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,7 +76,7 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(model, dtype=_resolve_dtype(dtype, device),
                                                  max_model_len=max_model_len)
         self.model_config.check_tp(tp)
-        threads = torch_threads or max(1, (torch.get_num_threads()) // tp)
+        threads = torch_threads or max(1, (os.cpu_count() or 1) // tp)
         torch.set_num_threads(threads)
         element_size = torch.tensor([], dtype=DTYPES[self.model_config.dtype]).element_size()
         self.kv_cache_spec: KVCacheSpec = make_kv_cache_spec(

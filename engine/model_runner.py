@@ -27,7 +27,8 @@ class ModelRunner:
         if not compute_logits or not sample_rows:
             return None
         rows = torch.tensor(sample_rows, device=self.device)
-        return self.model.compute_logits(hidden[rows]).float()
+        # Sampling runs on the host (per-request CPU generators keep seeds device-independent).
+        return self.model.compute_logits(hidden[rows]).float().cpu()
 
     def _prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
