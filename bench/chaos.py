@@ -3,9 +3,9 @@ what the clients lost.
 
 A local cluster (default 2 prefill + 2 decode engines) serves `--concurrency` client loops, each
 streaming greedy requests from a fixed prompt set back to back. Every `--kill-interval` seconds
-(jittered ±50 %, and never before the previous victim is back) one random component — an
-engine's process group (rank processes included) or the scheduler — gets SIGKILL and is
-restarted at once. Clients resume a stream cut by UNAVAILABLE (a dead scheduler) with the
+(jittered ±50 %, and never before the previous victim is back) one component — an engine's
+process group (rank processes included) or the scheduler, in rounds of random order that hit
+every component once — gets SIGKILL and is restarted at once. Clients resume a stream cut by UNAVAILABLE (a dead scheduler) with the
 prompt plus the tokens they already hold, as any client of a restarted server would.
 
 The report counts requests sent / completed / failed (by status code) / lost (never answered:
@@ -55,7 +55,8 @@ ANSWER_GRACE_S = 15.0
 @dataclass(slots=True)
 class ChaosConfig:
     """One chaos run. `schedule` fixes the kills as (seconds after the load starts, component
-    name); without it kills are random, every `kill_interval_s` ± 50 %."""
+    name); without it kills come every `kill_interval_s` ± 50 %, in rounds that kill every
+    component (and the scheduler, with `include_scheduler`) once, in random order."""
 
     duration_s: float = 120.0
     num_prefill: int = 2
@@ -210,11 +211,14 @@ class ChaosRun:
             return sorted(self.cfg.schedule)
         plan: list[tuple[float, str]] = []
         t = 0.0
+        victims: list[str] = []
         while True:
             t += self.cfg.kill_interval_s * self.rng.uniform(0.5, 1.5)
             if t >= self.cfg.duration_s - 5.0:
                 return plan
-            plan.append((t, self.rng.choice(self._victims())))
+            if not victims:  # rounds in random order: every component dies once per round
+                victims = self.rng.sample(self._victims(), len(self._victims()))
+            plan.append((t, victims.pop()))
 
     async def _killer(self, stop_at: float) -> None:
         for at_s, victim in self._schedule():
@@ -310,6 +314,7 @@ def run_chaos(cfg: ChaosConfig, progress: Callable[[str], None] | None = None) -
                        env={"PDSERVE_TRANSFER_TIMEOUT_S": "3"})
     say(f"starting a local cluster: {cfg.num_prefill} prefill + {cfg.num_decode} decode engines")
     with LocalCluster(spec) as cluster:
+        asyncio.run(_warm_up(cluster.target, prompts[:cfg.concurrency]))
         baseline = None
         if cfg.baseline_s > 0:
             say(f"baseline: {cfg.baseline_s:.0f} s of the same load without kills")
@@ -318,6 +323,11 @@ def run_chaos(cfg: ChaosConfig, progress: Callable[[str], None] | None = None) -
         report = _phase(cfg, cluster, prompts, expected, say)
     report.baseline = baseline
     return report
+
+
+async def _warm_up(target: str, prompts: list[list[int]]) -> None:
+    """One short request per client loop, so neither phase pays the engines' first steps."""
+    await asyncio.gather(*(stream_checked(target, p, 4, budget_s=60.0) for p in prompts))
 
 
 def _phase(cfg: ChaosConfig, cluster: LocalCluster, prompts: list[list[int]], expected: list[list[int]],
