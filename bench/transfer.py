@@ -8,14 +8,21 @@ default transports); (c) `nixl` — NIXL READ over its UCX backend with error ha
 vLLM, Dynamo and llm-d use); (d) `grpc` — a gRPC server stream of the same bytes in 4 MiB
 chunks; (e) `memcpy` — a single-thread copy in one process (the local limit).
 
+`pdserve-cma` is (a) with `--ucx-tls all` (UCX picks CMA), shown for the connector's own
+overhead; the ratios are pdserve's default configuration (SysV shared memory, see
+docs/architecture.md) against the baselines.
+
 Cases: one request of 1, 16, 256 and 1024 blocks, and 32 requests of 16 blocks concurrently.
 Each timing is the median of `--iters` runs after one warm-up, measured on the reader from the
-request to the last byte (a control round trip included for every method but memcpy).
+request to the last byte (a control round trip included for every method but memcpy). All
+methods' processes live for the whole run and their samples are interleaved, so load drift on a
+shared machine affects them alike.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
 import statistics
@@ -27,7 +34,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-METHODS = ("pdserve", "ucxx", "nixl", "grpc", "memcpy")
+METHODS = ("pdserve", "pdserve-cma", "ucxx", "nixl", "grpc", "memcpy")
 BASELINES = {"ucxx": "min_ratio_vs_ucxx", "nixl": "min_ratio_vs_nixl", "grpc": "min_ratio_vs_grpc"}
 CHUNK = 4 << 20
 
@@ -107,10 +114,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--methods must include pdserve and name only {METHODS}; --iters >= 1")
     shape = Shape(args.num_layers, args.kv_heads, args.head_dim, args.block_size,
                   max(c.num_blocks for c in cases))
-    timings: dict[str, dict[str, float | None]] = {}
-    for method in methods:
-        _log(args, f"running {method} ...")
-        timings[method] = _run_method(method, shape, cases, args.iters)
+    _log(args, f"starting {', '.join(methods)} (block {shape.block_nbytes} bytes) ...")
+    timings = _measure(methods, shape, cases, args.iters)
     rows = _rows(cases, shape, methods, timings)
     summary = _summary(rows, shape, args)
     out = Path(args.out)
@@ -202,41 +207,74 @@ def _plot(rows: list[Row], methods: list[str], path: Path) -> None:
 
 # -- orchestration ------------------------------------------------------------------------------
 
-def _run_method(method: str, shape: Shape, cases: list[Case], iters: int) -> dict[str, float | None]:
-    if method == "memcpy":
-        return _in_child(_memcpy_main, shape, cases, iters)
-    writer_main, reader_main = _PAIRS[method]
-    ctx = mp.get_context("spawn")
-    w_conn, w_child = ctx.Pipe()
-    r_conn, r_child = ctx.Pipe()
-    writer = ctx.Process(target=writer_main, args=(w_child, shape), daemon=True)
-    reader = ctx.Process(target=reader_main, args=(r_child, shape), daemon=True)
-    writer.start()
-    reader.start()
+def _measure(methods: list[str], shape: Shape, cases: list[Case], iters: int) -> dict[str, dict[str, float | None]]:
+    """Interleaves the methods sample by sample, so drifting load on a shared machine hits all
+    of them alike; each sample is one (case, method) run, the first of each case a warm-up."""
+    runners: dict[str, _Runner] = {}
     try:
-        r_conn.send(_expect(w_conn))  # writer's address / metadata
-        w_conn.send(_expect(r_conn))  # reader's address (or None)
-        _expect(w_conn), _expect(r_conn)  # both connected
-        results: dict[str, float | None] = {}
+        for m in methods:
+            runners[m] = _Runner(m, shape)
+        for m in list(runners):
+            try:
+                runners[m].connect()
+            except _MethodUnavailable as e:
+                print(f"{m}: unavailable ({e})", file=sys.stderr)
+                runners.pop(m).close()
+        samples: dict[str, dict[str, list[float]]] = {m: {c.label: [] for c in cases} for m in runners}
         for case in cases:
-            samples = []
             for i in range(iters + 1):
-                tag = f"{case.label}-{i}"
-                w_conn.send(("prepare", case, tag))
-                _expect(w_conn)
-                r_conn.send(("run", case, tag))
-                seconds = _expect(r_conn)
-                w_conn.send(("finish", case, tag))
-                _expect(w_conn)
-                if i:
-                    samples.append(seconds)
-            results[case.label] = statistics.median(samples)
-        return results
-    except _MethodUnavailable as e:
-        print(f"{method}: unavailable ({e})", file=sys.stderr)
-        return {}
+                for m, runner in runners.items():
+                    seconds = runner.sample(case, f"{case.label}-{i}")
+                    if i:
+                        samples[m][case.label].append(seconds)
+        return {m: {c.label: (statistics.median(samples[m][c.label]) if m in samples else None) for c in cases}
+                for m in methods}
     finally:
-        for conn, proc in ((w_conn, writer), (r_conn, reader)):
+        for runner in runners.values():
+            runner.close()
+
+
+class _Runner:
+    """The processes of one method: a writer and a reader (memcpy: one process)."""
+
+    def __init__(self, method: str, shape: Shape) -> None:
+        ctx = mp.get_context("spawn")
+        mains = _PAIRS[method] if method != "memcpy" else (None, _memcpy_main)
+        self.procs: list[tuple[Connection, Any]] = []
+        for main in mains:
+            if main is None:
+                continue
+            conn, child = ctx.Pipe()
+            proc = ctx.Process(target=main, args=(child, shape), daemon=True)
+            proc.start()
+            self.procs.append((conn, proc))
+
+    def connect(self) -> None:
+        if len(self.procs) == 1:
+            _expect(self.procs[0][0])
+            return
+        (w, _), (r, _) = self.procs
+        r.send(_expect(w))  # the writer's address / metadata / port
+        w.send(_expect(r))  # the reader's address (or None)
+        _expect(w)
+        _expect(r)
+
+    def sample(self, case: Case, tag: str) -> float:
+        if len(self.procs) == 1:
+            self.procs[0][0].send(("run", case, tag))
+            seconds: float = _expect(self.procs[0][0])
+            return seconds
+        (w, _), (r, _) = self.procs
+        w.send(("prepare", case, tag))
+        _expect(w)
+        r.send(("run", case, tag))
+        seconds = _expect(r)
+        w.send(("finish", case, tag))
+        _expect(w)
+        return seconds
+
+    def close(self) -> None:
+        for conn, proc in self.procs:
             try:
                 conn.send(("stop", None, ""))
             except (BrokenPipeError, OSError):
@@ -262,18 +300,6 @@ def _expect(conn: Connection, timeout: float = 300.0) -> Any:
     return value
 
 
-def _in_child(main: Callable[..., None], shape: Shape, cases: list[Case], iters: int) -> dict[str, float | None]:
-    ctx = mp.get_context("spawn")
-    conn, child = ctx.Pipe()
-    proc = ctx.Process(target=main, args=(child, shape, cases, iters), daemon=True)
-    proc.start()
-    try:
-        result: dict[str, float | None] = _expect(conn)
-        return result
-    finally:
-        proc.join(timeout=20)
-
-
 def _serve(conn: Connection, handlers: dict[str, Callable[[Case, str], Any]]) -> None:
     """A child's command loop: ("prepare" | "run" | "finish", case, tag) until "stop"."""
     while True:
@@ -295,12 +321,13 @@ def _child_setup() -> None:
 
 # -- (a) pdserve UCX connector -------------------------------------------------------------------
 
-def _pdserve_writer(conn: Connection, shape: Shape) -> None:
+def _pdserve_writer(conn: Connection, shape: Shape, ucx_tls: str = "") -> None:
     _child_setup()
-    from connectors.ucx.worker import UcxWorkerConnector
+    from connectors.ucx.worker import UcxConnectorConfig, UcxWorkerConnector
 
     c = UcxWorkerConnector(engine_id="bench-prefill", epoch=1, tp_rank=0, tp_size=1, num_kv_heads=shape.kv_heads,
-                           compatibility_hash="bench", kv_cache=shape.tensor(seed=1))
+                           compatibility_hash="bench", kv_cache=shape.tensor(seed=1),
+                           config=UcxConnectorConfig(ucx_tls=ucx_tls))
     conn.send(("ok", c.get_handshake_metadata()))
     conn.recv()
     conn.send(("ok", None))
@@ -322,13 +349,14 @@ def _pdserve_writer(conn: Connection, shape: Shape) -> None:
     c.shutdown()
 
 
-def _pdserve_reader(conn: Connection, shape: Shape) -> None:
+def _pdserve_reader(conn: Connection, shape: Shape, ucx_tls: str = "") -> None:
     _child_setup()
     from connectors.ucx.handshake import KVTransferDescriptor
-    from connectors.ucx.worker import UcxWorkerConnector
+    from connectors.ucx.worker import UcxConnectorConfig, UcxWorkerConnector
 
     c = UcxWorkerConnector(engine_id="bench-decode", epoch=2, tp_rank=0, tp_size=1, num_kv_heads=shape.kv_heads,
-                           compatibility_hash="bench", kv_cache=shape.tensor())
+                           compatibility_hash="bench", kv_cache=shape.tensor(),
+                           config=UcxConnectorConfig(ucx_tls=ucx_tls))
     c.add_peer(conn.recv())
     conn.send(("ok", None))
     conn.send(("ok", None))
@@ -439,7 +467,9 @@ def _nixl_agent(name: str) -> Any:
         from nixl_cu12._api import nixl_agent, nixl_agent_config
     except ImportError as e:
         raise _MethodUnavailable(f"nixl-cu12 not installed: {e}") from None
-    agent = nixl_agent(name, nixl_agent_config(backends=[]))
+    # No progress thread: the reader polls its transfers, and a spinning thread would steal
+    # CPU from the other methods measured in the same run.
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
     agent.create_backend("UCX", {"ucx_error_handling_mode": "none"})
     return agent
 
@@ -564,24 +594,25 @@ def _grpc_reader(conn: Connection, shape: Shape) -> None:
 
 # -- (e) memcpy --------------------------------------------------------------------------------------
 
-def _memcpy_main(conn: Connection, shape: Shape, cases: list[Case], iters: int) -> None:
+def _memcpy_main(conn: Connection, shape: Shape) -> None:
     _child_setup()
     src, dst = shape.tensor(seed=1), shape.tensor()
-    results: dict[str, float] = {}
-    for case in cases:
-        samples = []
-        for i in range(iters + 1):
-            t0 = time.perf_counter()
-            for start, n in case.runs():
-                dst[start:start + n].copy_(src[start:start + n])
-            if i:
-                samples.append(time.perf_counter() - t0)
-        results[case.label] = statistics.median(samples)
-    conn.send(("ok", results))
+    conn.send(("ok", None))
+
+    def run(case: Case, tag: str) -> float:
+        t0 = time.perf_counter()
+        for start, n in case.runs():
+            dst[start:start + n].copy_(src[start:start + n])
+        return time.perf_counter() - t0
+
+    _serve(conn, {"run": run})
 
 
 _PAIRS: dict[str, tuple[Callable[[Connection, Shape], None], Callable[[Connection, Shape], None]]] = {
     "pdserve": (_pdserve_writer, _pdserve_reader),
+    # The connector over UCX's own transport choice (CMA on one host): faster under CPU
+    # contention, but a writer dying mid-read aborts the reader (see docs/architecture.md).
+    "pdserve-cma": (functools.partial(_pdserve_writer, ucx_tls="all"), functools.partial(_pdserve_reader, ucx_tls="all")),
     "ucxx": (_ucxx_writer, _ucxx_reader),
     "nixl": (_nixl_writer, _nixl_reader),
     "grpc": (_grpc_writer, _grpc_reader),

@@ -188,7 +188,9 @@ class UcxTagTransport(KVTransport):
         idle_rounds = 0
         while self._running:
             busy = self._run_commands()
-            busy |= bool(self._worker.progress_once())
+            if self._worker.progress_once():
+                self._worker.progress()
+                busy = True
             busy |= self._probe_ctrl()
             busy |= self._probe_data()
             busy |= self._reap()
