@@ -94,6 +94,7 @@ class RankWorker:
         if self.connector is not None and hasattr(self.connector, "register_kv_caches"):
             self.connector.register_kv_caches(self.kv_cache, setup.spec)
         self.outputs: list[Any] = []
+        self._warned = False
 
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
         c = self.connector
@@ -115,8 +116,12 @@ class RankWorker:
         report = getattr(self.connector, "report_output", None)
         if callable(report):
             report(output)
-        else:
+        elif self.rank == 0:
             self.outputs.append(output)
+        elif not self._warned:
+            # Nobody could drain it here: a rank > 0 without a report hook drops its outputs.
+            logger.warning("rank %d: worker connector has no report_output; dropping its outputs", self.rank)
+            self._warned = True
 
     def shutdown(self) -> None:
         if self.connector is not None:
