@@ -28,7 +28,7 @@ from pdserve.v1 import engine_pb2 as engine_pb
 from pdserve.v1 import engine_pb2_grpc as engine_grpc
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import generation_pb2_grpc as gen_grpc
-from services.common.certs import LocalPki, make_local_pki
+from services.common.certs import COMPONENT_NAME, LocalPki, make_local_pki
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.security import ChannelSecurity, open_sync_channel
 
@@ -133,7 +133,7 @@ class LocalCluster:
         if self.pki is None:
             return []
         return ["--tls-cert", str(self.pki.server_cert), "--tls-key", str(self.pki.server_key),
-                "--tls-ca", str(self.pki.ca_cert)]
+                "--tls-ca", str(self.pki.ca_cert), "--tls-peer-name", COMPONENT_NAME]
 
     def _scheduler_component(self) -> Component:
         s = self.spec

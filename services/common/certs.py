@@ -5,8 +5,9 @@ and client identity of every component (names: localhost, 127.0.0.1, ::1 and the
 hosts), plus a separate client certificate for callers of the client API:
 
     ca.crt                 the CA every component trusts
-    server.crt, server.key every component's identity (serverAuth + clientAuth)
-    client.crt, client.key a client identity (clientAuth only)
+    server.crt, server.key every component's identity (serverAuth + clientAuth, CN `pdserve`:
+                           what `tls_peer_name` admits on the control and Engine API ports)
+    client.crt, client.key a client identity (clientAuth only, CN `pdserve-client`)
 
 Keys are EC P-256 and never leave `directory` (mode 0600). These certificates are for one
 machine and short-lived (default 7 days); production installs bring their own (Helm: a Secret
@@ -26,6 +27,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+COMPONENT_NAME = "pdserve"
+CLIENT_NAME = "pdserve-client"
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,8 +111,8 @@ def make_local_pki(directory: str | Path, hosts: Iterable[str] = (), *, days: in
     d.mkdir(parents=True, exist_ok=True)
     ca_cert, ca_key = make_ca(ca_name, days)
     names = ["localhost", "127.0.0.1", "::1", *hosts]
-    server_cert, server_key = issue(ca_cert, ca_key, "pdserve", names, days=days)
-    client_cert, client_key = issue(ca_cert, ca_key, "pdserve-client", [], server=False, days=days)
+    server_cert, server_key = issue(ca_cert, ca_key, COMPONENT_NAME, names, days=days)
+    client_cert, client_key = issue(ca_cert, ca_key, CLIENT_NAME, [], server=False, days=days)
     pki = LocalPki(d, d / "ca.crt", d / "ca.key", d / "server.crt", d / "server.key", d / "client.crt",
                    d / "client.key")
     _write_cert(pki.ca_cert, ca_cert)

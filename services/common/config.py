@@ -92,6 +92,8 @@ class SchedulerConfig:
     tls_server_name: str = opt("", "name expected in engines' server certificates (default: the address dialed)")
     tls_require_client_cert: bool = opt(False, "client API and KV events also require a client certificate "
                                                "(control streams always do under TLS)")
+    tls_peer_name: str = opt("", "control streams only from certificates naming this (CN or DNS SAN); "
+                                 "empty: any certificate of tls_ca")
     allow_plaintext: bool = opt(False, "explicit opt-in to plaintext gRPC on a non-loopback host")
     health_port: int = opt(0, "plaintext port serving only the gRPC health service (probes under TLS); 0 disables")
     auth_tokens_file: str = opt("", "bearer tokens for Generate and KVEvents, one per line: <token> [generate,events]")
@@ -158,6 +160,8 @@ class EngineConfig:
     tls_key: str = opt("", "PEM private key of tls_cert")
     tls_ca: str = opt("", "PEM CA bundle peers' certificates must chain to; tls_cert, tls_key, tls_ca turn TLS on")
     tls_server_name: str = opt("", "name expected in the scheduler's certificate (default: the address dialed)")
+    tls_peer_name: str = opt("", "Engine API calls only from certificates naming this (CN or DNS SAN); "
+                                 "empty: any certificate of tls_ca")
     allow_plaintext: bool = opt(False, "explicit opt-in to plaintext gRPC on a non-loopback host or scheduler")
     health_port: int = opt(0, "plaintext port serving only the gRPC health service (probes under TLS); 0 disables")
     max_message_bytes: int = opt(64 * 1024 * 1024, "largest gRPC message received or sent")

@@ -47,7 +47,7 @@ from services.common.engine_loop import Delivery, EngineLoop
 from services.common.grpc_server import ServiceServer, install_drain_handler
 from services.common.metrics import EngineMetrics
 from services.common.rank_agent import RankAgent, RankAgentFactory, compatibility_hash
-from services.common.security import component_channel_security, component_server_security
+from services.common.security import component_channel_security, component_server_security, peer_name_guards
 from services.common.tracing import ComponentTracer, server_interceptors, trace_carrier
 
 logger = logging.getLogger(__name__)
@@ -424,7 +424,8 @@ class EngineService(pb_grpc.EngineServicer):
 
 async def serve(config: EngineConfig) -> None:
     """Runs one engine service until SIGTERM/SIGINT (then drains)."""
-    server = ServiceServer(["pdserve.v1.Engine"], max_message_bytes=config.max_message_bytes, interceptors=server_interceptors())
+    server = ServiceServer(["pdserve.v1.Engine"], max_message_bytes=config.max_message_bytes,
+                           interceptors=[*peer_name_guards(config, ["pdserve.v1.Engine"]), *server_interceptors()])
     port = server.bind(config.host, config.port, component_server_security(config, require_client_cert=True))
     if config.health_port:
         server.bind_health(config.host, config.health_port)

@@ -499,6 +499,71 @@ class MalformedRequestGuard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return checked
 
 
+def certificate_names(context: grpc.aio.ServicerContext) -> set[str]:
+    """The common name and DNS names of the peer's verified certificate (empty without one)."""
+    auth = context.auth_context() or {}
+    names = set()
+    for key in ("x509_common_name", "x509_subject_alternative_name"):
+        names |= {v.decode(errors="replace") if isinstance(v, bytes) else str(v) for v in auth.get(key, [])}
+    return names
+
+
+class PeerNameGuard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """On the internal ports (control streams, Engine API): only peers whose verified certificate
+    names `peer_name` (CN or DNS SAN) reach `services`; others get PERMISSION_DENIED. Keeps a
+    client certificate of the same CA (given to API users) from registering as an engine."""
+
+    def __init__(self, peer_name: str, services: Iterable[str]) -> None:
+        self.peer_name = peer_name
+        self.services = set(services)
+        self.refused = 0
+
+    async def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method.lstrip("/").split("/", 1)[0] not in self.services:
+            return handler
+
+        async def check(context: grpc.aio.ServicerContext) -> None:
+            if self.peer_name not in certificate_names(context):
+                self.refused += 1
+                logger.warning("refused %s: its certificate does not name %r", context.peer(), self.peer_name)
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                    f"this port serves pdserve components only (certificate must name {self.peer_name!r})")
+
+        return before_behavior(handler, check)
+
+
+def before_behavior(handler: Any, check: Callable[[grpc.aio.ServicerContext], Any]) -> Any:
+    """`handler` with `await check(context)` run before its behavior (which ever kind it is)."""
+    for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
+        behavior = getattr(handler, kind)
+        if behavior is None:
+            continue
+        if inspect.isasyncgenfunction(behavior):
+            async def checked_gen(request: Any, context: grpc.aio.ServicerContext,
+                                  behavior: Any = behavior) -> AsyncIterator[Any]:
+                await check(context)
+                async for item in behavior(request, context):
+                    yield item
+
+            return handler._replace(**{kind: checked_gen})
+
+        async def checked(request: Any, context: grpc.aio.ServicerContext, behavior: Any = behavior) -> Any:
+            await check(context)
+            result = behavior(request, context)
+            return await result if inspect.isawaitable(result) else result
+
+        return handler._replace(**{kind: checked})
+    return handler
+
+
+def peer_name_guards(config: Any, services: Iterable[str]) -> list[PeerNameGuard]:
+    """[PeerNameGuard] when the config has TLS and a `tls_peer_name`, else []."""
+    if config.tls_cert and config.tls_peer_name:
+        return [PeerNameGuard(config.tls_peer_name, services)]
+    return []
+
+
 def server_guard(config: Any) -> ServerGuard:
     """The scheduler's guard from its config (auth tokens, stream and rate limits)."""
     tokens = TokenStore.from_config(config.auth_tokens_file, config.auth_tokens)

@@ -30,7 +30,7 @@ from pdserve.v1 import control_pb2_grpc, generation_pb2_grpc
 from services.common.config import SchedulerConfig
 from services.common.grpc_server import ServiceServer
 from services.common.metrics import EventMetrics
-from services.common.security import component_server_security, server_guard
+from services.common.security import component_server_security, peer_name_guards, server_guard
 from services.common.tracing import server_interceptors
 from services.scheduler.admission import Admission
 from services.scheduler.control import ControlServicer
@@ -102,7 +102,8 @@ class SchedulerService:
         size = config.max_message_bytes
         self.client_server = ServiceServer([GENERATION_SERVICE], max_message_bytes=size,
                                            interceptors=[self.guard, *server_interceptors()])
-        self.control_server = ServiceServer([CONTROL_SERVICE], max_message_bytes=size)
+        self.control_server = ServiceServer([CONTROL_SERVICE], max_message_bytes=size,
+                                            interceptors=peer_name_guards(config, [CONTROL_SERVICE]))
         self.events_server = ServiceServer([EVENTS_SERVICE] if self.plane is not None else [],
                                            max_message_bytes=size, interceptors=[self.guard])
         generation_pb2_grpc.add_GenerationServicer_to_server(self.generation, self.client_server.server)

@@ -84,6 +84,11 @@ def test_engine_api_needs_the_cluster_certificate(tls_cluster: LocalCluster, for
         with open_sync_channel(address, security, CHANNEL_OPTIONS) as channel, pytest.raises(grpc.RpcError) as e:
             engine_pb2_grpc.EngineStub(channel).Abort(engine_pb2.AbortRequest(request_id="x"), timeout=5)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE, name
+    # An API client's certificate from the cluster's CA: TLS accepts it, the peer-name check does not.
+    client_cert = ChannelSecurity(ca=str(pki.ca_cert), cert=str(pki.client_cert), key=str(pki.client_key))
+    with open_sync_channel(address, client_cert, CHANNEL_OPTIONS) as channel, pytest.raises(grpc.RpcError) as e:
+        engine_pb2_grpc.EngineStub(channel).Abort(engine_pb2.AbortRequest(request_id="x"), timeout=5)
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert tls_cluster.inspect("prefill-0").engine_id == "prefill-0"
 
 

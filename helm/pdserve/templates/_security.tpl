@@ -15,6 +15,7 @@ tls_cert: /etc/pdserve/tls/tls.crt
 tls_key: /etc/pdserve/tls/tls.key
 tls_ca: /etc/pdserve/tls/ca.crt
 tls_server_name: {{ include "pdserve.componentName" (dict "ctx" . "component" "scheduler") }}
+tls_peer_name: {{ include "pdserve.componentName" (dict "ctx" . "component" "scheduler") }}
 health_port: {{ .Values.tls.healthPort }}
 {{- else }}
 allow_plaintext: true
@@ -33,7 +34,7 @@ auth_tokens_file: /etc/pdserve/auth/{{ .Values.auth.secretKey }}
 
 {{/* Keys the chart manages (a component's `config` may not set them). */}}
 {{- define "pdserve.securityKeys" -}}
-tls_cert tls_key tls_ca tls_server_name health_port allow_plaintext tls_require_client_cert auth_tokens_file auth_tokens
+tls_cert tls_key tls_ca tls_server_name tls_peer_name health_port allow_plaintext tls_require_client_cert auth_tokens_file auth_tokens
 {{- end }}
 
 {{/* The port the kubelet's gRPC probes use: the plaintext health port under TLS. */}}

@@ -17,7 +17,7 @@ from pdserve.v1 import control_pb2 as ctl_pb
 from pdserve.v1 import control_pb2_grpc, generation_pb2_grpc, kv_events_pb2_grpc
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import kv_events_pb2 as ev_pb
-from services.common.certs import LocalPki, make_local_pki
+from services.common.certs import COMPONENT_NAME, LocalPki, make_local_pki
 from services.common.config import SchedulerConfig, load_config
 from services.common.control_client import ControlClient, ControlHello, RankIdentity
 from services.common.grpc_server import CHANNEL_OPTIONS
@@ -59,7 +59,8 @@ def foreign(tmp_path: Path) -> LocalPki:
 
 @pytest.fixture
 async def mtls_service(tmp_path: Path, pki: LocalPki) -> AsyncIterator[SchedulerService]:
-    service = await start_service(tmp_path, pki, tls_require_client_cert=True, health_port=free_port())
+    service = await start_service(tmp_path, pki, tls_require_client_cert=True, health_port=free_port(),
+                                  tls_peer_name=COMPONENT_NAME)
     try:
         yield service
     finally:
@@ -170,22 +171,24 @@ async def test_control_stream_needs_an_engine_certificate_and_hides_handshake_me
     prefill = await register(target, rank_hello("prefill-0", "prefill", b"ucx-address-of-prefill-0"), engine_identity)
     clients = [prefill]
     try:
-        intruders = {
-            "plaintext": None,
-            "no certificate": ChannelSecurity(ca=str(pki.ca_cert)),
-            "certificate of another CA": ChannelSecurity(ca=str(pki.ca_cert), cert=str(foreign.server_cert),
-                                                         key=str(foreign.server_key)),
+        intruders: dict[str, tuple[ChannelSecurity | None, Code]] = {
+            "plaintext": (None, Code.UNAVAILABLE),
+            "no certificate": (ChannelSecurity(ca=str(pki.ca_cert)), Code.UNAVAILABLE),
+            "certificate of another CA": (ChannelSecurity(ca=str(pki.ca_cert), cert=str(foreign.server_cert),
+                                                          key=str(foreign.server_key)), Code.UNAVAILABLE),
+            # Same CA, but an API client's certificate: it does not name the cluster's components.
+            "client certificate": (client(pki), Code.PERMISSION_DENIED),
         }
-        for name, security in intruders.items():
+        for name, (security, code) in intruders.items():
             with pytest.raises(TimeoutError):
                 await register(target, rank_hello(f"intruder-{name}", "decode", b"x"), security, timeout=1.0)
-            # The raw stream: refused at the TLS layer, before a Hello could be read.
+            # The raw stream: refused before a Hello could be read (TLS layer or peer-name check).
             async with open_channel(target, security, CHANNEL_OPTIONS) as channel:
                 call = control_pb2_grpc.ControlStub(channel).Connect(timeout=3)
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await call.write(ctl_pb.RankMessage(hello=ctl_pb.Hello()))
                     await call.read()
-                assert e.value.code() == Code.UNAVAILABLE, name
+                assert e.value.code() == code, name
         registered = {e.engine_id for role in ("prefill", "decode") for e in _engines(mtls_service, role)}
         assert registered == {"prefill-0"}, "no intruder registered"
         # A decode rank with the cluster's certificate does get the prefill rank's metadata.
