@@ -7,6 +7,7 @@ import signal
 import threading
 
 from services.common.logs import setup_logging
+from services.common.security import check_plaintext
 from services.local_cluster import ClusterSpec, LocalCluster
 
 
@@ -29,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls", action="store_true",
                         help="mTLS on every channel with a throwaway CA (default: plaintext, loopback only)")
     parser.add_argument("--tls-dir", default="", help="where --tls writes its certificates (default: a temp dir)")
+    parser.add_argument("--allow-plaintext", action="store_true",
+                        help="explicit opt-in to plaintext on a non-loopback --host (prefer --tls)")
     parser.add_argument("--auth-tokens-file", default="",
                         help="bearer tokens required on Generate and KV events (see `pdserve scheduler --help`)")
     parser.add_argument("--log-level", default="INFO", help="logging level")
@@ -37,7 +40,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     if args.prefill < 0 or args.decode < 1 or args.tp < 1:
         raise ValueError("need --prefill >= 0, --decode >= 1 and --tp >= 1")
+    if not (args.tls or args.allow_plaintext):
+        try:
+            check_plaintext("--host", args.host, tls=False, allow_plaintext=False)
+        except ValueError:
+            raise ValueError(f"--host {args.host} is not loopback: add --tls (or --allow-plaintext)") from None
     scheduler_args: list[str] = []
+    engine_args: list[str] = []
+    if args.allow_plaintext:
+        scheduler_args.append("--allow-plaintext")
+        engine_args.append("--allow-plaintext")
     if args.zmq_endpoint:
         scheduler_args += ["--zmq-endpoint", args.zmq_endpoint]
     if args.zmq_replay_endpoint:
@@ -48,7 +60,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
                        host=args.host, port=args.port, control_port=args.control_port,
                        events_port=args.events_port, metrics=args.metrics, torch_threads=args.torch_threads,
                        kv_cache_memory=args.kv_cache_memory, scheduler_args=scheduler_args,
-                       log_dir=args.log_dir, tls=args.tls, tls_dir=args.tls_dir)
+                       log_dir=args.log_dir, tls=args.tls, tls_dir=args.tls_dir, engine_args=engine_args)
 
 
 def run(args: argparse.Namespace) -> int:
