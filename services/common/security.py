@@ -26,6 +26,7 @@ import hmac
 import inspect
 import ipaddress
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -101,10 +102,37 @@ class ServerSecurity:
     require_client_cert: bool
 
     def credentials(self) -> grpc.ServerCredentials:
+        """Credentials that re-read the files when they change (checked at every new TLS
+        handshake), so a rotated certificate (cert-manager renewal, a Secret update) is served
+        without a restart; a half-written rotation keeps the previous files in use."""
+        stamp = [self._stamp()]
+
+        def fetch() -> Any:
+            now = self._stamp()
+            if now == stamp[0]:
+                return None
+            try:
+                config = self._configuration()
+            except ValueError as e:
+                logger.warning("TLS files changed but cannot be loaded (keeping the old ones): %s", e)
+                return None
+            stamp[0] = now
+            logger.info("TLS certificate files changed: serving the new ones")
+            return config
+
+        return grpc.dynamic_ssl_server_credentials(self._configuration(), fetch,
+                                                   require_client_authentication=self.require_client_cert)
+
+    def _configuration(self) -> Any:
         ca = read_pem(self.ca, "tls_ca") if self.ca else None
         pair = (read_pem(self.key, "tls_key"), read_pem(self.cert, "tls_cert"))
-        return grpc.ssl_server_credentials([pair], root_certificates=ca,
-                                           require_client_auth=self.require_client_cert)
+        return grpc.ssl_server_certificate_configuration([pair], root_certificates=ca)
+
+    def _stamp(self) -> tuple[int, ...] | None:
+        try:
+            return tuple(os.stat(p).st_mtime_ns for p in (self.cert, self.key, self.ca) if p)
+        except OSError:
+            return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,59 @@
+"""A listening port picks up rotated certificate files at the next TLS handshake."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.certs import make_local_pki
+from services.common.grpc_server import CHANNEL_OPTIONS, ServiceServer
+from services.common.security import ChannelSecurity, ServerSecurity, open_channel
+
+
+async def check(port: int, security: ChannelSecurity) -> grpc.StatusCode:
+    async with open_channel(f"127.0.0.1:{port}", security, CHANNEL_OPTIONS) as channel:
+        try:
+            await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=3)
+        except grpc.aio.AioRpcError as e:
+            return e.code()
+    return grpc.StatusCode.OK
+
+
+async def test_rotated_files_are_served_without_a_restart(tmp_path: Path) -> None:
+    old, new = make_local_pki(tmp_path / "old"), make_local_pki(tmp_path / "new", ca_name="rotated CA")
+    live = tmp_path / "live"
+    live.mkdir()
+    for name in ("ca.crt", "server.crt", "server.key"):
+        shutil.copy(old.directory / name, live / name)
+    server = ServiceServer(["pdserve.v1.Generation"])
+    port = server.bind("127.0.0.1", 0, ServerSecurity(str(live / "server.crt"), str(live / "server.key"),
+                                                       str(live / "ca.crt"), require_client_cert=True))
+    await server.start()
+
+    def client(pki_dir: Path) -> ChannelSecurity:
+        return ChannelSecurity(ca=str(pki_dir / "ca.crt"), cert=str(pki_dir / "client.crt"),
+                               key=str(pki_dir / "client.key"))
+
+    try:
+        assert await check(port, client(old.directory)) == grpc.StatusCode.OK
+        assert await check(port, client(new.directory)) == grpc.StatusCode.UNAVAILABLE
+        (live / "server.key").write_text("not a key")  # a half-written rotation: the old files stay in use
+        os.utime(live / "server.key", ns=(1, 1))
+        assert await check(port, client(old.directory)) == grpc.StatusCode.OK
+        for name in ("ca.crt", "server.crt", "server.key"):
+            shutil.copy(new.directory / name, live / name)
+        assert await check(port, client(new.directory)) == grpc.StatusCode.OK
+        assert await check(port, client(old.directory)) == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await server.stop(0)
+
+
+def test_unreadable_files_fail_at_bind_with_the_setting_named(tmp_path: Path) -> None:
+    pki = make_local_pki(tmp_path)
+    with pytest.raises(ValueError, match="tls_cert: cannot read .*missing.crt"):
+        ServerSecurity(str(tmp_path / "missing.crt"), str(pki.server_key), str(pki.ca_cert), True).credentials()
