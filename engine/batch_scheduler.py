@@ -75,6 +75,7 @@ class BatchScheduler:
         self.pinned: dict[str, Request] = {}
         self._finished_since_plan: list[str] = []
         self.num_preemptions = 0
+        self.capacity_finished: list[Request] = []
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -153,12 +154,22 @@ class BatchScheduler:
 
     def _allocate_or_preempt(self, request: Request, n: int, plan: StepPlan) -> bool:
         while not self.kv.allocate_slots(request, n):
+            if self.running == [request]:
+                # Alone and still out of blocks: it outgrew the whole cache and never will fit.
+                self.finish_request(request.request_id, "length")
+                self.capacity_finished.append(request)
+                return False
             victim = self.running.pop()
             self._preempt(victim)
             plan.preempted_ids.append(victim.request_id)
             if victim is request:
                 return False
         return True
+
+    def take_capacity_finished(self) -> list[Request]:
+        """Requests ended with "length" because their sequence outgrew the whole KV cache."""
+        out, self.capacity_finished = self.capacity_finished, []
+        return out
 
     def _schedule_waiting(self, plan: StepPlan, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:

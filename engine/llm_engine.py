@@ -175,6 +175,10 @@ class LLMEngine:
         """Schedules and runs one batch; returns what each touched request produced."""
         outputs, self._pending_outputs = self._pending_outputs, []
         plan = self.batch_scheduler.schedule()
+        for request in self.batch_scheduler.take_capacity_finished():
+            self._forget(request.request_id)
+            outputs.append(RequestOutput(request.request_id, [], "", True, "length",
+                                         request.num_cached_tokens or 0, request.num_prompt_tokens))
         idle = not plan.chunks and not (plan.finished_ids and self._has_connectors)
         if idle and _no_commands(plan.connector_meta):
             return outputs
