@@ -170,6 +170,14 @@ class ChannelSecurity:
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
+    def stamp(self) -> tuple[int, ...] | None:
+        """Modification times of the files: a long-lived channel compares them to notice a
+        rotation (channel credentials are fixed at creation)."""
+        try:
+            return tuple(os.stat(p).st_mtime_ns for p in (self.ca, self.cert, self.key) if p)
+        except OSError:
+            return None
+
 
 def open_channel(target: str, security: ChannelSecurity | None, options: Sequence[tuple[str, Any]],
                  interceptors: Sequence[Any] | None = None) -> grpc.aio.Channel:

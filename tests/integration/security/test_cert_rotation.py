@@ -57,3 +57,25 @@ def test_unreadable_files_fail_at_bind_with_the_setting_named(tmp_path: Path) ->
     pki = make_local_pki(tmp_path)
     with pytest.raises(ValueError, match="tls_cert: cannot read .*missing.crt"):
         ServerSecurity(str(tmp_path / "missing.crt"), str(pki.server_key), str(pki.ca_cert), True).credentials()
+
+
+async def test_scheduler_redials_engines_after_its_certificate_rotates(tmp_path: Path) -> None:
+    """The scheduler's engine channels carry its client certificate, fixed at creation: after the
+    files change, the next call gets a new channel (and the old one is retired, not cut)."""
+    from types import SimpleNamespace
+
+    from services.scheduler.generation import EngineChannels
+
+    pki = make_local_pki(tmp_path)
+    channels = EngineChannels(ChannelSecurity(ca=str(pki.ca_cert), cert=str(pki.server_cert),
+                                              key=str(pki.server_key)))
+    engine = SimpleNamespace(engine_id="prefill-0", address="127.0.0.1:1")
+    try:
+        first = channels.stub(engine)  # type: ignore[arg-type]
+        assert channels.stub(engine) is first  # type: ignore[arg-type]
+        os.utime(pki.server_cert, ns=(1, 1))
+        rotated = channels.stub(engine)  # type: ignore[arg-type]
+        assert rotated is not first and len(channels._retired) == 1
+        assert channels.stub(engine) is rotated  # type: ignore[arg-type]
+    finally:
+        await channels.close()
