@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench.chaos import ChaosConfig, run_chaos
+from bench.workload import OK, StreamOutcome, percentiles, random_prompts, token_errors
 
 
 def test_chaos_kills_lose_no_request_and_no_token(tmp_path: Path, demo_model: Path) -> None:
@@ -37,3 +38,30 @@ def test_chaos_kills_lose_no_request_and_no_token(tmp_path: Path, demo_model: Pa
 def test_chaos_config_refuses_bad_values(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         ChaosConfig(**bad).validate()  # type: ignore[arg-type]
+
+
+def test_token_check_catches_repeats_gaps_and_wrong_tokens() -> None:
+    expected = [5, 6, 7, 8]
+    ok = StreamOutcome("r", 0, 4, token_ids=[5, 6, 7, 8], status=OK)
+    assert token_errors(ok, expected) == []
+    repeated = StreamOutcome("r", 0, 4, token_ids=[5, 6, 6, 7, 8], status=OK)
+    assert token_errors(repeated, expected)
+    missing = StreamOutcome("r", 0, 4, token_ids=[5, 7, 8], status=OK)
+    assert token_errors(missing, expected)
+    wrong = StreamOutcome("r", 0, 4, token_ids=[5, 6, 9, 8], status=OK)
+    assert token_errors(wrong, expected)
+    # A failed request is checked on what it received: a correct prefix is fine, a wrong one not.
+    assert token_errors(StreamOutcome("r", 0, 4, token_ids=[5, 6], status="DEADLINE_EXCEEDED"), expected) == []
+    assert token_errors(StreamOutcome("r", 0, 4, token_ids=[6], status="DEADLINE_EXCEEDED"), expected)
+    gap = StreamOutcome("r", 0, 4, token_ids=[5, 6, 7, 8], status=OK, index_errors=["chunk index 3, expected 2"])
+    assert token_errors(gap, expected) == ["chunk index 3, expected 2"]
+
+
+def test_percentiles_and_prompts() -> None:
+    assert percentiles([]) == {"p50": 0.0, "p90": 0.0, "p99": 0.0}
+    assert percentiles([float(v) for v in range(1, 101)]) == {"p50": 51.0, "p90": 90.0, "p99": 99.0}
+    prompts = random_prompts(3, 10, 4, 9, 1000)
+    assert prompts == random_prompts(3, 10, 4, 9, 1000)
+    assert all(4 <= len(p) <= 9 and all(100 <= t < 1000 for t in p) for p in prompts)
+    with pytest.raises(ValueError):
+        random_prompts(0, 1, 5, 4, 1000)
