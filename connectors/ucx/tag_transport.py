@@ -49,6 +49,7 @@ KIND_MASK = 0xF << KIND_SHIFT
 MAX_SEGMENTS = 1 << SEG_BITS
 MAX_CTRL_BYTES = 16 << 20
 _SPIN_ROUNDS = 100
+_PENDING_SPIN_S = 0.05
 _PENDING_WAIT_S = 0.001
 _IDLE_WAIT_S = 0.05
 
@@ -185,6 +186,7 @@ class UcxTagTransport(KVTransport):
 
     def _loop(self) -> None:
         efd = self._worker.epoll_file_descriptor
+        last_busy = time.monotonic()
         idle_rounds = 0
         while self._running:
             busy = self._run_commands()
@@ -195,9 +197,16 @@ class UcxTagTransport(KVTransport):
             busy |= self._probe_data()
             busy |= self._reap()
             self._expire()
-            # Spin while UCX makes progress (rendezvous fragments need it on both sides); when
-            # it stalls, sleep until UCX or a command wakes us, briefly if requests are pending.
-            idle_rounds = 0 if busy else idle_rounds + 1
+            if busy:
+                last_busy, idle_rounds = time.monotonic(), 0
+                continue
+            idle_rounds += 1
+            # A shared-memory rendezvous waits on the peer's copy without any event to wake
+            # us, so while requests are pending keep polling (yielding the CPU) for a while
+            # after the last progress; sleep on UCX's event fd only when nothing moves.
+            if self._pending and time.monotonic() - last_busy < _PENDING_SPIN_S:
+                os.sched_yield()
+                continue
             if idle_rounds > _SPIN_ROUNDS and self._worker.arm():
                 timeout = _PENDING_WAIT_S if self._pending or self._pulls else _IDLE_WAIT_S
                 try:
