@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -66,7 +67,7 @@ class ClusterSpec:
     log_dir: str = ""
     env: dict[str, str] = field(default_factory=dict)
     tls: bool = False  # mTLS on every channel with a throwaway CA
-    tls_dir: str = ""  # where the certificates go (default: a new temporary directory)
+    tls_dir: str = ""  # where the certificates go (default: a temporary directory, removed by stop())
     auth_tokens: list[str] = field(default_factory=list)  # bearer tokens of the client API and KV events
 
 
@@ -265,3 +266,5 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 logger.warning("%s did not stop in %.0fs; killing it", name, grace)
             self.kill(name, signal.SIGKILL)
+        if self.pki is not None and not self.spec.tls_dir:
+            shutil.rmtree(self.pki.directory, ignore_errors=True)  # throwaway keys do not outlive the cluster
