@@ -153,6 +153,10 @@ def overview() -> Board:
                                          "{{role}} {{state}}")])
     b.ts("Refused registrations", [q(f"sum by (reason) (rate(pdserve_scheduler_registrations_refused_total[{RI}]))",
                                      "{{reason}}")], "ops")
+    b.row("Auth and limits")
+    b.ts("Refused client calls (auth, rate, streams)", [
+        q(f"sum by (reason) (rate(pdserve_scheduler_client_refused_total[{RI}]))", "{{reason}}")], "ops")
+    b.ts("Open client streams", [q("sum(pdserve_scheduler_client_streams)", "streams")])
     return b
 
 

@@ -129,6 +129,10 @@ _SPECS = (
                "Control streams re-opened by a rank of an already registered engine", ("engine",)),
     MetricSpec("pdserve_scheduler_registrations_refused_total", _C,
                "Hello messages refused, by reason (compat_hash, stale_epoch, malformed, ...)", ("reason",)),
+    MetricSpec("pdserve_scheduler_client_refused_total", _C,
+               "Client API / KV-event calls refused by auth or limits, by reason (missing_token, bad_token, "
+               "scope, rate, streams)", ("reason",)),
+    MetricSpec("pdserve_scheduler_client_streams", _G, "Open Generate and Subscribe streams counted by the limits"),
     # --- scheduler: KV event plane ---
     MetricSpec("pdserve_events_received_total", _C, "KV events received from engines, by type and medium",
                ("engine", "type", "medium")),
@@ -309,7 +313,8 @@ class SchedulerMetrics(_Group):
               "pdserve_scheduler_prefix_hit_tokens_total", "pdserve_scheduler_routing_decisions_total",
               "pdserve_scheduler_decode_only_total", "pdserve_scheduler_migrations_total",
               "pdserve_scheduler_retries_total", "pdserve_scheduler_lease_outcomes_total",
-              "pdserve_scheduler_control_reconnects_total", "pdserve_scheduler_registrations_refused_total")
+              "pdserve_scheduler_control_reconnects_total", "pdserve_scheduler_registrations_refused_total",
+              "pdserve_scheduler_client_refused_total", "pdserve_scheduler_client_streams")
 
     def request_started(self, num_prompt_tokens: int) -> None:
         """A Generate call was accepted (validated and tokenized)."""
@@ -368,6 +373,13 @@ class SchedulerMetrics(_Group):
 
     def count_registration_refused(self, reason: str) -> None:
         self._m["pdserve_scheduler_registrations_refused_total"].labels(reason=reason).inc()
+
+    def count_client_refused(self, reason: str) -> None:
+        """A client call refused by services.common.security.ServerGuard (auth or a limit)."""
+        self._m["pdserve_scheduler_client_refused_total"].labels(reason=reason).inc()
+
+    def set_client_streams(self, num_streams: int) -> None:
+        self._m["pdserve_scheduler_client_streams"].set(num_streams)
 
     def track_aggregator(self, source: PendingReportsSource) -> None:
         """Reads `source.pending_reports()` / `oldest_pending_age()` at every scrape."""

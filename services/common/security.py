@@ -370,12 +370,15 @@ class ServerGuard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     required scope); every other service (health, reflection) passes untouched."""
 
     def __init__(self, *, tokens: TokenStore | None, scopes: Mapping[str, str] | None = None,
-                 max_streams_per_client: int = 0, rate_limiter: RateLimiter | None = None) -> None:
+                 max_streams_per_client: int = 0, rate_limiter: RateLimiter | None = None,
+                 metrics: Any = None) -> None:
         self.tokens = tokens
         self.scopes = dict(GUARDED_SERVICES if scopes is None else scopes)
         self.streams = StreamCounter(max_streams_per_client)
         self.rate_limiter = rate_limiter
         self.refused: Counter[str] = Counter()
+        # Optional: count_client_refused(reason) and set_client_streams(n) (SchedulerMetrics).
+        self.metrics = metrics
 
     async def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
         handler = await continuation(details)
@@ -394,6 +397,8 @@ class ServerGuard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, reason: str,
                       message: str) -> None:
         self.refused[reason] += 1
+        if self.metrics is not None:
+            self.metrics.count_client_refused(reason)
         logger.info("refused %s from %s: %s", reason, context.peer(), message)
         await context.abort(code, message)
 
@@ -431,7 +436,12 @@ class ServerGuard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             if not self.streams.acquire(client):
                 await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "streams",
                                    f"too many concurrent streams from this client (limit {self.streams.limit})")
+            self._streams_changed()
             return client
+
+        def close_stream(client: str) -> None:
+            self.streams.release(client)
+            self._streams_changed()
 
         if inspect.isasyncgenfunction(behavior):
             async def guarded_gen(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
@@ -440,7 +450,7 @@ class ServerGuard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                     async for item in behavior(request, context):
                         yield item
                 finally:
-                    self.streams.release(client)
+                    close_stream(client)
 
             return guarded_gen
 
@@ -450,9 +460,13 @@ class ServerGuard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 result = behavior(request, context)
                 return await result if inspect.isawaitable(result) else result
             finally:
-                self.streams.release(client)
+                close_stream(client)
 
         return guarded
+
+    def _streams_changed(self) -> None:
+        if self.metrics is not None:
+            self.metrics.set_client_streams(self.streams.total())
 
 
 @dataclass(frozen=True, slots=True)
@@ -600,13 +614,15 @@ def peer_name_guards(config: Any, services: Iterable[str]) -> list[PeerNameGuard
     return []
 
 
-def server_guard(config: Any) -> ServerGuard:
-    """The scheduler's guard from its config (auth tokens, stream and rate limits)."""
+def server_guard(config: Any, metrics: Any = None) -> ServerGuard:
+    """The scheduler's guard from its config (auth tokens, stream and rate limits); `metrics` as
+    in ServerGuard."""
     tokens = TokenStore.from_config(config.auth_tokens_file, config.auth_tokens)
     limiter = RateLimiter(config.rate_limit_rps, config.rate_limit_burst) if config.rate_limit_rps > 0 else None
     if tokens is None:
         logger.warning("client API and KV events are UNAUTHENTICATED: no auth_tokens_file / auth_tokens configured")
-    return ServerGuard(tokens=tokens, max_streams_per_client=config.max_streams_per_client, rate_limiter=limiter)
+    return ServerGuard(tokens=tokens, max_streams_per_client=config.max_streams_per_client, rate_limiter=limiter,
+                       metrics=metrics)
 
 
 # -- command-line clients (pdserve generate / events) -----------------------------------------

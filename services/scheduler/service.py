@@ -98,7 +98,7 @@ class SchedulerService:
                                              router=self.router, admission=self.admission, table=self.table,
                                              telemetry=self.telemetry)
         # Bearer tokens and per-client limits guard the client API and KV events (not control).
-        self.guard = server_guard(config)
+        self.guard = server_guard(config, self.telemetry.metrics)
         size = config.max_message_bytes
         self.client_server = ServiceServer([GENERATION_SERVICE], max_message_bytes=size,
                                            interceptors=[self.guard, *server_interceptors()])

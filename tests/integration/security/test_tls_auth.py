@@ -248,6 +248,10 @@ async def test_limits_answer_resource_exhausted_and_invalid_argument(tmp_path: P
                 assert e.value.code() == code and message in (e.value.details() or "")
         assert service.leaks() == []
         assert service.guard.refused["rate"] == 1 and service.guard.refused["streams"] == 1
+        sample = service.telemetry.prometheus.get_sample_value
+        assert sample("pdserve_scheduler_client_refused_total", {"reason": "rate"}) == 1
+        assert sample("pdserve_scheduler_client_refused_total", {"reason": "streams"}) == 1
+        assert sample("pdserve_scheduler_client_streams") == 0
     finally:
         await service.stop(0)
 
