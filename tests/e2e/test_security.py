@@ -140,3 +140,16 @@ def test_command_line_clients_take_tls_and_token_flags(tls_cluster: LocalCluster
     assert rc == 0, err
     rc, _, err = _run_cli(events, ["--target", tls_cluster.events_target, "--duration", "1", *flags])
     assert rc == 1 and "UNAUTHENTICATED" in err
+
+
+def test_tp2_every_rank_registers_over_mtls(tmp_path_factory: pytest.TempPathFactory, tiny_tp_model: Path) -> None:
+    """Rank 1 runs in a spawned process: its control stream gets the engine's certificate too
+    (otherwise the engine never counts as registered and the cluster never gets ready)."""
+    c = start_cluster(tmp_path_factory, "tls-tp2", tp=2, model=str(tiny_tp_model), tls=True)
+    try:
+        with Client(c.target, security=c.client_security) as client:
+            result = client.generate([5, 6, 7, 8] * 6, max_tokens=4, temperature=0.0, ignore_eos=True, timeout=60)
+        assert len(result.token_ids) == 4 and result.transferred_tokens > 0
+        assert c.wait_no_leaks() == {}
+    finally:
+        c.stop()
