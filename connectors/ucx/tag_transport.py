@@ -111,6 +111,7 @@ class UcxTagTransport(KVTransport):
         self._name = name
         self._local_key = local_key
         self._serve_timeout_s = serve_timeout_s
+        self._expect_until = 0.0
         self._commands: deque[Callable[[], None]] = deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -152,6 +153,10 @@ class UcxTagTransport(KVTransport):
 
     def abandon(self, xfer_id: int) -> None:
         self._submit(lambda: self._do_abandon(xfer_id))
+
+    def expect_activity(self, seconds: float) -> None:
+        # A float store is atomic: no command round trip needed for a hint.
+        self._expect_until = max(self._expect_until, time.monotonic() + seconds)
 
     def renew(self, peer: PeerKey, request_ids: list[str]) -> None:
         self._submit(lambda: self._do_renew(peer, request_ids))
@@ -204,7 +209,8 @@ class UcxTagTransport(KVTransport):
             # A shared-memory rendezvous waits on the peer's copy without any event to wake
             # us, so while requests are pending keep polling (yielding the CPU) for a while
             # after the last progress; sleep on UCX's event fd only when nothing moves.
-            if self._pending and time.monotonic() - last_busy < _PENDING_SPIN_S:
+            now = time.monotonic()
+            if ((self._pending or self._pulls) and now - last_busy < _PENDING_SPIN_S) or now < self._expect_until:
                 os.sched_yield()
                 continue
             if idle_rounds > _SPIN_ROUNDS and self._worker.arm():

@@ -58,6 +58,7 @@ logger = logging.getLogger(__name__)
 # writer dies mid-read. Copy-in/copy-out through SysV shared memory is as fast on one host (two
 # cores pipeline the copies) and a dead peer only stalls it, which our timeouts handle.
 DEFAULT_UCX_TLS = "^cma"
+_EXPECT_PULL_S = 0.02
 
 
 @dataclass(slots=True)
@@ -446,6 +447,10 @@ class UcxWorkerConnector(WorkerConnector):
             if request_id in self._leases:
                 raise ValueError(f"request {request_id} is already pinned for sending")
             self._leases[request_id] = _Lease(ids, time.monotonic() + lease, num_readers)
+        if self._transport is not None:
+            # The reader's pull usually follows within milliseconds: poll briefly for it
+            # instead of paying a wake-up on a busy host.
+            self._transport.expect_activity(_EXPECT_PULL_S)
 
     def on_pull_request(self, request: PullRequest) -> str | None:
         """Transport callback: validates a reader's pull against our epoch and leases."""
