@@ -186,7 +186,16 @@ class BatchScheduler:
                 continue
             n = min(request.num_tokens - request.num_computed_tokens - num_hit - num_ext, budget)
             if not self.kv.allocate_slots(request, num_ext + n, computed):
-                break
+                if self.running or plan.chunks:
+                    break  # running requests will free blocks
+                if self._preempt_waiting_holder(request, plan):
+                    continue
+                if self._outgrew_cache(request):
+                    self.waiting.popleft()
+                    self.finish_request(request.request_id, "length")
+                    self.capacity_finished.append(request)
+                    continue
+                break  # pinned or remote-KV blocks must be released first
             request.num_computed_tokens += num_hit + num_ext
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_hit
@@ -198,6 +207,25 @@ class BatchScheduler:
             plan.chunks.append(self._chunk(request, n))
             budget -= n
         return budget
+
+    def _preempt_waiting_holder(self, request: Request, plan: StepPlan) -> bool:
+        """Nothing runs and the queue head does not fit: free the blocks of another waiting
+        request that holds some (e.g. one whose remote KV arrived); it recomputes later."""
+        for other in reversed(self.waiting):
+            if other is not request and other.request_id in self.kv.req_to_blocks:
+                self.kv.free(other.request_id)
+                other.num_computed_tokens = 0
+                other.status = RequestStatus.PREEMPTED
+                other.num_preemptions += 1
+                self.num_preemptions += 1
+                plan.preempted_ids.append(other.request_id)
+                return True
+        return False
+
+    def _outgrew_cache(self, request: Request) -> bool:
+        """True when every block the request does not hold is free and it still does not fit."""
+        held = len(self.kv.req_to_blocks.get(request.request_id, ()))
+        return self.kv.pool.num_free_blocks + held == self.kv.pool.num_blocks
 
     def _external_match(self, request: Request, num_hit: int) -> tuple[int | None, bool]:
         """Tokens the scheduler-side connector can load beyond the local prefix hit."""
