@@ -129,6 +129,7 @@ class Method:
     examples: int
     long_lived: bool = False  # a stream that stays open by design (deadline is not a hang)
     seed: Message | None = None  # a valid request, so accepting paths are fuzzed too
+    timeout_s: float = STREAM_TIMEOUT_S  # for streams; unary calls get UNARY_TIMEOUT_S
 
 
 _HELLO = control_pb2.RankMessage(hello=control_pb2.Hello(
@@ -137,7 +138,7 @@ _HELLO = control_pb2.RankMessage(hello=control_pb2.Hello(
 _SAMPLING = generation_pb2.SamplingParams(max_tokens=2)
 METHODS = [
     Method("client", "/pdserve.v1.Generation/Generate", generation_pb2.GenerateRequest.DESCRIPTOR, "unary_stream", 40,
-           seed=generation_pb2.GenerateRequest(text="Hello", sampling=_SAMPLING)),
+           seed=generation_pb2.GenerateRequest(text="Hello", sampling=_SAMPLING), timeout_s=15.0),
     Method("client", "/pdserve.v1.Generation/GetServerInfo", generation_pb2.GetServerInfoRequest.DESCRIPTOR,
            "unary_unary", 10),
     Method("client", "/pdserve.v1.Generation/ListModels", generation_pb2.ListModelsRequest.DESCRIPTOR,
@@ -163,7 +164,7 @@ DRAIN = Method("decode-0", "/pdserve.v1.Engine/Drain", engine_pb2.DrainRequest.D
 def call_raw(cluster: FuzzCluster, method: Method, payload: bytes | list[bytes]) -> tuple[grpc.StatusCode, list[bytes]]:
     """Sends raw request bytes; returns the status and (at most 3) raw responses."""
     channel = cluster.channel(method.where)
-    stream_timeout = LONG_LIVED_TIMEOUT_S if method.long_lived else STREAM_TIMEOUT_S
+    stream_timeout = LONG_LIVED_TIMEOUT_S if method.long_lived else method.timeout_s
     received: list[bytes] = []
     try:
         if method.kind == "unary_unary":
