@@ -154,8 +154,8 @@ class BatchScheduler:
 
     def _allocate_or_preempt(self, request: Request, n: int, plan: StepPlan) -> bool:
         while not self.kv.allocate_slots(request, n):
-            if self.running == [request]:
-                # Alone and still out of blocks: it outgrew the whole cache and never will fit.
+            if self.running == [request] and self._outgrew_cache(request):
+                # Alone, every other block free, still out of blocks: it can never fit.
                 self.finish_request(request.request_id, "length")
                 self.capacity_finished.append(request)
                 return False

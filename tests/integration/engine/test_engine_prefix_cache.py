@@ -81,3 +81,16 @@ def test_preemption_by_recompute_keeps_greedy_output(tiny_model, make_engine, pr
     assert engine.batch_scheduler.num_preemptions > 0
     for prompt, got in zip(prompts, ours, strict=True):
         assert got == model.reference(prompt, 40)
+
+
+def test_request_outgrowing_the_whole_cache_ends_with_length(tiny_model, make_engine, prompts_of) -> None:
+    model = tiny_model("llama_gqa_llama3")
+    engine = make_engine(model.path, block_size=8, num_blocks=2)
+    [prompt] = prompts_of([10], seed=6)
+    engine.add_request("big", prompt, SamplingParams(max_tokens=30))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    tokens = [t for o in outs for t in o.new_token_ids]
+    assert tokens == model.reference(prompt, 30)[: 16 - len(prompt) + 1]
+    assert outs[-1].finished and outs[-1].finish_reason == "length"
