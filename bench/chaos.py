@@ -75,6 +75,9 @@ class ChaosConfig:
     lease_s: float = 8.0
     # Seconds of the same load without kills, on the same cluster before the chaos: the baseline.
     baseline_s: float = 0.0
+    # Kill on schedule even while earlier victims are still restarting (both decode engines or
+    # the scheduler and an engine can be down at once).
+    overlap: bool = False
 
     def validate(self) -> None:
         if self.duration_s <= 0 or self.kill_interval_s <= 0 or self.deadline_s <= 0:
@@ -221,22 +224,31 @@ class ChaosRun:
             plan.append((t, victims.pop()))
 
     async def _killer(self, stop_at: float) -> None:
+        recovering: list[asyncio.Task[None]] = []
         for at_s, victim in self._schedule():
             await asyncio.sleep(max(0.0, self.t0 + at_s - time.monotonic()))
             if time.monotonic() >= stop_at:
-                return
-            await self._full_strength(300.0)
+                break
+            if not self.cfg.overlap:
+                await self._full_strength(300.0)
             kill = Kill(self._now(), victim)
             self.kills.append(kill)
             self.progress(f"t={kill.at_s:5.1f}s SIGKILL {victim} (and restart it)")
             killed_at = time.monotonic()
             await asyncio.to_thread(self.cluster.kill, victim, signal.SIGKILL)
             await asyncio.to_thread(self.cluster.restart, victim)
-            probe = asyncio.create_task(self._probe(kill, killed_at))
-            await asyncio.to_thread(self._wait_back, victim, 300.0)
-            kill.restart_s = time.monotonic() - killed_at
-            await probe
-            self.progress(f"t={self._now():5.1f}s {victim} back: served again after {kill.recovery_s:.2f}s, "
+            recovering.append(asyncio.create_task(self._recover(kill, killed_at)))
+            if not self.cfg.overlap:
+                await recovering[-1]
+        await asyncio.gather(*recovering)
+
+    async def _recover(self, kill: Kill, killed_at: float) -> None:
+        victim = kill.victim
+        probe = asyncio.create_task(self._probe(kill, killed_at))
+        await asyncio.to_thread(self._wait_back, victim, 300.0)
+        kill.restart_s = time.monotonic() - killed_at
+        await probe
+        self.progress(f"t={self._now():5.1f}s {victim} back: served again after {kill.recovery_s:.2f}s, "
                           f"registered after {kill.restart_s:.2f}s")
 
     async def _full_strength(self, timeout: float) -> None:
@@ -252,7 +264,7 @@ class ChaosRun:
                     self.cluster.inspect(victim, timeout=2.0)
                 self.cluster.wait_ready(self.cfg.num_prefill, self.cfg.num_decode, max(1.0, deadline - time.monotonic()))
                 return
-            except grpc.RpcError:
+            except (grpc.RpcError, RuntimeError):  # RuntimeError: another victim is down (overlap)
                 time.sleep(0.2)
         raise TimeoutError(f"{victim} not back after {timeout:.0f} s")
 
@@ -349,6 +361,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=6, help="client loops streaming back to back")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per request (greedy, ignore_eos)")
     parser.add_argument("--deadline", type=float, default=60.0, help="per-request deadline (scheduler default)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="kill on schedule even while earlier victims are still restarting")
     parser.add_argument("--no-scheduler-kills", action="store_true", help="kill engines only")
     parser.add_argument("--baseline", type=float, default=30.0,
                         help="seconds of the same load without kills first (0: none), for the ratios")
@@ -364,7 +378,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = ChaosConfig(duration_s=args.duration, num_prefill=args.prefill, num_decode=args.decode,
                       kill_interval_s=args.kill_interval, concurrency=args.concurrency, max_tokens=args.max_tokens,
                       deadline_s=args.deadline, seed=args.seed, include_scheduler=not args.no_scheduler_kills,
-                      model=args.model, log_dir=str(out / "logs" / "chaos"), baseline_s=args.baseline)
+                      model=args.model, log_dir=str(out / "logs" / "chaos"), baseline_s=args.baseline,
+                      overlap=args.overlap)
     report = run_chaos(cfg).to_json()
     (out / "chaos.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report) if args.json else json.dumps(report, indent=2))
