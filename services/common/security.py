@@ -264,7 +264,11 @@ class TokenStore:
         is set (no client auth)."""
         tokens: list[ApiToken] = []
         if tokens_file:
-            tokens += parse_token_file(Path(tokens_file).read_text(), tokens_file)
+            try:
+                text = Path(tokens_file).read_text()
+            except OSError as e:
+                raise ValueError(f"auth_tokens_file: cannot read {tokens_file}: {e.strerror}") from None
+            tokens += parse_token_file(text, tokens_file)
         for i, secret in enumerate(s.strip() for s in inline.split(",")):
             if secret:
                 tokens.append(_token(f"auth_tokens[{i}]", secret, ()))
@@ -296,8 +300,8 @@ def bearer_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | No
 
 class RateLimiter:
     """Token bucket per client: `rate` requests per second, bursts of `burst`. Pure (injected
-    clock). At most `max_clients` buckets are kept; the fullest ones are forgotten first (a
-    forgotten client starts again with a full bucket, which it would have anyway)."""
+    clock). At most `max_clients` buckets are kept (memory bound): beyond it the fullest tenth
+    is forgotten, so at worst a nearly refilled client gets its full burst back a little early."""
 
     def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic,
                  max_clients: int = 100_000) -> None:

@@ -59,6 +59,8 @@ def test_token_store_checks_every_token(tmp_path: Path) -> None:
     empty.write_text("# nothing\n")
     with pytest.raises(ValueError, match="no tokens"):
         TokenStore.from_config(str(empty), "")
+    with pytest.raises(ValueError, match="auth_tokens_file: cannot read"):
+        TokenStore.from_config(str(tmp_path / "missing"), "")
 
 
 def test_bearer_token_parsing() -> None:
