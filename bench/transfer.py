@@ -314,8 +314,14 @@ def _serve(conn: Connection, handlers: dict[str, Callable[[Case, str], Any]]) ->
 
 
 def _child_setup() -> None:
+    import os
+
     import torch
 
+    # Children report through their pipe; UCX and NIXL log to stdout, which belongs to the
+    # parent's table or JSON object.
+    sys.stdout.flush()
+    os.dup2(2, 1)
     torch.set_num_threads(1)
 
 
