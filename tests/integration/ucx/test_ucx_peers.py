@@ -8,6 +8,9 @@ import time
 
 from ucx_rank_proc import RankProc
 
+from connectors.aggregator import KVOutputAggregator
+from connectors.outputs import KVConnectorOutput
+
 WAIT_S = 20.0
 # 256 KiB blocks so a pull of a few hundred blocks is still moving when the kill lands.
 BIG = {"num_layers": 16, "head_dim": 64, "block_size": 16, "num_blocks": 512}
@@ -81,7 +84,7 @@ def test_decode_killed_mid_transfer_frees_prefill_blocks_and_prefill_keeps_servi
             p.close()
 
 
-def test_tp2_each_decode_rank_pulls_only_its_heads() -> None:
+def test_tp2_each_decode_rank_pulls_only_its_heads_and_the_request_completes_once() -> None:
     common = {"tp_size": 2, "num_kv_heads": 4}
     prefills = [RankProc("prefill-tp", 7, tp_rank=r, seed=10 + r, **common) for r in range(2)]
     decodes = [RankProc("decode-tp", 8, tp_rank=r, **common) for r in range(2)]
@@ -95,12 +98,23 @@ def test_tp2_each_decode_rank_pulls_only_its_heads() -> None:
             p.call("expect_send", "tp-req", remote)
         for d in decodes:
             d.call("start_pull", "tp-req", descriptor(prefills[0], "tp-req", remote), local)
-        for d in decodes:
+        aggregator = KVOutputAggregator()
+        aggregator.register_engine("decode-tp", 8, [0, 1])
+        aggregator.register_engine("prefill-tp", 7, [0, 1])
+        released: list[str] = []
+        for r, d in enumerate(decodes):
             got = d.call("wait_results", ["tp-req"], WAIT_S)
             assert got["finished_recving"] == ["tp-req"] and got["duplicates"] == []
-        for p in prefills:
+            out = KVConnectorOutput(finished_recving=frozenset(got["finished_recving"]))
+            released += aggregator.add_report("decode-tp", 8, r, out).finished_recving
+            released += aggregator.add_report("decode-tp", 8, r, out).finished_recving  # a repeat
+            assert released == (["tp-req"] if r == 1 else []), "complete only once every rank reported"
+        for r, p in enumerate(prefills):
             got = p.call("wait_results", ["tp-req"], WAIT_S)
             assert got["finished_sending"] == ["tp-req"] and got["duplicates"] == []
+            out = KVConnectorOutput(finished_sending=frozenset(got["finished_sending"]))
+            released += aggregator.add_report("prefill-tp", 7, r, out).finished_sending
+        assert released == ["tp-req", "tp-req"]  # received once, sent once
         rank_bytes = [p.call("digests", remote) for p in prefills]
         assert rank_bytes[0] != rank_bytes[1]  # the ranks hold different heads
         for r, d in enumerate(decodes):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterator
 
 import msgpack
@@ -14,6 +15,7 @@ from connectors.ucx.handshake import (
     HANDSHAKE_VERSION,
     KVRegionLayout,
     KVTransferDescriptor,
+    PeerKey,
     UcxHandshakeMetadata,
 )
 from connectors.ucx.tag_transport import MAX_SEGMENTS, data_tag, split_data_tag
@@ -155,3 +157,17 @@ def test_registered_under_ucx() -> None:
     assert isinstance(c, UcxWorkerConnector)
     with pytest.raises(RuntimeError, match="register_kv_caches"):
         c.get_handshake_metadata()
+
+
+def test_leases_expire_unless_a_live_reader_renews(connector: UcxWorkerConnector) -> None:
+    connector.expect_send("kept", [1, 2], lease_s=0.2)
+    connector.expect_send("dropped", [3], lease_s=0.2)
+    reader = PeerKey("decode-x", 1, 0)
+    deadline = time.monotonic() + 0.6
+    while time.monotonic() < deadline:
+        connector.on_renew(["kept", "unknown"], reader)  # what the transport calls on `renew`
+        time.sleep(0.05)
+    assert connector.get_transfer_results().finished_sending == {"dropped"}
+    stats = connector.get_kv_connector_stats()
+    assert stats is not None and stats.lease_expiries == 1
+    assert connector.cancel("kept") and connector.num_pending() == 0
