@@ -53,6 +53,9 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        # Set when a step raised (e.g. a rank process died mid-collective): the engine is
+        # unusable and the loop has ended; the service must exit so its supervisor restarts it.
+        self.failed = threading.Event()
         self._thread = threading.Thread(target=self._main, name="engine-loop", daemon=True)
         self.num_steps = 0
         self._started: set[str] = set()
@@ -90,6 +93,13 @@ class EngineLoop:
         return bool(load.num_running or load.num_waiting) or self._flush_pending()
 
     def _main(self) -> None:
+        try:
+            self._run()
+        except BaseException:
+            self.failed.set()
+            raise
+
+    def _run(self) -> None:
         next_periodic = 0.0
         while not self._stop.is_set():
             self._run_calls()

@@ -448,7 +448,20 @@ async def serve(config: EngineConfig) -> None:
     try:
         await asyncio.get_running_loop().run_in_executor(None, service.build)
         await server.set_serving(True)
-        await stopped.wait()
+        await _until_stopped_or_failed(stopped, service)
     finally:
         await server.stop(1.0)
         service.shutdown()
+
+
+async def _until_stopped_or_failed(stopped: asyncio.Event, service: EngineService) -> None:
+    """Returns on SIGTERM/SIGINT; raises when the engine loop died, so the process exits
+    non-zero instead of lingering registered-but-dead (a supervisor restarts it)."""
+    while not stopped.is_set():
+        if service.loop is not None and service.loop.failed.is_set():
+            raise RuntimeError(f"engine {service.config.engine_id}: the engine loop died (see the step error "
+                               "above); exiting")
+        try:
+            await asyncio.wait_for(stopped.wait(), 0.5)
+        except TimeoutError:
+            pass
