@@ -303,8 +303,8 @@ class UcxWorkerConnector(WorkerConnector):
 
     def _drop_peer_locked(self, key: PeerKey) -> None:
         del self._peers[key]
-        assert self._transport is not None
-        self._transport.remove_peer(key)
+        if self._transport is not None:
+            self._transport.remove_peer(key)
         for rid in [r for r, recv in self._recvs.items() if recv.peer == key and recv.op is None]:
             self._queued.remove(rid)
             self._fail_locked(self._recvs.pop(rid), "peer_gone", ())
@@ -368,8 +368,7 @@ class UcxWorkerConnector(WorkerConnector):
         return None
 
     def _dispatch_locked(self) -> None:
-        assert self._transport is not None
-        while self._queued and self._inflight < self.config.max_inflight_transfers:
+        while self._queued and self._inflight < self.config.max_inflight_transfers and self._transport is not None:
             recv = self._recvs[self._queued.pop(0)]
             assert recv.op is not None
             self._inflight += 1
@@ -387,8 +386,8 @@ class UcxWorkerConnector(WorkerConnector):
             if recv.op is not None and recv.op.xfer_id in self._by_xfer:
                 del self._by_xfer[recv.op.xfer_id]
                 self._inflight -= 1
-                assert self._transport is not None
-                self._transport.abandon(recv.op.xfer_id)
+                if self._transport is not None:
+                    self._transport.abandon(recv.op.xfer_id)
                 self._dispatch_locked()
             elif request_id in self._queued:
                 self._queued.remove(request_id)
@@ -591,9 +590,16 @@ class UcxWorkerConnector(WorkerConnector):
 
     def shutdown(self) -> None:
         """Stops the transport; in-flight pulls fail (reason shutdown). Idempotent."""
-        transport, self._transport = self._transport, None
+        with self._lock:
+            transport, self._transport = self._transport, None
         if transport is not None:
             transport.shutdown()
+        with self._lock:  # whatever the transport did not end (queued, or not yet started)
+            for request_id in list(self._recvs):
+                self._fail_locked(self._recvs.pop(request_id), "shutdown", ())
+            self._by_xfer.clear()
+            self._queued.clear()
+            self._inflight = 0
 
     def _require_transport(self) -> KVTransport:
         if self._transport is None:

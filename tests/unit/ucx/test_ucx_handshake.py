@@ -171,3 +171,28 @@ def test_leases_expire_unless_a_live_reader_renews(connector: UcxWorkerConnector
     stats = connector.get_kv_connector_stats()
     assert stats is not None and stats.lease_expiries == 1
     assert connector.cancel("kept") and connector.num_pending() == 0
+
+
+def test_shutdown_ends_every_pull_once_and_later_calls_are_harmless() -> None:
+    prefill = UcxWorkerConnector(engine_id="prefill-s", epoch=3, tp_rank=0, tp_size=1, num_kv_heads=2,
+                                 compatibility_hash="h1", kv_cache=torch.ones(64, 2, 2, 2, 4, 8))
+    decode = UcxWorkerConnector(engine_id="decode-s", epoch=4, tp_rank=0, tp_size=1, num_kv_heads=2,
+                                compatibility_hash="h1", kv_cache=torch.zeros(64, 2, 2, 2, 4, 8),
+                                config=UcxConnectorConfig(max_inflight_transfers=1))
+    try:
+        decode.add_peer(prefill.get_handshake_metadata())
+        ids = [f"s{i}" for i in range(4)]
+        for i, rid in enumerate(ids):
+            prefill.expect_send(rid, [i])
+            decode.start_pull(rid, KVTransferDescriptor("prefill-s", 3, rid, (i,), 4, 1, 4, 2), [10 + i])
+        decode.shutdown()
+        results = decode.get_transfer_results()
+        assert sorted(results.finished_recving | results.failed_recving) == ids
+        assert not results.finished_recving & results.failed_recving
+        assert set(decode.take_failure_reasons().values()) <= {"shutdown"}
+        decode.remove_peer("prefill-s")
+        assert not decode.cancel("s0")
+        assert decode.num_pending() == 0
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
