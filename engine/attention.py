@@ -52,6 +52,20 @@ def _gather(layer_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.T
 def paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
     """q: [T, Hq, D] (rotary applied); the step's K/V must already be written. Returns [T, Hq, D]."""
+    if not meta.all_decode or q.device.type != "cpu":
+        return _paged_attention(q, layer_cache, meta, scale)
+    # Decode-only attention is many tiny kernels: on a loaded CPU every parallel region can wait
+    # a scheduler quantum for a descheduled thread, so it runs on one thread (no cost when idle).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _paged_attention(q, layer_cache, meta, scale)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata,
+                     scale: float) -> torch.Tensor:
     out = torch.empty_like(q) if not meta.all_decode else None
     gqa = q.shape[1] != layer_cache.shape[2]
     if meta.decode_rows is not None:
