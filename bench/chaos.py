@@ -5,7 +5,9 @@ A local cluster (default 2 prefill + 2 decode engines) serves `--concurrency` cl
 streaming greedy requests from a fixed prompt set back to back. Every `--kill-interval` seconds
 (jittered ±50 %, and never before the previous victim is back) one component — an engine's
 process group (rank processes included) or the scheduler, in rounds of random order that hit
-every component once — gets SIGKILL and is restarted at once. Clients resume a stream cut by UNAVAILABLE (a dead scheduler) with the
+every component once — gets SIGKILL and is restarted at once. With `--tp 2 --rank-kills`
+single rank processes die too: the engine must then exit by itself (it cannot go on without a
+rank), and is restarted. Clients resume a stream cut by UNAVAILABLE (a dead scheduler) with the
 prompt plus the tokens they already hold, as any client of a restarted server would.
 
 The report counts requests sent / completed / failed (by status code) / lost (never answered:
@@ -25,8 +27,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import signal
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -43,6 +47,7 @@ from bench.workload import (
     greedy_reference,
     model_vocab_size,
     percentiles,
+    process_group_pids,
     random_prompts,
     stream_checked,
     token_errors,
@@ -50,6 +55,16 @@ from bench.workload import (
 from services.local_cluster import ClusterSpec, LocalCluster
 
 ANSWER_GRACE_S = 15.0
+RANK_SEP = "/"
+RANK_EXIT_TIMEOUT_S = 60.0
+
+
+def _is_rank_process(pid: int) -> bool:
+    """A process an engine spawned for a TP rank (multiprocessing spawn), not its helpers."""
+    try:
+        return b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 @dataclass(slots=True)
@@ -78,6 +93,9 @@ class ChaosConfig:
     # Kill on schedule even while earlier victims are still restarting (both decode engines or
     # the scheduler and an engine can be down at once).
     overlap: bool = False
+    tp: int = 1
+    # With tp > 1, single rank processes (not only whole engines) are victims too.
+    rank_kills: bool = False
 
     def validate(self) -> None:
         if self.duration_s <= 0 or self.kill_interval_s <= 0 or self.deadline_s <= 0:
@@ -86,17 +104,22 @@ class ChaosConfig:
             raise ValueError(f"need >= 1 decode and >= 0 prefill engines, got {self.num_decode}, {self.num_prefill}")
         if self.concurrency < 1 or self.num_prompts < 1 or self.max_tokens < 1:
             raise ValueError("concurrency, num_prompts and max_tokens must be >= 1")
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
 
 
 @dataclass(slots=True)
 class Kill:
     """One SIGKILL: when (seconds into the load), whom, and how long until the cluster served a
-    new request (`recovery_s`) and the victim was registered again (`restart_s`)."""
+    new request (`recovery_s`) and the victim was registered again (`restart_s`). A rank
+    victim (`decode-0/1`: rank 1 of decode-0) also records when its engine process exited by
+    itself (`engine_exit_s`; None: it had not after RANK_EXIT_TIMEOUT_S, then it is killed)."""
 
     at_s: float
     victim: str
     recovery_s: float | None = None
     restart_s: float | None = None
+    engine_exit_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -137,7 +160,9 @@ class ChaosReport:
             "resumed": self.resumed, "migrated": self.migrated, "e2e_ms": self.e2e_ms,
             "kills": [{"at_s": round(k.at_s, 2), "victim": k.victim,
                        "recovery_s": None if k.recovery_s is None else round(k.recovery_s, 2),
-                       "restart_s": None if k.restart_s is None else round(k.restart_s, 2)} for k in self.kills],
+                       "restart_s": None if k.restart_s is None else round(k.restart_s, 2),
+                       **({"engine_exit_s": None if k.engine_exit_s is None else round(k.engine_exit_s, 2)}
+                          if RANK_SEP in k.victim else {})} for k in self.kills],
             "leaks": self.leaks, "examples": self.examples, "wall_s": round(self.wall_s, 2),
             "completed_per_s": self.completed_per_s, **self._baseline_json(),
         }
@@ -207,7 +232,8 @@ class ChaosRun:
 
     def _victims(self) -> list[str]:
         names = [n for n in self.cluster.components if n != "scheduler"]
-        return names + (["scheduler"] if self.cfg.include_scheduler else [])
+        ranks = [f"{n}{RANK_SEP}{r}" for n in names for r in range(1, self.cfg.tp)] if self.cfg.rank_kills else []
+        return names + ranks + (["scheduler"] if self.cfg.include_scheduler else [])
 
     def _schedule(self) -> list[tuple[float, str]]:
         if self.cfg.schedule is not None:
@@ -235,21 +261,46 @@ class ChaosRun:
             self.kills.append(kill)
             self.progress(f"t={kill.at_s:5.1f}s SIGKILL {victim} (and restart it)")
             killed_at = time.monotonic()
-            await asyncio.to_thread(self.cluster.kill, victim, signal.SIGKILL)
-            await asyncio.to_thread(self.cluster.restart, victim)
+            if RANK_SEP in victim:
+                await self._kill_rank(kill)
+            else:
+                await asyncio.to_thread(self.cluster.kill, victim, signal.SIGKILL)
+            await asyncio.to_thread(self.cluster.restart, self._component(victim))
             recovering.append(asyncio.create_task(self._recover(kill, killed_at)))
             if not self.cfg.overlap:
                 await recovering[-1]
         await asyncio.gather(*recovering)
 
     async def _recover(self, kill: Kill, killed_at: float) -> None:
-        victim = kill.victim
+        victim = self._component(kill.victim)
         probe = asyncio.create_task(self._probe(kill, killed_at))
         await asyncio.to_thread(self._wait_back, victim, 300.0)
         kill.restart_s = time.monotonic() - killed_at
         await probe
         self.progress(f"t={self._now():5.1f}s {victim} back: served again after {kill.recovery_s:.2f}s, "
                           f"registered after {kill.restart_s:.2f}s")
+
+    @staticmethod
+    def _component(victim: str) -> str:
+        return victim.partition(RANK_SEP)[0]
+
+    async def _kill_rank(self, kill: Kill) -> None:
+        """SIGKILLs one spawned rank process of an engine, then waits for the engine's own
+        process to notice and exit (it must not linger registered-but-dead)."""
+        name, _, rank = kill.victim.partition(RANK_SEP)
+        proc = self.cluster.components[name].proc
+        assert proc is not None
+        ranks = sorted(p for p in process_group_pids(proc.pid) if p != proc.pid and _is_rank_process(p))
+        if len(ranks) < int(rank):
+            raise RuntimeError(f"{name} has {len(ranks)} rank processes, no rank {rank}")
+        os.kill(ranks[int(rank) - 1], signal.SIGKILL)
+        started = time.monotonic()
+        try:
+            await asyncio.to_thread(proc.wait, RANK_EXIT_TIMEOUT_S)
+            kill.engine_exit_s = time.monotonic() - started
+        except subprocess.TimeoutExpired:
+            self.progress(f"{name} still runs {RANK_EXIT_TIMEOUT_S:.0f}s after losing rank {rank}")
+        await asyncio.to_thread(self.cluster.kill, name, signal.SIGKILL)
 
     async def _full_strength(self, timeout: float) -> None:
         await asyncio.to_thread(self.cluster.wait_ready, self.cfg.num_prefill, self.cfg.num_decode, timeout)
@@ -319,7 +370,7 @@ def run_chaos(cfg: ChaosConfig, progress: Callable[[str], None] | None = None) -
     prompts = random_prompts(cfg.seed, cfg.num_prompts, *cfg.prompt_len, model_vocab_size(model))
     say(f"greedy reference for {len(prompts)} prompts x {cfg.max_tokens} tokens (in-process engine)")
     expected = greedy_reference(model, prompts, cfg.max_tokens)
-    spec = ClusterSpec(model=model, num_prefill=cfg.num_prefill, num_decode=cfg.num_decode, torch_threads=1,
+    spec = ClusterSpec(model=model, num_prefill=cfg.num_prefill, num_decode=cfg.num_decode, tp=cfg.tp, torch_threads=1,
                        kv_cache_memory="64MiB", log_dir=cfg.log_dir,
                        scheduler_args=["--default-deadline-s", str(cfg.deadline_s)],
                        engine_args=["--lease-s", str(cfg.lease_s)],
@@ -363,6 +414,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deadline", type=float, default=60.0, help="per-request deadline (scheduler default)")
     parser.add_argument("--overlap", action="store_true",
                         help="kill on schedule even while earlier victims are still restarting")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per engine")
+    parser.add_argument("--rank-kills", action="store_true",
+                        help="with --tp > 1, also kill single rank processes (the engine must exit, then restarts)")
     parser.add_argument("--no-scheduler-kills", action="store_true", help="kill engines only")
     parser.add_argument("--baseline", type=float, default=30.0,
                         help="seconds of the same load without kills first (0: none), for the ratios")
@@ -379,7 +433,7 @@ def run(args: argparse.Namespace) -> int:
                       kill_interval_s=args.kill_interval, concurrency=args.concurrency, max_tokens=args.max_tokens,
                       deadline_s=args.deadline, seed=args.seed, include_scheduler=not args.no_scheduler_kills,
                       model=args.model, log_dir=str(out / "logs" / "chaos"), baseline_s=args.baseline,
-                      overlap=args.overlap)
+                      overlap=args.overlap, tp=args.tp, rank_kills=args.rank_kills)
     report = run_chaos(cfg).to_json()
     (out / "chaos.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report) if args.json else json.dumps(report, indent=2))

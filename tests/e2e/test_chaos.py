@@ -34,7 +34,23 @@ def test_chaos_kills_lose_no_request_and_no_token(tmp_path: Path, demo_model: Pa
     assert all(k.recovery_s is not None and k.restart_s is not None for k in report.kills), summary
 
 
-@pytest.mark.parametrize("bad", [dict(duration_s=0.0), dict(num_decode=0), dict(concurrency=0)])
+def test_chaos_killed_rank_takes_its_engine_down_and_loses_nothing(tmp_path: Path, tiny_tp_model: Path) -> None:
+    """SIGKILL rank 1 of a tp-2 decode engine mid-stream: its engine exits by itself (instead of
+    lingering registered with a dead rank), its requests migrate, and it is restarted."""
+    cfg = ChaosConfig(duration_s=12.0, num_prefill=0, num_decode=2, tp=2, concurrency=4, num_prompts=8,
+                      prompt_len=(16, 48), max_tokens=160, deadline_s=60.0, lease_s=5.0, include_scheduler=False,
+                      schedule=[(3.0, "decode-0/1")], model=str(tiny_tp_model), log_dir=str(tmp_path / "logs"))
+    report = run_chaos(cfg)
+    summary = report.to_json()
+    assert [k.victim for k in report.kills] == ["decode-0/1"], summary
+    assert report.kills[0].engine_exit_s is not None, summary
+    assert report.lost == 0 and report.token_errors == 0, summary
+    assert set(report.failed) <= {"DEADLINE_EXCEEDED"}, summary
+    assert report.completed > 0 and report.leaks == {}, summary
+
+
+@pytest.mark.parametrize("bad", [dict(duration_s=0.0), dict(num_decode=0), dict(concurrency=0),
+                                 dict(tp=0)])
 def test_chaos_config_refuses_bad_values(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         ChaosConfig(**bad).validate()  # type: ignore[arg-type]
