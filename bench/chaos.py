@@ -437,5 +437,6 @@ def run(args: argparse.Namespace) -> int:
     report = run_chaos(cfg).to_json()
     (out / "chaos.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report) if args.json else json.dumps(report, indent=2))
-    ok = report["lost"] == 0 and report["token_errors"] == 0 and not report["leaks"]
+    ok = (report["lost"] == 0 and report["token_errors"] == 0 and not report["leaks"]
+          and set(report["failed_by_status"]) <= {"DEADLINE_EXCEEDED"})
     return 0 if ok else 1
