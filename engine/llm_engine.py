@@ -41,13 +41,13 @@ class EngineLoad:
     num_blocks: int
 
 
-def _resolve_device(device: str) -> str:
+def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
 
 
-def _resolve_dtype(dtype: str, device: str) -> str:
+def resolve_dtype(dtype: str, device: str) -> str:
     if dtype == "auto":
         return "bfloat16" if device.startswith("cuda") else "float32"
     if dtype not in DTYPES:
@@ -72,8 +72,8 @@ class LLMEngine:
             from engine.demo_model import demo_model_dir
 
             model = demo_model_dir()
-        device = _resolve_device(device)
-        self.model_config = ModelConfig.from_dir(model, dtype=_resolve_dtype(dtype, device),
+        device = resolve_device(device)
+        self.model_config = ModelConfig.from_dir(model, dtype=resolve_dtype(dtype, device),
                                                  max_model_len=max_model_len)
         self.model_config.check_tp(tp)
         threads = torch_threads or max(1, (os.cpu_count() or 1) // tp)

@@ -113,14 +113,17 @@ class EngineService(pb_grpc.EngineServicer):
         from engine.config import ModelConfig
         from engine.demo_model import demo_model_dir
         from engine.kv_cache import make_kv_cache_spec
+        from engine.llm_engine import resolve_device, resolve_dtype
+        from engine.workers import DTYPES
 
         cfg = self.config
         model = cfg.model or str(demo_model_dir())
         self.connector = UcxSchedulerConnector(cfg.block_size)
-        model_config = ModelConfig.from_dir(model, dtype="float32" if cfg.dtype == "auto" else cfg.dtype,
-                                            max_model_len=cfg.max_model_len)
+        # The same dtype and KV spec the engine will resolve, so the compatibility hash is its own.
+        dtype = resolve_dtype(cfg.dtype, resolve_device(cfg.device))
+        model_config = ModelConfig.from_dir(model, dtype=dtype, max_model_len=cfg.max_model_len)
         spec = make_kv_cache_spec(model_config, block_size=cfg.block_size, memory_bytes=cfg.kv_cache_bytes,
-                                  tp_size=cfg.tp, num_blocks=None, element_size=4)
+                                  tp_size=cfg.tp, num_blocks=None, element_size=DTYPES[dtype].itemsize)
         factory = RankAgentFactory(
             engine_id=cfg.engine_id, role=cfg.role, epoch=self.epoch, scheduler=cfg.scheduler,
             engine_address=self.engine_address, num_kv_heads=model_config.num_kv_heads,
