@@ -89,11 +89,6 @@ def test_tp2_cpu_events_only_after_every_rank_stored(tiny_llama: Path) -> None:
     assert agg.pending_reports()["e"].total == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine/batch_scheduler.py does not yet ask the scheduler-side connector for external matches: "
-    "_schedule_waiting must call get_num_new_matched_tokens(request, num_local_hit_tokens), allocate "
-    "those tokens' blocks too, call update_state_after_alloc(request, block_ids, num_external) and count "
-    "them as computed before building the chunk"))
 def test_prompt_evicted_from_device_is_served_from_the_tier(tiny_llama: Path) -> None:
     sched = OffloadScheduler(BS, num_cpu_blocks=32)
     engine = LLMEngine(tiny_llama, tp=1, block_size=BS, num_blocks=8, device="cpu", torch_threads=1,
