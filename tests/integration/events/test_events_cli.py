@@ -44,7 +44,11 @@ async def test_grpc_json_lines_with_replay_and_filters() -> None:
             sys.executable, "-m", "services.common.cli", "events", "--target", f"127.0.0.1:{port}",
             "--from-seq", "0", "--medium", "GPU", "--limit", "2", "--duration", "20",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        await asyncio.sleep(0.5)
+        # Publish the live batch only once the CLI has subscribed (after its snapshot was taken).
+        for _ in range(300):
+            if plane.republisher.stats().num_subscribers:
+                break
+            await asyncio.sleep(0.05)
         plane.republisher.publish("p0", 5, stored(9))
         out, err = await asyncio.wait_for(proc.communicate(), 30)
         assert proc.returncode == 0, err.decode()
