@@ -3,14 +3,18 @@
 `--clients` clients (default 1,000) each open one greedy streaming request at the same moment
 (they share `--channels` gRPC connections). Requests beyond the scheduler's admission bound
 (`--max-queue-per-engine` in flight per engine) are answered RESOURCE_EXHAUSTED; such a client
-backs off and retries within `--deadline`, as a well-behaved client does, so every client should
-end with its full answer. Any other status, a lost stream or a token error (against the greedy
+backs off exponentially (0.5 s doubling to 8 s, jittered) and retries within `--deadline`, as a
+well-behaved client does, so every client should end with its full answer. Any other status, a lost stream or a token error (against the greedy
 output of the in-process engine) is a failure.
 
 Reports throughput, TTFT / inter-token / end-to-end percentiles, how many requests were turned
 away with RESOURCE_EXHAUSTED, and the peak RSS (VmHWM) of the scheduler and of each engine's
 processes (rank processes included). The scheduler's memory per open stream is its peak RSS
 growth over its idle RSS divided by the number of clients: the bound the load shows.
+
+Side by side (unless `--no-unbounded`): the same clients against a fresh cluster whose bound is
+the number of clients, so nothing is refused; the ratios show what the bound costs in
+throughput and saves in scheduler memory.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import asyncio
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +94,8 @@ async def _drive(cfg: LoadConfig, target: str, prompts: list[list[int]]) -> tupl
         p = i % len(prompts)
         out = await stream_checked(clients[i % len(clients)], prompts[p], cfg.max_tokens, prompt_index=p,
                                    request_id=f"load-{i}", answer_timeout_s=cfg.deadline_s + 30.0,
-                                   budget_s=cfg.deadline_s, retry_codes=RETRY, retry_backoff_s=1.0)
+                                   budget_s=cfg.deadline_s, retry_codes=RETRY, retry_backoff_s=0.5,
+                                   retry_backoff_max_s=8.0)
         done += 1
         if done % 50 == 0 or done == cfg.clients:
             print(f"\r  {done}/{cfg.clients} clients answered", end="", file=sys.stderr, flush=True)
@@ -175,6 +180,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens per request (greedy, ignore_eos)")
     parser.add_argument("--prompt-len", default="8:48", help="prompt length range MIN:MAX")
     parser.add_argument("--deadline", type=float, default=600.0, help="per-client budget and scheduler deadline")
+    parser.add_argument("--no-unbounded", action="store_true",
+                        help="skip the side-by-side run whose admission bound is the number of clients")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument("--model", default="", help="model directory; default: the demo model")
     parser.add_argument("--out", default="bench-results", help="directory for load.json and the cluster logs")
@@ -190,6 +197,19 @@ def run(args: argparse.Namespace) -> int:
                      prompt_len=(int(lo), int(hi or lo)), deadline_s=args.deadline, seed=args.seed,
                      model=args.model, log_dir=str(out / "logs" / "load"))
     report = run_load(cfg)
+    if not args.no_unbounded:
+        print(f"side by side: admission bound {cfg.clients} per engine (nothing refused)", file=sys.stderr)
+        unbounded = run_load(replace(cfg, max_queue_per_engine=cfg.clients, log_dir=str(out / "logs" / "unbounded")))
+        report["unbounded"] = {k: unbounded[k] for k in ("completed", "failures", "token_errors", "throughput_tok_s", "ttft_ms",
+                                                          "e2e_ms", "scheduler_peak_rss_mb", "engine_peak_rss_mb",
+                                                          "wall_s", "leaks")}
+        report["ratios"] = {
+            "throughput_bounded_over_unbounded": round(report["throughput_tok_s"]
+                                                       / max(unbounded["throughput_tok_s"], 1e-9), 2),
+            "scheduler_peak_rss_bounded_over_unbounded": round(report["scheduler_peak_rss_mb"]
+                                                               / max(unbounded["scheduler_peak_rss_mb"], 1e-9), 2),
+        }
     (out / "load.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report) if args.json else json.dumps(report, indent=2))
-    return 0 if report["failures"] == 0 and report["token_errors"] == 0 and not report["leaks"] else 1
+    runs = [report, report.get("unbounded", report)]
+    return 0 if all(r["failures"] == 0 and r["token_errors"] == 0 and not r["leaks"] for r in runs) else 1

@@ -9,7 +9,9 @@ request, percentiles, and the peak memory of a component's processes.
   sends neither Complete nor a status within `answer_timeout_s` is LOST (the server hung).
 - A status in `retry_codes` (UNAVAILABLE: the scheduler restarted, no engine yet) is retried
   while the client's budget lasts, resuming where the stream stopped: the new request's prompt
-  is the original prompt plus every token received, for the tokens still missing.
+  is the original prompt plus every token received, for the tokens still missing. The pause
+  before retry k is `retry_backoff_s` · 2^k, capped at `retry_backoff_max_s` (default: no
+  growth), jittered ±50 %.
 - Given a target address instead of a client, every attempt opens its own channel, so a retry
   right after a scheduler restart is not held back by a shared channel's reconnect backoff.
 """
@@ -92,7 +94,7 @@ def greedy_reference(model: str, prompts: list[list[int]], max_tokens: int) -> l
 async def stream_checked(client: AsyncClient | str, prompt: list[int], max_tokens: int, *, prompt_index: int = 0,
                          request_id: str = "", answer_timeout_s: float = 120.0, budget_s: float = 120.0,
                          retry_codes: Collection[grpc.StatusCode] = (grpc.StatusCode.UNAVAILABLE,),
-                         retry_backoff_s: float = 0.25) -> StreamOutcome:
+                         retry_backoff_s: float = 0.25, retry_backoff_max_s: float | None = None) -> StreamOutcome:
     """Streams one greedy request to its end (see the module docstring); never raises for a
     server-side outcome."""
     out = StreamOutcome(request_id, prompt_index, max_tokens)
@@ -112,11 +114,12 @@ async def stream_checked(client: AsyncClient | str, prompt: list[int], max_token
             break
         except grpc.aio.AioRpcError as e:
             code = e.code()
-            if code in retry_codes and time.perf_counter() - start + retry_backoff_s < budget_s:
+            backoff = min(retry_backoff_s * 2 ** attempt, retry_backoff_max_s or retry_backoff_s)
+            if code in retry_codes and time.perf_counter() - start + backoff < budget_s:
                 out.num_retried_statuses[code.name] = out.num_retried_statuses.get(code.name, 0) + 1
                 out.num_resumes += 1 if out.token_ids else 0
                 attempt += 1
-                await asyncio.sleep(retry_backoff_s * random.uniform(0.5, 1.5))
+                await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
                 continue
             out.status, out.detail = code.name, e.details() or ""
             break
