@@ -146,6 +146,7 @@ class EngineService(pb_grpc.EngineServicer):
         self.loop = EngineLoop(self.engine, deliver=self._deliver, flush_pending=self.connector.has_pending,
                                after_step=self._after_step, periodic=self._periodic)
         self.loop.start()
+        self.agent.connect()
         logger.info("%s engine %s ready (epoch %x, tp %d, %d KV blocks)", cfg.role, cfg.engine_id, self.epoch,
                     cfg.tp, self.engine.kv_cache_spec.num_blocks)
 

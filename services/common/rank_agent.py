@@ -128,7 +128,15 @@ class RankAgent(WorkerConnector):
     # -- set-up ---------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_cache: Any, spec: Any = None) -> None:
+        """Starts UCX over the rank's KV tensor. Ranks 1..tp-1 register with the scheduler now;
+        rank 0 waits for `connect()`, which the engine service calls once its engine loop runs,
+        so the engine never becomes routable before it can serve."""
         self.ucx.register_kv_caches(kv_cache, spec)
+        if self.identity.tp_rank != 0:
+            self.connect()
+
+    def connect(self) -> None:
+        """Registers this rank (Hello carries the UCX handshake metadata) and starts draining."""
         f = self.factory
         hello = ControlHello(self.identity, f.compat_hash, f.engine_address, self.ucx.get_handshake_metadata(),
                              hash_seed=f.hash_seed, block_size=f.block_size)
