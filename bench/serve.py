@@ -20,6 +20,7 @@ import random
 import statistics
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,7 +80,8 @@ def build_workload(args: argparse.Namespace, vocab: int) -> Workload:
     for i in range(args.num_requests):
         n = rng.randint(p_lo, p_hi)
         if args.workload == "shared-prefix":
-            prompts.append(prefixes[i % len(prefixes)] + [token() for _ in range(max(1, n - args.prefix_len))])
+            prefix = prefixes[rng.randrange(len(prefixes))]  # random order: no accidental partition
+            prompts.append(prefix + [token() for _ in range(max(1, n - args.prefix_len))])
         else:
             prompts.append([token() for _ in range(n)])
         outs.append(rng.randint(o_lo, o_hi))
@@ -131,6 +133,7 @@ def summarize(results: list[GenerationResult], wall_s: float, args: argparse.Nam
         "throughput_tok_s": round(tokens / wall_s, 2),
         "goodput_req_s": round(good / wall_s, 3),
         "control_plane_overhead_ms_p50": _pct([r.scheduler_overhead_ms for r in results])["p50"],
+        # Prompt tokens served from any prefix cache (prefill's or the decode engine's own).
         "prefix_hit_rate": round(cached / prompt_tokens, 4) if prompt_tokens else 0.0,
         "transferred_tokens": sum(r.transferred_tokens for r in results),
         "wall_s": round(wall_s, 2),
@@ -140,17 +143,39 @@ def summarize(results: list[GenerationResult], wall_s: float, args: argparse.Nam
 def _run_mode(name: str, args: argparse.Namespace, wl: Workload, **cluster: Any) -> dict[str, Any]:
     print(f"[{name}] starting a local cluster ({cluster})", file=sys.stderr)
     spec = ClusterSpec(model=args.model, log_dir=str(Path(args.out) / "logs" / name), torch_threads=1,
-                       kv_cache_memory=args.kv_cache_memory, **cluster)
+                       kv_cache_memory=args.kv_cache_memory, metrics=True, **cluster)
     with LocalCluster(spec) as c:
         rng = random.Random(-1)  # warm-up prompts share nothing with the workload
         warm = Workload([[rng.randrange(100, 1000) for _ in range(24)] for _ in range(2)], [2, 2])
         asyncio.run(_drive(c.target, warm, 2, 0.0))
+        before = _prefill_cache_counters(c)
         results, wall = asyncio.run(_drive(c.target, wl, args.concurrency, args.request_rate))
+        after = _prefill_cache_counters(c)
     summary = summarize(results, wall, args)
+    queried = after[0] - before[0]
+    summary["prefill_prefix_hit_rate"] = round((after[1] - before[1]) / queried, 4) if queried else 0.0
     print(f"[{name}] TTFT p50 {summary['ttft_ms']['p50']} ms, ITL p50 {summary['itl_ms']['p50']} ms, "
           f"{summary['throughput_tok_s']} tok/s, overhead p50 {summary['control_plane_overhead_ms_p50']} ms",
           file=sys.stderr)
     return summary
+
+
+def _prefill_cache_counters(cluster: LocalCluster) -> tuple[float, float]:
+    """(queried, hit) prompt tokens of every prefill engine's own prefix cache, from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    queried = hit = 0.0
+    for comp in cluster.components.values():
+        if not comp.name.startswith("prefill") or not comp.metrics_port:
+            continue
+        text = urllib.request.urlopen(f"http://127.0.0.1:{comp.metrics_port}/metrics", timeout=5).read().decode()
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == "pdserve_engine_prefix_cache_queries_tokens_total":
+                    queried += s.value
+                elif s.name == "pdserve_engine_prefix_cache_hits_tokens_total":
+                    hit += s.value
+    return queried, hit
 
 
 def _vocab(args: argparse.Namespace) -> int:
