@@ -77,7 +77,7 @@ def build_workload(args: argparse.Namespace, vocab: int) -> Workload:
     token = lambda: rng.randrange(100, vocab)  # noqa: E731 - skip special tokens at the bottom
     prefixes = [[token() for _ in range(args.prefix_len)] for _ in range(args.num_prefixes)]
     prompts, outs = [], []
-    for i in range(args.num_requests):
+    for _ in range(args.num_requests):
         n = rng.randint(p_lo, p_hi)
         if args.workload == "shared-prefix":
             prefix = prefixes[rng.randrange(len(prefixes))]  # random order: no accidental partition
