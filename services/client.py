@@ -118,21 +118,28 @@ class _ResultBuilder:
         return None
 
 
+def _channel_settings(credentials: grpc.ChannelCredentials | None, metadata: Sequence[tuple[str, str]],
+                      security: ChannelSecurity | None) -> tuple[grpc.ChannelCredentials | None,
+                                                                 list[tuple[str, Any]], tuple[tuple[str, str], ...]]:
+    """(credentials or None for plaintext, channel options, call metadata) for a client channel."""
+    if security is None:
+        return credentials, list(CHANNEL_OPTIONS), tuple(metadata)
+    return (credentials or security.credentials(), list(security.options(CHANNEL_OPTIONS)),
+            tuple(metadata) + tuple(security.metadata()))
+
+
 class AsyncClient:
     """asyncio client; one channel, many concurrent streams."""
 
     def __init__(self, target: str, *, credentials: grpc.ChannelCredentials | None = None,
                  metadata: Sequence[tuple[str, str]] = (), security: ChannelSecurity | None = None) -> None:
         """`security` (CA, client certificate, bearer token) or raw `credentials` and `metadata`."""
-        options = security.options(CHANNEL_OPTIONS) if security is not None else CHANNEL_OPTIONS
-        if credentials is None and security is not None:
-            credentials = security.credentials()
+        credentials, options, self._metadata = _channel_settings(credentials, metadata, security)
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(target, options=options)
         else:
             self._channel = grpc.aio.secure_channel(target, credentials, options=options)
         self._stub = pb_grpc.GenerationStub(self._channel)
-        self._metadata = tuple(metadata) + (security.metadata() if security is not None else ())
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -176,15 +183,12 @@ class Client:
     def __init__(self, target: str, *, credentials: grpc.ChannelCredentials | None = None,
                  metadata: Sequence[tuple[str, str]] = (), security: ChannelSecurity | None = None) -> None:
         """`security` (CA, client certificate, bearer token) or raw `credentials` and `metadata`."""
-        options = security.options(CHANNEL_OPTIONS) if security is not None else CHANNEL_OPTIONS
-        if credentials is None and security is not None:
-            credentials = security.credentials()
+        credentials, options, self._metadata = _channel_settings(credentials, metadata, security)
         if credentials is None:
             self._channel = grpc.insecure_channel(target, options=options)
         else:
             self._channel = grpc.secure_channel(target, credentials, options=options)
         self._stub = pb_grpc.GenerationStub(self._channel)
-        self._metadata = tuple(metadata) + (security.metadata() if security is not None else ())
 
     def __enter__(self) -> Client:
         return self

@@ -469,3 +469,22 @@ async def _until_stopped_or_failed(stopped: asyncio.Event, service: EngineServic
             await asyncio.wait_for(stopped.wait(), 0.5)
         except TimeoutError:
             pass
+
+
+def run_engine(args: Any, role: str) -> int:
+    """`pdserve prefill` / `pdserve decode`: config from YAML + env + flags, logging and
+    tracing for this process, then serve until SIGTERM."""
+    from services.common.config import load_config
+    from services.common.logs import setup_logging
+    from services.common.tracing import setup_tracing, shutdown_tracing
+
+    config = load_config(EngineConfig, args, overrides={"role": role})
+    if not config.engine_id:
+        config.engine_id = f"{role}-{socket.gethostname()}"
+    setup_logging(config.log_level, config.engine_id)
+    setup_tracing(role, attributes={"pdserve.engine_id": config.engine_id, "pdserve.rank": 0})
+    try:
+        asyncio.run(serve(config))
+    finally:
+        shutdown_tracing()  # flush batched spans (after the SIGTERM drain too)
+    return 0

@@ -4,12 +4,8 @@ spawned; every rank holds a control stream to the scheduler and a UCX data plane
 from __future__ import annotations
 
 import argparse
-import asyncio
-import socket
 
-from services.common.config import EngineConfig, add_config_arguments, load_config
-from services.common.logs import setup_logging
-from services.common.tracing import setup_tracing, shutdown_tracing
+from services.common.config import EngineConfig, add_config_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,15 +13,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = load_config(EngineConfig, args, overrides={"role": "decode"})
-    if not config.engine_id:
-        config.engine_id = f"decode-{socket.gethostname()}"
-    setup_logging(config.log_level, config.engine_id)
-    setup_tracing("decode", attributes={"pdserve.engine_id": config.engine_id, "pdserve.rank": 0})
-    from services.common.engine_server import serve
+    from services.common.engine_server import run_engine  # imports torch: only when serving
 
-    try:
-        asyncio.run(serve(config))
-    finally:
-        shutdown_tracing()  # flush batched spans (after the SIGTERM drain too)
-    return 0
+    return run_engine(args, "decode")
