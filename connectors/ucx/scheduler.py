@@ -8,6 +8,13 @@ of the engine (each in its own process) applies the same commands to its own
 Pinning is automatic: when a PREFILL_ONLY request finishes (not aborted), `request_finished`
 queues a send of its prompt blocks, so the pin reaches every rank in the step right after the
 one that sampled the first token — before the service hands the descriptor out.
+
+With `offload` (the scheduler side of the CPU tier, e.g. `connectors.offload.OffloadScheduler`)
+the connector also speaks for that tier: prefix matches, allocation, new/finished requests and
+`reset_cache` are delegated to it, and its per-step metadata rides in
+`UcxConnectorMetadata.offload` (every rank's `RankAgent` hands it to its offload worker). The
+tier's loads are synchronous and never a UCX transfer, so the two never conflict. Tokens a
+request got from the tier are kept per request for the service (`pop_external_tokens`).
 """
 
 from __future__ import annotations
@@ -44,18 +51,22 @@ class UcxConnectorMetadata(KVConnectorMetadata):
     sends: list[SendCommand] = field(default_factory=list)
     pulls: list[PullCommand] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
+    offload: KVConnectorMetadata | None = None  # the CPU tier's commands of this step, if any
 
     def is_empty(self) -> bool:
-        return not (self.sends or self.pulls or self.cancels)
+        offload_empty = self.offload is None or bool(getattr(self.offload, "is_empty", lambda: False)())
+        return not (self.sends or self.pulls or self.cancels) and offload_empty
 
 
 class UcxSchedulerConnector(SchedulerConnector):
     """Queues data-plane commands until the next step plan (thread-safe queueing)."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, offload: SchedulerConnector | None = None) -> None:
         self.block_size = block_size
+        self.offload = offload
         self._lock = threading.Lock()
         self._pending = UcxConnectorMetadata()
+        self._external_tokens: dict[str, int] = {}  # request id -> tokens loaded from the tier
 
     def queue_pull(self, request_id: str, descriptor: KVTransferDescriptor, local_block_ids: Sequence[int],
                    trace_carrier: Mapping[str, str] | None = None) -> None:
@@ -74,20 +85,44 @@ class UcxSchedulerConnector(SchedulerConnector):
 
     # -- SchedulerConnector ---------------------------------------------------------------------
 
+    def pop_external_tokens(self, request_id: str) -> int:
+        """Tokens of `request_id`'s prompt loaded from the offload tier (0 if none); forgets them.
+        The service calls it once per request (any thread)."""
+        with self._lock:
+            return self._external_tokens.pop(request_id, 0)
+
+    def on_new_request(self, request: Any) -> None:
+        if self.offload is not None:
+            on_new = getattr(self.offload, "on_new_request", None)
+            if callable(on_new):
+                on_new(request)
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return 0, False
+        if self.offload is None:
+            return 0, False
+        return self.offload.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        pass
+        if self.offload is None:
+            return
+        self.offload.update_state_after_alloc(request, block_ids, num_external_tokens)
+        if num_external_tokens:
+            with self._lock:
+                self._external_tokens[request.request_id] = num_external_tokens
 
     def build_connector_meta(self, step: Any) -> UcxConnectorMetadata:
+        offload = self.offload.build_connector_meta(step) if self.offload is not None else None
         with self._lock:
             meta, self._pending = self._pending, UcxConnectorMetadata()
+        if offload is not None and not bool(getattr(offload, "is_empty", lambda: False)()):
+            meta.offload = offload
         return meta
 
     def request_finished(self, request: Any, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
         from engine.request import RequestMode
 
+        if self.offload is not None:
+            self.offload.request_finished(request, block_ids)
         if request.mode is RequestMode.PREFILL_ONLY and request.finish_reason != "abort":
             num_prompt_blocks = -(-request.num_prompt_tokens // self.block_size)
             with self._lock:
@@ -96,4 +131,7 @@ class UcxSchedulerConnector(SchedulerConnector):
         return False, None
 
     def take_events(self) -> list[Any]:
-        return []
+        return list(self.offload.take_events()) if self.offload is not None else []
+
+    def reset_cache(self) -> bool | None:
+        return self.offload.reset_cache() if self.offload is not None else None

@@ -148,6 +148,9 @@ class EngineConfig:
     max_model_len: int = opt(0, "longest sequence; 0 means the model's config")
     torch_threads: int = opt(0, "torch intra-op threads per rank; 0 lets pdserve choose")
     kv_medium: str = opt("", "medium name of the working KV cache in events; default GPU or CPU")
+    kv_offload_memory: str = opt("0", "host-memory budget per rank of the CPU offload tier (e.g. 1GiB): "
+                                      "finished blocks are copied there and loaded back on a prefix hit; "
+                                      "0 turns the tier off")
     ucx_tls: str = opt("", "UCX_TLS for the KV data plane (empty: UCX's choice)")
     ucx_net_devices: str = opt("", "UCX_NET_DEVICES for the KV data plane")
     transfer_timeout_s: float = opt(5.0, "a KV pull not finished in this time fails")
@@ -182,12 +185,21 @@ class EngineConfig:
             parse_size(self.kv_cache_memory)
         except ValueError as e:
             raise ValueError(f"kv_cache_memory: {e}") from None
+        try:
+            parse_size(self.kv_offload_memory)
+        except ValueError as e:
+            raise ValueError(f"kv_offload_memory: {e}") from None
         _validate_security(self, [("host", self.host), ("scheduler", target_host(self.scheduler))])
         _require(0 <= self.health_port < 65536, "health_port", "must be a TCP port (0..65535)")
 
     @property
     def kv_cache_bytes(self) -> int:
         return parse_size(self.kv_cache_memory)
+
+    @property
+    def kv_offload_bytes(self) -> int:
+        """Per-rank CPU offload tier budget; 0 = no tier."""
+        return parse_size(self.kv_offload_memory)
 
 
 def _validate_security(config: SchedulerConfig | EngineConfig, hosts: list[tuple[str, str]]) -> None:

@@ -14,6 +14,12 @@ prefix reused) → every rank pulls its heads of the missing blocks → the sche
 (all ranks received) or KVFailed (recompute) lets it run; tokens stream back. Without a
 descriptor the engine computes the prompt itself (decode-only, or a migrated request).
 
+CPU offload tier (`--kv-offload-memory` > 0): the UCX scheduler connector delegates prefix
+matches, saves and loads to an `OffloadScheduler`, every rank's `RankAgent` runs its
+`OffloadWorker` and reports the tier's events on its control stream. A prompt whose blocks left
+the device cache but are in the tier is loaded back instead of recomputed; those tokens count
+as cached in the Prefill / Decode answers.
+
 Tracing (on from the OTEL_* environment, see services.common.tracing): the Engine RPCs get SERVER
 spans continuing the scheduler's W3C context, Prefill a `prefill` span and Decode a `decode` span
 (request id attribute), and the decode span's context rides the pull command to every rank.
@@ -118,7 +124,6 @@ class EngineService(pb_grpc.EngineServicer):
 
         cfg = self.config
         model = cfg.model or str(demo_model_dir())
-        self.connector = UcxSchedulerConnector(cfg.block_size)
         # The same dtype and KV spec the engine will resolve, so the compatibility hash is its own.
         dtype = resolve_dtype(cfg.dtype, resolve_device(cfg.device))
         model_config = ModelConfig.from_dir(model, dtype=dtype, max_model_len=cfg.max_model_len)
@@ -131,6 +136,17 @@ class EngineService(pb_grpc.EngineServicer):
             block_size=cfg.block_size, transfer_timeout_s=cfg.transfer_timeout_s, lease_s=cfg.lease_s,
             max_inflight=cfg.max_inflight_transfers, ucx_tls=cfg.ucx_tls, ucx_net_devices=cfg.ucx_net_devices,
             metrics_port=cfg.metrics_port, security=component_channel_security(cfg))
+        offload: Any = None
+        if cfg.kv_offload_bytes > 0:
+            from connectors.offload import build_offload
+
+            medium = cfg.kv_medium or ("GPU" if resolve_device(cfg.device).startswith("cuda") else "CPU")
+            offload, factory.offload = build_offload(
+                memory_bytes=cfg.kv_offload_bytes, block_size=cfg.block_size, block_nbytes=spec.block_nbytes,
+                working_medium=medium, hash_seed=cfg.hash_seed)
+            logger.info("CPU offload tier: %d blocks per rank (%s), medium %s", offload.num_cpu_blocks,
+                        cfg.kv_offload_memory, factory.offload.medium)
+        self.connector = UcxSchedulerConnector(cfg.block_size, offload=offload)
         self.engine = LLMEngine(model, tp=cfg.tp, kv_cache_memory=cfg.kv_cache_memory, block_size=cfg.block_size,
                                 max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                                 max_model_len=cfg.max_model_len, dtype=cfg.dtype, device=cfg.device,
@@ -286,6 +302,7 @@ class EngineService(pb_grpc.EngineServicer):
             raise
         finally:
             self._pending.pop(rid, None)
+            tier_tokens = self.connector.pop_external_tokens(rid) if self.connector is not None else 0
         out = delivery.output
         if out.finish_reason == "abort":
             await context.abort(grpc.StatusCode.ABORTED, f"request {rid} was aborted")
@@ -300,7 +317,8 @@ class EngineService(pb_grpc.EngineServicer):
             num_kv_heads=self.engine.model_config.num_kv_heads, lease_expires_unix_ms=int(lease_until * 1000))
         reason = out.finish_reason if params.max_tokens == 1 or out.finish_reason == "stop" else None
         return pb.PrefillResponse(request_id=rid, first_token_id=out.new_token_ids[0], descriptor=descriptor,
-                                  num_cached_tokens=out.num_cached_tokens, finish_reason=FINISH[reason],
+                                  num_cached_tokens=out.num_cached_tokens + tier_tokens,
+                                  finish_reason=FINISH[reason],
                                   first_token_text=out.text_delta)
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeResponse]:
@@ -349,7 +367,8 @@ class EngineService(pb_grpc.EngineServicer):
                 resp = pb.DecodeResponse(request_id=rid, token_ids=out.new_token_ids, text=out.text_delta,
                                          finish_reason=FINISH[out.finish_reason])
                 if first:
-                    resp.num_cached_tokens = info.get("cached", 0)
+                    assert self.connector is not None
+                    resp.num_cached_tokens = info.get("cached", 0) + self.connector.pop_external_tokens(rid)
                     resp.num_transferred_tokens = info.get("transferred", 0)
                     first = False
                 yield resp
@@ -360,6 +379,8 @@ class EngineService(pb_grpc.EngineServicer):
             raise
         finally:
             self._pending.pop(rid, None)
+            if self.connector is not None:
+                self.connector.pop_external_tokens(rid)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         if self.loop is None:

@@ -9,6 +9,12 @@ UCX worker connector and the rank's control stream to the scheduler:
 - every step it applies the data-plane commands of the step plan (`start_load_kv`);
 - a drain thread reports finished / failed transfers and per-pair stats on the control stream
   as soon as they happen (transfers finish between steps, not in them);
+- with a CPU offload tier (`RankAgentFactory.offload`, from `--kv-offload-memory`) it owns the
+  rank's `OffloadWorker`: the tier's part of the step plan (`UcxConnectorMetadata.offload`) is
+  loaded before the forward and saved after it, and the worker's events (BlockStored /
+  BlockRemoved / AllBlocksCleared of the tier's medium) go on this rank's control stream as
+  `StepReport.worker_events`, where the scheduler's aggregator publishes a BlockStored once every
+  rank reported it;
 - rank 0's agent also hands the scheduler's KVReady / KVFailed / ReleaseBlocks to the engine
   service through `set_inbox`;
 - with tracing on, every traced pull (its `PullCommand.trace_carrier` holds the W3C context of
@@ -29,7 +35,8 @@ from prometheus_client import CollectorRegistry
 
 from connectors.base import KVConnectorMetadata, WorkerConnector
 from connectors.kv_events import KVCacheEvent
-from connectors.outputs import TransferResults
+from connectors.offload import OffloadRankInit, OffloadWorker
+from connectors.outputs import KVConnectorOutput, KVConnectorStats, TransferResults
 from connectors.ucx.handshake import UcxHandshakeMetadata
 from connectors.ucx.scheduler import UcxConnectorMetadata
 from connectors.ucx.worker import UcxConnectorConfig, UcxTransferStats, UcxWorkerConnector
@@ -90,6 +97,7 @@ class RankAgentFactory:
     ucx_net_devices: str = ""
     metrics_port: int = 0  # rank r serves /metrics on metrics_port + r; 0 disables
     security: ChannelSecurity | None = None  # TLS to the scheduler, the engine's certificate as identity
+    offload: OffloadRankInit | None = None  # the CPU offload tier's per-rank half; None = no tier
 
     def __call__(self, rank: int, tp_size: int, kv_cache: Any, spec: Any) -> RankAgent:
         return RankAgent(self, rank, tp_size)
@@ -124,6 +132,9 @@ class RankAgent(WorkerConnector):
         self._spans_lock = threading.Lock()
         self._stop = threading.Event()
         self._drain_thread: threading.Thread | None = None
+        self.offload: OffloadWorker | None = None
+        if factory.offload is not None:
+            self.offload = factory.offload(rank, tp_size, None, None)
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -132,6 +143,8 @@ class RankAgent(WorkerConnector):
         rank 0 waits for `connect()`, which the engine service calls once its engine loop runs,
         so the engine never becomes routable before it can serve."""
         self.ucx.register_kv_caches(kv_cache, spec)
+        if self.offload is not None:
+            self.offload.register_kv_caches(kv_cache, spec)
         if self.identity.tp_rank != 0:
             self.connect()
 
@@ -177,6 +190,11 @@ class RankAgent(WorkerConnector):
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
         if not isinstance(meta, UcxConnectorMetadata):
             return
+        if meta.offload is not None:
+            if self.offload is None:
+                logger.error("the step plan carries offload commands but this rank has no offload tier")
+            else:
+                self.offload.start_load_kv(meta.offload)
         for send in meta.sends:
             try:
                 self.ucx.expect_send(send.request_id, send.block_ids)
@@ -242,14 +260,25 @@ class RankAgent(WorkerConnector):
         pass
 
     def wait_for_save(self) -> None:
-        pass
+        if self.offload is not None:
+            self.offload.wait_for_save()
 
     def get_transfer_results(self, finished_req_ids: frozenset[str] = frozenset()) -> TransferResults:
         # The drain thread reports transfers as they finish; the per-step collection sees none.
         return TransferResults(frozenset(), frozenset(), frozenset())
 
     def get_kv_connector_kv_cache_events(self) -> list[KVCacheEvent]:
-        return []
+        return self.offload.get_kv_connector_kv_cache_events() if self.offload is not None else []
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """The offload tier's copy stats of the step (drained; not exported yet)."""
+        return self.offload.get_kv_connector_stats() if self.offload is not None else None
+
+    def report_output(self, output: KVConnectorOutput) -> None:
+        """The engine's per-step hook (engine.workers): this rank's worker-side KV events go on
+        its control stream as `worker_events` (transfer results go by the drain thread)."""
+        if output.kv_cache_events:
+            self._report(StepReport(worker_events=list(output.kv_cache_events)))
 
     def get_handshake_metadata(self) -> bytes | None:
         return self.ucx.get_handshake_metadata()
@@ -311,6 +340,8 @@ class RankAgent(WorkerConnector):
         if self.control is not None:
             self.control.close()
         self.ucx.shutdown()
+        if self.offload is not None:
+            self.offload.shutdown()
         if self._tracer is not None:
             for request_id in list(self._spans):
                 self._end_span(request_id, "rank shut down")
