@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -27,6 +28,8 @@ BLOCK = 16
 PROMPT_LEN = 4 * BLOCK + 6  # 4 full blocks + 6 tokens: 5 device blocks with the generated ones
 # SmolLM2-135M in float32: 30 layers x 2 x 3 heads x 16 tokens x 64 x 4 B = 720 KiB per block.
 DEVICE_KV = "6MiB"  # 8 blocks
+# tests/e2e/conftest.py's tiny_tp_model at tp 2: 2 layers x 2 x 1 head x 16 x 32 x 4 B = 8 KiB per block and rank.
+TINY_DEVICE_KV = "64KiB"  # 8 blocks
 
 
 def _generate(target: str, prompt: list[int], max_tokens: int = 6) -> GenerationResult:
@@ -84,8 +87,21 @@ class _Subscriber:
 
 def test_prompt_evicted_from_device_is_served_from_the_cpu_tier(
         tmp_path_factory: pytest.TempPathFactory, prompts: list[list[int]]) -> None:
-    c = start_cluster(tmp_path_factory, "offload",
-                      engine_args=["--kv-cache-memory", DEVICE_KV, "--kv-offload-memory", "64MiB"])
+    _evict_and_reload(tmp_path_factory, prompts, "offload", device_kv=DEVICE_KV)
+
+
+def test_tp2_every_rank_offloads_its_shard(tmp_path_factory: pytest.TempPathFactory, prompts: list[list[int]],
+                                           tiny_tp_model: Path) -> None:
+    """tp 2: each rank stores its heads in its own pool and reports on its own control stream;
+    the tier's BlockStored is published once both ranks stored, and loads restore both shards."""
+    _evict_and_reload(tmp_path_factory, prompts, "offload-tp2", device_kv=TINY_DEVICE_KV, tp=2,
+                      model=str(tiny_tp_model))
+
+
+def _evict_and_reload(tmp_path_factory: pytest.TempPathFactory, prompts: list[list[int]], name: str, *,
+                      device_kv: str, **spec: Any) -> None:
+    c = start_cluster(tmp_path_factory, name,
+                      engine_args=["--kv-cache-memory", device_kv, "--kv-offload-memory", "64MiB"], **spec)
     sub = _Subscriber(c.events_target)
     try:
         prompt = _long_prompt(prompts, 0)
