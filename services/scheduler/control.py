@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import grpc
 
 from connectors.aggregator import KVOutputAggregator
-from connectors.kv_events import AllBlocksCleared, KVEventBatch, event_from_proto
+from connectors.kv_events import AllBlocksCleared, KVCacheEvent, KVEventBatch, event_from_proto
 from connectors.outputs import KVConnectorOutput
 from pdserve.v1 import control_pb2 as pb
 from pdserve.v1 import control_pb2_grpc, kv_events_pb2
@@ -111,14 +111,89 @@ def _global_rank(engine: EngineState, rank_id: RankId) -> int:
     return rank_id.pp_rank * engine.tp_size + rank_id.tp_rank
 
 
-def output_from_proto(report: pb.StepReport) -> KVConnectorOutput:
-    """The aggregator's view of a StepReport; raises ValueError for malformed events."""
+def output_from_proto(report: pb.StepReport, events: tuple[KVCacheEvent, ...] | None = None) -> KVConnectorOutput:
+    """The aggregator's view of a StepReport; raises ValueError for malformed events.
+    `events`, when given, are the report's worker events already decoded."""
+    if events is None:
+        events = tuple(event_from_proto(e) for e in report.worker_events)
     return KVConnectorOutput(
         finished_sending=frozenset(report.finished_sending),
         finished_recving=frozenset(report.finished_recving),
         failed_recving=frozenset(report.failed_recving),
         invalid_block_ids=frozenset(report.invalid_block_ids),
-        kv_cache_events=tuple(event_from_proto(e) for e in report.worker_events))
+        kv_cache_events=events)
+
+
+# StepReport fields other than worker_events, cleared to serialize the worker events alone.
+_NON_EVENT_FIELDS = tuple(f.name for f in pb.StepReport.DESCRIPTOR.fields if f.name != "worker_events")
+
+
+def worker_events_key(report: pb.StepReport) -> bytes:
+    """The serialized worker events of `report` (b"" when it has none): equal keys decode to
+    equal events, so one decoded copy serves every rank that sent the same bytes."""
+    if not report.worker_events:
+        return b""
+    only = pb.StepReport()
+    only.CopyFrom(report)
+    for name in _NON_EVENT_FIELDS:
+        only.ClearField(name)
+    return only.SerializeToString()
+
+
+@dataclass(slots=True)
+class _Decoded:
+    events: tuple[KVCacheEvent, ...]
+    uses_left: int
+
+
+class WorkerEventDecoder:
+    """Decodes worker events once per distinct serialized form per engine, not once per rank.
+
+    Every TP rank reports the same worker events of a step; the first copy is decoded
+    (`event_from_proto`) and the result is served to the other ranks from a cache. An entry is
+    dropped once `uses` reports took it (the engine's rank count), and the cache holds at most
+    `max_entries` entries and `max_bytes` key bytes (oldest dropped first), so a rank that never
+    reports only costs a later re-decode; `max_entries=0` decodes every copy (no cache). Decoding is a pure function of the bytes, so a hit
+    returns exactly what decoding would.
+    """
+
+    __slots__ = ("_bytes", "_entries", "hits", "max_bytes", "max_entries", "misses")
+
+    def __init__(self, max_entries: int = 4096, max_bytes: int = 64 << 20) -> None:
+        self._entries: dict[tuple[str, int, bytes], _Decoded] = {}
+        self._bytes = 0
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def decode(self, engine_id: str, epoch: int, uses: int, report: pb.StepReport) -> tuple[KVCacheEvent, ...]:
+        """The report's worker events (ValueError when one is malformed; nothing is cached)."""
+        raw = worker_events_key(report)
+        if not raw:
+            return ()
+        key = (engine_id, epoch, raw)
+        entry = self._entries.get(key)
+        if entry is not None:
+            self.hits += 1
+            entry.uses_left -= 1
+            if entry.uses_left <= 0:
+                del self._entries[key]
+                self._bytes -= len(raw)
+            return entry.events
+        self.misses += 1
+        events = tuple(event_from_proto(e) for e in report.worker_events)
+        if uses > 1 and self.max_entries and len(raw) <= self.max_bytes:
+            self._entries[key] = _Decoded(events, uses - 1)
+            self._bytes += len(raw)
+            while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
+                old = next(iter(self._entries))
+                del self._entries[old]
+                self._bytes -= len(old[2])
+        return events
 
 
 def batch_from_proto(m: kv_events_pb2.EventBatch) -> KVEventBatch:
@@ -155,6 +230,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self.down: set[EngineRef] = set()
         self.counters: Counter[str] = Counter()
         self.transfer_bytes: Counter[tuple[str, str]] = Counter()
+        self.worker_events = WorkerEventDecoder()
         self._monitor_task: asyncio.Task[None] | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -419,7 +495,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
     def apply_report(self, engine: EngineState, rank_id: RankId, report: pb.StepReport) -> None:
         """Feeds one new report to the aggregator, tracker and event sink (ValueError: malformed,
         nothing applied)."""
-        output = output_from_proto(report)
+        events = self.worker_events.decode(engine.engine_id, engine.epoch, engine.tp_size * engine.pp_size, report)
+        output = output_from_proto(report, events)
         engine_batch = None
         if report.HasField("engine_events") and rank_id == engine.leader and report.engine_events.events:
             engine_batch = batch_from_proto(report.engine_events)
