@@ -45,6 +45,7 @@ import zmq.asyncio
 from connectors.kv_events import MEDIUM_CPU_OFFLOAD, BlockStored, KVCacheEvent, KVEventBatch
 from connectors.wire import encode_batch
 
+SECTIONS = ("pdserve", "decode_per_rank", "direct", "vllm_style", "overload")
 STAMP = 1 << 12  # hash = send time in µs * STAMP + index within the step
 _MODULE = "bench.events"
 
@@ -64,6 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--subscribers", type=int, default=4, help="subscribers (half gRPC, half ZMQ)")
     parser.add_argument("--overload-seconds", type=float, default=2.0, help="seconds of unpaced overload")
     parser.add_argument("--subscriber-buffer", type=int, default=1024, help="batches per subscriber")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated sections to run, from {','.join(SECTIONS)}")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -330,11 +333,13 @@ def _split(n: int) -> tuple[int, int]:
     return (n + 1) // 2, n // 2
 
 
-async def _pdserve_section(args: argparse.Namespace) -> dict[str, Any]:
+async def _pdserve_section(args: argparse.Namespace, decode_per_rank: bool = False) -> dict[str, Any]:
+    """The end-to-end run. `decode_per_rank` restores the pre-cache Control servicer path (every
+    rank's copy of every worker event decoded from protobuf) for a side-by-side comparison."""
     from pdserve.v1 import control_pb2_grpc
     from services.common.config import SchedulerConfig
     from services.common.grpc_server import ServiceServer
-    from services.scheduler.control import ControlServicer
+    from services.scheduler.control import ControlServicer, WorkerEventDecoder
     from services.scheduler.events.plane import EventPlane
     from services.scheduler.events.servicer import SERVICE_NAME
     from services.scheduler.registry import EngineRegistry
@@ -344,6 +349,8 @@ async def _pdserve_section(args: argparse.Namespace) -> dict[str, Any]:
     plane = EventPlane.from_config(config, model_name="bench")
     registry = EngineRegistry(block_size=16, hash_seed="0", heartbeat_timeout_s=120.0)
     control = ControlServicer(registry, sink=plane.republisher, heartbeat_interval_s=5.0, scheduler_id="bench")
+    if decode_per_rank:
+        control.worker_events = WorkerEventDecoder(max_entries=0)
     server = ServiceServer(["pdserve.v1.Control", SERVICE_NAME])
     control_pb2_grpc.add_ControlServicer_to_server(control, server.server)
     plane.add_to_server(server.server)
@@ -365,9 +372,9 @@ async def _pdserve_section(args: argparse.Namespace) -> dict[str, Any]:
         setup_s = time.monotonic() - t0
         start_batches = plane.republisher.stats().num_batches
         _tell(ranks)
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), time.process_time()
         sent = json.loads(await _readline(ranks))
-        elapsed = time.monotonic() - t0
+        elapsed, cpu_s = time.monotonic() - t0, time.process_time() - cpu0
         _tell(subs)
         got = json.loads(await _readline(subs))
     finally:
@@ -386,7 +393,12 @@ async def _pdserve_section(args: argparse.Namespace) -> dict[str, Any]:
             "published_events": published, "published_batches": batches, "engine_steps": sent["steps"],
             "seconds": elapsed, "setup_s": setup_s, "rank_send_s": sent.get("send_s"),
             "rank_ack_wait_s": sent.get("ack_wait_s"), "subscribers": got["subscribers"],
-            "resyncs": stats.num_resyncs}
+            "resyncs": stats.num_resyncs,
+            # CPU of the whole scheduler process (all threads: gRPC, loop, republisher) per
+            # published event: robust to other load on the machine, unlike latency.
+            "scheduler_cpu_us_per_event": cpu_s / published * 1e6 if published else None,
+            "scheduler_cpu_share": cpu_s / elapsed,
+            "decode": {"hits": control.worker_events.hits, "misses": control.worker_events.misses}}
 
 
 async def _direct_section(args: argparse.Namespace) -> dict[str, Any]:
@@ -538,31 +550,54 @@ def _overload_section(args: argparse.Namespace) -> dict[str, Any]:
 # -- entry points ----------------------------------------------------------------------------------
 
 def run(args: argparse.Namespace) -> int:
-    pdserve = asyncio.run(_pdserve_section(args))
-    direct = asyncio.run(_direct_section(args))
-    baseline = asyncio.run(_baseline_section(args))
-    overload = _overload_section(args)
-    result = {"events_per_s": pdserve["events_per_s"], "p99_ms": pdserve["p99_ms"], "lost": pdserve["lost"],
-              "pdserve": pdserve, "event_plane_direct": direct, "vllm_style": baseline, "overload": overload,
-              "config": {"engines": args.engines, "tp": args.tp, "batch_events": args.batch_events,
-                         "rate": args.rate, "duration_s": args.duration, "subscribers": args.subscribers},
-              "p99_ratio_vs_vllm_style": pdserve["p99_ms"] / baseline["p99_ms"] if baseline["p99_ms"] else None}
+    sections = [x.strip() for x in args.sections.split(",") if x.strip()]
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown or not sections:
+        raise SystemExit(f"--sections: unknown {unknown}, choose from {','.join(SECTIONS)}")
+    pdserve = asyncio.run(_pdserve_section(args)) if "pdserve" in sections else None
+    per_rank = asyncio.run(_pdserve_section(args, decode_per_rank=True)) if "decode_per_rank" in sections else None
+    direct = asyncio.run(_direct_section(args)) if "direct" in sections else None
+    baseline = asyncio.run(_baseline_section(args)) if "vllm_style" in sections else None
+    overload = _overload_section(args) if "overload" in sections else None
+    head = pdserve or per_rank or {}
+    result: dict[str, Any] = {
+        "events_per_s": head.get("events_per_s"), "p99_ms": head.get("p99_ms"), "lost": head.get("lost"),
+        "pdserve": pdserve, "pdserve_decode_per_rank": per_rank, "event_plane_direct": direct,
+        "vllm_style": baseline, "overload": overload,
+        "config": {"engines": args.engines, "tp": args.tp, "batch_events": args.batch_events,
+                   "rate": args.rate, "duration_s": args.duration, "subscribers": args.subscribers},
+        "p99_ratio_vs_vllm_style": (pdserve["p99_ms"] / baseline["p99_ms"]
+                                    if pdserve and baseline and baseline["p99_ms"] else None),
+        # > 1: the decode-once path needs that many times less scheduler CPU per event.
+        "cpu_per_event_ratio_vs_decode_per_rank": (
+            per_rank["scheduler_cpu_us_per_event"] / pdserve["scheduler_cpu_us_per_event"]
+            if pdserve and per_rank and pdserve["scheduler_cpu_us_per_event"]
+            and per_rank["scheduler_cpu_us_per_event"] else None)}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     print(f"KV-event plane, {args.engines} engines x tp {args.tp}, {args.batch_events}-event batches, "
           f"{args.subscribers} subscribers (half gRPC, half ZMQ)")
     for name, r in ((f"pdserve end to end, paced {args.rate:.0f}/s", pdserve),
+                    ("  same, decoding every rank's copy (old path)", per_rank),
                     (f"pdserve event plane alone, paced {args.direct_rate:.0f}/s", direct),
                     (f"vLLM-style ZMQ publisher, paced {args.direct_rate:.0f}/s", baseline)):
+        if r is None:
+            continue
+        cpu = r.get("scheduler_cpu_us_per_event")
         print(f"  {name:45s} {r['events_per_s']:10.0f} events/s  p50 {r['p50_ms']:7.2f} ms  "
-              f"p99 {r['p99_ms']:7.2f} ms  lost {r['lost']}")
-    print(f"  rank-side events (x tp): {pdserve['rank_events_per_s']:.0f}/s through {args.engines * args.tp} "
-          f"control streams")
-    o = overload
-    print(f"  overload: {o['events_per_s']:.0f} events/s unpaced; stalled subscriber held at most "
-          f"{o['stalled_max_buffered_batches']} batches (buffer {o['subscriber_buffer']}), resynced "
-          f"{o['stalled_resyncs']}x, told: {o['stalled_told_resync']}; max RSS growth {o['max_rss_growth_mib']:.1f} MiB")
+              f"p99 {r['p99_ms']:7.2f} ms  lost {r['lost']}" + (f"  scheduler CPU {cpu:.1f} us/event" if cpu else ""))
+    if pdserve:
+        print(f"  rank-side events (x tp): {pdserve['rank_events_per_s']:.0f}/s through {args.engines * args.tp} "
+              f"control streams")
+    if result["cpu_per_event_ratio_vs_decode_per_rank"]:
+        print(f"  scheduler CPU per event, old path / new path: {result['cpu_per_event_ratio_vs_decode_per_rank']:.2f}x")
+    if overload:
+        o = overload
+        print(f"  overload: {o['events_per_s']:.0f} events/s unpaced; stalled subscriber held at most "
+              f"{o['stalled_max_buffered_batches']} batches (buffer {o['subscriber_buffer']}), resynced "
+              f"{o['stalled_resyncs']}x, told: {o['stalled_told_resync']}; max RSS growth "
+              f"{o['max_rss_growth_mib']:.1f} MiB")
     return 0
 
 
