@@ -246,6 +246,13 @@ class KVOutputAggregator:
         self._clock = clock
         self._max_done_ids = max_done_ids
         self._engines: dict[str, _EngineState] = {}
+        # The last events tuple that passed validation, and the run plan of the last one
+        # applied: every TP rank of a step usually hands over the same tuple object (the
+        # Control servicer decodes one copy per step), so its per-event scans run once, not once
+        # per rank. Tuples and events are immutable; holding the reference keeps its id unique.
+        self._valid_events: tuple[KVCacheEvent, ...] = ()
+        self._plan_events: tuple[KVCacheEvent, ...] = ()
+        self._plan: tuple[_MediumKey, list[object]] | None = None
 
     # -- registration -------------------------------------------------------------------
 
@@ -361,9 +368,13 @@ class KVOutputAggregator:
             raise ValueError(f"engine {engine_id!r}: rank {rank} is not one of the expected ranks {list(state.ranks)}")
         if output.expected_finished_count:
             self._check_count(output.expected_finished_count, len(state.ranks))
-        if output.kv_cache_events and not _EVENT_TYPES.issuperset(map(type, output.kv_cache_events)):
-            bad = next(e for e in output.kv_cache_events if type(e) not in _EVENT_TYPES)
-            raise ValueError(f"not a KV cache event: {type(bad).__name__}")
+        events = output.kv_cache_events
+        if events and events is not self._valid_events:
+            if not _EVENT_TYPES.issuperset(map(type, events)):
+                bad = next(e for e in events if type(e) not in _EVENT_TYPES)
+                raise ValueError(f"not a KV cache event: {type(bad).__name__}")
+            if type(events) is tuple:
+                self._valid_events = events
         return state
 
     @staticmethod
@@ -391,11 +402,18 @@ class KVOutputAggregator:
         events = output.kv_cache_events
         if not events:
             return
-        if _ONLY_STORED == set(map(type, events)):
-            keys = set(map(_MEDIUM_KEY_OF, events))
-            if len(keys) == 1:
-                self._stored_run(state, bit, keys.pop(), events, result, now)  # type: ignore[arg-type]
-                return
+        if events is not self._plan_events:
+            self._plan = None
+            if _ONLY_STORED == set(map(type, events)):
+                keys = set(map(_MEDIUM_KEY_OF, events))
+                if len(keys) == 1:
+                    self._plan = (keys.pop(), list(chain.from_iterable(map(_HASHES, events))))
+            if type(events) is tuple:
+                self._plan_events = events
+        if self._plan is not None:
+            key, hashes = self._plan
+            self._stored_run(state, bit, key, events, result, now, hashes)  # type: ignore[arg-type]
+            return
         i, n = 0, len(events)
         while i < n:
             event = events[i]
@@ -442,7 +460,9 @@ class KVOutputAggregator:
                     result.invalid_block_ids[request_id] = frozenset(bad)
 
     def _stored_run(self, state: _EngineState, bit: int, key: _MediumKey,
-                    events: tuple[BlockStored, ...], result: AggregatedResult, now: float) -> None:
+                    events: tuple[BlockStored, ...], result: AggregatedResult, now: float,
+                    hashes: list[object] | None = None) -> None:
+        """`hashes`, when given, are the events' hashes in order (read only)."""
         blocks = state.blocks.get(key)
         if blocks is None:
             blocks = state.blocks[key] = {}
@@ -450,7 +470,8 @@ class KVOutputAggregator:
             state.pending_blocks[key] = {}
         partial = state.pending_blocks[key]
         full = state.full_mask
-        hashes: list[object] = list(chain.from_iterable(map(_HASHES, events)))
+        if hashes is None:
+            hashes = list(chain.from_iterable(map(_HASHES, events)))
         news = list(map(or_, map(blocks.get, hashes, repeat(0)), repeat(bit)))
         blocks.update(zip(hashes, news, strict=True))
         if bit != full and bit in news:

@@ -416,3 +416,20 @@ def test_matches_reference_model(data: st.DataObject) -> None:
     assert len(released) == len(set(released))
     if talking < num_ranks:
         assert published_stored == 0
+
+
+def test_one_events_tuple_shared_by_every_rank_equals_separate_copies() -> None:
+    # The Control servicer hands every rank of a step the same decoded tuple object; the
+    # aggregator's per-tuple memo must give exactly what separate equal copies give.
+    step: tuple[KVCacheEvent, ...] = (stored(1, medium=MEDIUM_CPU_OFFLOAD), stored(2, 3, medium=MEDIUM_CPU_OFFLOAD))
+    mixed: tuple[KVCacheEvent, ...] = (stored(4), BlockRemoved((1,), MEDIUM_CPU_OFFLOAD))
+    shared, copies = agg2(), agg2()
+    for ranked in ([(0, step), (1, mixed), (0, mixed), (1, step)], [(1, step), (0, step), (0, mixed)]):
+        for rank, events in ranked:
+            got = shared.add_report("e", 7, rank, out(events=events))
+            want = copies.add_report("e", 7, rank, out(events=tuple(list(events))))
+            assert got.events == want.events
+            assert shared.pending_reports() == copies.pending_reports()
+    with pytest.raises(ValueError, match="not a KV cache event"):
+        shared.add_report("e", 7, 0, out(events=(*step, "bogus")))  # type: ignore[arg-type]
+    assert shared.add_report("e", 7, 1, out(events=step)).events == []
