@@ -215,14 +215,18 @@ class Workers:
         return self.rank0.execute(plan)
 
     def shutdown(self) -> None:
+        # A collective with a dead rank can block until the gloo timeout: with one rank gone,
+        # the others are terminated instead of asked.
+        all_alive = all(p.is_alive() for p in self.procs)
         if self.group is not None:
-            try:
-                self.group.broadcast_object(None)
-            except RuntimeError as e:
-                logger.warning("rank shutdown broadcast failed: %s", e)
+            if all_alive:
+                try:
+                    self.group.broadcast_object(None)
+                except RuntimeError as e:
+                    logger.warning("rank shutdown broadcast failed: %s", e)
             self.group = None
         for p in self.procs:
-            p.join(timeout=30)
+            p.join(timeout=30 if all_alive else 0)
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)

@@ -111,11 +111,20 @@ class EngineLoop:
             now = time.monotonic()
             if now >= next_periodic:
                 next_periodic = now + self._period_s
+                self._check_ranks()
                 try:
                     self._periodic(self.engine)
                 except Exception:
                     logger.exception("periodic engine task failed")
         self._run_calls()
+
+    def _check_ranks(self) -> None:
+        """A dead rank process means no step can ever complete: fail the loop (the service
+        exits and the scheduler fails its requests over) even while the engine is idle."""
+        dead = [p.name for p in self.engine.workers.procs if not p.is_alive()]
+        if dead:
+            logger.error("rank process(es) %s died; this engine cannot step any more", ", ".join(dead))
+            raise RuntimeError(f"rank process(es) {', '.join(dead)} died")
 
     def _step(self) -> None:
         start = time.perf_counter()
