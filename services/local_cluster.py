@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -36,9 +37,31 @@ from services.common.security import ChannelSecurity, open_sync_channel
 logger = logging.getLogger(__name__)
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+_rng = random.Random()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the OS picks it)."""
-    with socket.socket() as s:
+    """A port that was free a moment ago, chosen BELOW the kernel's ephemeral range: the ports
+    handed to the components are bound a few seconds later by other processes, and a port
+    from the ephemeral range can be taken meanwhile by any outgoing connection on the machine."""
+    low, _ = _ephemeral_range()
+    for _ in range(200):
+        port = _rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # everything below the range is taken: let the OS pick
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
