@@ -30,8 +30,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import socket
+import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
@@ -61,6 +63,7 @@ logger = logging.getLogger(__name__)
 FINISH = {"stop": gen_pb.FINISH_REASON_STOP, "length": gen_pb.FINISH_REASON_LENGTH,
           "abort": gen_pb.FINISH_REASON_ABORT, None: gen_pb.FINISH_REASON_UNSPECIFIED}
 DEFAULT_MAX_TOKENS = 16
+FAILED_EXIT_GRACE_S = 5.0
 
 
 def sampling_from_proto(p: gen_pb.SamplingParams) -> SamplingParams:
@@ -484,6 +487,11 @@ async def _until_stopped_or_failed(stopped: asyncio.Event, service: EngineServic
     non-zero instead of lingering registered-but-dead (a supervisor restarts it)."""
     while not stopped.is_set():
         if service.loop is not None and service.loop.failed.is_set():
+            # Clean-up with a dead rank can block (UCX, collectives, non-daemon threads): give it
+            # a few seconds, then leave hard so a supervisor restarts the engine.
+            watchdog = threading.Timer(FAILED_EXIT_GRACE_S, os._exit, args=(1,))
+            watchdog.daemon = True
+            watchdog.start()
             raise RuntimeError(f"engine {service.config.engine_id}: the engine loop died (see the step error "
                                "above); exiting")
         try:
