@@ -95,6 +95,19 @@ class Pacer:
     def due(self) -> int:
         return int((time.monotonic() - self.start) * self.rate) - self.done
 
+    def run(self, duration: float, step: Callable[[], Any]) -> int:
+        """Calls `step` at the paced rate for `duration` seconds; returns how many times."""
+        end = time.monotonic() + duration
+        while time.monotonic() < end:
+            due = self.due()
+            if due <= 0:
+                time.sleep(0.001)
+                continue
+            for _ in range(min(due, 64)):
+                step()
+                self.done += 1
+        return self.done
+
 
 # -- subscriber process --------------------------------------------------------------------------
 
@@ -205,20 +218,13 @@ def _ranks_main(target: str, engines: int, tp: int, batch_events: int, rate: flo
         clients.append(ranks)
     print("ready", flush=True)
     sys.stdin.readline()
+    def step() -> None:
+        events = stamp_events(time.time(), batch_events)
+        for client in clients[pacer.done % engines]:
+            client.report(StepReport(worker_events=events))
+
     pacer = Pacer(rate / batch_events)
-    end = time.monotonic() + duration
-    steps = 0
-    while time.monotonic() < end:
-        due = pacer.due()
-        if due <= 0:
-            time.sleep(0.001)
-            continue
-        for _ in range(min(due, 64)):
-            events = stamp_events(time.time(), batch_events)
-            for client in clients[steps % engines]:
-                client.report(StepReport(worker_events=events))
-            steps += 1
-            pacer.done += 1
+    steps = pacer.run(duration, step)
     for ranks in clients:
         for client in ranks:
             client.wait_acked(client.last_seq, 30.0)
@@ -505,19 +511,9 @@ async def _baseline_section(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _drive(publish: Callable[[KVEventBatch], Any], rate: float, batch_events: int, duration: float) -> int:
-    pacer = Pacer(rate / batch_events)
-    end = time.monotonic() + duration
-    published = 0
-    while time.monotonic() < end:
-        due = pacer.due()
-        if due <= 0:
-            time.sleep(0.001)
-            continue
-        for _ in range(min(due, 64)):
-            publish(KVEventBatch(time.time(), list(stamp_events(time.time(), batch_events))))
-            published += batch_events
-            pacer.done += 1
-    return published
+    steps = Pacer(rate / batch_events).run(
+        duration, lambda: publish(KVEventBatch(time.time(), list(stamp_events(time.time(), batch_events)))))
+    return steps * batch_events
 
 
 # -- overload ------------------------------------------------------------------------------------
