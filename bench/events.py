@@ -204,7 +204,7 @@ async def _subscribers_main(grpc_target: str, zmq_endpoint: str, n_grpc: int, n_
 # -- rank process ----------------------------------------------------------------------------------
 
 def _ranks_main(target: str, engines: int, tp: int, batch_events: int, rate: float, duration: float) -> None:
-    from services.common.control_client import ControlClient, ControlHello, RankIdentity, StepReport
+    from services.engine.control_client import ControlClient, ControlHello, RankIdentity, StepReport
 
     clients: list[list[ControlClient]] = []
     for e in range(engines):

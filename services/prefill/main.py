@@ -13,6 +13,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.common.engine_server import run_engine  # imports torch: only when serving
+    from services.engine.server import run_engine  # imports torch: only when serving
 
     return run_engine(args, "prefill")

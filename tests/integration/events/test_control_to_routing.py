@@ -16,8 +16,8 @@ from pdserve.v1 import control_pb2_grpc
 from pdserve.v1 import kv_events_pb2 as kpb
 from pdserve.v1 import kv_events_pb2_grpc as kpb_grpc
 from services.common.config import SchedulerConfig
-from services.common.control_client import ControlClient, ControlHello, RankIdentity, StepReport
 from services.common.grpc_server import ServiceServer, insecure_channel
+from services.engine.control_client import ControlClient, ControlHello, RankIdentity, StepReport
 from services.scheduler.control import ControlServicer
 from services.scheduler.events.plane import EventPlane
 from services.scheduler.events.servicer import SERVICE_NAME

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.v1 import control_pb2_grpc
-from services.common.control_client import ControlClient, ControlHello, RankIdentity
 from services.common.grpc_server import ServiceServer
+from services.engine.control_client import ControlClient, ControlHello, RankIdentity
 from services.scheduler.control import ControlServicer
 from services.scheduler.event_sink import RecordingEventSink
 from services.scheduler.registry import EngineRegistry

@@ -17,7 +17,8 @@ import grpc
 from pdserve.v1 import engine_pb2 as pb
 from pdserve.v1 import engine_pb2_grpc
 from pdserve.v1 import generation_pb2 as gen_pb
-from services.common.control_client import (
+from services.common.grpc_server import ServiceServer
+from services.engine.control_client import (
     ControlClient,
     ControlHello,
     ControlMessage,
@@ -27,7 +28,6 @@ from services.common.control_client import (
     ReleaseBlocks,
     StepReport,
 )
-from services.common.grpc_server import ServiceServer
 
 BASE = 100
 _epochs = itertools.count(5001)

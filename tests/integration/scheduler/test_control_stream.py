@@ -12,7 +12,8 @@ from scheduler_harness import ControlHarness, eventually, hello
 from connectors.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
 from pdserve.v1 import control_pb2 as pb
 from pdserve.v1 import control_pb2_grpc
-from services.common.control_client import (
+from services.common.grpc_server import insecure_channel
+from services.engine.control_client import (
     ControlRefusedError,
     KVFailed,
     KVReady,
@@ -21,7 +22,6 @@ from services.common.control_client import (
     StepReport,
     Welcome,
 )
-from services.common.grpc_server import insecure_channel
 from services.scheduler.lifecycle import EngineRef
 
 
@@ -242,7 +242,7 @@ async def test_messages_for_a_reconnecting_rank_are_held_and_delivered(harness: 
 
 
 async def test_heartbeat_load_and_draining_reach_the_registry(harness: ControlHarness) -> None:
-    from services.common.control_client import EngineLoad
+    from services.engine.control_client import EngineLoad
 
     client = await harness.connect(hello("d0", "decode"))
     registry = harness.servicer.registry  # type: ignore[union-attr]

@@ -369,7 +369,7 @@ async def test_health_serving_and_drain_refuses_new_work() -> None:
 async def test_engine_events_reach_event_plane_subscribers() -> None:
     from connectors.kv_events import BlockStored, KVEventBatch
     from pdserve.v1 import kv_events_pb2, kv_events_pb2_grpc
-    from services.common.control_client import StepReport
+    from services.engine.control_client import StepReport
 
     config = load_config(SchedulerConfig, env={}, overrides={"port": 0, "control_port": 0, "events_port": 0})
     service = SchedulerService(config, facts=FACTS)  # the real event plane and prefix policy

@@ -19,9 +19,9 @@ from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import kv_events_pb2 as ev_pb
 from services.common.certs import COMPONENT_NAME, LocalPki, make_local_pki
 from services.common.config import SchedulerConfig, load_config
-from services.common.control_client import ControlClient, ControlHello, RankIdentity
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.security import ChannelSecurity, open_channel
+from services.engine.control_client import ControlClient, ControlHello, RankIdentity
 from services.local_cluster import free_port
 from services.scheduler.service import SchedulerService
 from services.scheduler.tokenization import ModelFacts

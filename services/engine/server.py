@@ -50,13 +50,13 @@ from pdserve.v1 import engine_pb2 as pb
 from pdserve.v1 import engine_pb2_grpc as pb_grpc
 from pdserve.v1 import generation_pb2 as gen_pb
 from services.common.config import EngineConfig
-from services.common.control_client import ControlMessage, EngineLoad, KVFailed, KVReady, ReleaseBlocks
-from services.common.engine_loop import Delivery, EngineLoop
 from services.common.grpc_server import ServiceServer, install_drain_handler
 from services.common.metrics import EngineMetrics
-from services.common.rank_agent import RankAgent, RankAgentFactory, compatibility_hash
 from services.common.security import component_channel_security, component_server_security, peer_name_guards
 from services.common.tracing import ComponentTracer, server_interceptors, trace_carrier
+from services.engine.control_client import ControlMessage, EngineLoad, KVFailed, KVReady, ReleaseBlocks
+from services.engine.loop import Delivery, EngineLoop
+from services.engine.rank_agent import RankAgent, RankAgentFactory, compatibility_hash
 
 logger = logging.getLogger(__name__)
 

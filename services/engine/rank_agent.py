@@ -40,7 +40,15 @@ from connectors.outputs import KVConnectorOutput, KVConnectorStats, TransferResu
 from connectors.ucx.handshake import UcxHandshakeMetadata
 from connectors.ucx.scheduler import UcxConnectorMetadata
 from connectors.ucx.worker import UcxConnectorConfig, UcxTransferStats, UcxWorkerConnector
-from services.common.control_client import (
+from services.common.metrics import (
+    MetricsServer,
+    TransferMetrics,
+    metrics_port_for_rank,
+    start_metrics_server,
+)
+from services.common.security import ChannelSecurity
+from services.common.tracing import ComponentTracer, extract_carrier, flush_tracing, process_tracer
+from services.engine.control_client import (
     ControlClient,
     ControlHello,
     ControlMessage,
@@ -50,14 +58,6 @@ from services.common.control_client import (
     TransferStat,
     Welcome,
 )
-from services.common.metrics import (
-    MetricsServer,
-    TransferMetrics,
-    metrics_port_for_rank,
-    start_metrics_server,
-)
-from services.common.security import ChannelSecurity
-from services.common.tracing import ComponentTracer, extract_carrier, flush_tracing, process_tracer
 
 logger = logging.getLogger(__name__)
 
