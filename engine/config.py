@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from connectors.head_map import partition_problem
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -123,12 +125,16 @@ class ModelConfig:
             raise ModelLoadError(f"{source}: head_dim must be even for rotary embeddings, got {self.head_dim}")
 
     def check_tp(self, tp_size: int) -> None:
-        """Raises ValueError unless heads, KV heads and the MLP split evenly over tp_size ranks."""
-        for name, value in (("num_key_value_heads", self.num_kv_heads),
-                            ("num_attention_heads", self.num_heads),
+        """Raises ValueError unless heads and the MLP split evenly over tp_size ranks and the KV
+        heads either split evenly or, when fewer than tp_size (MQA), replicate evenly
+        (`connectors.head_map`)."""
+        for name, value in (("num_attention_heads", self.num_heads),
                             ("intermediate_size", self.intermediate_size)):
             if value % tp_size:
                 raise ValueError(f"tp={tp_size} does not divide {name}={value}")
+        problem = partition_problem(self.num_kv_heads, tp_size)
+        if problem is not None:
+            raise ValueError(problem)
 
 
 @dataclass(frozen=True, slots=True)

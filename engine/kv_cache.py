@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from connectors.head_map import num_local_heads, rank_heads
 from engine.config import KVCacheSpec, ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -16,12 +17,12 @@ def make_kv_cache_spec(config: ModelConfig, *, block_size: int, memory_bytes: in
     """num_blocks = memory_bytes // block_nbytes (or the explicit num_blocks). Raises ValueError
     when the budget does not hold one full-length sequence's worth of a single block."""
     config.check_tp(tp_size)
-    heads = config.num_kv_heads // tp_size
+    heads = num_local_heads(tp_size, config.num_kv_heads)
     probe = KVCacheSpec(1, block_size, config.num_layers, heads, config.head_dim, config.dtype, element_size, tp_size)
     n = num_blocks if num_blocks is not None else memory_bytes // probe.block_nbytes
     if n < 1:
         raise ValueError(f"KV cache budget {memory_bytes} bytes holds no block of {probe.block_nbytes} bytes")
-    ranges = tuple((r * heads, (r + 1) * heads) for r in range(tp_size))
+    ranges = tuple(rank_heads(r, tp_size, config.num_kv_heads) for r in range(tp_size))
     return KVCacheSpec(n, block_size, config.num_layers, heads, config.head_dim, config.dtype, element_size,
                        tp_size, kv_head_ranges=ranges)
 

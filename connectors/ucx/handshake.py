@@ -10,7 +10,9 @@ decodes the rest, so an incompatible peer is refused with a clear reason.
 Layout contract (cross-area): the KV tensor of a rank has shape
 `[num_blocks, num_layers, 2, num_kv_heads_local, block_size, head_dim]` ("NL2HBD"); block `b`
 is the contiguous byte range `[b * block_nbytes, (b + 1) * block_nbytes)` of the region, and rank
-`r` of a `tp_size` engine holds KV heads `[head_start, head_end)` = `[r*H/T, (r+1)*H/T)`.
+`r` of a `tp_size` engine holds KV heads `[head_start, head_end)` = `connectors.head_map.rank_heads`
+(`[r*H/T, (r+1)*H/T)`, or one replicated head when H < T). Every rank's metadata carries its
+head range, so a reader of another TP size addresses exactly the heads it needs.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import msgpack
+
+from connectors.head_map import partition_problem, rank_heads
 
 HANDSHAKE_VERSION = 1
 KV_LAYOUT = "NL2HBD"
@@ -104,13 +108,12 @@ class UcxHandshakeMetadata:
         if not self.worker_address:
             raise ValueError("handshake: worker_address is empty")
         self.region.validate()
-        if self.region.num_kv_heads % self.tp_size:
-            raise ValueError(f"handshake: {self.region.num_kv_heads} KV heads not divisible by tp_size "
-                             f"{self.tp_size}")
-        per_rank = self.region.num_kv_heads // self.tp_size
-        if (self.region.head_start, self.region.head_end) != (self.tp_rank * per_rank, (self.tp_rank + 1) * per_rank):
-            raise ValueError(f"handshake: rank {self.tp_rank}/{self.tp_size} must hold heads "
-                             f"[{self.tp_rank * per_rank}, {(self.tp_rank + 1) * per_rank})")
+        problem = partition_problem(self.region.num_kv_heads, self.tp_size)
+        if problem is not None:
+            raise ValueError(f"handshake: {problem}")
+        start, end = rank_heads(self.tp_rank, self.tp_size, self.region.num_kv_heads)
+        if (self.region.head_start, self.region.head_end) != (start, end):
+            raise ValueError(f"handshake: rank {self.tp_rank}/{self.tp_size} must hold heads [{start}, {end})")
 
     def encode(self) -> bytes:
         """The versioned wire form (see the module docstring)."""

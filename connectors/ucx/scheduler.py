@@ -42,6 +42,9 @@ class PullCommand:
 class SendCommand:
     request_id: str
     block_ids: list[int]
+    # TP size of the decode engine that reads (0: the same as this engine's); each rank pins
+    # for `head_map.readers_of(rank, tp, reader_tp_size, heads)` readers.
+    reader_tp_size: int = 0
 
 
 @dataclass(slots=True)
@@ -67,6 +70,7 @@ class UcxSchedulerConnector(SchedulerConnector):
         self._lock = threading.Lock()
         self._pending = UcxConnectorMetadata()
         self._external_tokens: dict[str, int] = {}  # request id -> tokens loaded from the tier
+        self._reader_tp: dict[str, int] = {}  # request id -> TP size of the decode engine reading it
 
     def queue_pull(self, request_id: str, descriptor: KVTransferDescriptor, local_block_ids: Sequence[int],
                    trace_carrier: Mapping[str, str] | None = None) -> None:
@@ -74,6 +78,17 @@ class UcxSchedulerConnector(SchedulerConnector):
                               dict(trace_carrier) if trace_carrier else None)
         with self._lock:
             self._pending.pulls.append(command)
+
+    def set_reader_tp(self, request_id: str, tp_size: int) -> None:
+        """The decode engine that will read `request_id`'s KV has `tp_size` ranks (call before
+        the request finishes prefill; 0 or never called: the same TP as this engine)."""
+        if tp_size < 0:
+            raise ValueError(f"reader tp_size must be >= 0, got {tp_size}")
+        with self._lock:
+            if tp_size:
+                self._reader_tp[request_id] = tp_size
+            else:
+                self._reader_tp.pop(request_id, None)
 
     def queue_cancel(self, request_id: str) -> None:
         with self._lock:
@@ -123,10 +138,13 @@ class UcxSchedulerConnector(SchedulerConnector):
 
         if self.offload is not None:
             self.offload.request_finished(request, block_ids)
+        with self._lock:
+            reader_tp = self._reader_tp.pop(request.request_id, 0)
         if request.mode is RequestMode.PREFILL_ONLY and request.finish_reason != "abort":
             num_prompt_blocks = -(-request.num_prompt_tokens // self.block_size)
             with self._lock:
-                self._pending.sends.append(SendCommand(request.request_id, list(block_ids[:num_prompt_blocks])))
+                self._pending.sends.append(SendCommand(request.request_id, list(block_ids[:num_prompt_blocks]),
+                                                       reader_tp))
             return True, None
         return False, None
 

@@ -3,13 +3,15 @@
 Protocol (all ranks on one UCX worker each, endpoints from worker addresses, error handling
 off so UCX may pick shared memory / CMA on one host and RDMA across hosts):
 
-- Tags are 64 bits: kind (4) | xfer id (40) | segment index (20). CTRL messages (kind 1) are
-  small msgpack maps; DATA messages (kind 2) carry one segment's bytes.
+- Tags are 64 bits: kind (4) | xfer id (40) | piece index (20). CTRL messages (kind 1) are
+  small msgpack maps; DATA messages (kind 2) carry one piece's bytes: a segment of whole
+  blocks is one piece; a segment of a head range (ranks of different TP sizes) is one piece
+  per (block, layer, K/V) (`transport.pieces`), numbered in segment order.
 - Reader → writer CTRL `pull` {x, rid, eid, ep, segs, addr, reader}: the writer validates it
-  (listener), then sends segment i as DATA (x, i) straight from its region (zero copy,
+  (listener), then sends piece i as DATA (x, i) straight from its region (zero copy,
   rendezvous), or answers CTRL `refuse` {x, why} without touching memory.
 - The reader receives DATA only for a live pull it posted, into exactly the segment's bytes of
-  its region (zero copy); anything else is drained into a scratch buffer. When every segment
+  its region (zero copy); anything else is drained into a scratch buffer. When every piece
   arrived it sends CTRL `done` {x, rid, ok}; on a failure (timeout...) `done` with ok=False.
 - Reader → writer CTRL `renew` {rids, reader}: lease renewal.
 
@@ -34,7 +36,17 @@ import msgpack
 import numpy as np
 
 from connectors.ucx.handshake import PeerKey
-from connectors.ucx.transport import KVTransport, PullOp, PullRequest, PullResult, Segment, TransportListener
+from connectors.ucx.transport import (
+    HeadGeometry,
+    KVTransport,
+    PullOp,
+    PullRequest,
+    PullResult,
+    Segment,
+    TransportListener,
+    num_pieces,
+    pieces,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +82,9 @@ class _Pull:
     op: PullOp
     started: float
     deadline: float
+    pieces: list[tuple[int, int]] = field(default_factory=list)  # (local offset, length) by index
+    piece_seg: list[int] = field(default_factory=list)  # segment index of each piece
+    seg_left: list[int] = field(default_factory=list)  # pieces of each segment not yet received
     posted: set[int] = field(default_factory=set)
     done: set[int] = field(default_factory=set)
     in_flight: int = 0
@@ -89,10 +104,13 @@ class UcxTagTransport(KVTransport):
     """See the module docstring. `region` is the rank's KV bytes (a flat uint8 view) and
     `local_key` this rank's identity as peers know it. A reader that has not said `done`
     `serve_timeout_s` after its pull is presumed dead: its endpoint is closed (cancelling
-    its sends) and every request it was reading is reported done with ok=False."""
+    its sends) and every request it was reading is reported done with ok=False. `geometry`
+    (the region's layers and heads) is needed for head-range segments; without it they are
+    refused (writer) or fail (reader) with `bad_segments`."""
 
     def __init__(self, region: np.ndarray, block_nbytes: int, local_key: PeerKey, *,
-                 ucx_config: dict[str, str] | None = None, serve_timeout_s: float = 30.0, name: str = "ucx") -> None:
+                 ucx_config: dict[str, str] | None = None, serve_timeout_s: float = 30.0, name: str = "ucx",
+                 geometry: HeadGeometry | None = None) -> None:
         import ucxx._lib.libucxx as ucx_api
         from ucxx._lib.arr import Array
 
@@ -103,6 +121,9 @@ class UcxTagTransport(KVTransport):
         self._region = region
         self._num_blocks = region.size // block_nbytes
         self._block_nbytes = block_nbytes
+        if geometry is not None and geometry.block_nbytes != block_nbytes:
+            raise ValueError(f"geometry {geometry} does not make blocks of {block_nbytes} bytes")
+        self._geometry = geometry or HeadGeometry(1, 1, 0)
         self._ctx = ucx_api.UCXContext(config_dict=dict(ucx_config or {}),
                                        feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
         self._worker = ucx_api.UCXWorker(self._ctx)
@@ -318,9 +339,17 @@ class UcxTagTransport(KVTransport):
         if ep is None:
             self._finish(pull, "peer_unknown", notify_peer=False)
             return
+        if self._segments_problem(op.segments, remote=False) is not None:
+            self._finish(pull, "bad_segments", notify_peer=False)
+            return
+        for index, seg in enumerate(op.segments):
+            seg_pieces = self._pieces(seg, remote=False)
+            pull.pieces.extend(seg_pieces)
+            pull.piece_seg.extend([index] * len(seg_pieces))
+            pull.seg_left.append(len(seg_pieces))
         self._send_ctrl(ep, {
             "k": "pull", "x": op.xfer_id, "rid": op.request_id, "eid": op.peer.engine_id, "ep": op.peer.epoch,
-            "segs": [[s.remote_block, s.local_block, s.num_blocks] for s in op.segments],
+            "segs": [_segment_to_wire(s) for s in op.segments],
             "addr": self._address, "reader": _key_to_wire(self._reader_key()),
         })
 
@@ -352,12 +381,11 @@ class UcxTagTransport(KVTransport):
             self._track(request, functools.partial(self._on_data, pull=pull, index=index), target)
 
     def _data_target(self, pull: _Pull | None, index: int, length: int) -> np.ndarray | None:
-        if pull is None or pull.finished or index >= len(pull.op.segments) or index in pull.posted:
+        if pull is None or pull.finished or index >= len(pull.pieces) or index in pull.posted:
             return None
-        seg = pull.op.segments[index]
-        if length != seg.num_blocks * self._block_nbytes:
+        start, expected = pull.pieces[index]
+        if length != expected:
             return None
-        start = seg.local_block * self._block_nbytes
         return self._region[start:start + length]
 
     def _on_data(self, error: str | None, *, pull: _Pull, index: int) -> None:
@@ -369,7 +397,8 @@ class UcxTagTransport(KVTransport):
             self._finish(pull, "recv_error", notify_peer=True)
             return
         pull.done.add(index)
-        if len(pull.done) == len(pull.op.segments):
+        pull.seg_left[pull.piece_seg[index]] -= 1
+        if len(pull.done) == len(pull.pieces):
             self._finish(pull, None, notify_peer=True)
 
     def _finish(self, pull: _Pull, reason: str | None, *, notify_peer: bool) -> None:
@@ -378,9 +407,9 @@ class UcxTagTransport(KVTransport):
         if notify_peer and ep is not None:
             self._send_ctrl(ep, {"k": "done", "x": pull.op.xfer_id, "rid": pull.op.request_id,
                                  "ok": reason is None, "reader": _key_to_wire(self._reader_key())})
-        done = tuple(pull.op.segments[i] for i in sorted(pull.done))
+        done = tuple(seg for seg, left in zip(pull.op.segments, pull.seg_left, strict=True) if left == 0)
         result = PullResult(pull.op.xfer_id, reason is None, reason, done,
-                            sum(s.num_blocks for s in done) * self._block_nbytes, time.monotonic() - pull.started)
+                            sum(pull.pieces[i][1] for i in pull.done), time.monotonic() - pull.started)
         self._forget_if_idle(pull)
         if self._listener is not None:
             self._listener.on_pull_finished(result)
@@ -442,7 +471,7 @@ class UcxTagTransport(KVTransport):
         reader = _key_from_wire(message["reader"])
         address = bytes(message["addr"])
         ep = self._reply_ep(reader, address)
-        segments = tuple(Segment(int(r), int(loc), int(n)) for r, loc, n in message["segs"])
+        segments = tuple(_segment_from_wire(raw) for raw in message["segs"])
         request = PullRequest(int(message["x"]), str(message["rid"]), str(message["eid"]), int(message["ep"]),
                               segments, reader)
         why = self._refusal(request)
@@ -452,22 +481,41 @@ class UcxTagTransport(KVTransport):
             self._send_ctrl(ep, {"k": "refuse", "x": request.xfer_id, "why": why})
             return
         key = (reader, request.xfer_id)
-        self._serves[key] = _Serve(request.request_id, reader, len(segments),
+        send_pieces = [p for seg in segments for p in self._pieces(seg, remote=True)]
+        self._serves[key] = _Serve(request.request_id, reader, len(send_pieces),
                                    time.monotonic() + self._serve_timeout_s)
-        for index, seg in enumerate(segments):
-            start = seg.remote_block * self._block_nbytes
-            view = self._region[start:start + seg.num_blocks * self._block_nbytes]
+        on_sent = functools.partial(self._on_sent, key=key)
+        for index, (start, length) in enumerate(send_pieces):
+            view = self._region[start:start + length]
             sent = ep.tag_send(self._array(view), self._api.UCXXTag(data_tag(request.xfer_id, index)))
-            self._track(sent, functools.partial(self._on_sent, key=key), view)
+            self._track(sent, on_sent, view)
+
+    def _pieces(self, seg: Segment, *, remote: bool) -> list[tuple[int, int]]:
+        if seg.num_heads == 0:
+            first = seg.remote_block if remote else seg.local_block
+            return [(first * self._block_nbytes, seg.num_blocks * self._block_nbytes)]
+        return pieces(seg, self._geometry, remote=remote)
+
+    def _segments_problem(self, segments: tuple[Segment, ...], *, remote: bool) -> str | None:
+        """Why `segments` cannot be moved from (remote) / into (local) this region."""
+        if not 0 < len(segments) <= MAX_SEGMENTS:
+            return "bad_segments"
+        total = 0
+        for seg in segments:
+            first = seg.remote_block if remote else seg.local_block
+            if seg.num_blocks < 1 or first < 0 or first + seg.num_blocks > self._num_blocks:
+                return "out_of_range"
+            if seg.num_heads:
+                head = seg.remote_head if remote else seg.local_head
+                if (self._geometry.head_nbytes == 0 or seg.num_heads < 0 or head < 0
+                        or head + seg.num_heads > self._geometry.num_local_heads):
+                    return "bad_segments"
+            total += num_pieces(seg, self._geometry.num_layers)
+        return None if total <= MAX_SEGMENTS else "bad_segments"
 
     def _refusal(self, request: PullRequest) -> str | None:
-        """Transport-level checks: the segments must name blocks of this region."""
-        if not 0 < len(request.segments) <= MAX_SEGMENTS:
-            return "bad_segments"
-        for seg in request.segments:
-            if seg.num_blocks < 1 or seg.remote_block < 0 or seg.remote_block + seg.num_blocks > self._num_blocks:
-                return "out_of_range"
-        return None
+        """Transport-level checks: the segments must name blocks (and heads) of this region."""
+        return self._segments_problem(request.segments, remote=True)
 
     def _reply_ep(self, reader: PeerKey, address: bytes) -> Any:
         ep = self._reply_eps.get(address)
@@ -510,6 +558,19 @@ class UcxTagTransport(KVTransport):
 
 def _ignore(error: str | None) -> None:
     """Drained bytes nobody waits for."""
+
+
+def _segment_to_wire(seg: Segment) -> list[int]:
+    if seg.num_heads == 0:
+        return [seg.remote_block, seg.local_block, seg.num_blocks]
+    return [seg.remote_block, seg.local_block, seg.num_blocks, seg.remote_head, seg.local_head, seg.num_heads]
+
+
+def _segment_from_wire(raw: Any) -> Segment:
+    """A wire segment: 3 ints (whole blocks) or 6 (with a head range). Raises on anything else."""
+    if not isinstance(raw, list) or len(raw) not in (3, 6):
+        raise ValueError(f"malformed segment {raw!r}")
+    return Segment(*(int(v) for v in raw))
 
 
 def _key_to_wire(key: PeerKey) -> list[Any]:

@@ -22,11 +22,55 @@ from connectors.ucx.handshake import PeerKey
 
 @dataclass(frozen=True, slots=True)
 class Segment:
-    """A run of consecutive blocks on both sides: one message (or one RMA descriptor)."""
+    """A run of consecutive blocks on both sides: one message (or one RMA descriptor).
+
+    With `num_heads` > 0 only KV heads [remote_head, remote_head + num_heads) of the remote
+    rank's local heads are read, into local heads [local_head, local_head + num_heads) (ranks
+    of different TP sizes): in the NL2HBD layout that range is one strided piece per (block,
+    layer, K/V), so the segment moves as `num_blocks * 2 * num_layers` messages (see
+    `pieces`). `num_heads` == 0 moves whole blocks (the heads of both ranks are the same)."""
 
     remote_block: int
     local_block: int
     num_blocks: int
+    remote_head: int = 0
+    local_head: int = 0
+    num_heads: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class HeadGeometry:
+    """One rank's block layout as far as head ranges go (NL2HBD): blocks of `num_layers` x K/V
+    slabs, each `num_local_heads` heads of `head_nbytes` bytes."""
+
+    num_layers: int
+    num_local_heads: int
+    head_nbytes: int
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.num_layers * 2 * self.num_local_heads * self.head_nbytes
+
+
+def pieces(seg: Segment, geometry: HeadGeometry, *, remote: bool) -> list[tuple[int, int]]:
+    """(byte offset, byte length) of the messages `seg` moves, in wire order, on one side:
+    the remote side's offsets (`remote=True`, the writer) or the local side's. Both sides list
+    the same number of pieces of the same lengths (their layers and head sizes are equal)."""
+    block_nbytes = geometry.block_nbytes
+    first = seg.remote_block if remote else seg.local_block
+    if seg.num_heads == 0:
+        return [(first * block_nbytes, seg.num_blocks * block_nbytes)]
+    head = seg.remote_head if remote else seg.local_head
+    slab = geometry.num_local_heads * geometry.head_nbytes
+    length = seg.num_heads * geometry.head_nbytes
+    skip = head * geometry.head_nbytes
+    return [((first + b) * block_nbytes + j * slab + skip, length)
+            for b in range(seg.num_blocks) for j in range(2 * geometry.num_layers)]
+
+
+def num_pieces(seg: Segment, num_layers: int) -> int:
+    """How many messages `seg` moves (see `pieces`)."""
+    return 1 if seg.num_heads == 0 else seg.num_blocks * 2 * num_layers
 
 
 def coalesce(remote_block_ids: list[int], local_block_ids: list[int]) -> list[Segment]:

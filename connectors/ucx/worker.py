@@ -1,6 +1,8 @@
 """`UcxWorkerConnector`: the worker side of the `ucx` KV connector (one per rank process).
 
-Decode ranks pull a request's prompt KV from the matching prefill rank; prefill ranks serve
+Decode ranks pull a request's prompt KV from the prefill ranks holding their KV heads (the
+same rank under equal TP; under different TP sizes one or several ranks, each read for a head
+range straight into the decode rank's blocks, see `connectors.head_map`); prefill ranks serve
 pulls of the blocks they pinned for it. The service drives it explicitly:
 
 - every rank: construct with its identity and `kv_cache` tensor, publish
@@ -14,7 +16,8 @@ pulls of the blocks they pinned for it. The service drives it explicitly:
 
 Contracts:
 - Every pull ends exactly once: in `finished_recving`, or in `failed_recving` with the local
-  block ids that did not receive their bytes in `get_block_ids_with_load_errors()`, within
+  block ids that did not receive all their bytes (from every prefill rank read) in
+  `get_block_ids_with_load_errors()`, within
   `transfer_timeout_s` of its dispatch (plus one drain); never a hang. A stale epoch, an
   unknown peer or blocks out of the peer's range fail at once without a byte moved.
 - A prefill rank reports `finished_sending` once every expected reader said it is done (success
@@ -39,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from connectors.base import KVConnectorMetadata, WorkerConnector
+from connectors.head_map import HeadRead, mapping_problem, rank_heads, read_plan
 from connectors.kv_events import KVCacheEvent
 from connectors.outputs import KVConnectorStats, TransferResults
 from connectors.ucx.handshake import (
@@ -48,7 +52,15 @@ from connectors.ucx.handshake import (
     PeerKey,
     UcxHandshakeMetadata,
 )
-from connectors.ucx.transport import KVTransport, PullOp, PullRequest, PullResult, coalesce
+from connectors.ucx.transport import (
+    HeadGeometry,
+    KVTransport,
+    PullOp,
+    PullRequest,
+    PullResult,
+    Segment,
+    coalesce,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -170,10 +182,17 @@ class UcxTransferStats(KVConnectorStats):
 
 @dataclass(slots=True)
 class _Recv:
+    """One request's pull: one `PullOp` per prefill rank read (one under equal TP)."""
+
     request_id: str
-    peer: PeerKey
-    op: PullOp | None  # None until dispatched
+    engine_id: str  # the prefill engine
     local_block_ids: tuple[int, ...]
+    ops: tuple[PullOp, ...] = ()
+    open: set[int] = field(default_factory=set)  # xfer ids not ended yet
+    received: set[int] | None = None  # local blocks every ended op fully delivered
+    reason: str | None = None  # the first failure
+    num_bytes: int = 0
+    seconds: float = 0.0
 
 
 @dataclass(slots=True)
@@ -191,8 +210,9 @@ class UcxWorkerConnector(WorkerConnector):
                  compatibility_hash: str, kv_cache: Any = None, config: UcxConnectorConfig | None = None) -> None:
         self.config = config or UcxConnectorConfig()
         self.config.validate()
-        if num_kv_heads % tp_size:
-            raise ValueError(f"{num_kv_heads} KV heads are not divisible by tp_size {tp_size}")
+        problem = mapping_problem(tp_size, tp_size, num_kv_heads)
+        if problem is not None:
+            raise ValueError(problem)
         self.key = PeerKey(engine_id, epoch, tp_rank)
         self.tp_size = tp_size
         self.num_kv_heads = num_kv_heads
@@ -205,7 +225,7 @@ class UcxWorkerConnector(WorkerConnector):
         self._xfer_ids = itertools.count(1)
         self._recvs: dict[str, _Recv] = {}
         self._by_xfer: dict[int, str] = {}
-        self._queued: list[str] = []
+        self._queued: list[tuple[str, PullOp]] = []
         self._inflight = 0
         self._leases: dict[str, _Lease] = {}
         self._results = _Results()
@@ -233,9 +253,10 @@ class UcxWorkerConnector(WorkerConnector):
         if transport is None:
             from connectors.ucx.tag_transport import UcxTagTransport
 
+            geometry = HeadGeometry(layout.num_layers, layout.num_local_heads, layout.head_nbytes)
             transport = UcxTagTransport(region, layout.block_nbytes, self.key, ucx_config=self.config.ucx_options(),
                                         serve_timeout_s=self.config.lease_s,
-                                        name=f"ucx-{self.key.engine_id}-{self.key.tp_rank}")
+                                        name=f"ucx-{self.key.engine_id}-{self.key.tp_rank}", geometry=geometry)
         self._metadata = UcxHandshakeMetadata(self.key.engine_id, self.key.epoch, self.key.tp_rank, self.tp_size,
                                               self.compatibility_hash, transport.worker_address, layout)
         self._metadata.validate()
@@ -249,7 +270,8 @@ class UcxWorkerConnector(WorkerConnector):
             raise ValueError("kv_cache must be a contiguous CPU tensor [blocks, layers, 2, heads, block_size, "
                              f"head_dim], got shape {tuple(tensor.shape)} on {tensor.device}")
         num_blocks, num_layers, two, heads, block_size, head_dim = (int(d) for d in tensor.shape)
-        per_rank = self.num_kv_heads // self.tp_size
+        head_start, head_end = rank_heads(self.key.tp_rank, self.tp_size, self.num_kv_heads)
+        per_rank = head_end - head_start
         if two != 2 or heads != per_rank:
             raise ValueError(f"kv_cache dims 2 and 3 must be 2 and {per_rank} (heads of this rank), got {two}, {heads}")
         import torch
@@ -257,7 +279,7 @@ class UcxWorkerConnector(WorkerConnector):
         region = tensor.view(-1).view(torch.uint8).numpy()
         layout = KVRegionLayout(num_blocks=num_blocks, block_nbytes=region.size // num_blocks, num_layers=num_layers,
                                 block_size=block_size, head_dim=head_dim, num_kv_heads=self.num_kv_heads,
-                                head_start=self.key.tp_rank * per_rank, head_end=(self.key.tp_rank + 1) * per_rank,
+                                head_start=head_start, head_end=head_end,
                                 dtype=str(tensor.dtype).removeprefix("torch."), layout=KV_LAYOUT)
         return region, layout
 
@@ -305,9 +327,9 @@ class UcxWorkerConnector(WorkerConnector):
         del self._peers[key]
         if self._transport is not None:
             self._transport.remove_peer(key)
-        for rid in [r for r, recv in self._recvs.items() if recv.peer == key and recv.op is None]:
-            self._queued.remove(rid)
-            self._fail_locked(self._recvs.pop(rid), "peer_gone", ())
+        for rid, op in [(rid, op) for rid, op in self._queued if op.peer == key]:
+            self._queued.remove((rid, op))
+            self._op_ended_locked(self._recvs[rid], op, "peer_gone", (), 0, 0.0)
 
     # -- decode side ---------------------------------------------------------------------------
 
@@ -315,11 +337,13 @@ class UcxWorkerConnector(WorkerConnector):
         """Starts pulling `descriptor`'s blocks into `local_block_ids`.
 
         `local_block_ids` are the blocks still missing locally, in prompt order; with a local
-        prefix cached only the LAST `len(local_block_ids)` remote blocks are read. Raises
-        ValueError (no state change) for caller errors: a request already pulling, bad or
-        duplicate local ids, more local than remote blocks. Problems of the descriptor (stale
-        epoch, unknown peer, blocks out of range, unsupported TP) are transfer failures: the
-        request is reported in `failed_recving` at the next drain.
+        prefix cached only the LAST `len(local_block_ids)` remote blocks are read. Under a
+        prefill TP other than ours the pull reads each of our head ranges from the prefill rank
+        `head_map.read_plan` names (one transport op per rank read); the request ends once
+        every op ended. Raises ValueError (no state change) for caller errors: a request already
+        pulling, bad or duplicate local ids, more local than remote blocks. Problems of the
+        descriptor (stale epoch, unknown peer, blocks out of range, unmappable TP) are transfer
+        failures: the request is reported in `failed_recving` at the next drain.
         """
         self._require_transport()
         local = tuple(int(b) for b in local_block_ids)
@@ -329,51 +353,66 @@ class UcxWorkerConnector(WorkerConnector):
         if len(local) > len(descriptor.block_ids):
             raise ValueError(f"request {request_id}: {len(local)} local blocks for "
                              f"{len(descriptor.block_ids)} remote blocks")
-        peer = PeerKey(descriptor.engine_id, descriptor.epoch, self.key.tp_rank)
         with self._lock:
             if request_id in self._recvs:
                 raise ValueError(f"request {request_id} is already pulling")
-            recv = _Recv(request_id, peer, None, local)
+            recv = _Recv(request_id, descriptor.engine_id, local)
             if not local:
                 self._results.finished_recving.add(request_id)
                 return
-            reason = self._descriptor_problem_locked(descriptor, peer)
+            plan, reason = self._plan_locked(descriptor)
             if reason is not None:
-                self._fail_locked(recv, reason, ())
+                self._fail_locked(recv, reason, set())
                 return
             remote = [int(b) for b in descriptor.block_ids[len(descriptor.block_ids) - len(local):]]
-            segments = tuple(coalesce(remote, list(local)))
-            recv.op = PullOp(next(self._xfer_ids), peer, descriptor.request_id, segments, self.config.transfer_timeout_s)
+            recv.ops = tuple(PullOp(next(self._xfer_ids), PeerKey(descriptor.engine_id, descriptor.epoch, read.src_rank),
+                                    descriptor.request_id, self._segments(read, descriptor.tp_size, remote, local),
+                                    self.config.transfer_timeout_s) for read in plan)
+            recv.open = {op.xfer_id for op in recv.ops}
             self._recvs[request_id] = recv
-            self._queued.append(request_id)
+            self._queued.extend((request_id, op) for op in recv.ops)
             self._dispatch_locked()
 
-    def _descriptor_problem_locked(self, d: KVTransferDescriptor, peer: PeerKey) -> str | None:
+    def _plan_locked(self, d: KVTransferDescriptor) -> tuple[tuple[HeadRead, ...], str | None]:
+        """The head reads of a descriptor, or why it cannot be read."""
         known_epochs = {k.epoch for k in self._peers if k.engine_id == d.engine_id}
         if not known_epochs:
-            return "peer_unknown"
+            return (), "peer_unknown"
         if d.epoch not in known_epochs:
-            return "stale_epoch"
-        if d.tp_size != self.tp_size:
-            return "unsupported_tp"  # designed for (head ranges in the handshake), not implemented yet
+            return (), "stale_epoch"
         if d.num_kv_heads != self.num_kv_heads:
-            return "incompatible"
-        meta = self._peers.get(peer)
-        if meta is None:
-            return "peer_unknown"
-        if meta.region.block_nbytes != self.handshake_metadata.region.block_nbytes:
-            return "incompatible"
-        if any(not 0 <= b < meta.region.num_blocks for b in d.block_ids):
-            return "out_of_range"
-        return None
+            return (), "incompatible"
+        if mapping_problem(d.tp_size, self.tp_size, self.num_kv_heads) is not None:
+            return (), "unsupported_tp"
+        plan = read_plan(self.key.tp_rank, self.tp_size, d.tp_size, self.num_kv_heads)
+        mine = self.handshake_metadata.region
+        for read in plan:
+            meta = self._peers.get(PeerKey(d.engine_id, d.epoch, read.src_rank))
+            if meta is None or meta.tp_size != d.tp_size:
+                return (), "peer_unknown"
+            if meta.region.head_nbytes != mine.head_nbytes:
+                return (), "incompatible"
+            if any(not 0 <= b < meta.region.num_blocks for b in d.block_ids):
+                return (), "out_of_range"
+        return plan, None
+
+    def _segments(self, read: HeadRead, prefill_tp: int, remote: list[int],
+                  local: tuple[int, ...]) -> tuple[Segment, ...]:
+        """Block runs of one head read: whole blocks when both ranks hold exactly these heads,
+        else head-range segments (one message per block, layer and K/V)."""
+        runs = coalesce(remote, list(local))
+        src_start, src_end = rank_heads(read.src_rank, prefill_tp, self.num_kv_heads)
+        if read.num_heads == self.handshake_metadata.region.num_local_heads == src_end - src_start:
+            return tuple(runs)
+        return tuple(Segment(s.remote_block, s.local_block, s.num_blocks, read.src_offset, read.dst_offset,
+                             read.num_heads) for s in runs)
 
     def _dispatch_locked(self) -> None:
         while self._queued and self._inflight < self.config.max_inflight_transfers and self._transport is not None:
-            recv = self._recvs[self._queued.pop(0)]
-            assert recv.op is not None
+            request_id, op = self._queued.pop(0)
             self._inflight += 1
-            self._by_xfer[recv.op.xfer_id] = recv.request_id
-            self._transport.pull(recv.op)
+            self._by_xfer[op.xfer_id] = request_id
+            self._transport.pull(op)
 
     def cancel(self, request_id: str) -> bool:
         """Decode: abandons a pull (no result is reported; late bytes are drained, not written).
@@ -383,14 +422,13 @@ class UcxWorkerConnector(WorkerConnector):
             recv = self._recvs.pop(request_id, None)
             if recv is None:
                 return found
-            if recv.op is not None and recv.op.xfer_id in self._by_xfer:
-                del self._by_xfer[recv.op.xfer_id]
-                self._inflight -= 1
-                if self._transport is not None:
-                    self._transport.abandon(recv.op.xfer_id)
-                self._dispatch_locked()
-            elif request_id in self._queued:
-                self._queued.remove(request_id)
+            self._queued = [(rid, op) for rid, op in self._queued if rid != request_id]
+            for op in recv.ops:
+                if self._by_xfer.pop(op.xfer_id, None) is not None:
+                    self._inflight -= 1
+                    if self._transport is not None:
+                        self._transport.abandon(op.xfer_id)
+            self._dispatch_locked()
             return True
 
     def on_pull_finished(self, result: PullResult) -> None:
@@ -400,31 +438,50 @@ class UcxWorkerConnector(WorkerConnector):
             if request_id is None:
                 return  # cancelled
             self._inflight -= 1
-            recv = self._recvs.pop(request_id)
-            stats = self._stats.pair(recv.peer.engine_id, self.key.engine_id)
-            stats.num_operations += 1
-            if result.ok:
-                stats.num_bytes += result.num_bytes
-                stats.num_blocks += len(recv.local_block_ids)
-                stats.durations.append(result.seconds)
-                self._stats.record("transfer_duration", result.seconds)
-                self._stats.record("bytes_transferred", result.num_bytes)
-                self._results.finished_recving.add(request_id)
-                self._changed.notify_all()
-            else:
-                self._fail_locked(recv, result.reason or "unknown", result.done_segments)
+            recv = self._recvs[request_id]
+            op = next(o for o in recv.ops if o.xfer_id == result.xfer_id)
+            received = {s.local_block + i for s in result.done_segments for i in range(s.num_blocks)}
+            self._op_ended_locked(recv, op, None if result.ok else (result.reason or "unknown"), received,
+                                  result.num_bytes, result.seconds)
             self._dispatch_locked()
 
-    def _fail_locked(self, recv: _Recv, reason: str, done_segments: Any) -> None:
-        received = {s.local_block + i for s in done_segments for i in range(s.num_blocks)}
+    def _op_ended_locked(self, recv: _Recv, op: PullOp, reason: str | None, received: Any, num_bytes: int,
+                         seconds: float) -> None:
+        """One op of a request ended; the request ends with its last op (failed if any failed,
+        its valid blocks those every op delivered)."""
+        recv.open.discard(op.xfer_id)
+        stats = self._stats.pair(recv.engine_id, self.key.engine_id)
+        stats.num_operations += 1
+        recv.num_bytes += num_bytes
+        recv.seconds = max(recv.seconds, seconds)
+        if reason is None:
+            received = set(recv.local_block_ids)
+        elif recv.reason is None:
+            recv.reason = reason
+        recv.received = set(received) if recv.received is None else recv.received & set(received)
+        if recv.open:
+            return
+        del self._recvs[recv.request_id]
+        if recv.reason is None:
+            stats.num_bytes += recv.num_bytes
+            stats.num_blocks += len(recv.local_block_ids)
+            stats.durations.append(recv.seconds)
+            self._stats.record("transfer_duration", recv.seconds)
+            self._stats.record("bytes_transferred", recv.num_bytes)
+            self._results.finished_recving.add(recv.request_id)
+            self._changed.notify_all()
+        else:
+            self._fail_locked(recv, recv.reason, recv.received or set())
+
+    def _fail_locked(self, recv: _Recv, reason: str, received: set[int]) -> None:
         invalid = set(recv.local_block_ids) - received
         self._results.failed_recving.add(recv.request_id)
         self._changed.notify_all()
         self._failure_reasons[recv.request_id] = reason
         self._load_errors |= invalid
-        self._stats.pair(recv.peer.engine_id, self.key.engine_id).record_failure(reason)
+        self._stats.pair(recv.engine_id, self.key.engine_id).record_failure(reason)
         self._stats.record("num_failed_transfers", 1)
-        logger.warning("KV pull of %s from %s failed: %s (%d invalid blocks)", recv.request_id, recv.peer,
+        logger.warning("KV pull of %s from %s failed: %s (%d invalid blocks)", recv.request_id, recv.engine_id,
                        reason, len(invalid))
 
     # -- prefill side --------------------------------------------------------------------------
@@ -433,18 +490,24 @@ class UcxWorkerConnector(WorkerConnector):
                     num_readers: int = 1) -> None:
         """Pins `block_ids` of `request_id` for `num_readers` readers until they are done or the
         lease (default `config.lease_s`, renewed by live readers) runs out. Call it before the
-        descriptor is handed out. Raises ValueError (no state change) on a known id, ids out of
-        range, or a bad lease / reader count."""
+        descriptor is handed out. `num_readers` is how many decode ranks read this rank
+        (`head_map.readers_of`); 0 (a rank no reader needs, e.g. a replica of an MQA head) pins
+        nothing and reports the id in `finished_sending` at the next drain. Raises ValueError
+        (no state change) on a known id, ids out of range, or a bad lease / reader count."""
         num_blocks = self.handshake_metadata.region.num_blocks
         ids = frozenset(int(b) for b in block_ids)
         if any(not 0 <= b < num_blocks for b in ids):
             raise ValueError(f"request {request_id}: block ids must be in [0, {num_blocks})")
         lease = self.config.lease_s if lease_s is None else lease_s
-        if lease <= 0 or num_readers < 1:
-            raise ValueError(f"request {request_id}: lease_s must be > 0 and num_readers >= 1")
+        if lease <= 0 or num_readers < 0:
+            raise ValueError(f"request {request_id}: lease_s must be > 0 and num_readers >= 0")
         with self._lock:
             if request_id in self._leases:
                 raise ValueError(f"request {request_id} is already pinned for sending")
+            if num_readers == 0:
+                self._results.finished_sending.add(request_id)
+                self._changed.notify_all()
+                return
             self._leases[request_id] = _Lease(ids, time.monotonic() + lease, num_readers)
         if self._transport is not None:
             # The reader's pull usually follows within milliseconds: poll briefly for it
@@ -547,8 +610,9 @@ class UcxWorkerConnector(WorkerConnector):
         self._last_renew = now
         renew: dict[PeerKey, list[str]] = defaultdict(list)
         for recv in self._recvs.values():
-            if recv.op is not None:
-                renew[recv.peer].append(recv.op.request_id)
+            for op in recv.ops:
+                if op.xfer_id in recv.open:
+                    renew[op.peer].append(op.request_id)
         return renew
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -596,7 +660,8 @@ class UcxWorkerConnector(WorkerConnector):
             transport.shutdown()
         with self._lock:  # whatever the transport did not end (queued, or not yet started)
             for request_id in list(self._recvs):
-                self._fail_locked(self._recvs.pop(request_id), "shutdown", ())
+                recv = self._recvs.pop(request_id)
+                self._fail_locked(recv, recv.reason or "shutdown", recv.received or set())
             self._by_xfer.clear()
             self._queued.clear()
             self._inflight = 0

@@ -1,8 +1,9 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2) over the paged KV cache, with TP sharding.
 
 Weights come from Hugging Face safetensors; q/k/v and gate/up are fused into one matrix each.
-Under tensor parallelism rank r holds attention heads and KV heads [r*H/T, (r+1)*H/T) and the
-matching MLP columns; o_proj and down_proj outputs are all-reduced. Embeddings and the LM head
+Under tensor parallelism rank r holds attention heads [r*H/T, (r+1)*H/T), the KV heads of
+`connectors.head_map.rank_heads` (a split, or one replicated head when KV heads < T, as for
+MQA) and the matching MLP columns; o_proj and down_proj outputs are all-reduced. Embeddings and the LM head
 are replicated. The numerics follow transformers (RMSNorm in float32, rotate-half RoPE).
 """
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from connectors.head_map import rank_heads
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.config import ModelConfig, ModelLoadError, RopeConfig
 
@@ -76,7 +78,8 @@ class LlamaModel:
         self.rank, self.tp_size = rank, tp_size
         self.all_reduce = all_reduce
         self.num_heads = config.num_heads // tp_size
-        self.num_kv_heads = config.num_kv_heads // tp_size
+        self.kv_heads = rank_heads(rank, tp_size, config.num_kv_heads)
+        self.num_kv_heads = self.kv_heads[1] - self.kv_heads[0]
         self.head_dim = config.head_dim
         self.scale = config.head_dim ** -0.5
         self.dtype, self.device = dtype, device
@@ -100,14 +103,15 @@ class LlamaModel:
         p = f"model.layers.{i}."
         hd = c.head_dim
         q_rows = _shard_rows(take(p + "self_attn.q_proj.weight", (c.num_heads * hd, c.hidden_size)), r, t)
-        k_rows = _shard_rows(take(p + "self_attn.k_proj.weight", (c.num_kv_heads * hd, c.hidden_size)), r, t)
-        v_rows = _shard_rows(take(p + "self_attn.v_proj.weight", (c.num_kv_heads * hd, c.hidden_size)), r, t)
+        kv = (self.kv_heads[0] * hd, self.kv_heads[1] * hd)
+        k_rows = take(p + "self_attn.k_proj.weight", (c.num_kv_heads * hd, c.hidden_size))[kv[0]:kv[1]]
+        v_rows = take(p + "self_attn.v_proj.weight", (c.num_kv_heads * hd, c.hidden_size))[kv[0]:kv[1]]
         qkv_bias = None
         if c.qkv_bias:
             qkv_bias = torch.cat([
                 _shard_rows(take(p + "self_attn.q_proj.bias", (c.num_heads * hd,)), r, t),
-                _shard_rows(take(p + "self_attn.k_proj.bias", (c.num_kv_heads * hd,)), r, t),
-                _shard_rows(take(p + "self_attn.v_proj.bias", (c.num_kv_heads * hd,)), r, t)])
+                take(p + "self_attn.k_proj.bias", (c.num_kv_heads * hd,))[kv[0]:kv[1]],
+                take(p + "self_attn.v_proj.bias", (c.num_kv_heads * hd,))[kv[0]:kv[1]]])
         o_bias = take.optional(p + "self_attn.o_proj.bias", (c.hidden_size,))
         gate = _shard_rows(take(p + "mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size)), r, t)
         up = _shard_rows(take(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size)), r, t)

@@ -34,6 +34,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from connectors.base import KVConnectorMetadata, WorkerConnector
+from connectors.head_map import mapping_problem, readers_of, source_ranks
 from connectors.kv_events import KVCacheEvent
 from connectors.offload import OffloadRankInit, OffloadWorker
 from connectors.outputs import KVConnectorOutput, KVConnectorStats, TransferResults
@@ -178,9 +179,14 @@ class RankAgent(WorkerConnector):
             self._inbox(msg)
 
     def _add_peer(self, blob: bytes) -> None:
+        """Connects to a prefill rank this rank reads KV heads from (under its TP size)."""
         try:
             meta = UcxHandshakeMetadata.decode(blob, expected_hash=self.factory.compat_hash)
-            if meta.tp_rank == self.identity.tp_rank:
+            heads, tp = self.factory.num_kv_heads, self.identity.tp_size
+            problem = mapping_problem(meta.tp_size, tp, heads)
+            if problem is not None:
+                logger.info("not connecting to %s (tp %d): %s", meta.engine_id, meta.tp_size, problem)
+            elif meta.tp_rank in source_ranks(self.identity.tp_rank, tp, meta.tp_size, heads):
                 self.ucx.add_peer(meta)
         except (ValueError, TypeError) as e:
             logger.warning("ignoring a peer with bad handshake metadata: %s", e)
@@ -197,7 +203,9 @@ class RankAgent(WorkerConnector):
                 self.offload.start_load_kv(meta.offload)
         for send in meta.sends:
             try:
-                self.ucx.expect_send(send.request_id, send.block_ids)
+                tp, heads = self.identity.tp_size, self.factory.num_kv_heads
+                readers = readers_of(self.identity.tp_rank, tp, send.reader_tp_size or tp, heads)
+                self.ucx.expect_send(send.request_id, send.block_ids, num_readers=readers)
             except ValueError as e:
                 logger.error("cannot pin %s for sending: %s", send.request_id, e)
         for pull in meta.pulls:

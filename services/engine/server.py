@@ -296,6 +296,8 @@ class EngineService(pb_grpc.EngineServicer):
         await self._check_ready(context, "prefill")
         rid, prompt = request.request_id, list(request.prompt_token_ids)
         params = sampling_from_proto(request.sampling)
+        if self.connector is not None:
+            self.connector.set_reader_tp(rid, request.decode_tp_size)
         pending = await self._add(context, rid, lambda e: e.add_request(rid, prompt, params,
                                                                          mode=RequestMode.PREFILL_ONLY))
         try:

@@ -132,6 +132,7 @@ class Flight:
     dispatched: bool = False
     # Time spent waiting on engines and on the client (not the scheduler's own work).
     outside_s: float = 0.0
+    decode_tp_size: int = 0  # of the routed decode engine (prefill ranks pin for its readers)
 
 
 _FINISH_FROM_ENGINE = {gen_pb.FINISH_REASON_STOP, gen_pb.FINISH_REASON_LENGTH}
@@ -246,6 +247,8 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             raise self._no_decode_error(frozenset())
         record = self.table.admit(request_id, len(valid.prompt_token_ids), timeout)
         flight = Flight(record, valid, arrived, client_id)
+        decode_engine = self.registry.engines.get(route.decode.engine_id)
+        flight.decode_tp_size = decode_engine.tp_size if decode_engine is not None else 0
         self._take_slot(flight, route.decode.engine_id)
         if route.prefill.engine_id is not None:
             self._take_slot(flight, route.prefill.engine_id)
@@ -255,7 +258,8 @@ class GenerationServicer(gen_grpc.GenerationServicer):
     def _views(self, role: Role, exclude: frozenset[str] = frozenset()) -> list[EngineView]:
         return [EngineView(e.engine_id, e.epoch, str(e.role), num_inflight=self.admission.inflight(e.engine_id),
                            num_running=e.load.num_running, num_waiting=e.load.num_waiting, kv_usage=e.load.kv_usage,
-                           max_inflight=self.admission.max_inflight_per_engine)
+                           max_inflight=self.admission.max_inflight_per_engine, tp_size=e.tp_size,
+                           num_kv_heads=e.num_kv_heads)
                 for e in self.registry.routable(role)
                 if e.engine_id not in exclude and self.admission.has_room(e.engine_id)]
 
@@ -351,7 +355,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
     async def _call_prefill(self, flight: Flight, engine: EngineState) -> eng_pb.PrefillResponse:
         record = flight.record
         request = eng_pb.PrefillRequest(request_id=record.request_id, prompt_token_ids=flight.valid.prompt_token_ids,
-                                        sampling=flight.valid.sampling)
+                                        sampling=flight.valid.sampling, decode_tp_size=flight.decode_tp_size)
         self._dispatched(flight)
         call = self.channels.stub(engine).Prefill(request, timeout=self._remaining(flight))
         flight.call = call

@@ -107,6 +107,9 @@ class EngineState:
     ranks: dict[RankId, RankState] = field(default_factory=dict)
     load: LoadInfo = field(default_factory=LoadInfo)
     draining: bool = False
+    # The model's KV heads, from the first rank's UCX handshake metadata (0: not known); with
+    # tp_size it says whose KV this engine can read or serve (connectors.head_map).
+    num_kv_heads: int = 0
 
     def expected_ranks(self) -> list[RankId]:
         return [RankId(self.engine_id, tp, pp) for pp in range(self.pp_size) for tp in range(self.tp_size)]
@@ -240,6 +243,8 @@ class EngineRegistry:
         rank = RankState(h, self._next_conn, last_seen=self.clock(),
                          last_applied_seq=previous.last_applied_seq if previous else 0)
         current.ranks[h.rank_id] = rank
+        if not current.num_kv_heads:
+            current.num_kv_heads = _kv_heads_of(h.handshake_metadata)
         if h.tp_rank == 0 and h.pp_rank == 0:
             current.address = h.engine_address
         return Registration(current, rank, fenced_epoch, fenced_ranks, new_rank=previous is None,
@@ -322,3 +327,15 @@ class EngineRegistry:
         for engine in self.engines.values():
             if role is None or engine.role == role:
                 yield from engine.ranks.values()
+
+
+def _kv_heads_of(handshake_metadata: bytes) -> int:
+    """The model's KV heads named by a rank's handshake metadata; 0 when absent or unreadable."""
+    if not handshake_metadata:
+        return 0
+    from connectors.ucx.handshake import UcxHandshakeMetadata
+
+    try:
+        return UcxHandshakeMetadata.decode(handshake_metadata).region.num_kv_heads
+    except ValueError:
+        return 0

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from connectors.head_map import mapping_problem
+
 # Decision reasons (metric label values; keep them low-cardinality).
 REASON_LOAD = "load"
 REASON_ROUND_ROBIN = "round_robin"
@@ -25,6 +27,7 @@ REASON_PREFIX = "prefix"
 REASON_SHORT_PROMPT = "decode_only_short_prompt"
 REASON_NO_PREFILL = "decode_only_no_prefill"
 REASON_NO_DECODE = "no_decode_engine"
+REASON_UNMAPPABLE_TP = "decode_only_unmappable_tp"
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +50,8 @@ class EngineView:
     num_waiting: int = 0
     kv_usage: float = 0.0
     max_inflight: int | None = None
+    tp_size: int = 1
+    num_kv_heads: int = 0  # 0: unknown (treated as mappable with any engine)
 
     @property
     def load_score(self) -> float:
@@ -125,15 +130,23 @@ class Router:
 
         `exclude_decode` removes decode engines a migrating request already failed on. When no
         decode engine is left the decode decision has engine_id None and reason
-        `no_decode_engine`; the caller answers UNAVAILABLE or RESOURCE_EXHAUSTED.
+        `no_decode_engine`; the caller answers UNAVAILABLE or RESOURCE_EXHAUSTED. Only prefill
+        engines whose KV-head layout the chosen decode engine can read are offered to the
+        policy (`pair_problem`); when none is, the request is decode-only with reason
+        `decode_only_unmappable_tp`.
         """
-        decode = self.choose_decode([e for e in decode_engines if e.engine_id not in exclude_decode])
+        decode_views = [e for e in decode_engines if e.engine_id not in exclude_decode]
+        decode = self.choose_decode(decode_views)
+        chosen = next((e for e in decode_views if e.engine_id == decode.engine_id), None)
+        mappable = [e for e in prefill_engines if chosen is None or pair_problem(e, chosen) is None]
         if request.num_tokens < self.decode_only_threshold:
             prefill = RoutingDecision(None, REASON_SHORT_PROMPT)
         elif not prefill_engines:
             prefill = RoutingDecision(None, REASON_NO_PREFILL)
+        elif not mappable:
+            prefill = RoutingDecision(None, REASON_UNMAPPABLE_TP)
         else:
-            prefill = self.policy.choose_prefill(request, prefill_engines)
+            prefill = self.policy.choose_prefill(request, mappable)
         self.decisions[prefill.reason] += 1
         return Route(prefill, decode)
 
@@ -141,6 +154,17 @@ class Router:
         if not engines:
             return RoutingDecision(None, REASON_NO_DECODE)
         return RoutingDecision(least_loaded(engines).engine_id, REASON_LOAD)
+
+
+def pair_problem(prefill: EngineView, decode: EngineView) -> str | None:
+    """Why `decode` cannot read KV computed by `prefill` (their TP sizes do not map onto the
+    model's KV heads), or None. Engines whose KV heads are unknown are assumed to map."""
+    heads = decode.num_kv_heads or prefill.num_kv_heads
+    if not heads:
+        return None
+    if prefill.num_kv_heads and decode.num_kv_heads and prefill.num_kv_heads != decode.num_kv_heads:
+        return f"KV heads differ ({prefill.num_kv_heads} vs {decode.num_kv_heads})"
+    return mapping_problem(prefill.tp_size, decode.tp_size, heads)
 
 
 def make_policy(name: str) -> RoutingPolicy:

@@ -77,10 +77,12 @@ def rank_main(conn: Connection, spec: dict[str, Any]) -> None:
     import torch
 
     torch.set_num_threads(1)
+    from connectors.head_map import num_local_heads, rank_heads
     from connectors.ucx.handshake import KVTransferDescriptor
     from connectors.ucx.worker import UcxConnectorConfig, UcxWorkerConnector
 
-    heads = spec["num_kv_heads"] // spec["tp_size"]
+    heads = num_local_heads(spec["tp_size"], spec["num_kv_heads"])
+    head_start = rank_heads(spec["tp_rank"], spec["tp_size"], spec["num_kv_heads"])[0]
     kv = torch.zeros(spec["num_blocks"], spec["num_layers"], 2, heads, spec["block_size"], spec["head_dim"])
     if spec["seed"]:
         kv.uniform_(generator=torch.Generator().manual_seed(spec["seed"]))
@@ -125,6 +127,11 @@ def rank_main(conn: Connection, spec: dict[str, Any]) -> None:
     def digests(ids: list[int]) -> list[str]:
         return [hashlib.blake2b(kv[b].numpy().tobytes(), digest_size=16).hexdigest() for b in ids]
 
+    def head_digests(ids: list[int]) -> dict[int, list[str]]:
+        """Per global KV head this rank holds: a digest of that head's K and V (every layer) per block."""
+        return {head_start + h: [hashlib.blake2b(kv[b, :, :, h].contiguous().numpy().tobytes(),
+                                                 digest_size=16).hexdigest() for b in ids] for h in range(heads)}
+
     def zero(ids: list[int]) -> None:
         for b in ids:
             kv[b].zero_()
@@ -139,6 +146,7 @@ def rank_main(conn: Connection, spec: dict[str, Any]) -> None:
         "wait_results": wait_results,
         "invalid": take_invalid,
         "digests": digests,
+        "head_digests": head_digests,
         "zero": zero,
         "stats": lambda: _stats(connector.get_kv_connector_stats()),
         "pending": connector.num_pending,
