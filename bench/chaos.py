@@ -96,6 +96,13 @@ class ChaosConfig:
     tp: int = 1
     # With tp > 1, single rank processes (not only whole engines) are victims too.
     rank_kills: bool = False
+    prefill_tp: int = 0  # 0: tp (heterogeneous TP: prefill and decode engines of different sizes)
+    decode_tp: int = 0  # 0: tp
+
+    def role_tp(self, engine_name: str) -> int:
+        """TP size of an engine named `prefill-N` / `decode-N`."""
+        own = self.prefill_tp if engine_name.startswith("prefill") else self.decode_tp
+        return own or self.tp
 
     def validate(self) -> None:
         if self.duration_s <= 0 or self.kill_interval_s <= 0 or self.deadline_s <= 0:
@@ -104,8 +111,9 @@ class ChaosConfig:
             raise ValueError(f"need >= 1 decode and >= 0 prefill engines, got {self.num_decode}, {self.num_prefill}")
         if self.concurrency < 1 or self.num_prompts < 1 or self.max_tokens < 1:
             raise ValueError("concurrency, num_prompts and max_tokens must be >= 1")
-        if self.tp < 1:
-            raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.tp < 1 or self.prefill_tp < 0 or self.decode_tp < 0:
+            raise ValueError(f"tp must be >= 1 (prefill/decode tp >= 0), got {self.tp}, {self.prefill_tp}, "
+                             f"{self.decode_tp}")
 
 
 @dataclass(slots=True)
@@ -232,7 +240,8 @@ class ChaosRun:
 
     def _victims(self) -> list[str]:
         names = [n for n in self.cluster.components if n != "scheduler"]
-        ranks = [f"{n}{RANK_SEP}{r}" for n in names for r in range(1, self.cfg.tp)] if self.cfg.rank_kills else []
+        ranks = ([f"{n}{RANK_SEP}{r}" for n in names for r in range(1, self.cfg.role_tp(n))]
+                 if self.cfg.rank_kills else [])
         return names + ranks + (["scheduler"] if self.cfg.include_scheduler else [])
 
     def _schedule(self) -> list[tuple[float, str]]:
@@ -370,7 +379,8 @@ def run_chaos(cfg: ChaosConfig, progress: Callable[[str], None] | None = None) -
     prompts = random_prompts(cfg.seed, cfg.num_prompts, *cfg.prompt_len, model_vocab_size(model))
     say(f"greedy reference for {len(prompts)} prompts x {cfg.max_tokens} tokens (in-process engine)")
     expected = greedy_reference(model, prompts, cfg.max_tokens)
-    spec = ClusterSpec(model=model, num_prefill=cfg.num_prefill, num_decode=cfg.num_decode, tp=cfg.tp, torch_threads=1,
+    spec = ClusterSpec(model=model, num_prefill=cfg.num_prefill, num_decode=cfg.num_decode, tp=cfg.tp,
+                       prefill_tp=cfg.prefill_tp, decode_tp=cfg.decode_tp, torch_threads=1,
                        kv_cache_memory="64MiB", log_dir=cfg.log_dir,
                        scheduler_args=["--default-deadline-s", str(cfg.deadline_s)],
                        engine_args=["--lease-s", str(cfg.lease_s)],

@@ -78,6 +78,8 @@ class ClusterSpec:
     num_prefill: int = 1
     num_decode: int = 1
     tp: int = 1
+    prefill_tp: int = 0  # 0: tp
+    decode_tp: int = 0  # 0: tp
     host: str = "127.0.0.1"
     port: int = 0
     control_port: int = 0
@@ -116,7 +118,7 @@ class LocalCluster:
         self.port = spec.port or free_port(spec.host)
         self.control_port = spec.control_port or free_port(spec.host)
         self.events_port = spec.events_port or free_port(spec.host)
-        ranks = (spec.num_prefill + spec.num_decode) * spec.tp
+        ranks = spec.num_prefill * self.role_tp("prefill") + spec.num_decode * self.role_tp("decode")
         self.torch_threads = spec.torch_threads or default_torch_threads(ranks)
         self.components: dict[str, Component] = {}
         self._log_dir = Path(spec.log_dir) if spec.log_dir else None
@@ -134,6 +136,10 @@ class LocalCluster:
                                                    key=str(self.pki.server_key))
         elif token:
             self.client_security = ChannelSecurity(token=token)
+
+    def role_tp(self, role: str) -> int:
+        """The TP size of the role's engines (`prefill_tp` / `decode_tp`, else `tp`)."""
+        return (self.spec.prefill_tp if role == "prefill" else self.spec.decode_tp) or self.spec.tp
 
     @property
     def target(self) -> str:
@@ -174,7 +180,7 @@ class LocalCluster:
         engine_id = f"{role}-{index}"
         port = free_port(s.host)
         argv = self._cli(role, "--engine-id", engine_id, "--scheduler", f"{s.host}:{self.control_port}",
-                         "--host", s.host, "--port", str(port), "--tp", str(s.tp), "--torch-threads", str(self.torch_threads),
+                         "--host", s.host, "--port", str(port), "--tp", str(self.role_tp(role)), "--torch-threads", str(self.torch_threads),
                          "--metrics-port", str(metrics_port), "--kv-cache-memory", s.kv_cache_memory,
                          *(["--model", s.model] if s.model else []), *s.engine_args)
         return Component(engine_id, argv, metrics_port or None, f"{s.host}:{port}")

@@ -16,6 +16,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=int, default=1, help="number of prefill engines")
     parser.add_argument("--decode", type=int, default=1, help="number of decode engines")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of every engine")
+    parser.add_argument("--prefill-tp", type=int, default=0,
+                        help="tensor-parallel size of the prefill engines (default: --tp)")
+    parser.add_argument("--decode-tp", type=int, default=0,
+                        help="tensor-parallel size of the decode engines (default: --tp); decode ranks "
+                             "read their KV heads from whichever prefill ranks hold them")
     parser.add_argument("--host", default="127.0.0.1", help="address every component listens on")
     parser.add_argument("--port", type=int, default=50051, help="client API port")
     parser.add_argument("--control-port", type=int, default=50052, help="scheduler control-stream port")
@@ -40,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     if args.prefill < 0 or args.decode < 1 or args.tp < 1:
         raise ValueError("need --prefill >= 0, --decode >= 1 and --tp >= 1")
+    if args.prefill_tp < 0 or args.decode_tp < 0:
+        raise ValueError("need --prefill-tp >= 1 and --decode-tp >= 1 (or 0: --tp)")
     if not (args.tls or args.allow_plaintext):
         try:
             check_plaintext("--host", args.host, tls=False, allow_plaintext=False)
@@ -57,6 +64,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     if args.auth_tokens_file:
         scheduler_args += ["--auth-tokens-file", args.auth_tokens_file]
     return ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode, tp=args.tp,
+                       prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
                        host=args.host, port=args.port, control_port=args.control_port,
                        events_port=args.events_port, metrics=args.metrics, torch_threads=args.torch_threads,
                        kv_cache_memory=args.kv_cache_memory, scheduler_args=scheduler_args,
@@ -70,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     cluster = LocalCluster(spec_from_args(args))
     print("pdserve up: starting scheduler, "
-          f"{args.prefill} prefill and {args.decode} decode engine(s), tp {args.tp} ...", flush=True)
+          f"{args.prefill} prefill (tp {cluster.role_tp('prefill')}) and {args.decode} decode "
+          f"(tp {cluster.role_tp('decode')}) engine(s) ...", flush=True)
     with cluster:
         flags = ""
         if cluster.pki is not None:
