@@ -37,6 +37,7 @@ from typing import Any
 METHODS = ("pdserve", "pdserve-cma", "ucxx", "nixl", "grpc", "memcpy")
 BASELINES = {"ucxx": "min_ratio_vs_ucxx", "nixl": "min_ratio_vs_nixl", "grpc": "min_ratio_vs_grpc"}
 CHUNK = 4 << 20
+DEFAULT_SIZES = "1,16,256,1024"
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,17 +95,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench-results", help="directory for transfer.json and transfer.png")
     parser.add_argument("--iters", type=int, default=5, help="timed runs per case and method (median)")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
-    parser.add_argument("--sizes", default="1,16,256,1024", help="blocks of the single-request cases")
+    parser.add_argument("--sizes", default=DEFAULT_SIZES, help="blocks of the single-request cases")
     parser.add_argument("--concurrent", type=int, default=32, help="requests of the concurrent case (0: none)")
     parser.add_argument("--concurrent-blocks", type=int, default=16, help="blocks per concurrent request")
     # Default block: the demo model's (SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64), 16 tokens, fp32.
     parser.add_argument("--num-layers", type=int, default=30)
-    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--kv-heads", type=int, default=0,
+                        help="KV heads of the model (default 3, the demo model's; 4 with --prefill-tp/--decode-tp)")
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--prefill-tp", type=int, default=0,
+                        help="heterogeneous TP: pull from a prefill engine of this many ranks into --decode-tp "
+                             "ranks, against the equal-TP pull of the same bytes (bench/transfer_tp.py); "
+                             "--sizes defaults to 16,64,256 there")
+    parser.add_argument("--decode-tp", type=int, default=0, help="decode ranks of the heterogeneous-TP pairing")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.prefill_tp or args.decode_tp:
+        from bench import transfer_tp
+
+        args.kv_heads = args.kv_heads or 4
+        sizes = _int_list("16,64,256" if args.sizes == DEFAULT_SIZES else args.sizes)
+        return transfer_tp.run(args, sizes)
+    args.kv_heads = args.kv_heads or 3
     cases = [Case(str(n), (n,)) for n in _int_list(args.sizes)]
     if args.concurrent:
         cases.append(Case(f"{args.concurrent}x{args.concurrent_blocks}", (args.concurrent_blocks,) * args.concurrent))

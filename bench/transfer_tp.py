@@ -1,0 +1,257 @@
+"""`pdserve bench transfer --prefill-tp P --decode-tp D`: KV pulls across TP sizes.
+
+Two pairings of the same model and blocks, side by side in one run, samples interleaved:
+
+- `hetero` — a prefill engine of P rank processes and a decode engine of D: every decode rank
+  pulls its KV heads from the prefill ranks holding them (`connectors.head_map`), through the
+  UCX worker connector, straight into its blocks (head ranges move as one message per block,
+  layer and K/V; whole blocks when the ranks' heads coincide);
+- `equal` — the equal-TP pull of the same bytes: a prefill engine of D ranks and a decode
+  engine of D, rank to rank, whole blocks (what the connector does without heterogeneity).
+
+Each decode rank receives the same bytes in both (its heads of every block). A sample starts
+every decode rank's pulls at once and times each rank from its first `start_pull` to its last
+`finished_recving`; GB/s per decode rank is its bytes over its time, the row shows the mean
+over ranks of the median of `--iters` samples (after one warm-up), and the ratio is hetero /
+equal (goal >= 0.9).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from connectors.head_map import mapping_problem, num_local_heads, read_plan, readers_of
+
+PAIRINGS = ("hetero", "equal")
+
+
+@dataclass(frozen=True, slots=True)
+class TpShape:
+    """The model's KV geometry (fp32) and the blocks each rank allocates."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    num_blocks: int
+
+    def rank_block_nbytes(self, tp: int) -> int:
+        return self.num_layers * 2 * num_local_heads(tp, self.kv_heads) * self.block_size * self.head_dim * 4
+
+
+@dataclass(frozen=True, slots=True)
+class RankSpec:
+    role: str  # "prefill" or "decode"
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    peer_tp: int  # the other engine's TP size
+    shape: TpShape
+
+
+def check(prefill_tp: int, decode_tp: int, kv_heads: int) -> None:
+    """Raises ValueError (with the reason) unless the pairing and its equal-TP baseline map."""
+    if prefill_tp < 1 or decode_tp < 1:
+        raise ValueError(f"--prefill-tp and --decode-tp must be >= 1, got {prefill_tp}, {decode_tp}")
+    for p, d in ((prefill_tp, decode_tp), (decode_tp, decode_tp)):
+        problem = mapping_problem(p, d, kv_heads)
+        if problem is not None:
+            raise ValueError(f"prefill tp {p} -> decode tp {d} with {kv_heads} KV heads: {problem} "
+                             "(choose --kv-heads accordingly)")
+
+
+def run(args: argparse.Namespace, sizes: list[int]) -> int:
+    """Called by `bench.transfer.run` when --prefill-tp or --decode-tp is given."""
+    p, d = args.prefill_tp or 1, args.decode_tp or 1
+    kv_heads = args.kv_heads
+    check(p, d, kv_heads)
+    shape = TpShape(args.num_layers, kv_heads, args.head_dim, args.block_size, max(sizes))
+    _log(args, f"prefill tp {p} -> decode tp {d}, {kv_heads} KV heads; equal-TP baseline tp {d} -> tp {d} ...")
+    medians = _measure(shape, p, d, sizes, args.iters)
+    rank_bytes = shape.rank_block_nbytes(d)
+    rows: list[dict[str, Any]] = []
+    for n in sizes:
+        gbps = {k: statistics.mean(n * rank_bytes / s / 1e9 for s in medians[k][n]) for k in PAIRINGS}
+        rows.append({"blocks": n, "bytes_per_decode_rank": n * rank_bytes, "gbps_per_decode_rank": gbps,
+                     "ratio_hetero_vs_equal": gbps["hetero"] / gbps["equal"]})
+    summary: dict[str, Any] = {"prefill_tp": p, "decode_tp": d, "kv_heads": kv_heads, "iters": args.iters,
+               "decode_rank_block_nbytes": rank_bytes, "rows": rows,
+               "min_ratio_hetero_vs_equal": min(r["ratio_hetero_vs_equal"] for r in rows)}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"transfer_tp{p}to{d}"
+    (out / f"{name}.json").write_text(json.dumps(summary, indent=2))
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    print(f"KV pull prefill tp {p} -> decode tp {d} vs tp {d} -> tp {d}, GB/s per decode rank "
+          f"(median of {args.iters}, mean over {d} rank(s))")
+    print(f"{'blocks':>7} {'MiB/rank':>9} {'hetero':>8} {'equal':>8} {'ratio':>6}")
+    for r in rows:
+        g = r["gbps_per_decode_rank"]
+        print(f"{r['blocks']:>7} {r['bytes_per_decode_rank'] / 2**20:9.1f} {g['hetero']:8.2f} {g['equal']:8.2f} "
+              f"{r['ratio_hetero_vs_equal']:5.2f}x")
+    print(f"min_ratio_hetero_vs_equal: {summary['min_ratio_hetero_vs_equal']:.2f}   wrote {out / name}.json")
+    return 0
+
+
+def _log(args: argparse.Namespace, text: str) -> None:
+    print(text, file=sys.stderr if args.json else sys.stdout, flush=True)
+
+
+# -- orchestration ------------------------------------------------------------------------------
+
+class _Pairing:
+    """The rank processes of one pairing: P prefill ranks and D decode ranks."""
+
+    def __init__(self, name: str, prefill_tp: int, decode_tp: int, shape: TpShape) -> None:
+        ctx = mp.get_context("spawn")
+        self.prefill: list[tuple[Connection, Any]] = []
+        self.decode: list[tuple[Connection, Any]] = []
+        for role, tp, peer_tp, out in (("prefill", prefill_tp, decode_tp, self.prefill),
+                                       ("decode", decode_tp, prefill_tp, self.decode)):
+            for rank in range(tp):
+                conn, child = ctx.Pipe()
+                spec = RankSpec(role, f"{name}-{role}", rank, tp, peer_tp, shape)
+                proc = ctx.Process(target=_rank_main, args=(child, spec), daemon=True)
+                proc.start()
+                out.append((conn, proc))
+
+    def connect(self) -> None:
+        metas = [_call(conn, "meta") for conn, _ in self.prefill]
+        for conn, _ in self.decode:
+            _call(conn, "peers", metas)
+
+    def sample(self, blocks: int, tag: str) -> list[float]:
+        for conn, _ in self.prefill:
+            conn.send(("pin", (tag, blocks)))
+        for conn, _ in self.prefill:
+            _expect(conn)
+        for conn, _ in self.decode:
+            conn.send(("pull", (tag, blocks)))
+        seconds = [float(_expect(conn)) for conn, _ in self.decode]
+        for conn, _ in self.prefill:
+            _call(conn, "released", tag)
+        return seconds
+
+    def close(self) -> None:
+        for conn, proc in self.prefill + self.decode:
+            try:
+                conn.send(("stop", ()))
+            except (BrokenPipeError, OSError):
+                pass
+            proc.join(timeout=20)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+def _measure(shape: TpShape, p: int, d: int, sizes: list[int], iters: int) -> dict[str, dict[int, list[float]]]:
+    """Per pairing and size: the median seconds of each decode rank."""
+    pairings: dict[str, _Pairing] = {}
+    try:
+        pairings["hetero"] = _Pairing("hetero", p, d, shape)
+        pairings["equal"] = _Pairing("equal", d, d, shape)
+        for pairing in pairings.values():
+            pairing.connect()
+        out: dict[str, dict[int, list[float]]] = {k: {} for k in pairings}
+        for n in sizes:
+            samples: dict[str, list[list[float]]] = {k: [] for k in pairings}
+            for i in range(iters + 1):
+                for k, pairing in pairings.items():
+                    seconds = pairing.sample(n, f"{n}-{i}")
+                    if i:
+                        samples[k].append(seconds)
+            for k in pairings:
+                out[k][n] = [statistics.median(s[r] for s in samples[k]) for r in range(d)]
+        return out
+    finally:
+        for pairing in pairings.values():
+            pairing.close()
+
+
+def _call(conn: Connection, command: str, *args: Any) -> Any:
+    conn.send((command, args))
+    return _expect(conn)
+
+
+def _expect(conn: Connection, timeout: float = 300.0) -> Any:
+    if not conn.poll(timeout):
+        raise TimeoutError("benchmark rank process did not answer")
+    status, value = conn.recv()
+    if status != "ok":
+        raise RuntimeError(value)
+    return value
+
+
+# -- one rank process -----------------------------------------------------------------------------
+
+def _rank_main(conn: Connection, spec: RankSpec) -> None:
+    import os
+
+    import torch
+
+    sys.stdout.flush()
+    os.dup2(2, 1)  # UCX logs to stdout, which belongs to the parent's table
+    torch.set_num_threads(1)
+    from connectors.ucx.handshake import KVTransferDescriptor
+    from connectors.ucx.worker import UcxWorkerConnector
+
+    s = spec.shape
+    kv = torch.empty(s.num_blocks, s.num_layers, 2, num_local_heads(spec.tp_size, s.kv_heads), s.block_size,
+                     s.head_dim)
+    kv.uniform_(generator=torch.Generator().manual_seed(1 + spec.tp_rank)) if spec.role == "prefill" else kv.zero_()
+    c = UcxWorkerConnector(engine_id=spec.engine_id, epoch=1, tp_rank=spec.tp_rank, tp_size=spec.tp_size,
+                           num_kv_heads=s.kv_heads, compatibility_hash="bench-tp", kv_cache=kv)
+    prefill_id = spec.engine_id.replace("decode", "prefill")
+
+    def peers(metas: list[bytes]) -> None:
+        for read in read_plan(spec.tp_rank, spec.tp_size, spec.peer_tp, s.kv_heads):
+            c.add_peer(metas[read.src_rank])
+
+    def pin(tag: str, blocks: int) -> None:
+        readers = readers_of(spec.tp_rank, spec.tp_size, spec.peer_tp, s.kv_heads)
+        c.expect_send(tag, list(range(blocks)), num_readers=readers)
+
+    def pull(tag: str, blocks: int) -> float:
+        ids = tuple(range(blocks))
+        d = KVTransferDescriptor(prefill_id, 1, tag, ids, blocks * s.block_size, spec.peer_tp, s.block_size,
+                                 s.kv_heads)
+        t0 = time.perf_counter()
+        c.start_pull(tag, d, list(ids))
+        while True:
+            c.wait_for_results(1.0)
+            r = c.get_transfer_results()
+            if r.failed_recving:
+                raise RuntimeError(f"pull failed: {c.take_failure_reasons()}")
+            if tag in r.finished_recving:
+                return time.perf_counter() - t0
+
+    def released(tag: str) -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if tag in c.get_transfer_results().finished_sending:
+                return
+            c.wait_for_results(0.05)
+        raise RuntimeError(f"{spec.engine_id} rank {spec.tp_rank}: {tag} not released")
+
+    handlers: dict[str, Callable[..., Any]] = {"meta": c.get_handshake_metadata, "peers": peers, "pin": pin, "pull": pull, "released": released}
+    while True:
+        command, args = conn.recv()
+        if command == "stop":
+            break
+        try:
+            conn.send(("ok", handlers[command](*args)))
+        except Exception as e:
+            conn.send(("err", f"{type(e).__name__}: {e}"))
+    c.shutdown()
