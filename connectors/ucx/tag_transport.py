@@ -146,6 +146,10 @@ class UcxTagTransport(KVTransport):
         self._pulls: dict[int, _Pull] = {}
         self._serves: dict[tuple[PeerKey, int], _Serve] = {}
         self._pending: list[_Tracked] = []
+        # Data requests of one pull or one serve, in posting order: they complete (nearly) in
+        # order, so reaping checks each lane's head only (a pull of thousands of head-range
+        # pieces would make a full scan per progress round quadratic).
+        self._lanes: dict[Any, deque[_Tracked]] = {}
 
     # -- public API (any thread) ---------------------------------------------------------------
 
@@ -231,11 +235,11 @@ class UcxTagTransport(KVTransport):
             # us, so while requests are pending keep polling (yielding the CPU) for a while
             # after the last progress; sleep on UCX's event fd only when nothing moves.
             now = time.monotonic()
-            if ((self._pending or self._pulls) and now - last_busy < _PENDING_SPIN_S) or now < self._expect_until:
+            if ((self._pending or self._lanes or self._pulls) and now - last_busy < _PENDING_SPIN_S) or now < self._expect_until:
                 os.sched_yield()
                 continue
             if idle_rounds > _SPIN_ROUNDS and self._worker.arm():
-                timeout = _PENDING_WAIT_S if self._pending or self._pulls else _IDLE_WAIT_S
+                timeout = _PENDING_WAIT_S if self._pending or self._lanes or self._pulls else _IDLE_WAIT_S
                 try:
                     select.select([efd, self._wake_r], [], [], timeout)
                     os.read(self._wake_r, 4096)
@@ -257,22 +261,35 @@ class UcxTagTransport(KVTransport):
     def _track(self, request: Any, on_done: Callable[[str | None], None], keepalive: Any) -> None:
         self._pending.append((request, on_done, keepalive))
 
+    def _track_in_lane(self, lane: Any, request: Any, on_done: Callable[[str | None], None], keepalive: Any) -> None:
+        queue = self._lanes.get(lane)
+        if queue is None:
+            queue = self._lanes[lane] = deque()
+        queue.append((request, on_done, keepalive))
+
     def _reap(self) -> bool:
+        reaped = self._reap_lanes()
         if not self._pending:
-            return False
+            return reaped
         still: list[_Tracked] = []
         finished: list[_Tracked] = []
         for item in self._pending:
             (finished if item[0].completed else still).append(item)
         self._pending = still
         for request, on_done, _ in finished:
-            try:
-                request.check_error()
-                error = None
-            except Exception as e:
-                error = f"{type(e).__name__}: {e}"
-            on_done(error)
-        return bool(finished)
+            on_done(_error_of(request))
+        return bool(finished) or reaped
+
+    def _reap_lanes(self) -> bool:
+        reaped = False
+        for lane, queue in list(self._lanes.items()):
+            while queue and queue[0][0].completed:
+                request, on_done, _ = queue.popleft()
+                reaped = True
+                on_done(_error_of(request))
+            if not queue:
+                self._lanes.pop(lane, None)
+        return reaped
 
     def _send_ctrl(self, ep: Any, message: dict[str, Any]) -> None:
         payload = np.frombuffer(msgpack.packb(message, use_bin_type=True), dtype=np.uint8)
@@ -378,7 +395,8 @@ class UcxTagTransport(KVTransport):
             pull.posted.add(index)
             pull.in_flight += 1
             request = self._worker.tag_recv_with_handle(self._array(target), probe)
-            self._track(request, functools.partial(self._on_data, pull=pull, index=index), target)
+            self._track_in_lane(("pull", xfer_id), request, functools.partial(self._on_data, pull=pull, index=index),
+                                target)
 
     def _data_target(self, pull: _Pull | None, index: int, length: int) -> np.ndarray | None:
         if pull is None or pull.finished or index >= len(pull.pieces) or index in pull.posted:
@@ -488,7 +506,7 @@ class UcxTagTransport(KVTransport):
         for index, (start, length) in enumerate(send_pieces):
             view = self._region[start:start + length]
             sent = ep.tag_send(self._array(view), self._api.UCXXTag(data_tag(request.xfer_id, index)))
-            self._track(sent, on_sent, view)
+            self._track_in_lane(key, sent, on_sent, view)
 
     def _pieces(self, seg: Segment, *, remote: bool) -> list[tuple[int, int]]:
         if seg.num_heads == 0:
@@ -554,6 +572,14 @@ class UcxTagTransport(KVTransport):
     def _on_renew_msg(self, message: dict[str, Any]) -> None:
         if self._listener is not None:
             self._listener.on_renew([str(r) for r in message["rids"]], _key_from_wire(message["reader"]))
+
+
+def _error_of(request: Any) -> str | None:
+    try:
+        request.check_error()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def _ignore(error: str | None) -> None:
