@@ -134,3 +134,17 @@ def test_load_and_draining_affect_routability() -> None:
     assert removed is not None and reg.engines == {}
     with pytest.raises(RegistrationError, match="fenced"):
         reg.register(dataclasses.replace(hello(tp_size=1)))
+
+
+def test_engine_learns_the_models_kv_heads_from_the_handshake_metadata() -> None:
+    from connectors.ucx.handshake import KVRegionLayout, UcxHandshakeMetadata
+
+    region = KVRegionLayout(num_blocks=4, block_nbytes=2 * 2 * 1 * 16 * 8 * 4, num_layers=2, block_size=16,
+                            head_dim=8, num_kv_heads=2, head_start=1, head_end=2, dtype="float32")
+    meta = UcxHandshakeMetadata("p0", 7, 1, 2, "abc", b"addr", region).encode()
+    reg = registry()
+    reg.register(hello(tp_rank=0))  # unreadable metadata: unknown
+    engine = reg.engine("p0")
+    assert engine is not None and engine.num_kv_heads == 0
+    reg.register(hello(tp_rank=1, handshake_metadata=meta))
+    assert engine.num_kv_heads == 2

@@ -6,6 +6,7 @@ from services.scheduler.routing import (
     REASON_NO_PREFILL,
     REASON_ROUND_ROBIN,
     REASON_SHORT_PROMPT,
+    REASON_UNMAPPABLE_TP,
     EngineView,
     LoadBasedPolicy,
     RoundRobinPolicy,
@@ -13,6 +14,7 @@ from services.scheduler.routing import (
     RoutingPolicy,
     RoutingRequest,
     make_policy,
+    pair_problem,
 )
 
 REQ = RoutingRequest(block_hashes=[1, 2, 3], num_tokens=50)
@@ -65,3 +67,22 @@ def test_policies_implement_the_protocol_and_names_resolve() -> None:
     assert make_policy("round_robin").name == "round_robin"
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("random")
+
+
+def test_router_pairs_only_mappable_tp_layouts_and_counts_the_rest_as_decode_only() -> None:
+    router = Router(LoadBasedPolicy())
+    decode = [view("d", "decode", tp_size=2, num_kv_heads=2)]
+    # 2 KV heads replicate over tp 4; over tp 3 they neither split nor replicate evenly.
+    wide = view("p4", tp_size=4, num_kv_heads=2)
+    odd = view("p3", tp_size=3, num_kv_heads=2, num_inflight=0)
+    busy = view("p1", tp_size=1, num_kv_heads=2, num_inflight=7)
+    assert pair_problem(odd, decode[0]) == "prefill num_key_value_heads=2 does not divide tp=3 (heads cannot be " \
+                                           "replicated evenly)"
+    assert pair_problem(wide, decode[0]) is None and pair_problem(busy, decode[0]) is None
+    # The least loaded prefill engine cannot be read by the decode engine: the next one serves.
+    assert router.route(REQ, [odd, busy], decode).prefill.engine_id == "p1"
+    only_odd = router.route(REQ, [odd], decode)
+    assert only_odd.decode_only and only_odd.prefill.reason == REASON_UNMAPPABLE_TP
+    assert router.decisions[REASON_UNMAPPABLE_TP] == 1
+    # Engines whose KV heads are unknown (no handshake metadata) are assumed to map.
+    assert pair_problem(view("p", tp_size=3), view("d", "decode", tp_size=2)) is None

@@ -1,0 +1,36 @@
+"""Smoke test of `pdserve bench transfer --prefill-tp 2 --decode-tp 1` at tiny sizes (about 15 s:
+five rank processes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.cli import add_arguments, run
+
+
+def _args(tmp_path: Path, *extra: str) -> object:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(["transfer", "--prefill-tp", "2", "--decode-tp", "1", "--num-layers", "2",
+                              "--sizes", "1,3", "--iters", "1", "--json", "--out", str(tmp_path), *extra])
+
+
+def test_hetero_and_equal_pulls_side_by_side(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(_args(tmp_path)) == 0  # type: ignore[arg-type]
+    summary = json.loads(capsys.readouterr().out)
+    assert summary == json.loads((tmp_path / "transfer_tp2to1.json").read_text())
+    assert [r["blocks"] for r in summary["rows"]] == [1, 3]
+    for row in summary["rows"]:
+        assert row["bytes_per_decode_rank"] == row["blocks"] * summary["decode_rank_block_nbytes"]
+        assert row["gbps_per_decode_rank"]["hetero"] > 0 and row["gbps_per_decode_rank"]["equal"] > 0
+    assert summary["min_ratio_hetero_vs_equal"] > 0
+
+
+def test_unmappable_pairing_is_refused_with_the_reason(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="tp=2 does not divide num_key_value_heads=3"):
+        run(_args(tmp_path, "--kv-heads", "3"))  # type: ignore[arg-type]
