@@ -205,14 +205,16 @@ def _rank_main(conn: Connection, spec: RankSpec) -> None:
     os.dup2(2, 1)  # UCX logs to stdout, which belongs to the parent's table
     torch.set_num_threads(1)
     from connectors.ucx.handshake import KVTransferDescriptor
-    from connectors.ucx.worker import UcxWorkerConnector
+    from connectors.ucx.worker import UcxConnectorConfig, UcxWorkerConnector
 
     s = spec.shape
     kv = torch.empty(s.num_blocks, s.num_layers, 2, num_local_heads(spec.tp_size, s.kv_heads), s.block_size,
                      s.head_dim)
     kv.uniform_(generator=torch.Generator().manual_seed(1 + spec.tp_rank)) if spec.role == "prefill" else kv.zero_()
+    # A generous timeout: the benchmark measures slow pulls instead of failing them.
     c = UcxWorkerConnector(engine_id=spec.engine_id, epoch=1, tp_rank=spec.tp_rank, tp_size=spec.tp_size,
-                           num_kv_heads=s.kv_heads, compatibility_hash="bench-tp", kv_cache=kv)
+                           num_kv_heads=s.kv_heads, compatibility_hash="bench-tp", kv_cache=kv,
+                           config=UcxConnectorConfig(transfer_timeout_s=120.0, lease_s=300.0))
     prefill_id = spec.engine_id.replace("decode", "prefill")
 
     def peers(metas: list[bytes]) -> None:
