@@ -174,6 +174,8 @@ def _measure(shape: TpShape, p: int, d: int, sizes: list[int], iters: int) -> di
                         samples[k].append(seconds)
             for k in pairings:
                 out[k][n] = [statistics.median(s[r] for s in samples[k]) for r in range(d)]
+            print(f"  {n} blocks: " + ", ".join(f"{k} {max(out[k][n]) * 1e3:.1f} ms" for k in pairings),
+                  file=sys.stderr, flush=True)
         return out
     finally:
         for pairing in pairings.values():

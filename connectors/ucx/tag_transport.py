@@ -223,8 +223,10 @@ class UcxTagTransport(KVTransport):
             if self._worker.progress_once():
                 self._worker.progress()
                 busy = True
-            busy |= self._probe_ctrl()
+            # Data first: a probe for CTRL (a masked tag) walks UCX's whole unexpected queue,
+            # so drain the queued DATA pieces (thousands for a head-range pull) before it.
             busy |= self._probe_data()
+            busy |= self._probe_ctrl()
             busy |= self._reap()
             self._expire()
             if busy:
