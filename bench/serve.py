@@ -176,9 +176,48 @@ async def _http_stream(client: Any, body: dict[str, Any], request_id: str) -> Ge
     return r
 
 
+def paired_ttft(target: str, base_url: str, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    """TTFT of the two APIs one request at a time, in pairs, over one warm connection each:
+    each pair sends two fresh prompts of the same length, one per API, in alternating order, so
+    slow drift of the machine (other processes) cancels in the pair's difference."""
+    import httpx
+
+    wl = build_workload(argparse.Namespace(**{**vars(args), "seed": args.seed + 7}), vocab)
+    rng = random.Random(args.seed + 8)
+
+    async def run() -> tuple[list[float], dict[str, list[float]]]:
+        diffs: list[float] = []
+        ttft: dict[str, list[float]] = {"grpc": [], "http": []}
+        async with AsyncClient(target) as grpc_client, httpx.AsyncClient(base_url=base_url, timeout=600) as http:
+            async def one(proto: str, prompt: list[int]) -> float:
+                if proto == "grpc":
+                    r = await grpc_client.generate(prompt, max_tokens=2, temperature=0.0, ignore_eos=True, timeout=600)
+                else:
+                    r = await _http_stream(http, {"prompt": prompt, "max_tokens": 2, "temperature": 0.0,
+                                                  "ignore_eos": True, "stream": True, "return_token_ids": True}, "p")
+                return (r.ttft_s or 0.0) * 1000
+
+            warm = [rng.randrange(100, vocab) for _ in range(8)]
+            await one("grpc", warm)
+            await one("http", warm[::-1])
+            for i, prompt in enumerate(wl.prompts):
+                twin = [prompt, [rng.randrange(100, vocab) for _ in prompt]]
+                order = ("grpc", "http") if i % 2 == 0 else ("http", "grpc")
+                got = {proto: await one(proto, twin[j]) for j, proto in enumerate(order)}
+                for proto, ms in got.items():
+                    ttft[proto].append(ms)
+                diffs.append(got["http"] - got["grpc"])
+        return diffs, ttft
+
+    diffs, ttft = asyncio.run(run())
+    return {"pairs": len(diffs), "http_minus_grpc_ttft_ms": _pct(diffs),
+            "grpc_ttft_ms": _pct(ttft["grpc"]), "http_ttft_ms": _pct(ttft["http"])}
+
+
 def http_vs_grpc(target: str, base_url: str, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
-    """ABBA passes (gRPC, HTTP, HTTP, gRPC), each on its own prompts of the same shape, against
-    one running cluster; per-protocol summaries over both of its passes, and the ratios."""
+    """ABBA passes (gRPC, HTTP, HTTP, gRPC) at the workload's concurrency, each on its own
+    prompts of the same shape, against one running cluster (per-protocol summaries over both of
+    its passes, and the ratios); then `paired_ttft`, one request at a time."""
     passes: dict[str, list[tuple[list[GenerationResult], float]]] = {"grpc": [], "http": []}
     for k, proto in enumerate(("grpc", "http", "http", "grpc")):
         wl = build_workload(argparse.Namespace(**{**vars(args), "seed": args.seed + 1000 * (k + 1)}), vocab)
@@ -196,6 +235,9 @@ def http_vs_grpc(target: str, base_url: str, args: argparse.Namespace, vocab: in
         "http_added_itl_p50_ms": round(h["itl_ms"]["p50"] - g["itl_ms"]["p50"], 3),
         "throughput_http_over_grpc": round(h["throughput_tok_s"] / max(g["throughput_tok_s"], 1e-9), 3),
     }
+    print("[paired] one request at a time, alternating APIs", file=sys.stderr)
+    report["paired"] = paired_ttft(target, base_url, args, vocab)
+    report["ratios"]["http_added_ttft_p50_ms_paired"] = report["paired"]["http_minus_grpc_ttft_ms"]["p50"]
     return report
 
 
