@@ -214,6 +214,39 @@ def paired_ttft(target: str, base_url: str, args: argparse.Namespace, vocab: int
             "grpc_ttft_ms": _pct(ttft["grpc"]), "http_ttft_ms": _pct(ttft["http"])}
 
 
+def refusal_round_trip(target: str, base_url: str, n: int, prompt_len: int = 64) -> dict[str, Any]:
+    """The protocols' own cost without an engine: `n` interleaved requests per API that the
+    scheduler parses, validates and refuses (token ids, max_tokens 0), over warm
+    connections; round-trip percentiles in ms. Both APIs run the same validation."""
+    import grpc
+    import httpx
+
+    prompt = list(range(100, 100 + prompt_len))
+
+    async def run() -> dict[str, list[float]]:
+        times: dict[str, list[float]] = {"grpc": [], "http": []}
+        async with AsyncClient(target) as grpc_client, httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+            for i in range(n + 5):
+                for proto in (("grpc", "http") if i % 2 == 0 else ("http", "grpc")):
+                    start = time.perf_counter()
+                    if proto == "grpc":
+                        try:
+                            await grpc_client.generate(prompt, max_tokens=0, timeout=60)
+                        except grpc.aio.AioRpcError as e:
+                            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e
+                    else:
+                        r = await http.post("/completions", json={"prompt": prompt, "max_tokens": 0, "stream": True})
+                        assert r.status_code == 400, r.text
+                    if i >= 5:  # the first ones warm both paths
+                        times[proto].append((time.perf_counter() - start) * 1000)
+        return times
+
+    times = asyncio.run(run())
+    diffs = [h - g for g, h in zip(times["grpc"], times["http"], strict=True)]
+    return {"requests_per_api": n, "grpc_ms": _pct(times["grpc"]), "http_ms": _pct(times["http"]),
+            "http_minus_grpc_ms": _pct(diffs)}
+
+
 def http_vs_grpc(target: str, base_url: str, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     """ABBA passes (gRPC, HTTP, HTTP, gRPC) at the workload's concurrency, each on its own
     prompts of the same shape, against one running cluster (per-protocol summaries over both of
@@ -238,6 +271,9 @@ def http_vs_grpc(target: str, base_url: str, args: argparse.Namespace, vocab: in
     print("[paired] one request at a time, alternating APIs", file=sys.stderr)
     report["paired"] = paired_ttft(target, base_url, args, vocab)
     report["ratios"]["http_added_ttft_p50_ms_paired"] = report["paired"]["http_minus_grpc_ttft_ms"]["p50"]
+    print("[refusal] protocol round trips without an engine", file=sys.stderr)
+    report["refusal_round_trip"] = refusal_round_trip(target, base_url, max(20, 10 * args.num_requests))
+    report["ratios"]["http_added_round_trip_p50_ms"] = report["refusal_round_trip"]["http_minus_grpc_ms"]["p50"]
     return report
 
 

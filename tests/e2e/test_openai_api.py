@@ -162,6 +162,7 @@ def test_bench_serve_http_smoke(cluster: LocalCluster, tmp_path: Any) -> None:
     assert report["grpc"]["requests"] == report["http"]["requests"] == 4
     assert report["http"]["throughput_tok_s"] > 0 and report["grpc"]["throughput_tok_s"] > 0
     assert set(report["ratios"]) == {"http_added_ttft_p50_ms", "http_added_itl_p50_ms", "throughput_http_over_grpc",
-                                     "http_added_ttft_p50_ms_paired"}
+                                     "http_added_ttft_p50_ms_paired", "http_added_round_trip_p50_ms"}
+    assert report["refusal_round_trip"]["requests_per_api"] == 20
     assert report["paired"]["pairs"] == 2 and report["paired"]["http_ttft_ms"]["p50"] > 0
     assert cluster.wait_no_leaks() == {}
