@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import yaml
 
 from connectors.hashing import DEFAULT_HASH_SEED
+from engine.byte_size import parse_size  # noqa: F401  (re-exported: services import it from here)
 from services.common.security import TokenStore, check_plaintext, check_tls_files, target_host
 
 ENV_PREFIX = "PDSERVE_"
@@ -36,20 +37,6 @@ VLLM_RESERVED_ARGS = {
     "kv_transfer_config": "pdserve's own KV connector is always configured",
 }
 _VLLM_ARG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 1000, "m": 1 << 20, "mib": 1 << 20,
-               "mb": 1000**2, "g": 1 << 30, "gib": 1 << 30, "gb": 1000**3}
-
-
-def parse_size(text: str | int) -> int:
-    """Parses a byte size such as 512MiB, 2G or 1048576."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"not a byte size: {text!r} (examples: 512MiB, 2GiB, 1048576)")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
-
 
 def opt(default: Any, help: str, **kw: Any) -> Any:
     """A config field with its CLI help."""
