@@ -91,6 +91,7 @@ def run(args: argparse.Namespace, sizes: list[int]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     name = f"transfer_tp{p}to{d}"
     (out / f"{name}.json").write_text(json.dumps(summary, indent=2))
+    plot(summary, out / f"{name}.png")
     if args.json:
         print(json.dumps(summary))
         return 0
@@ -103,6 +104,28 @@ def run(args: argparse.Namespace, sizes: list[int]) -> int:
               f"{r['ratio_hetero_vs_equal']:5.2f}x")
     print(f"min_ratio_hetero_vs_equal: {summary['min_ratio_hetero_vs_equal']:.2f}   wrote {out / name}.json")
     return 0
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    """Bars of GB/s per decode rank, hetero vs equal, per size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summary["rows"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for i, (key, label) in enumerate((("hetero", f"tp {summary['prefill_tp']} -> {summary['decode_tp']}"),
+                                      ("equal", f"tp {summary['decode_tp']} -> {summary['decode_tp']}"))):
+        ax.bar([j + i * 0.4 for j in range(len(rows))], [r["gbps_per_decode_rank"][key] for r in rows], 0.4,
+               label=label)
+    ax.set_xticks([j + 0.2 for j in range(len(rows))], [f"{r['blocks']} blk" for r in rows])
+    ax.set_ylabel("GB/s per decode rank")
+    ax.set_title(f"KV pull across TP sizes ({summary['kv_heads']} KV heads)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def _log(args: argparse.Namespace, text: str) -> None:
