@@ -427,7 +427,9 @@ class UcxTagTransport(KVTransport):
         if notify_peer and ep is not None:
             self._send_ctrl(ep, {"k": "done", "x": pull.op.xfer_id, "rid": pull.op.request_id,
                                  "ok": reason is None, "reader": _key_to_wire(self._reader_key())})
-        done = tuple(seg for seg, left in zip(pull.op.segments, pull.seg_left, strict=True) if left == 0)
+        # (seg_left is empty when the pull ended before its pieces were laid out.)
+        done = tuple(seg for seg, left in zip(pull.op.segments, pull.seg_left or [1] * len(pull.op.segments),
+                                              strict=True) if left == 0)
         result = PullResult(pull.op.xfer_id, reason is None, reason, done,
                             sum(pull.pieces[i][1] for i in pull.done), time.monotonic() - pull.started)
         self._forget_if_idle(pull)
