@@ -25,6 +25,7 @@ from vllm import SamplingParams as VllmSamplingParams
 from vllm.config import KVEventsConfig, KVTransferConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import TokensPrompt
+from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -35,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 CONNECTOR_MODULE = "connectors.vllm.connector"
 EXTENSION_CLS = "connectors.vllm.extension.PdserveWorkerExtension"
+CPU_BLOCK_MULTIPLE = 32  # vLLM 0.32's CPU attention: "No common block size for 16 (CPU_ATTN: [MultipleOf(32)])"
 
 
 @dataclass(slots=True)
@@ -62,6 +64,33 @@ class VllmDelta:
     finish_reason: str | None
     num_cached_tokens: int
     kv_transfer_params: dict[str, Any] | None
+
+
+@dataclass(slots=True)
+class SchedulerView:
+    """vLLM's scheduler as of its last step (its stats, as a stat logger receives them)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+
+
+def _stat_logger(view: SchedulerView) -> Any:
+    class LatestStats(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            if scheduler_stats is not None:
+                view.num_running = int(scheduler_stats.num_running_reqs)
+                view.num_waiting = int(scheduler_stats.num_waiting_reqs)
+                view.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return LatestStats
 
 
 def events_endpoint(engine_id: str, epoch: int) -> str:
@@ -107,11 +136,16 @@ class VllmEngine:
     def __init__(self, settings: VllmEngineSettings) -> None:
         self.settings = settings
         self.llm: AsyncLLM | None = None
+        self.view = SchedulerView()
 
     async def start(self) -> None:
+        if self.settings.block_size % CPU_BLOCK_MULTIPLE:
+            raise ValueError(f"block_size {self.settings.block_size}: vLLM's CPU attention needs a multiple of "
+                             f"{CPU_BLOCK_MULTIPLE}; run the whole cluster (scheduler and engines) with "
+                             f"--block-size {CPU_BLOCK_MULTIPLE}")
         os.environ["PYTHONHASHSEED"] = self.settings.connector.hash_seed  # vLLM's NONE_HASH, in its processes
         args = engine_args(self.settings)
-        self.llm = AsyncLLM.from_engine_args(args)
+        self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger(self.view)])
         await self.llm.collective_rpc("pdserve_connect")
         logger.info("vLLM engine %s ready (%d KV blocks of %d tokens)", self.settings.connector.engine_id,
                     self.num_blocks(), self.settings.block_size)

@@ -15,9 +15,9 @@ same.
   `kv_transfer_params={"do_remote_prefill", **descriptor}` makes vLLM wait in
   WAITING_FOR_REMOTE_KVS while every rank pulls the prompt's blocks after its local prefix hit;
   a failed pull's blocks are recomputed by vLLM (kv_load_failure_policy "recompute").
-- load: requests in flight as this process sees them; block counts, pinned prefills and pulls
-  from the engine core (worker extension), which also hands the load to rank 0's heartbeat
-  every `LOAD_INTERVAL_S`.
+- load: vLLM's scheduler stats (running, waiting, KV usage) as of its last step, rank 0's pinned
+  prefills and pulls (worker extension, which also hands the load to rank 0's heartbeat every
+  `LOAD_INTERVAL_S`).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class VllmBackend:
         self._ready = False
         self._draining = False
         self._live: dict[str, str] = {}  # request id -> "prefill" / "decode", while vLLM runs it
-        self._engine_counts = [0, 0, 0, 0]  # free blocks, blocks, pinned, pulling (engine core's view)
+        self._worker_counts = [0, 0]  # pinned prefills, pulls vLLM waits on (rank 0's view)
         self._load_task: asyncio.Task[None] | None = None
 
     @property
@@ -110,12 +110,11 @@ class VllmBackend:
 
     async def _refresh_load(self) -> None:
         assert self.engine is not None
-        running = sum(1 for role in self._live.values() if role == "decode")
-        waiting = len(self._live) - running
-        answers = await self.engine.rpc("pdserve_report_load", running, waiting, self._draining)
-        counts = next((a for a in answers if a and a[1]), None)
-        if counts is not None:
-            self._engine_counts = list(counts)
+        load = await self.load()
+        answers = await self.engine.rpc("pdserve_report_load", load.num_running, load.num_waiting, load.kv_usage,
+                                        load.num_free_blocks, self._draining)
+        if answers:
+            self._worker_counts = list(answers[0])
 
     def _require(self) -> VllmEngine:
         if self.engine is None or not self._ready:
@@ -195,12 +194,14 @@ class VllmBackend:
         return any(await engine.rpc("pdserve_release", request_id))
 
     async def load(self) -> BackendLoad:
-        free, total, pinned, pulling = self._engine_counts
-        running = sum(1 for role in self._live.values() if role == "decode")
-        waiting = len(self._live) - running
-        usage = 1.0 - free / total if total else 0.0
-        return BackendLoad(num_running=running, num_waiting=waiting, num_pinned=pinned,
-                           num_waiting_for_remote_kv=pulling, num_free_blocks=free, num_blocks=total, kv_usage=usage)
+        """vLLM's scheduler as of its last step, plus rank 0's pins and pulls."""
+        view = self.engine.view if self.engine is not None else None
+        total = self.engine.num_blocks() if self.engine is not None and self.engine.llm is not None else 0
+        usage = view.kv_cache_usage if view is not None else 0.0
+        pinned, pulling = self._worker_counts
+        return BackendLoad(num_running=view.num_running if view else 0, num_waiting=view.num_waiting if view else 0,
+                           num_pinned=pinned, num_waiting_for_remote_kv=pulling,
+                           num_free_blocks=round(total * (1.0 - usage)), num_blocks=total, kv_usage=usage)
 
     async def inspect(self) -> Inspection:
         engine = self._require()
@@ -208,7 +209,10 @@ class VllmBackend:
         leaks = [leak for answer in await engine.rpc("pdserve_leaks") for leak in answer]
         if self._live:
             leaks.append(f"service: {len(self._live)} requests in flight")
-        return Inspection(await self.load(), leaks)
+        load = await self.load()
+        if load.kv_usage > 0:
+            leaks.append(f"vLLM block pool: {load.kv_usage:.1%} of the KV cache in use")
+        return Inspection(load, leaks)
 
     def shutdown(self) -> None:
         if self._load_task is not None:
