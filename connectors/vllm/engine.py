@@ -25,9 +25,9 @@ from vllm import SamplingParams as VllmSamplingParams
 from vllm.config import KVEventsConfig, KVTransferConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import TokensPrompt
-from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.metrics.loggers import StatLoggerBase
 
 from connectors.vllm.params import PdserveConnectorConfig
 from engine.request import SamplingParams

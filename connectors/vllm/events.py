@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -53,7 +54,7 @@ class BlockPoolEventForwarder:
         self._ready.wait(timeout)
 
     def _run(self) -> None:
-        context = zmq.Context.instance()
+        context: Any = zmq.Context.instance()
         sub = context.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.LINGER, 0)

@@ -138,7 +138,8 @@ class VllmBackend:
             raise InvalidRequest(str(e)) from None
         self._admit(rid, "prefill")
         try:
-            deltas = [d async for d in _generate(engine, rid, request.prompt_token_ids, params)]
+            async with contextlib.aclosing(_generate(engine, rid, request.prompt_token_ids, params)) as stream:
+                deltas = [d async for d in stream]
         finally:
             self._live.pop(rid, None)
         last = deltas[-1]
