@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import yaml
 
 from connectors.hashing import DEFAULT_HASH_SEED
+from engine.byte_size import parse_size  # noqa: F401  (re-exported: services import it from here)
 from services.common.security import TokenStore, check_plaintext, check_tls_files, target_host
 
 ENV_PREFIX = "PDSERVE_"
@@ -36,20 +37,6 @@ VLLM_RESERVED_ARGS = {
     "kv_transfer_config": "pdserve's own KV connector is always configured",
 }
 _VLLM_ARG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 1000, "m": 1 << 20, "mib": 1 << 20,
-               "mb": 1000**2, "g": 1 << 30, "gib": 1 << 30, "gb": 1000**3}
-
-
-def parse_size(text: str | int) -> int:
-    """Parses a byte size such as 512MiB, 2G or 1048576."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"not a byte size: {text!r} (examples: 512MiB, 2GiB, 1048576)")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
-
 
 def opt(default: Any, help: str, **kw: Any) -> Any:
     """A config field with its CLI help."""
@@ -67,6 +54,8 @@ class SchedulerConfig:
     control_port: int = opt(50052, "rank control-stream port (Control service)")
     events_port: int = opt(50053, "KV-event subscription port (KVEvents service)")
     metrics_port: int = opt(9400, "Prometheus /metrics port; 0 disables")
+    http_port: int = opt(0, "OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions, /v1/models, "
+                            "/health, /metrics); same host, TLS and bearer tokens as the client API; 0 disables")
     model: str = opt("", "model directory (for the tokenizer); empty selects the demo model")
     block_size: int = opt(16, "KV block size in tokens; must match every engine")
     hash_seed: str = opt(DEFAULT_HASH_SEED, "block-hash seed (NONE_HASH); must match every engine")
@@ -126,7 +115,7 @@ class SchedulerConfig:
         _require(self.subscriber_buffer >= 1, "subscriber_buffer", "must be >= 1")
         _require(self.prefix_load_weight >= 0, "prefix_load_weight", "must be >= 0")
         _require(self.prefix_index_max_entries >= 1, "prefix_index_max_entries", "must be >= 1")
-        for name in ("port", "control_port", "events_port", "metrics_port", "health_port"):
+        for name in ("port", "control_port", "events_port", "metrics_port", "health_port", "http_port"):
             _require(0 <= getattr(self, name) < 65536, name, "must be a TCP port (0..65535)")
         _validate_security(self, [("host", self.host)])
         _require(self.max_streams_per_client >= 0, "max_streams_per_client", "must be >= 0")
