@@ -14,6 +14,7 @@ budget (`kv_cache_memory_bytes`), dtype (`auto` means float32 on CPU, as pdserve
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import tempfile
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm import SamplingParams as VllmSamplingParams
+from vllm import __version__ as vllm_version
 from vllm.config import KVEventsConfig, KVTransferConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import TokensPrompt
@@ -113,6 +115,10 @@ def engine_args(s: VllmEngineSettings) -> AsyncEngineArgs:
                                         endpoint=s.connector.events_endpoint or "tcp://*:5557", replay_endpoint=None,
                                         topic=f"kv@{s.connector.engine_id}"),
     )
+    known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    unknown = sorted(set(s.vllm_args) - known)
+    if unknown:
+        raise ValueError(f"vllm: not vLLM {vllm_version} engine arguments: {', '.join(unknown)}")
     kwargs.update(s.vllm_args)
     return AsyncEngineArgs(**kwargs)
 
