@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import statistics
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,7 @@ from bench.workload import percentiles as _pct
 from services.client import AsyncClient, GenerationResult
 from services.local_cluster import ClusterSpec, LocalCluster
 
+VLLM_START_TIMEOUT_S = 900.0  # a cluster of vLLM engines on a loaded 2-core host
 
 @dataclass(slots=True)
 class Workload:
@@ -326,12 +329,23 @@ def _engine_cluster_args(args: argparse.Namespace, cluster: dict[str, Any]) -> d
     return {**cluster, "engine_args": engine_args, "scheduler_args": scheduler_args}
 
 
+@contextlib.contextmanager
+def _started(spec: ClusterSpec) -> Iterator[LocalCluster]:
+    """A started cluster, stopped at exit; vLLM engines get longer to start (~30 s each unloaded)."""
+    c = LocalCluster(spec)
+    try:
+        c.start(timeout=VLLM_START_TIMEOUT_S if spec.engine == "vllm" else 180.0)
+        yield c
+    finally:
+        c.stop()
+
+
 def _run_mode(name: str, args: argparse.Namespace, wl: Workload, **cluster: Any) -> dict[str, Any]:
     cluster = _engine_cluster_args(args, cluster)
     print(f"[{name}] starting a local cluster ({cluster})", file=sys.stderr)
     spec = ClusterSpec(model=args.model, log_dir=str(Path(args.out) / "logs" / name), torch_threads=1,
                        kv_cache_memory=args.kv_cache_memory, metrics=True, **cluster)
-    with LocalCluster(spec) as c:
+    with _started(spec) as c:
         rng = random.Random(-1)  # warm-up prompts share nothing with the workload
         warm = Workload([[rng.randrange(100, 1000) for _ in range(24)] for _ in range(2)], [2, 2])
         asyncio.run(_drive(c.target, warm, 2, 0.0))
