@@ -109,7 +109,7 @@ def engine_args(s: VllmEngineSettings) -> AsyncEngineArgs:
         enable_prefix_caching=True, prefix_caching_hash_algo="sha256_cbor",
         worker_extension_cls=EXTENSION_CLS,
         kv_transfer_config=KVTransferConfig(kv_connector="PdserveConnector", kv_connector_module_path=CONNECTOR_MODULE,
-                                            kv_role="kv_both",
+                                            kv_role="kv_both", kv_load_failure_policy="recompute",
                                             kv_connector_extra_config=_asdict(s.connector)),
         kv_events_config=KVEventsConfig(enable_kv_cache_events=bool(s.connector.events_endpoint), publisher="zmq",
                                         endpoint=s.connector.events_endpoint or "tcp://*:5557", replay_endpoint=None,

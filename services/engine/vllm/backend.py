@@ -33,6 +33,7 @@ from connectors.vllm.engine import VllmEngine, VllmEngineSettings, events_endpoi
 from connectors.vllm.params import PdserveConnectorConfig, descriptor_from_params, descriptor_to_params
 from services.common.config import EngineConfig
 from services.engine.backend import (
+    BackendError,
     BackendLoad,
     DecodeInput,
     DuplicateRequest,
@@ -48,6 +49,11 @@ from services.engine.backend import (
 logger = logging.getLogger(__name__)
 
 LOAD_INTERVAL_S = 0.5
+FINISH_REASONS = (None, "stop", "length", "abort")
+
+
+class RequestFailed(BackendError):
+    """vLLM ended the request with an error (INTERNAL: the scheduler retries it elsewhere)."""
 
 
 class VllmBackend:
@@ -143,6 +149,9 @@ class VllmBackend:
         finally:
             self._live.pop(rid, None)
         last = deltas[-1]
+        if last.finish_reason not in FINISH_REASONS:
+            await self.release(rid)
+            raise RequestFailed(f"vLLM ended request {rid}: {last.finish_reason}")
         if last.finish_reason == "abort" or not last.kv_transfer_params:
             await self.release(rid)
             raise RequestAborted(f"request {rid} was aborted")
@@ -173,6 +182,8 @@ class VllmBackend:
         try:
             async with contextlib.aclosing(_generate(engine, rid, prompt, params)) as deltas:
                 async for d in deltas:
+                    if d.finish_reason not in FINISH_REASONS:
+                        raise RequestFailed(f"vLLM ended request {rid}: {d.finish_reason}")
                     delta = TokenDelta(d.token_ids, d.text, d.finish_reason)
                     if first:
                         first = False
