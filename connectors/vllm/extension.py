@@ -25,14 +25,14 @@ class PdserveWorkerExtension:
 
     def pdserve_report_load(self, num_running: int, num_waiting: int, kv_usage: float, num_free_blocks: int,
                             draining: bool) -> list[int]:
-        """Hands the engine's load to rank 0's next heartbeat; answers [pinned prefills,
-        pulls vLLM waits on] of this worker."""
+        """Hands the engine's load to rank 0's next heartbeat and /metrics; answers [pinned
+        prefills, pulls vLLM waits on] of this worker."""
         pinned = sum(worker.num_pinned() for worker in connector.WORKER_HALVES)
         pulling = sum(worker.num_pulling() for worker in connector.WORKER_HALVES)
+        load = EngineLoad(num_running, num_waiting, kv_usage, pinned, num_free_blocks)
         for worker in connector.WORKER_HALVES:
-            control = worker.agent.control if worker.agent is not None else None
-            if worker.rank == 0 and control is not None:
-                control.set_load(EngineLoad(num_running, num_waiting, kv_usage, pinned, num_free_blocks), draining)
+            if worker.rank == 0:
+                worker.report_load(load, draining)
         return [pinned, pulling]
 
     def pdserve_leaks(self) -> list[str]:

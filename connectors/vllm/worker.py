@@ -32,13 +32,15 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from connectors.kv_events import KVCacheEvent
 from connectors.outputs import TransferResults
 from connectors.ucx.handshake import KV_LAYOUT
 from connectors.vllm.events import BlockPoolEventForwarder
 from connectors.vllm.params import PdserveConnectorConfig, PdserveConnectorMetadata, PullSpec
 from connectors.vllm.staging import KVStaging
+from services.common.metrics import EngineMetrics
 from services.common.security import ChannelSecurity
-from services.engine.control_client import ControlMessage, KVFailed, ReleaseBlocks, StepReport
+from services.engine.control_client import ControlMessage, EngineLoad, KVFailed, ReleaseBlocks, StepReport
 from services.engine.rank_agent import RankAgent, RankAgentFactory, _stats, compatibility_hash
 
 logger = logging.getLogger(__name__)
@@ -122,6 +124,8 @@ class VllmWorkerHalf:
         self._released: set[str] = set()  # pdserve ids the scheduler released or failed (rank 0)
         self._failed_by_scheduler: set[str] = set()
         self._meta: PdserveConnectorMetadata | None = None
+        self.metrics: EngineMetrics | None = None  # rank 0 with --metrics-port: the engine's load gauges
+        self._last_load = EngineLoad(0, 0, 0.0, 0, 0)
 
     # -- set-up ----------------------------------------------------------------------------------
 
@@ -145,6 +149,9 @@ class VllmWorkerHalf:
         self.agent = _TeeRankAgent(factory, self.rank, self.tp_size, self._on_results)
         if self.rank == 0:
             self.agent.set_inbox(self._on_control)
+            if self.agent.registry is not None:
+                self.metrics = EngineMetrics(self.agent.registry, c.engine_id, c.role, tp_size=self.tp_size)
+                self.metrics.track_load(lambda: self._last_load)
         self.agent.register_kv_caches(self.staging.region)
         logger.info("vLLM rank %d/%d: %d layers, %d blocks registered with the UCX data plane", self.rank,
                     self.tp_size, self.staging.num_layers, self.staging.num_blocks)
@@ -156,9 +163,22 @@ class VllmWorkerHalf:
         if self.rank != 0 or agent.control is not None:
             return
         if self.config.events_endpoint:
-            self.events = BlockPoolEventForwarder(self.config.events_endpoint, agent.report_engine_events)
+            self.events = BlockPoolEventForwarder(self.config.events_endpoint, self._report_engine_events)
             self.events.start()
         agent.connect()
+
+    def _report_engine_events(self, events: list[KVCacheEvent], ts: float) -> None:
+        if self.metrics is not None:
+            for event in events:
+                self.metrics.count_kv_events(type(event).__name__, getattr(event, "medium", None) or "")
+        self._require_agent().report_engine_events(events, ts)
+
+    def report_load(self, load: EngineLoad, draining: bool) -> None:
+        """Rank 0: the engine's load for the next heartbeat and the /metrics gauges."""
+        self._last_load = load
+        agent = self._require_agent()
+        if self.rank == 0 and agent.control is not None:
+            agent.control.set_load(load, draining)
 
     def _on_control(self, msg: ControlMessage) -> None:
         """Control-client thread (rank 0): the scheduler's verdicts."""

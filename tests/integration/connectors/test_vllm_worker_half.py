@@ -104,3 +104,25 @@ def test_failed_pull_is_reported_received_with_its_invalid_blocks(pair) -> None:
     assert seen[0].finished_recving == {"r2-y"} and seen[0].failed_recving == {"r2-y"}
     assert seen[0].invalid_block_ids == {0, 1}
     assert d.leaks() == []
+
+
+def test_rank0_serves_the_engine_load_it_is_handed_on_metrics() -> None:
+    import socket
+    import urllib.request
+
+    from services.engine.control_client import EngineLoad
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = PdserveConnectorConfig(engine_id="decode-9", role="decode", epoch=5, scheduler="127.0.0.1:1",
+                                    metrics_port=port)
+    w = VllmWorkerHalf(config, rank=0, tp_size=1, model=MODEL, block_size=B)
+    w.register_kv_caches(caches(3))
+    try:
+        w.report_load(EngineLoad(3, 2, 0.25, 1, 9), draining=False)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    finally:
+        w.shutdown()
+    assert 'pdserve_engine_running_requests{engine="decode-9",role="decode"} 3.0' in text
+    assert 'pdserve_engine_kv_cache_usage_ratio{engine="decode-9",role="decode"} 0.25' in text
