@@ -125,7 +125,7 @@ class VllmWorkerHalf:
         self._failed_by_scheduler: set[str] = set()
         self._meta: PdserveConnectorMetadata | None = None
         self.metrics: EngineMetrics | None = None  # rank 0 with --metrics-port: the engine's load gauges
-        self._last_load = EngineLoad(0, 0, 0.0, 0, 0)
+        self._last_load: Any = EngineLoad(0, 0, 0.0, 0, 0)  # read by the gauges at each scrape
 
     # -- set-up ----------------------------------------------------------------------------------
 
