@@ -65,5 +65,10 @@ def test_missing_field_and_bad_json(tmp_path) -> None:
 def test_tp_divisibility() -> None:
     cfg = ModelConfig.from_dict(BASE)
     cfg.check_tp(2)
-    with pytest.raises(ValueError, match="num_key_value_heads"):
-        cfg.check_tp(4)
+    cfg.check_tp(4)  # 2 KV heads replicate over 4 ranks (each holds one), heads split 4 ways
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        cfg.check_tp(8)
+    mqa = ModelConfig.from_dict({**BASE, "num_attention_heads": 6, "num_key_value_heads": 2,
+                                 "intermediate_size": 192})
+    with pytest.raises(ValueError, match="num_key_value_heads=2 does not divide tp=3"):
+        mqa.check_tp(3)
