@@ -46,6 +46,8 @@ TRANSPORTS = {"pdserve": "SysV shared memory (UCX_TLS=^cma)", "ucxx": "SysV shar
               "pdserve-cma": "CMA (UCX_TLS=all)", "ucxx-cma": "CMA (UCX_TLS=all)",
               "nixl": "NIXL's UCX backend, UCX's default transports", "grpc": "TCP loopback", "memcpy": "one process"}
 CHUNK = 4 << 20
+# Throughput, not failure detection, is measured: a loaded machine may take seconds per pull.
+BENCH_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,7 +347,7 @@ def _pdserve_writer(conn: Connection, shape: Shape, ucx_tls: str = "") -> None:
 
     c = UcxWorkerConnector(engine_id="bench-prefill", epoch=1, tp_rank=0, tp_size=1, num_kv_heads=shape.kv_heads,
                            compatibility_hash="bench", kv_cache=shape.tensor(seed=1),
-                           config=UcxConnectorConfig(ucx_tls=ucx_tls))
+                           config=UcxConnectorConfig(ucx_tls=ucx_tls, transfer_timeout_s=BENCH_TIMEOUT_S))
     conn.send(("ok", c.get_handshake_metadata()))
     conn.recv()
     conn.send(("ok", None))
@@ -374,7 +376,7 @@ def _pdserve_reader(conn: Connection, shape: Shape, ucx_tls: str = "") -> None:
 
     c = UcxWorkerConnector(engine_id="bench-decode", epoch=2, tp_rank=0, tp_size=1, num_kv_heads=shape.kv_heads,
                            compatibility_hash="bench", kv_cache=shape.tensor(),
-                           config=UcxConnectorConfig(ucx_tls=ucx_tls))
+                           config=UcxConnectorConfig(ucx_tls=ucx_tls, transfer_timeout_s=BENCH_TIMEOUT_S))
     c.add_peer(conn.recv())
     conn.send(("ok", None))
     conn.send(("ok", None))
