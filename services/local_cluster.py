@@ -92,6 +92,8 @@ class ClusterSpec:
     tls: bool = False  # mTLS on every channel with a throwaway CA
     tls_dir: str = ""  # where the certificates go (default: a temporary directory, removed by stop())
     auth_tokens: list[str] = field(default_factory=list)  # bearer tokens of the client API and KV events
+    engine: str = "native"  # engine backend of every prefill and decode engine (--engine)
+    vllm_args: list[str] = field(default_factory=list)  # KEY=VALUE, passed to every engine as --vllm-arg
 
 
 @dataclass(slots=True)
@@ -153,6 +155,12 @@ class LocalCluster:
     def _cli(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "services.common.cli", *args, *self._tls_args()]
 
+    def _backend_args(self) -> list[str]:
+        args = ["--engine", self.spec.engine]
+        for item in self.spec.vllm_args:
+            args += ["--vllm-arg", item]
+        return args
+
     def _tls_args(self) -> list[str]:
         if self.pki is None:
             return []
@@ -176,7 +184,7 @@ class LocalCluster:
         argv = self._cli(role, "--engine-id", engine_id, "--scheduler", f"{s.host}:{self.control_port}",
                          "--host", s.host, "--port", str(port), "--tp", str(s.tp), "--torch-threads", str(self.torch_threads),
                          "--metrics-port", str(metrics_port), "--kv-cache-memory", s.kv_cache_memory,
-                         *(["--model", s.model] if s.model else []), *s.engine_args)
+                         *(["--model", s.model] if s.model else []), *self._backend_args(), *s.engine_args)
         return Component(engine_id, argv, metrics_port or None, f"{s.host}:{port}")
 
     def start(self, timeout: float = 180.0) -> None:

@@ -6,6 +6,7 @@ import argparse
 import signal
 import threading
 
+from services.common.config import ENGINES, check_vllm_args, parse_vllm_args
 from services.common.logs import setup_logging
 from services.common.security import check_plaintext
 from services.local_cluster import ClusterSpec, LocalCluster
@@ -35,6 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--auth-tokens-file", default="",
                         help="bearer tokens required on Generate and KV events (see `pdserve scheduler --help`)")
     parser.add_argument("--log-level", default="INFO", help="logging level")
+    parser.add_argument("--engine", default="native", choices=ENGINES,
+                        help="engine backend of every prefill and decode engine (vllm: run from .venv-vllm)")
+    parser.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="a vLLM engine argument for every engine (repeatable; with --engine vllm)")
 
 
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
@@ -45,6 +50,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
             check_plaintext("--host", args.host, tls=False, allow_plaintext=False)
         except ValueError:
             raise ValueError(f"--host {args.host} is not loopback: add --tls (or --allow-plaintext)") from None
+    _check_engine(args.engine, args.vllm_arg)
     scheduler_args: list[str] = []
     engine_args: list[str] = []
     if args.allow_plaintext:
@@ -60,7 +66,21 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
                        host=args.host, port=args.port, control_port=args.control_port,
                        events_port=args.events_port, metrics=args.metrics, torch_threads=args.torch_threads,
                        kv_cache_memory=args.kv_cache_memory, scheduler_args=scheduler_args,
-                       log_dir=args.log_dir, tls=args.tls, tls_dir=args.tls_dir, engine_args=engine_args)
+                       log_dir=args.log_dir, tls=args.tls, tls_dir=args.tls_dir, engine_args=engine_args,
+                       engine=args.engine, vllm_args=list(args.vllm_arg))
+
+
+def _check_engine(engine: str, vllm_args: list[str]) -> None:
+    """Refuses an engine backend that cannot run here, or bad vLLM arguments, before anything starts."""
+    from services.engine.registry import BackendUnavailable, check_backend
+
+    if vllm_args and engine != "vllm":
+        raise ValueError("--vllm-arg applies only with --engine vllm")
+    check_vllm_args(parse_vllm_args(vllm_args))
+    try:
+        check_backend(engine)
+    except BackendUnavailable as e:
+        raise ValueError(str(e)) from None
 
 
 def run(args: argparse.Namespace) -> int:
