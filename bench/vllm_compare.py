@@ -11,7 +11,9 @@ the same total of compute threads):
   the `kv_transfer_params` the prefill returned. TTFT counts from the prefill call.
 - `pdserve`: a pdserve 1P1D cluster with its own engine (bench serve's disaggregated mode).
 - `pdserve_vllm`: the same cluster with vLLM engines (`--engine vllm`), where the engine
-  service offers that option and vLLM imports; otherwise reported under `absent`.
+  service's `vllm` backend can run here (`services.engine.registry.check_backend`); otherwise
+  reported under `absent` with the reason. A system that fails is reported under `absent` as
+  `failed: …` (the others' figures are kept) and the command exits 1.
 
 Workload: bench serve's (token-id prompts, lengths, concurrency, greedy, `ignore_eos`). vLLM is
 driven through its streaming `/v1/completions`; token times are the arrival times of the
@@ -22,11 +24,14 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+import traceback
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -101,13 +106,20 @@ class VllmServer:
         raise TimeoutError(f"vLLM server {self.name} not ready within {timeout} s; log: {self.log_path}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
+        """Stops the server and its engine-core and worker processes (its process group)."""
+        for sig, wait_s in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
             try:
-                self.proc.wait(30)
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(wait_s)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                continue
+            if sig == signal.SIGTERM:  # the leader left: make sure its children did too
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+            break
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -230,14 +242,13 @@ def run_vllm_pd(args: argparse.Namespace, wl: Workload, share: CpuShare, log_dir
 # -- pdserve ------------------------------------------------------------------------------------
 
 def pdserve_vllm_engine_available() -> str:
-    """'' when the engine service takes `--engine vllm` and vLLM imports, else why not."""
-    missing = vllm_available()
-    if missing:
-        return missing
-    out = subprocess.run([sys.executable, "-m", "services.common.cli", "prefill", "--help"], capture_output=True,
-                         text=True, timeout=120)
-    if "--engine {" not in out.stdout and "--engine ENGINE" not in out.stdout:
-        return "the engine service has no --engine vllm option yet (pdserve with vLLM engines, issue 13)"
+    """'' when the engine service's `vllm` backend can run here, else why not."""
+    from services.engine.registry import BackendUnavailable, check_backend
+
+    try:
+        check_backend("vllm")
+    except BackendUnavailable as e:
+        return f"pdserve with vLLM engines unavailable: {e}"
     return ""
 
 
@@ -269,6 +280,8 @@ def run_compare(args: argparse.Namespace) -> int:
              ("pdserve", "", disaggregated, lambda: run_pdserve(args, wl, disaggregated, [])),
              ("pdserve_vllm", pdserve_vllm_engine_available(), disaggregated,
               lambda: run_pdserve(args, wl, disaggregated, ["--engine", "vllm"]))]
+    # SIGTERM (timeout, CI) unwinds like Ctrl-C, so every started server is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     for name, missing, share, measure in plans:
         if name not in args.systems.split(","):
             continue
@@ -276,14 +289,20 @@ def run_compare(args: argparse.Namespace) -> int:
             report["absent"][name] = missing
             print(f"[{name}] absent: {missing}", file=sys.stderr)
             continue
-        report["systems"][name] = measure()
+        try:
+            report["systems"][name] = measure()
+        except Exception as e:  # noqa: BLE001 - one system failing must not lose the others' figures
+            traceback.print_exc()
+            report["absent"][name] = f"failed: {type(e).__name__}: {e}"
+            report["failed"] = True
+            continue
         report["threads"][name] = share.describe()
         print(f"[{name}] {report['systems'][name]}", file=sys.stderr)
     (out / "serve_compare.json").write_text(json.dumps(report, indent=2))
     if report["systems"]:
         plot(report, out / "serve_compare.png")
     print(json.dumps(report) if args.json else table(report))
-    return 0
+    return 1 if report.get("failed") else 0
 
 
 def table(report: dict[str, Any]) -> str:

@@ -11,9 +11,7 @@ from typing import Any
 
 import pytest
 
-vllm = pytest.importorskip("vllm")
-
-from services.common.cli import main  # noqa: E402
+from services.common.cli import main
 
 
 def run_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str, Any]:
@@ -24,6 +22,8 @@ def run_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str, A
 
 
 def test_bench_aggregator_baseline_is_vllms_own_code(capsys: pytest.CaptureFixture[str]) -> None:
+    import vllm
+
     result = run_json(capsys, ["bench", "aggregator", "--tp", "2", "--ids", "4", "--events", "3", "--steps", "2",
                                "--repeat", "1"])
     assert result["vllm_version"] == vllm.__version__
