@@ -223,6 +223,9 @@ def run_mode_results(name: str, args: argparse.Namespace, wl: Workload, **cluste
     share = cpu_share(args, cluster.get("num_prefill", 1) + cluster.get("num_decode", 1))
     pin(share)
     print(f"[{name}] starting a local cluster ({cluster}; {share.describe()})", file=sys.stderr)
+    # A benchmark measures latency; the scheduler's default deadline (60 s) would only drop
+    # requests on a loaded machine, so it gets the client's own 600 s.
+    cluster["scheduler_args"] = ["--default-deadline-s", "600", *cluster.get("scheduler_args", [])]
     spec = ClusterSpec(model=args.model, log_dir=str(Path(args.out) / "logs" / name),
                        torch_threads=share.threads_per_engine, kv_cache_memory=args.kv_cache_memory, metrics=True,
                        **cluster)

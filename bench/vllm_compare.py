@@ -298,6 +298,7 @@ def run_compare(args: argparse.Namespace) -> int:
             continue
         report["threads"][name] = share.describe()
         print(f"[{name}] {report['systems'][name]}", file=sys.stderr)
+        (out / "serve_compare.json").write_text(json.dumps(report, indent=2))  # long runs keep what they have
     (out / "serve_compare.json").write_text(json.dumps(report, indent=2))
     if report["systems"]:
         plot(report, out / "serve_compare.png")
