@@ -82,6 +82,7 @@ class ClusterSpec:
     port: int = 0
     control_port: int = 0
     events_port: int = 0
+    http_port: int = 0  # the OpenAI-compatible HTTP API; 0 picks a free port
     metrics: bool = False
     torch_threads: int = 0
     kv_cache_memory: str = "256MiB"
@@ -118,6 +119,7 @@ class LocalCluster:
         self.port = spec.port or free_port(spec.host)
         self.control_port = spec.control_port or free_port(spec.host)
         self.events_port = spec.events_port or free_port(spec.host)
+        self.http_port = spec.http_port or free_port(spec.host)
         ranks = (spec.num_prefill + spec.num_decode) * spec.tp
         self.torch_threads = spec.torch_threads or default_torch_threads(ranks)
         self.components: dict[str, Component] = {}
@@ -140,6 +142,13 @@ class LocalCluster:
     @property
     def target(self) -> str:
         return f"{self.spec.host}:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the OpenAI-compatible API (what OpenAI clients take as `base_url`)."""
+        scheme = "https" if self.pki is not None else "http"
+        host = f"[{self.spec.host}]" if ":" in self.spec.host else self.spec.host
+        return f"{scheme}://{host}:{self.http_port}/v1"
 
     @property
     def events_target(self) -> str:
@@ -172,7 +181,7 @@ class LocalCluster:
         metrics_port = free_port(s.host) if s.metrics else 0
         argv = self._cli("scheduler", "--host", s.host, "--port", str(self.port),
                          "--control-port", str(self.control_port), "--events-port", str(self.events_port),
-                         "--metrics-port", str(metrics_port), *(["--model", s.model] if s.model else []),
+                         "--http-port", str(self.http_port), "--metrics-port", str(metrics_port), *(["--model", s.model] if s.model else []),
                          *s.scheduler_args)
         return Component("scheduler", argv, metrics_port or None)
 

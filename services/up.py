@@ -21,6 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=50051, help="client API port")
     parser.add_argument("--control-port", type=int, default=50052, help="scheduler control-stream port")
     parser.add_argument("--events-port", type=int, default=50053, help="KV-event subscription port")
+    parser.add_argument("--http-port", type=int, default=8000,
+                        help="OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions, ...)")
     parser.add_argument("--torch-threads", type=int, default=0,
                         help="torch threads per rank process; 0 divides the cores among them")
     parser.add_argument("--kv-cache-memory", default="256MiB", help="KV cache budget per rank")
@@ -64,7 +66,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         scheduler_args += ["--auth-tokens-file", args.auth_tokens_file]
     return ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode, tp=args.tp,
                        host=args.host, port=args.port, control_port=args.control_port,
-                       events_port=args.events_port, metrics=args.metrics, torch_threads=args.torch_threads,
+                       events_port=args.events_port, http_port=args.http_port, metrics=args.metrics, torch_threads=args.torch_threads,
                        kv_cache_memory=args.kv_cache_memory, scheduler_args=scheduler_args,
                        log_dir=args.log_dir, tls=args.tls, tls_dir=args.tls_dir, engine_args=engine_args,
                        engine=args.engine, vllm_args=list(args.vllm_arg))
@@ -100,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
         if args.auth_tokens_file:
             flags += " --token-file <file with one of your tokens>"
         print(f"  Generate API   {cluster.target}   (pdserve generate --target {cluster.target}{flags} --prompt ...)")
+        token_hint = "  (Authorization: Bearer <token>)" if args.auth_tokens_file else ""
+        print(f"  OpenAI API     {cluster.http_url}   (base_url of any OpenAI client){token_hint}")
         print(f"  KV events      {cluster.events_target}   (pdserve events --target {cluster.events_target}{flags})")
         print(f"  control plane  {args.host}:{cluster.control_port}")
         for comp in cluster.components.values():

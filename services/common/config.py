@@ -54,6 +54,8 @@ class SchedulerConfig:
     control_port: int = opt(50052, "rank control-stream port (Control service)")
     events_port: int = opt(50053, "KV-event subscription port (KVEvents service)")
     metrics_port: int = opt(9400, "Prometheus /metrics port; 0 disables")
+    http_port: int = opt(0, "OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions, /v1/models, "
+                            "/health, /metrics); same host, TLS and bearer tokens as the client API; 0 disables")
     model: str = opt("", "model directory (for the tokenizer); empty selects the demo model")
     block_size: int = opt(16, "KV block size in tokens; must match every engine")
     hash_seed: str = opt(DEFAULT_HASH_SEED, "block-hash seed (NONE_HASH); must match every engine")
@@ -113,7 +115,7 @@ class SchedulerConfig:
         _require(self.subscriber_buffer >= 1, "subscriber_buffer", "must be >= 1")
         _require(self.prefix_load_weight >= 0, "prefix_load_weight", "must be >= 0")
         _require(self.prefix_index_max_entries >= 1, "prefix_index_max_entries", "must be >= 1")
-        for name in ("port", "control_port", "events_port", "metrics_port", "health_port"):
+        for name in ("port", "control_port", "events_port", "metrics_port", "health_port", "http_port"):
             _require(0 <= getattr(self, name) < 65536, name, "must be a TCP port (0..65535)")
         _validate_security(self, [("host", self.host)])
         _require(self.max_streams_per_client >= 0, "max_streams_per_client", "must be >= 0")
