@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -31,6 +32,7 @@ import statistics
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,7 @@ from bench.workload import percentiles as _pct
 from services.client import AsyncClient, GenerationResult
 from services.local_cluster import ClusterSpec, LocalCluster
 
+VLLM_START_TIMEOUT_S = 900.0  # a cluster of vLLM engines on a loaded 2-core host
 
 @dataclass(slots=True)
 class Workload:
@@ -79,10 +82,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", choices=["vllm"], default=None,
                         help="vllm: the same workload against vLLM colocated, vLLM 1P1D NixlConnector, pdserve, "
                              "and pdserve with vLLM engines where available")
-    parser.add_argument("--dtype", default="bfloat16", help="model dtype of every system in --compare vllm")
     parser.add_argument("--systems", default="vllm_colocated,vllm_pd_nixl,pdserve,pdserve_vllm",
                         help="--compare vllm: which systems to run (comma-separated)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--engine", choices=["native", "vllm"], default="native",
+                        help="engine backend of every engine of the --up clusters (vllm: run from .venv-vllm)")
+    parser.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="a vLLM engine argument for every engine (with --engine vllm)")
+    parser.add_argument("--dtype", default="",
+                        help="engine dtype for --up (float32, bfloat16; default: the engine's; "
+                             "--compare vllm: bfloat16 for every system)")
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -320,6 +329,35 @@ def summarize(results: list[GenerationResult], wall_s: float, args: argparse.Nam
     }
 
 
+def _engine_cluster_args(args: argparse.Namespace, cluster: dict[str, Any]) -> dict[str, Any]:
+    """The --engine / --vllm-arg / --dtype choice applied to one cluster's spec (vLLM's CPU
+    attention needs a block size that is a multiple of 32, on the scheduler as on the engines)."""
+    engine = getattr(args, "engine", "native")
+    engine_args = list(cluster.pop("engine_args", []))
+    scheduler_args = list(cluster.pop("scheduler_args", []))
+    if getattr(args, "dtype", ""):
+        engine_args += ["--dtype", args.dtype]
+    if engine == "vllm":
+        from services.up import VLLM_BLOCK_SIZE
+
+        engine_args += ["--block-size", str(VLLM_BLOCK_SIZE), "--max-model-len", "2048"]
+        scheduler_args += ["--block-size", str(VLLM_BLOCK_SIZE)]
+        cluster.update(engine="vllm", vllm_args=list(getattr(args, "vllm_arg", [])),
+                       env={"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_LOGGING_LEVEL": "WARNING"})
+    return {**cluster, "engine_args": engine_args, "scheduler_args": scheduler_args}
+
+
+@contextlib.contextmanager
+def _started(spec: ClusterSpec) -> Iterator[LocalCluster]:
+    """A started cluster, stopped at exit; vLLM engines get longer to start (~30 s each unloaded)."""
+    c = LocalCluster(spec)
+    try:
+        c.start(timeout=VLLM_START_TIMEOUT_S if spec.engine == "vllm" else 180.0)
+        yield c
+    finally:
+        c.stop()
+
+
 def parse_cpus(text: str) -> list[int]:
     """`0-3,6` -> [0, 1, 2, 3, 6]; empty: the cores this process may run on."""
     if not text.strip():
@@ -385,14 +423,15 @@ def run_mode_results(name: str, args: argparse.Namespace, wl: Workload, **cluste
     results, the wall time, and (share, prefill cache counters before, after)."""
     share = cpu_share(args, cluster.get("num_prefill", 1) + cluster.get("num_decode", 1))
     pin(share)
-    print(f"[{name}] starting a local cluster ({cluster}; {share.describe()})", file=sys.stderr)
     # A benchmark measures latency; the scheduler's default deadline (60 s) would only drop
     # requests on a loaded machine, so it gets the client's own 600 s.
     cluster["scheduler_args"] = ["--default-deadline-s", "600", *cluster.get("scheduler_args", [])]
+    cluster = _engine_cluster_args(args, cluster)
+    print(f"[{name}] starting a local cluster ({cluster}; {share.describe()})", file=sys.stderr)
     spec = ClusterSpec(model=args.model, log_dir=str(Path(args.out) / "logs" / name),
                        torch_threads=share.threads_per_engine, kv_cache_memory=args.kv_cache_memory, metrics=True,
                        **cluster)
-    with LocalCluster(spec) as c:
+    with _started(spec) as c:
         rng = random.Random(-1)  # warm-up prompts share nothing with the workload
         warm = Workload([[rng.randrange(100, 1000) for _ in range(24)] for _ in range(2)], [2, 2])
         asyncio.run(_drive(c.target, warm, 2, 0.0))

@@ -252,9 +252,11 @@ def pdserve_vllm_engine_available() -> str:
     return ""
 
 
-def run_pdserve(args: argparse.Namespace, wl: Workload, share: CpuShare, engine_args: list[str]) -> dict[str, Any]:
-    results, wall, _ = run_mode_results("pdserve_vllm" if engine_args else "pdserve", args, wl, num_prefill=1,
-                                        engine_args=["--dtype", args.dtype, *engine_args])
+def run_pdserve(args: argparse.Namespace, wl: Workload, share: CpuShare, engine: str) -> dict[str, Any]:
+    """pdserve 1P1D with `engine` (native | vllm) behind its scheduler (bench serve's cluster)."""
+    mode_args = argparse.Namespace(**{**vars(args), "engine": engine})
+    results, wall, _ = run_mode_results("pdserve" if engine == "native" else "pdserve_vllm", mode_args, wl,
+                                        num_prefill=1)
     # The client's token times count from the request's start.
     return summarize([Timing(0.0, list(r.token_times_s)) for r in results], wall, share.total_threads)
 
@@ -268,6 +270,7 @@ def run_compare(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    args.dtype = args.dtype or "bfloat16"  # one dtype for every system; vLLM's default for the demo model
     wl = build_workload(args, _vocab(args))
     colocated, disaggregated = cpu_share(args, 1), cpu_share(args, 2)
     pin(colocated)
@@ -277,9 +280,9 @@ def run_compare(args: argparse.Namespace) -> int:
     no_vllm = vllm_available()
     plans = [("vllm_colocated", no_vllm, colocated, lambda: run_vllm_colocated(args, wl, colocated, out / "logs")),
              ("vllm_pd_nixl", no_vllm, disaggregated, lambda: run_vllm_pd(args, wl, disaggregated, out / "logs")),
-             ("pdserve", "", disaggregated, lambda: run_pdserve(args, wl, disaggregated, [])),
+             ("pdserve", "", disaggregated, lambda: run_pdserve(args, wl, disaggregated, "native")),
              ("pdserve_vllm", pdserve_vllm_engine_available(), disaggregated,
-              lambda: run_pdserve(args, wl, disaggregated, ["--engine", "vllm"]))]
+              lambda: run_pdserve(args, wl, disaggregated, "vllm"))]
     # SIGTERM (timeout, CI) unwinds like Ctrl-C, so every started server is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     for name, missing, share, measure in plans:
