@@ -1,0 +1,108 @@
+"""The scheduler decides the path per request, end to end (cost policy, the default): on 2
+prefill + 2 decode engines, short chat turns are prefilled on the decode engine and long
+shared-prefix prompts remotely; a decode engine holding a long prompt's prefix (its own KV
+events) prefills the rest itself, or pulls only the blocks it lacks. Outputs are token-identical
+to the in-process engine on either path. Cost: one cluster, about 60-90 s on 2 shared cores."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import pytest
+from e2e_cluster import start_cluster
+
+from connectors.hashing import DEFAULT_HASH_SEED, BlockHasher
+from services.client import AsyncClient, GenerationResult
+from services.local_cluster import LocalCluster
+
+pytestmark = pytest.mark.timeout(900)
+
+BLOCK = 16
+MAX_TOKENS = 6
+SHARED_LEN = 16 * BLOCK  # the long prompts' shared prefix
+
+
+def _prompts() -> tuple[list[list[int]], list[list[int]]]:
+    rng = random.Random(19)
+    short = [[rng.randrange(100, 49000) for _ in range(rng.randint(6, 24))] for _ in range(6)]
+    prefix = [rng.randrange(100, 49000) for _ in range(SHARED_LEN)]
+    # 400+ tokens no engine holds: far past the decode stall budget at CPU prefill speed.
+    long = [prefix + [rng.randrange(100, 49000) for _ in range(rng.randint(400, 480))] for _ in range(4)]
+    return short, long
+
+
+def _reference(demo_model: Path, prompts: list[list[int]]) -> list[list[int]]:
+    from engine.llm_engine import LLMEngine
+    from engine.request import SamplingParams
+
+    with LLMEngine(demo_model, torch_threads=1) as engine:
+        return engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+
+
+async def _run(target: str, prompts: list[list[int]], concurrency: int) -> list[GenerationResult]:
+    sem = asyncio.Semaphore(concurrency)
+    async with AsyncClient(target) as client:
+        async def one(p: list[int]) -> GenerationResult:
+            async with sem:
+                return await client.generate(p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, timeout=300)
+
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+def _wait_for_block(c: LocalCluster, engine: str, block_hash: int, timeout: float = 60.0) -> None:
+    """The decode engine's KV events reach the scheduler's prefix index asynchronously (control
+    stream -> event plane); waits until the event plane republished `engine` storing the block."""
+    import grpc
+
+    from pdserve.v1 import kv_events_pb2 as pb
+    from pdserve.v1 import kv_events_pb2_grpc as pb_grpc
+
+    request = pb.SubscribeRequest(from_seq=0, engine_ids=[engine])
+    with grpc.insecure_channel(c.events_target) as channel:
+        for msg in pb_grpc.KVEventsStub(channel).Subscribe(request, timeout=timeout):
+            if msg.WhichOneof("payload") == "batch" and any(
+                    block_hash in e.block_stored.block_hashes for e in msg.batch.events):
+                return
+    raise AssertionError(f"{engine} never reported block {block_hash:#x}")
+
+
+def test_short_prompts_go_decode_local_long_ones_remote_and_outputs_match(
+        tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> None:
+    short, long = _prompts()
+    full = len(long[0]) // BLOCK * BLOCK
+    reuse_local = long[0][:full] + [7, 8, 9, 10, 11, 12, 13, 14]  # the decode engine holds all but 8
+    reuse_remote = long[0][:full] + [t + 50 for t in range(300)]  # ... all but 300
+    expected = _reference(demo_model, short + long + [reuse_local, reuse_remote])
+    c = start_cluster(tmp_path_factory, "paths", num_prefill=2, num_decode=2,
+                      scheduler_args=["--path-policy", "cost"])
+    try:
+        first = asyncio.run(_run(c.target, [long[0]], 1))[0]
+        assert first.path_reason.startswith("remote:") and first.transferred_tokens > 0, first
+        holder = first.decode_engine_id
+        mixed = asyncio.run(_run(c.target, short + long[1:], 3))
+        results = [*mixed[:len(short)], first, *mixed[len(short):]]
+        for r in results[:len(short)]:
+            assert r.path_reason.startswith("decode_local:"), r.path_reason
+            assert r.prefill_engine_id == "" and r.transferred_tokens == 0
+        for r in results[len(short):]:
+            assert r.path_reason.startswith("remote:"), r.path_reason
+            assert r.prefill_engine_id in ("prefill-0", "prefill-1")
+        hashes = BlockHasher(BLOCK, DEFAULT_HASH_SEED).external_hashes(long[0])
+        _wait_for_block(c, holder, hashes[full // BLOCK - 1])
+
+        local = asyncio.run(_run(c.target, [reuse_local], 1))[0]
+        assert local.path_reason == "decode_local:decode_has_prefix", local
+        assert local.decode_engine_id == holder and local.cached_tokens >= full - BLOCK
+        remote = asyncio.run(_run(c.target, [reuse_remote], 1))[0]
+        assert remote.path_reason.startswith("remote:") and remote.decode_engine_id == holder, remote
+        # The decode engine pulled only the blocks after its own cached prefix.
+        assert remote.cached_tokens >= full - BLOCK
+        assert 0 < remote.transferred_tokens <= remote.prompt_tokens - (full - BLOCK), remote
+
+        got = [r.token_ids for r in results + [local, remote]]
+        assert got == expected
+        assert c.wait_no_leaks() == {}
+    finally:
+        c.stop()

@@ -1,0 +1,66 @@
+"""PathCosts: the fits recover a line, start from the priors, and the backlog and ITL-target
+books balance."""
+
+import pytest
+
+from services.scheduler.path_costs import CostPriors, LinearFit, PathCosts
+
+
+def test_fit_starts_from_the_prior_and_recovers_a_line() -> None:
+    fit = LinearFit(prior_fixed_s=0.5, prior_per_token_s=0.1)
+    assert fit.predict(10) == pytest.approx(1.5)
+    for n in (10, 100, 1000, 50, 500):
+        fit.observe(n, 0.02 + 0.001 * n)
+    fixed, slope = fit.params()
+    assert fixed == pytest.approx(0.02) and slope == pytest.approx(0.001)
+
+
+def test_samples_of_one_size_keep_the_prior_slope() -> None:
+    fit = LinearFit(prior_fixed_s=0.0, prior_per_token_s=0.001)
+    for _ in range(5):
+        fit.observe(100, 0.3)
+    assert fit.params() == pytest.approx((0.2, 0.001))
+
+
+def test_recent_samples_outweigh_old_ones_and_bad_samples_are_ignored() -> None:
+    fit = LinearFit(prior_fixed_s=0.0, prior_per_token_s=0.0, decay=0.5)
+    for n in (100, 200):
+        fit.observe(n, 1.0 * n)
+    for _ in range(10):
+        for n in (100, 200):
+            fit.observe(n, 0.001 * n)
+    fit.observe(100, float("nan"))
+    fit.observe(100, -1.0)
+    assert fit.params()[1] == pytest.approx(0.001, rel=0.05)
+    assert fit.num_samples == 22
+
+
+def test_an_engine_without_samples_borrows_the_fit_of_all_engines() -> None:
+    costs = PathCosts(CostPriors(prefill_fixed_s=0.0, prefill_per_token_s=1.0))
+    for n in (10, 1000):
+        costs.observe_prefill("p0", n, 0.001 * n)
+    assert costs.prefill_s("p0", 500) == pytest.approx(0.5)
+    assert costs.prefill_s("never-seen", 500) == pytest.approx(0.5)
+    assert costs.compute_s("p0", 500) == pytest.approx(0.5)
+    costs.forget_engine("p0")
+    assert "p0" not in costs.prefill
+
+
+def test_backlog_and_itl_targets_balance() -> None:
+    costs = PathCosts()
+    costs.add_backlog("p", 100)
+    costs.add_backlog("p", 50)
+    costs.add_itl_target("d", 0.05)
+    costs.add_itl_target("d", 0.02)
+    costs.add_itl_target("d", 0.02)
+    assert costs.backlog_tokens["p"] == 150 and costs.tightest_itl_target("d") == 0.02
+    assert costs.leaks()
+    costs.remove_backlog("p", 100)
+    costs.remove_itl_target("d", 0.02)
+    assert costs.tightest_itl_target("d") == 0.02
+    costs.remove_itl_target("d", 0.02)
+    costs.remove_itl_target("d", 0.3)  # never added: no-op
+    assert costs.tightest_itl_target("d") == 0.05
+    costs.remove_backlog("p", 50)
+    costs.remove_itl_target("d", 0.05)
+    assert costs.leaks() == [] and costs.tightest_itl_target("d") is None
