@@ -65,8 +65,10 @@ class SchedulerConfig:
     path_policy: str = opt("cost", "per-request path: cost (predicted time, the default), threshold "
                                    "(uncached tokens on the decode engine) or remote (always disaggregated)")
     path_threshold_tokens: int = opt(256, "threshold path policy: decode-local below this many uncached tokens")
-    path_decode_stall_budget_ms: float = opt(100.0, "cost path policy: longest prefill a decode engine takes on "
-                                                    "(it stalls the requests decoding there)")
+    path_decode_stall_steps: float = opt(2.0, "cost path policy: longest prefill a decode engine takes on (it "
+                                              "stalls the requests decoding there), in measured inter-token gaps")
+    path_decode_stall_budget_ms: float = opt(50.0, "cost path policy: the stall budget's floor (before any "
+                                                   "inter-token gap is measured)")
     path_decode_load_ms: float = opt(2.0, "cost path policy: cost of one unit of decode-engine load")
     path_max_decode_kv_usage: float = opt(0.9, "decode engines at or above this KV usage get no new request "
                                                "while another is below it")
@@ -131,7 +133,7 @@ class SchedulerConfig:
                  f"must be cost, threshold or remote, got {self.path_policy!r}")
         _require(self.path_threshold_tokens >= 0, "path_threshold_tokens", "must be >= 0")
         _require(0 < self.path_max_decode_kv_usage <= 1, "path_max_decode_kv_usage", "must be in (0, 1]")
-        for name in ("path_decode_stall_budget_ms", "path_decode_load_ms", "path_ttft_target_ms",
+        for name in ("path_decode_stall_steps", "path_decode_stall_budget_ms", "path_decode_load_ms", "path_ttft_target_ms",
                      "path_prior_prefill_us_per_token", "path_prior_transfer_us_per_token"):
             _require(getattr(self, name) >= 0, name, "must be >= 0")
         _require(self.prefix_index_max_entries >= 1, "prefix_index_max_entries", "must be >= 1")

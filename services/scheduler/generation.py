@@ -295,8 +295,9 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         _, own, total = flight.backlog
         flight.backlog = None
         self.costs.remove_backlog(engine_id, own)
-        if seconds is not None:
-            self.costs.observe_prefill(engine_id, total, seconds)
+        engine = self.registry.engine(engine_id)
+        if seconds is not None and engine is not None:
+            self.costs.observe_prefill(str(engine.role), total, seconds)
 
     def _register_itl(self, flight: Flight, engine_id: str | None) -> None:
         """Moves the request's ITL target to the decode engine it runs on (None: removes it)."""
@@ -547,6 +548,8 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             self.metrics.count_first_tokens(len(token_ids))
         else:
             self.metrics.observe_inter_token_latency(now - flight.last_token_at, len(token_ids))
+            if len(flight.output_ids) >= 2:  # the gap before the second token holds the transfer
+                self.costs.observe_itl((now - flight.last_token_at) / len(token_ids))
         flight.first_token_at = flight.first_token_at or now
         flight.last_token_at = now
         index = self.table.tokens_streamed(flight.record, len(token_ids))

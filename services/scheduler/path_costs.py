@@ -2,23 +2,29 @@
 
 Pure and synchronous (the servicer feeds it; the policy reads it). Three kinds of facts:
 
-- **Prefill time per engine**: seconds from dispatch until the engine answered (remote prefill)
-  or streamed the first token (decode-local prefill), against the prompt tokens it had to
-  compute *including those queued ahead of it* (the backlog at dispatch). So a prediction for
-  `backlog + uncached` tokens is a prediction of the wait plus the compute, in one line.
+- **Prefill time per engine role**: seconds from dispatch until a prefill engine answered
+  (remote prefill) or a decode engine streamed the first token (decode-local prefill), against
+  the prompt tokens it had to compute *including those queued ahead of it* (the backlog at
+  dispatch). So a prediction for `backlog + uncached` tokens is a prediction of the wait plus
+  the compute, in one line. One fit per role, not per engine: a handful of samples per engine
+  gave fixed parts noisy enough to outweigh a whole prefix; what differs between engines of a
+  role is their backlog and load, which the policy reads per engine.
 - **Transfer time per prefill→decode pair**: seconds from the decode leg's dispatch until the
   decode engine finished receiving (KVReady), against the prompt tokens it pulled (only the
   blocks it lacked). The fixed part is the hop: the second RPC, allocation, the UCX
   handshake and the KVReady round trip.
+- **Inter-token latency**: an exponentially weighted mean of the gaps between the tokens the
+  scheduler relays (from the third token on: the gap before the second holds the transfer), so
+  the policy can size a decode engine's stall budget in decode steps.
 - **Backlog and ITL targets per engine**: prompt tokens the scheduler sent to an engine that it
   has not finished computing yet, and the tightest ITL target among the requests decoding on
   it (a decode-local prefill there stalls all of them).
 
 Each fit is `seconds = fixed_s + per_token_s * tokens`, by exponentially decayed least squares
 (recent samples count most, so a fit follows a changing machine). Until a fit has samples of
-two clearly different sizes its slope is the prior's (configurable), and until it has any it is
-the prior; an engine without samples of its own borrows the fit of all engines of its kind.
-Predictions are never negative.
+clearly different sizes its slope is borrowed (prefill: from the fit over both roles, then the
+prior; transfer: from the fit over all pairs, then the prior), and until it has any sample it is
+the borrowed fit. Predictions are never negative.
 """
 
 from __future__ import annotations
@@ -58,19 +64,25 @@ class LinearFit:
         self._nt = d * self._nt + num_tokens * seconds
         self.num_samples += 1
 
-    def params(self) -> tuple[float, float]:
-        """(fixed_s, per_token_s), both >= 0."""
+    @property
+    def has_slope(self) -> bool:
+        """True once the samples spread enough to fix the per-token cost themselves."""
+        return self.num_samples > 1 and self._nn / self._w - (self._n / self._w) ** 2 >= MIN_SPREAD_TOKENS ** 2
+
+    def params(self, fallback_per_token_s: float | None = None) -> tuple[float, float]:
+        """(fixed_s, per_token_s), both >= 0. Without a slope of its own the fit uses
+        `fallback_per_token_s` (default: the prior's)."""
+        slope = self.prior_per_token_s if fallback_per_token_s is None else fallback_per_token_s
         if self.num_samples == 0:
-            return self.prior_fixed_s, self.prior_per_token_s
+            return self.prior_fixed_s, slope
         mean_n, mean_t = self._n / self._w, self._t / self._w
-        var = self._nn / self._w - mean_n * mean_n
-        slope = self.prior_per_token_s
-        if var >= MIN_SPREAD_TOKENS ** 2:
+        if self.has_slope:
+            var = self._nn / self._w - mean_n * mean_n
             slope = max(0.0, (self._nt / self._w - mean_n * mean_t) / var)
         return max(0.0, mean_t - slope * mean_n), slope
 
-    def predict(self, num_tokens: int) -> float:
-        fixed, slope = self.params()
+    def predict(self, num_tokens: int, fallback_per_token_s: float | None = None) -> float:
+        fixed, slope = self.params(fallback_per_token_s)
         return fixed + slope * max(0, num_tokens)
 
 
@@ -94,6 +106,7 @@ class PathCosts:
     transfer: dict[tuple[str, str], LinearFit] = field(default_factory=dict)
     backlog_tokens: Counter[str] = field(default_factory=Counter)
     itl_targets: dict[str, Counter[float]] = field(default_factory=dict)
+    itl_s: float | None = None
     _all_prefill: LinearFit | None = None
     _all_transfer: LinearFit | None = None
 
@@ -104,10 +117,11 @@ class PathCosts:
 
     # -- measurements ------------------------------------------------------------------------
 
-    def observe_prefill(self, engine_id: str, num_tokens: int, seconds: float) -> None:
-        """`num_tokens` = backlog at dispatch plus the request's own uncached tokens."""
+    def observe_prefill(self, role: str, num_tokens: int, seconds: float) -> None:
+        """A prefill on an engine of `role` (prefill | decode); `num_tokens` = backlog at
+        dispatch plus the request's own uncached tokens."""
         assert self._all_prefill is not None
-        self._fit(self.prefill, engine_id, self._all_prefill).observe(num_tokens, seconds)
+        self._fit(self.prefill, role, self._all_prefill).observe(num_tokens, seconds)
         self._all_prefill.observe(num_tokens, seconds)
 
     def observe_transfer(self, prefill_id: str, decode_id: str, num_tokens: int, seconds: float) -> None:
@@ -121,22 +135,35 @@ class PathCosts:
             fit = fits[key] = LinearFit(like.prior_fixed_s, like.prior_per_token_s, self.decay)
         return fit
 
+    def observe_itl(self, seconds: float) -> None:
+        """One inter-token gap (per token) of a decoding request."""
+        if not 0 <= seconds < float("inf"):
+            return
+        self.itl_s = seconds if self.itl_s is None else self.decay * self.itl_s + (1 - self.decay) * seconds
+
     # -- predictions -------------------------------------------------------------------------
 
-    def prefill_s(self, engine_id: str, num_tokens: int) -> float:
-        """Seconds until `engine_id` has computed `num_tokens` more tokens (queue included when
-        the caller adds the backlog)."""
-        assert self._all_prefill is not None
-        return self.prefill.get(engine_id, self._all_prefill).predict(num_tokens)
+    def prefill_s(self, role: str, num_tokens: int) -> float:
+        """Seconds until an engine of `role` has computed `num_tokens` more tokens (its queue
+        included when the caller adds the backlog)."""
+        return self._prefill_fit(role).predict(num_tokens, self._prefill_slope())
 
-    def compute_s(self, engine_id: str, num_tokens: int) -> float:
-        """The per-token part only: how long computing `num_tokens` stalls the engine's batch."""
-        assert self._all_prefill is not None
-        return self.prefill.get(engine_id, self._all_prefill).params()[1] * max(0, num_tokens)
+    def compute_s(self, role: str, num_tokens: int) -> float:
+        """The per-token part only: how long computing `num_tokens` stalls an engine's batch."""
+        return self._prefill_fit(role).params(self._prefill_slope())[1] * max(0, num_tokens)
 
     def transfer_s(self, prefill_id: str, decode_id: str, num_tokens: int) -> float:
         assert self._all_transfer is not None
-        return self.transfer.get((prefill_id, decode_id), self._all_transfer).predict(num_tokens)
+        slope = self._all_transfer.params()[1]
+        return self.transfer.get((prefill_id, decode_id), self._all_transfer).predict(num_tokens, slope)
+
+    def _prefill_fit(self, role: str) -> LinearFit:
+        assert self._all_prefill is not None
+        return self.prefill.get(role, self._all_prefill)
+
+    def _prefill_slope(self) -> float:
+        assert self._all_prefill is not None
+        return self._all_prefill.params()[1]
 
     # -- backlog and ITL targets ---------------------------------------------------------------
 
@@ -168,8 +195,7 @@ class PathCosts:
         return min(targets) if targets else None
 
     def forget_engine(self, engine_id: str) -> None:
-        """Drops an engine's fits (a restarted engine may run on other hardware)."""
-        self.prefill.pop(engine_id, None)
+        """Drops the transfer fits of an engine's pairs (a restarted engine may sit elsewhere)."""
         for pair in [p for p in self.transfer if engine_id in p]:
             del self.transfer[pair]
 

@@ -8,7 +8,7 @@ cost. The policy decides per request, together with the decode engine, from:
   reuses its local prefix and pulls the blocks after it — and computes only the rest when local);
 - the engines' load (`EngineView`: queue, KV usage, the scheduler's own backlog of prompt tokens
   there, the tightest ITL target of the requests decoding there);
-- the measured prefill and transfer costs (`PathCosts`, per engine and per prefill→decode pair).
+- the measured prefill and transfer costs (`PathCosts`, per engine role and per prefill→decode pair).
 
 Modes (`PathConfig.mode`):
 - `remote`: always remote prefill (the classic disaggregated path; decode-local only when no
@@ -21,9 +21,12 @@ Modes (`PathConfig.mode`):
   tokens, plus the pair's transfer of the tokens the decode engine lacks — plus
   `decode_load_s` per unit of the decode engine's load. A local prefill stalls the decode
   engine's running requests for its compute time, so it is an option only while that stall is
-  within `decode_stall_budget_s` and within the ITL target of every request decoding there. A
+  within the stall budget — `decode_stall_steps` measured inter-token gaps, at least
+  `decode_stall_budget_s` — and within the ITL target of every request decoding there. A
   request's TTFT target (or `ttft_target_s`) may lift the budget (not the ITL targets) when
-  only a local prefill meets it.
+  only a local prefill meets it. The budget in decode steps keeps the short/long boundary
+  where it belongs on any machine: per-token prefill cost and decode step time scale together
+  (a loaded CPU: tens of tokens; a GPU: thousands).
 
 Shared rules: decode engines whose KV usage is at or above `max_decode_kv_usage` are not
 candidates while another is below it (a nearly full engine gets no new request, whatever its
@@ -78,7 +81,8 @@ class PathConfig:
     mode: str = "cost"
     threshold_tokens: int = 256
     max_decode_kv_usage: float = 0.9
-    decode_stall_budget_s: float = 0.1
+    decode_stall_budget_s: float = 0.05
+    decode_stall_steps: float = 2.0
     decode_load_s: float = 0.002
     ttft_target_s: float | None = None
     block_size: int = 16
@@ -90,7 +94,7 @@ class PathConfig:
             raise ValueError(f"path_threshold_tokens: must be >= 0, got {self.threshold_tokens}")
         if not 0 < self.max_decode_kv_usage <= 1:
             raise ValueError(f"path_max_decode_kv_usage: must be in (0, 1], got {self.max_decode_kv_usage}")
-        for name in ("decode_stall_budget_s", "decode_load_s"):
+        for name in ("decode_stall_budget_s", "decode_stall_steps", "decode_load_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"path {name}: must be >= 0, got {getattr(self, name)}")
         if self.block_size < 1:
@@ -216,18 +220,23 @@ class PathPolicy:
         uncached = self._uncached(request, prefill.engine_id, matched_blocks)
         backlog = prefill.num_backlog_tokens if with_backlog else 0
         pull = self._uncached(request, d.engine_id, matched_blocks)
-        cost = (c.prefill_s(prefill.engine_id, backlog + uncached) + c.transfer_s(prefill.engine_id, d.engine_id, pull)
+        cost = (c.prefill_s(prefill.role, backlog + uncached) + c.transfer_s(prefill.engine_id, d.engine_id, pull)
                 + self.config.decode_load_s * d.load_score)
         return _Option(cost, d, False, uncached, pull)
 
     def _local_option(self, request: PathRequest, d: EngineView, matched_blocks: Mapping[str, int]) -> _Option:
         uncached = self._uncached(request, d.engine_id, matched_blocks)
-        cost = self.costs.prefill_s(d.engine_id, d.num_backlog_tokens + uncached) + self.config.decode_load_s * d.load_score
+        cost = self.costs.prefill_s(d.role, d.num_backlog_tokens + uncached) + self.config.decode_load_s * d.load_score
         return _Option(cost, d, True, uncached, 0)
 
     def _stall_limit(self, d: EngineView) -> float | None:
         """Hard limit on a local prefill's stall there: the tightest ITL target decoding there."""
         return d.itl_target_s if d.num_running + d.num_inflight > 0 else None
+
+    def stall_budget_s(self) -> float:
+        """How long a local prefill may stall a decode engine (see the module docstring)."""
+        itl = self.costs.itl_s or 0.0
+        return max(self.config.decode_stall_budget_s, self.config.decode_stall_steps * itl)
 
     def _ttft_target(self, request: PathRequest) -> float | None:
         return request.ttft_target_s if request.ttft_target_s is not None else self.config.ttft_target_s
@@ -247,16 +256,16 @@ class PathPolicy:
                        matched_blocks: Mapping[str, int], remote: _Option) -> tuple[list[_Option], bool]:
         """The local options allowed by the stall budget (or the TTFT target), and whether an
         ITL target forbade one the budget allowed."""
-        target = self._ttft_target(request)
+        target, budget = self._ttft_target(request), self.stall_budget_s()
         options, itl_blocked = [], False
         for d in candidates:
             option = self._local_option(request, d, matched_blocks)
-            stall = self.costs.compute_s(d.engine_id, option.uncached)
+            stall = self.costs.compute_s(d.role, option.uncached)
             hard = self._stall_limit(d)
             if hard is not None and stall > hard:
-                itl_blocked = itl_blocked or stall <= self.config.decode_stall_budget_s
+                itl_blocked = itl_blocked or stall <= budget
                 continue
-            if stall <= self.config.decode_stall_budget_s:
+            if stall <= budget:
                 options.append(option)
             elif target is not None and option.cost_s <= target < remote.cost_s:
                 options.append(_Option(option.cost_s, d, True, option.uncached, 0, stretched=True))
@@ -266,8 +275,8 @@ class PathPolicy:
                       candidates: Sequence[EngineView], matched_blocks: Mapping[str, int]) -> str:
         if best.stretched:
             return LOCAL_TTFT_TARGET
-        whole = self.costs.compute_s(best.decode.engine_id, request.num_tokens)
-        if best.uncached < request.num_tokens and whole > self.config.decode_stall_budget_s:
+        whole = self.costs.compute_s(best.decode.role, request.num_tokens)
+        if best.uncached < request.num_tokens and whole > self.stall_budget_s():
             return LOCAL_DECODE_HAS_PREFIX
         idle = min((self._remote_option(request, prefill, d, matched_blocks, with_backlog=False) for d in candidates),
                    key=_order)

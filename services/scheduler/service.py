@@ -67,6 +67,7 @@ def make_path_policy(config: SchedulerConfig) -> PathPolicy:
     path = PathConfig(mode=config.path_policy, threshold_tokens=config.path_threshold_tokens,
                       max_decode_kv_usage=config.path_max_decode_kv_usage,
                       decode_stall_budget_s=config.path_decode_stall_budget_ms / 1000.0,
+                      decode_stall_steps=config.path_decode_stall_steps,
                       decode_load_s=config.path_decode_load_ms / 1000.0,
                       ttft_target_s=config.path_ttft_target_ms / 1000.0 or None, block_size=config.block_size)
     return PathPolicy(path, PathCosts(priors))

@@ -28,8 +28,9 @@ def _prompts() -> tuple[list[list[int]], list[list[int]]]:
     rng = random.Random(19)
     short = [[rng.randrange(100, 49000) for _ in range(rng.randint(6, 24))] for _ in range(6)]
     prefix = [rng.randrange(100, 49000) for _ in range(SHARED_LEN)]
-    # 400+ tokens no engine holds: far past the decode stall budget at CPU prefill speed.
-    long = [prefix + [rng.randrange(100, 49000) for _ in range(rng.randint(400, 480))] for _ in range(4)]
+    # 600+ tokens no engine holds: far past the decode stall budget (100 ms) at CPU prefill speed
+    # (the boundary is ~0.1 s / per-token cost: a few hundred tokens here, thousands on a GPU).
+    long = [prefix + [rng.randrange(100, 49000) for _ in range(rng.randint(600, 680))] for _ in range(4)]
     return short, long
 
 
@@ -73,7 +74,7 @@ def test_short_prompts_go_decode_local_long_ones_remote_and_outputs_match(
     short, long = _prompts()
     full = len(long[0]) // BLOCK * BLOCK
     reuse_local = long[0][:full] + [7, 8, 9, 10, 11, 12, 13, 14]  # the decode engine holds all but 8
-    reuse_remote = long[0][:full] + [t + 50 for t in range(300)]  # ... all but 300
+    reuse_remote = long[0][:full] + [t + 50 for t in range(600)]  # ... all but 600
     expected = _reference(demo_model, short + long + [reuse_local, reuse_remote])
     c = start_cluster(tmp_path_factory, "paths", num_prefill=2, num_decode=2,
                       scheduler_args=["--path-policy", "cost"])

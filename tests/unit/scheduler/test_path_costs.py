@@ -35,15 +35,26 @@ def test_recent_samples_outweigh_old_ones_and_bad_samples_are_ignored() -> None:
     assert fit.num_samples == 22
 
 
-def test_an_engine_without_samples_borrows_the_fit_of_all_engines() -> None:
+def test_a_role_without_samples_borrows_the_fit_over_both_roles() -> None:
     costs = PathCosts(CostPriors(prefill_fixed_s=0.0, prefill_per_token_s=1.0))
     for n in (10, 1000):
-        costs.observe_prefill("p0", n, 0.001 * n)
-    assert costs.prefill_s("p0", 500) == pytest.approx(0.5)
-    assert costs.prefill_s("never-seen", 500) == pytest.approx(0.5)
-    assert costs.compute_s("p0", 500) == pytest.approx(0.5)
-    costs.forget_engine("p0")
-    assert "p0" not in costs.prefill
+        costs.observe_prefill("prefill", n, 0.001 * n)
+    assert costs.prefill_s("prefill", 500) == pytest.approx(0.5)
+    assert costs.prefill_s("decode", 500) == pytest.approx(0.5)
+    # Decode-local samples of one size: their own fixed part, the slope of both roles.
+    for _ in range(3):
+        costs.observe_prefill("decode", 20, 0.2)
+    assert costs.compute_s("decode", 500) == pytest.approx(costs.compute_s("prefill", 500), rel=0.2)
+    assert costs.prefill_s("decode", 20) == pytest.approx(0.2, rel=0.1)
+
+
+def test_a_pair_without_samples_borrows_the_fit_over_all_pairs() -> None:
+    costs = PathCosts(CostPriors(transfer_fixed_s=1.0, transfer_per_token_s=1.0))
+    for n in (100, 1000):
+        costs.observe_transfer("p0", "d0", n, 0.01 + 0.0001 * n)
+    assert costs.transfer_s("p0", "d1", 1000) == pytest.approx(0.11)
+    costs.forget_engine("d0")
+    assert ("p0", "d0") not in costs.transfer
 
 
 def test_backlog_and_itl_targets_balance() -> None:

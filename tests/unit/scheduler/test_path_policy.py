@@ -34,6 +34,7 @@ def view(engine_id: str, role: str = "decode", **kw: float) -> EngineView:
 
 
 def policy(**kw: object) -> PathPolicy:
+    kw.setdefault("decode_stall_budget_s", 0.1)
     return PathPolicy(PathConfig(**kw), PathCosts(PRIORS))  # type: ignore[arg-type]
 
 
@@ -56,6 +57,16 @@ def test_stall_budget_is_the_cost_mode_boundary() -> None:
     pol = policy(decode_stall_budget_s=0.05)  # 250 tokens at 200 us
     assert pol.decide(PathRequest(250), P, D, {}).reason == LOCAL_SHORT_PROMPT
     assert pol.decide(PathRequest(251), P, D, {}).reason == REMOTE_LONG_PROMPT
+
+
+def test_stall_budget_grows_with_the_measured_inter_token_gap() -> None:
+    pol = policy(decode_stall_steps=2.0)
+    assert pol.decide(PathRequest(1500), P, D, {}).reason == REMOTE_LONG_PROMPT  # 300 ms > 100 ms floor
+    for _ in range(200):
+        pol.costs.observe_itl(0.2)  # a slow machine: 200 ms per decode step, budget 400 ms
+    assert pol.stall_budget_s() == pytest.approx(0.4)
+    assert pol.decide(PathRequest(1500), P, D, {}).reason == LOCAL_SHORT_PROMPT
+    assert pol.decide(PathRequest(2001), P, D, {}).reason == REMOTE_LONG_PROMPT
 
 
 def test_decode_has_prefix_goes_local_and_picks_that_engine() -> None:
@@ -136,9 +147,9 @@ def test_decode_load_outweighs_a_small_prefix() -> None:
 
 def test_measured_costs_move_the_boundary_and_pick_the_faster_pair() -> None:
     costs = PathCosts(PRIORS)
-    for n in (100, 1000, 2000, 4000):  # a fast engine: 20 us per token
-        costs.observe_prefill("d0", n, 0.005 + 0.00002 * n)
-    pol = PathPolicy(PathConfig(), costs)
+    for n in (100, 1000, 2000, 4000):  # fast engines: 20 us per token
+        costs.observe_prefill("decode", n, 0.005 + 0.00002 * n)
+    pol = PathPolicy(PathConfig(decode_stall_budget_s=0.1), costs)
     assert pol.decide(PathRequest(4000), P, [view("d0")], {}).reason == LOCAL_SHORT_PROMPT
     for n in (100, 2000):
         costs.observe_transfer("p", "d0", n, 0.5 + 0.001 * n)  # a slow pair
