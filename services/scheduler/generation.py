@@ -289,15 +289,14 @@ class GenerationServicer(gen_grpc.GenerationServicer):
 
     def _settle_backlog(self, flight: Flight, engine_id: str, seconds: float | None) -> None:
         """The engine computed (or gave up on) this request's prompt; `seconds` since dispatch
-        feeds its prefill fit (None: nothing to learn, e.g. a failure)."""
+        of a remote prefill feeds the prefill fit (None: nothing to learn)."""
         if flight.backlog is None or flight.backlog[0] != engine_id:
             return
         _, own, total = flight.backlog
         flight.backlog = None
         self.costs.remove_backlog(engine_id, own)
-        engine = self.registry.engine(engine_id)
-        if seconds is not None and engine is not None:
-            self.costs.observe_prefill(str(engine.role), total, seconds)
+        if seconds is not None:
+            self.costs.observe_prefill(total, seconds)
 
     def _register_itl(self, flight: Flight, engine_id: str | None) -> None:
         """Moves the request's ITL target to the decode engine it runs on (None: removes it)."""
@@ -514,7 +513,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                 if first and descriptor is not None:
                     self._transferred(flight, engine.engine_id, response.num_transferred_tokens)
                 if first:
-                    self._settle_backlog(flight, engine.engine_id, time.monotonic() - flight.leg_started_at)
+                    self._settle_backlog(flight, engine.engine_id, None)  # see PathCosts: not sampled
                     flight.num_cached_tokens = max(flight.num_cached_tokens, response.num_cached_tokens)
                     first = False
                 if response.token_ids:

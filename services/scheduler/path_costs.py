@@ -2,13 +2,15 @@
 
 Pure and synchronous (the servicer feeds it; the policy reads it). Three kinds of facts:
 
-- **Prefill time per engine role**: seconds from dispatch until a prefill engine answered
-  (remote prefill) or a decode engine streamed the first token (decode-local prefill), against
-  the prompt tokens it had to compute *including those queued ahead of it* (the backlog at
-  dispatch). So a prediction for `backlog + uncached` tokens is a prediction of the wait plus
-  the compute, in one line. One fit per role, not per engine: a handful of samples per engine
-  gave fixed parts noisy enough to outweigh a whole prefix; what differs between engines of a
-  role is their backlog and load, which the policy reads per engine.
+- **Prefill time**: seconds from dispatch until a prefill engine answered, against the prompt
+  tokens it had to compute *including those queued ahead of it* (the backlog at dispatch). So
+  a prediction for `backlog + uncached` tokens is a prediction of the wait plus the compute, in
+  one line. The per-token part is also what a decode-local prefill costs a decode engine (same
+  model, same kind of device). One fit for all prefill engines, not one per engine: a handful of
+  samples per engine gave fixed parts noisy enough to outweigh a whole prefix; what differs
+  between engines is their backlog and load, which the policy reads per engine. Decode-local
+  prefills are not sampled: their time to the first token mixes in the decode batch they join,
+  which a remote prefill's request joins too after its transfer.
 - **Transfer time per prefill→decode pair**: seconds from the decode leg's dispatch until the
   decode engine finished receiving (KVReady), against the prompt tokens it pulled (only the
   blocks it lacked). The fixed part is the hop: the second RPC, allocation, the UCX
@@ -22,16 +24,14 @@ Pure and synchronous (the servicer feeds it; the policy reads it). Three kinds o
 
 Each fit is `seconds = fixed_s + per_token_s * tokens`, by exponentially decayed least squares
 (recent samples count most, so a fit follows a changing machine). Until a fit has samples of
-clearly different sizes its slope is borrowed (prefill: from the fit over both roles, then the
-prior; transfer: from the fit over all pairs, then the prior), and until it has any sample it is
-the borrowed fit. Predictions are never negative.
+clearly different sizes its slope is borrowed (a pair's from the fit over all pairs, then the
+prior), and until it has any sample it is the borrowed fit. Predictions are never negative.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
 
 DEFAULT_DECAY = 0.95
 # Samples whose sizes spread less than this many tokens (standard deviation) fix no slope.
@@ -102,38 +102,35 @@ class PathCosts:
 
     priors: CostPriors = field(default_factory=CostPriors)
     decay: float = DEFAULT_DECAY
-    prefill: dict[str, LinearFit] = field(default_factory=dict)
     transfer: dict[tuple[str, str], LinearFit] = field(default_factory=dict)
     backlog_tokens: Counter[str] = field(default_factory=Counter)
     itl_targets: dict[str, Counter[float]] = field(default_factory=dict)
     itl_s: float | None = None
-    _all_prefill: LinearFit | None = None
+    prefill: LinearFit | None = None
     _all_transfer: LinearFit | None = None
 
     def __post_init__(self) -> None:
         p = self.priors
-        self._all_prefill = LinearFit(p.prefill_fixed_s, p.prefill_per_token_s, self.decay)
+        self.prefill = LinearFit(p.prefill_fixed_s, p.prefill_per_token_s, self.decay)
         self._all_transfer = LinearFit(p.transfer_fixed_s, p.transfer_per_token_s, self.decay)
 
     # -- measurements ------------------------------------------------------------------------
 
-    def observe_prefill(self, role: str, num_tokens: int, seconds: float) -> None:
-        """A prefill on an engine of `role` (prefill | decode); `num_tokens` = backlog at
-        dispatch plus the request's own uncached tokens."""
-        assert self._all_prefill is not None
-        self._fit(self.prefill, role, self._all_prefill).observe(num_tokens, seconds)
-        self._all_prefill.observe(num_tokens, seconds)
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """A remote prefill; `num_tokens` = backlog at dispatch plus the request's own uncached
+        tokens."""
+        assert self.prefill is not None
+        self.prefill.observe(num_tokens, seconds)
 
     def observe_transfer(self, prefill_id: str, decode_id: str, num_tokens: int, seconds: float) -> None:
         assert self._all_transfer is not None
-        self._fit(self.transfer, (prefill_id, decode_id), self._all_transfer).observe(num_tokens, seconds)
-        self._all_transfer.observe(num_tokens, seconds)
-
-    def _fit(self, fits: dict[Any, LinearFit], key: Any, like: LinearFit) -> LinearFit:
-        fit = fits.get(key)
+        pair = (prefill_id, decode_id)
+        fit = self.transfer.get(pair)
         if fit is None:
-            fit = fits[key] = LinearFit(like.prior_fixed_s, like.prior_per_token_s, self.decay)
-        return fit
+            fit = self.transfer[pair] = LinearFit(self.priors.transfer_fixed_s, self.priors.transfer_per_token_s,
+                                                  self.decay)
+        fit.observe(num_tokens, seconds)
+        self._all_transfer.observe(num_tokens, seconds)
 
     def observe_itl(self, seconds: float) -> None:
         """One inter-token gap (per token) of a decoding request."""
@@ -143,27 +140,21 @@ class PathCosts:
 
     # -- predictions -------------------------------------------------------------------------
 
-    def prefill_s(self, role: str, num_tokens: int) -> float:
-        """Seconds until an engine of `role` has computed `num_tokens` more tokens (its queue
+    def prefill_s(self, num_tokens: int) -> float:
+        """Seconds until a prefill engine has computed `num_tokens` more tokens (its queue
         included when the caller adds the backlog)."""
-        return self._prefill_fit(role).predict(num_tokens, self._prefill_slope())
+        assert self.prefill is not None
+        return self.prefill.predict(num_tokens)
 
-    def compute_s(self, role: str, num_tokens: int) -> float:
+    def compute_s(self, num_tokens: int) -> float:
         """The per-token part only: how long computing `num_tokens` stalls an engine's batch."""
-        return self._prefill_fit(role).params(self._prefill_slope())[1] * max(0, num_tokens)
+        assert self.prefill is not None
+        return self.prefill.params()[1] * max(0, num_tokens)
 
     def transfer_s(self, prefill_id: str, decode_id: str, num_tokens: int) -> float:
         assert self._all_transfer is not None
         slope = self._all_transfer.params()[1]
         return self.transfer.get((prefill_id, decode_id), self._all_transfer).predict(num_tokens, slope)
-
-    def _prefill_fit(self, role: str) -> LinearFit:
-        assert self._all_prefill is not None
-        return self.prefill.get(role, self._all_prefill)
-
-    def _prefill_slope(self) -> float:
-        assert self._all_prefill is not None
-        return self._all_prefill.params()[1]
 
     # -- backlog and ITL targets ---------------------------------------------------------------
 

@@ -8,7 +8,8 @@ cost. The policy decides per request, together with the decode engine, from:
   reuses its local prefix and pulls the blocks after it — and computes only the rest when local);
 - the engines' load (`EngineView`: queue, KV usage, the scheduler's own backlog of prompt tokens
   there, the tightest ITL target of the requests decoding there);
-- the measured prefill and transfer costs (`PathCosts`, per engine role and per prefill→decode pair).
+- the measured prefill and transfer costs (`PathCosts`: prefill time, and transfer time per
+  prefill→decode pair).
 
 Modes (`PathConfig.mode`):
 - `remote`: always remote prefill (the classic disaggregated path; decode-local only when no
@@ -16,9 +17,11 @@ Modes (`PathConfig.mode`):
 - `threshold`: decode-local when the prompt's uncached tokens on the decode engine are below
   `threshold_tokens` (llm-d's prefix-based decider).
 - `cost` (default): the option (decode engine x local | remote via the chosen prefill engine)
-  with the lowest predicted time until the request is decoding — local: the decode engine's
-  backlog plus the uncached tokens; remote: the prefill engine's backlog plus its uncached
-  tokens, plus the pair's transfer of the tokens the decode engine lacks — plus
+  with the lowest predicted time until the request is decoding — local: the compute of the
+  decode engine's backlog plus the uncached tokens; remote: the prefill engine's time for its
+  backlog plus its uncached tokens (with the fixed part of a prefill call), plus the pair's
+  transfer of the tokens the decode engine lacks. Joining the decode batch costs both paths
+  the same and is left out. Plus
   `decode_load_s` per unit of the decode engine's load. A local prefill stalls the decode
   engine's running requests for its compute time, so it is an option only while that stall is
   within the stall budget — `decode_stall_steps` measured inter-token gaps, at least
@@ -48,6 +51,7 @@ Pure: plain data in and out, no clock, no I/O.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -56,6 +60,8 @@ from services.scheduler.path_costs import PathCosts
 
 if TYPE_CHECKING:  # routing imports this module
     from services.scheduler.routing import EngineView
+
+logger = logging.getLogger(__name__)
 
 PATH_LOCAL = "decode_local"
 PATH_REMOTE = "remote"
@@ -220,13 +226,13 @@ class PathPolicy:
         uncached = self._uncached(request, prefill.engine_id, matched_blocks)
         backlog = prefill.num_backlog_tokens if with_backlog else 0
         pull = self._uncached(request, d.engine_id, matched_blocks)
-        cost = (c.prefill_s(prefill.role, backlog + uncached) + c.transfer_s(prefill.engine_id, d.engine_id, pull)
+        cost = (c.prefill_s(backlog + uncached) + c.transfer_s(prefill.engine_id, d.engine_id, pull)
                 + self.config.decode_load_s * d.load_score)
         return _Option(cost, d, False, uncached, pull)
 
     def _local_option(self, request: PathRequest, d: EngineView, matched_blocks: Mapping[str, int]) -> _Option:
         uncached = self._uncached(request, d.engine_id, matched_blocks)
-        cost = self.costs.prefill_s(d.role, d.num_backlog_tokens + uncached) + self.config.decode_load_s * d.load_score
+        cost = self.costs.compute_s(d.num_backlog_tokens + uncached) + self.config.decode_load_s * d.load_score
         return _Option(cost, d, True, uncached, 0)
 
     def _stall_limit(self, d: EngineView) -> float | None:
@@ -260,8 +266,11 @@ class PathPolicy:
         options, itl_blocked = [], False
         for d in candidates:
             option = self._local_option(request, d, matched_blocks)
-            stall = self.costs.compute_s(d.role, option.uncached)
+            stall = self.costs.compute_s(option.uncached)
             hard = self._stall_limit(d)
+            logger.debug("local on %s: %d uncached, cost %.3f s, stall %.3f s (budget %.3f s, ITL limit %s); "
+                         "remote %.3f s", d.engine_id, option.uncached, option.cost_s, stall, budget, hard,
+                         remote.cost_s)
             if hard is not None and stall > hard:
                 itl_blocked = itl_blocked or stall <= budget
                 continue
@@ -275,7 +284,7 @@ class PathPolicy:
                       candidates: Sequence[EngineView], matched_blocks: Mapping[str, int]) -> str:
         if best.stretched:
             return LOCAL_TTFT_TARGET
-        whole = self.costs.compute_s(best.decode.role, request.num_tokens)
+        whole = self.costs.compute_s(request.num_tokens)
         if best.uncached < request.num_tokens and whole > self.stall_budget_s():
             return LOCAL_DECODE_HAS_PREFIX
         idle = min((self._remote_option(request, prefill, d, matched_blocks, with_backlog=False) for d in candidates),

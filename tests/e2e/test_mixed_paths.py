@@ -76,8 +76,14 @@ def test_short_prompts_go_decode_local_long_ones_remote_and_outputs_match(
     reuse_local = long[0][:full] + [7, 8, 9, 10, 11, 12, 13, 14]  # the decode engine holds all but 8
     reuse_remote = long[0][:full] + [t + 50 for t in range(600)]  # ... all but 600
     expected = _reference(demo_model, short + long + [reuse_local, reuse_remote])
-    c = start_cluster(tmp_path_factory, "paths", num_prefill=2, num_decode=2,
-                      scheduler_args=["--path-policy", "cost"])
+    # A stall budget of 8 decode steps puts the short/long boundary at ~70-250 tokens on this
+    # machine's CPU, idle or loaded (a decode step costs ~9-30 prefill tokens here), between the
+    # short prompts (<= 24 tokens) and the long ones (>= 600 uncached). DEBUG logs each option.
+    # 256 MiB of KV per engine (~360 blocks of the demo model): long[0]'s ~56 blocks stay cached
+    # on its decode engine while the other long prompts pass (64 MiB would evict them).
+    c = start_cluster(tmp_path_factory, "paths", num_prefill=2, num_decode=2, engine_args=["--kv-cache-memory", "256MiB"],
+                      scheduler_args=["--path-policy", "cost", "--path-decode-stall-steps", "8",
+                                      "--log-level", "DEBUG"])
     try:
         first = asyncio.run(_run(c.target, [long[0]], 1))[0]
         assert first.path_reason.startswith("remote:") and first.transferred_tokens > 0, first

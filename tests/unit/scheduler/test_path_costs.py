@@ -35,17 +35,23 @@ def test_recent_samples_outweigh_old_ones_and_bad_samples_are_ignored() -> None:
     assert fit.num_samples == 22
 
 
-def test_a_role_without_samples_borrows_the_fit_over_both_roles() -> None:
+def test_prefill_fit_predicts_wait_plus_compute_and_the_compute_alone() -> None:
     costs = PathCosts(CostPriors(prefill_fixed_s=0.0, prefill_per_token_s=1.0))
+    assert costs.compute_s(3) == pytest.approx(3.0)
     for n in (10, 1000):
-        costs.observe_prefill("prefill", n, 0.001 * n)
-    assert costs.prefill_s("prefill", 500) == pytest.approx(0.5)
-    assert costs.prefill_s("decode", 500) == pytest.approx(0.5)
-    # Decode-local samples of one size: their own fixed part, the slope of both roles.
-    for _ in range(3):
-        costs.observe_prefill("decode", 20, 0.2)
-    assert costs.compute_s("decode", 500) == pytest.approx(costs.compute_s("prefill", 500), rel=0.2)
-    assert costs.prefill_s("decode", 20) == pytest.approx(0.2, rel=0.1)
+        costs.observe_prefill(n, 0.05 + 0.001 * n)
+    assert costs.prefill_s(500) == pytest.approx(0.55)
+    assert costs.compute_s(500) == pytest.approx(0.5)
+    assert costs.compute_s(-5) == 0.0
+
+
+def test_itl_is_an_exponentially_weighted_mean() -> None:
+    costs = PathCosts(decay=0.5)
+    assert costs.itl_s is None
+    costs.observe_itl(0.1)
+    costs.observe_itl(0.3)
+    costs.observe_itl(float("inf"))
+    assert costs.itl_s == pytest.approx(0.2)
 
 
 def test_a_pair_without_samples_borrows_the_fit_over_all_pairs() -> None:

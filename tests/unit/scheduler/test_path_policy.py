@@ -148,7 +148,7 @@ def test_decode_load_outweighs_a_small_prefix() -> None:
 def test_measured_costs_move_the_boundary_and_pick_the_faster_pair() -> None:
     costs = PathCosts(PRIORS)
     for n in (100, 1000, 2000, 4000):  # fast engines: 20 us per token
-        costs.observe_prefill("decode", n, 0.005 + 0.00002 * n)
+        costs.observe_prefill(n, 0.005 + 0.00002 * n)
     pol = PathPolicy(PathConfig(decode_stall_budget_s=0.1), costs)
     assert pol.decide(PathRequest(4000), P, [view("d0")], {}).reason == LOCAL_SHORT_PROMPT
     for n in (100, 2000):
