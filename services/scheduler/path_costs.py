@@ -24,8 +24,9 @@ Pure and synchronous (the servicer feeds it; the policy reads it). Three kinds o
 
 Each fit is `seconds = fixed_s + per_token_s * tokens`, by exponentially decayed least squares
 (recent samples count most, so a fit follows a changing machine). Until a fit has samples of
-clearly different sizes its slope is borrowed (a pair's from the fit over all pairs, then the
-prior), and until it has any sample it is the borrowed fit. Predictions are never negative.
+clearly different sizes it keeps the prior's fixed part and charges the rest to the tokens; a
+pair without samples uses the fit over all pairs, and a fit without any, the prior.
+Predictions are never negative.
 """
 
 from __future__ import annotations
@@ -69,20 +70,23 @@ class LinearFit:
         """True once the samples spread enough to fix the per-token cost themselves."""
         return self.num_samples > 1 and self._nn / self._w - (self._n / self._w) ** 2 >= MIN_SPREAD_TOKENS ** 2
 
-    def params(self, fallback_per_token_s: float | None = None) -> tuple[float, float]:
-        """(fixed_s, per_token_s), both >= 0. Without a slope of its own the fit uses
-        `fallback_per_token_s` (default: the prior's)."""
-        slope = self.prior_per_token_s if fallback_per_token_s is None else fallback_per_token_s
+    def params(self) -> tuple[float, float]:
+        """(fixed_s, per_token_s), both >= 0. Samples of (nearly) one size cannot tell the two
+        apart: the fit keeps the prior's fixed part and charges the rest to the tokens."""
         if self.num_samples == 0:
-            return self.prior_fixed_s, slope
+            return self.prior_fixed_s, self.prior_per_token_s
         mean_n, mean_t = self._n / self._w, self._t / self._w
         if self.has_slope:
             var = self._nn / self._w - mean_n * mean_n
             slope = max(0.0, (self._nt / self._w - mean_n * mean_t) / var)
-        return max(0.0, mean_t - slope * mean_n), slope
+            return max(0.0, mean_t - slope * mean_n), slope
+        if mean_n <= 0:
+            return mean_t, self.prior_per_token_s
+        fixed = min(self.prior_fixed_s, mean_t)
+        return fixed, (mean_t - fixed) / mean_n
 
-    def predict(self, num_tokens: int, fallback_per_token_s: float | None = None) -> float:
-        fixed, slope = self.params(fallback_per_token_s)
+    def predict(self, num_tokens: int) -> float:
+        fixed, slope = self.params()
         return fixed + slope * max(0, num_tokens)
 
 
@@ -153,8 +157,7 @@ class PathCosts:
 
     def transfer_s(self, prefill_id: str, decode_id: str, num_tokens: int) -> float:
         assert self._all_transfer is not None
-        slope = self._all_transfer.params()[1]
-        return self.transfer.get((prefill_id, decode_id), self._all_transfer).predict(num_tokens, slope)
+        return self.transfer.get((prefill_id, decode_id), self._all_transfer).predict(num_tokens)
 
     # -- backlog and ITL targets ---------------------------------------------------------------
 

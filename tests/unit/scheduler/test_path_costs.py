@@ -15,11 +15,14 @@ def test_fit_starts_from_the_prior_and_recovers_a_line() -> None:
     assert fixed == pytest.approx(0.02) and slope == pytest.approx(0.001)
 
 
-def test_samples_of_one_size_keep_the_prior_slope() -> None:
-    fit = LinearFit(prior_fixed_s=0.0, prior_per_token_s=0.001)
+def test_samples_of_one_size_keep_the_prior_fixed_part_and_charge_the_rest_to_tokens() -> None:
+    fit = LinearFit(prior_fixed_s=0.1, prior_per_token_s=0.5)
     for _ in range(5):
         fit.observe(100, 0.3)
-    assert fit.params() == pytest.approx((0.2, 0.001))
+    assert fit.params() == pytest.approx((0.1, 0.002))
+    fast = LinearFit(prior_fixed_s=1.0, prior_per_token_s=0.5)
+    fast.observe(100, 0.3)  # faster than the prior's fixed part alone
+    assert fast.params() == pytest.approx((0.3, 0.0))
 
 
 def test_recent_samples_outweigh_old_ones_and_bad_samples_are_ignored() -> None:
@@ -55,7 +58,7 @@ def test_itl_is_an_exponentially_weighted_mean() -> None:
 
 
 def test_a_pair_without_samples_borrows_the_fit_over_all_pairs() -> None:
-    costs = PathCosts(CostPriors(transfer_fixed_s=1.0, transfer_per_token_s=1.0))
+    costs = PathCosts(CostPriors(transfer_fixed_s=0.0, transfer_per_token_s=1.0))
     for n in (100, 1000):
         costs.observe_transfer("p0", "d0", n, 0.01 + 0.0001 * n)
     assert costs.transfer_s("p0", "d1", 1000) == pytest.approx(0.11)
