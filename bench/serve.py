@@ -270,7 +270,8 @@ def run(args: argparse.Namespace) -> int:
         args.workload = "mixed"
     wl = build_workload(args, vocab)
     report: dict[str, Any] = {"workload": {k: getattr(args, k) for k in (
-        "num_requests", "concurrency", "request_rate", "prompt_len", "output_len", "workload", "seed")}}
+        "num_requests", "concurrency", "request_rate", "prompt_len", "output_len", "workload", "seed",
+        "short_len", "short_fraction", "prefix_len", "num_prefixes", "prefill", "decode")}}
     if args.target:
         results, wall = asyncio.run(_drive(args.target, wl, args.concurrency, args.request_rate))
         report["target"] = summarize(results, wall, args)
