@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import statistics
@@ -29,6 +30,7 @@ import sys
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +41,7 @@ from services.local_cluster import ClusterSpec, LocalCluster
 
 # The classic disaggregated path for every prompt (the scheduler's default is the cost policy).
 ALWAYS_REMOTE = ["--path-policy", "remote"]
-
+VLLM_START_TIMEOUT_S = 900.0  # a cluster of vLLM engines on a loaded 2-core host
 
 @dataclass(slots=True)
 class Workload:
@@ -84,6 +86,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument("--out", default="bench-results", help="directory for serve.json and serve.png")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--engine", choices=["native", "vllm"], default="native",
+                        help="engine backend of every engine of the --up clusters (vllm: run from .venv-vllm)")
+    parser.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="a vLLM engine argument for every engine (with --engine vllm)")
+    parser.add_argument("--dtype", default="", help="engine dtype for --up (float32, bfloat16; default: the engine's)")
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -331,11 +338,41 @@ def summarize(results: list[GenerationResult], wall_s: float, args: argparse.Nam
     }
 
 
+def _engine_cluster_args(args: argparse.Namespace, cluster: dict[str, Any]) -> dict[str, Any]:
+    """The --engine / --vllm-arg / --dtype choice applied to one cluster's spec (vLLM's CPU
+    attention needs a block size that is a multiple of 32, on the scheduler as on the engines)."""
+    engine = getattr(args, "engine", "native")
+    engine_args = list(cluster.pop("engine_args", []))
+    scheduler_args = list(cluster.pop("scheduler_args", []))
+    if getattr(args, "dtype", ""):
+        engine_args += ["--dtype", args.dtype]
+    if engine == "vllm":
+        from services.up import VLLM_BLOCK_SIZE
+
+        engine_args += ["--block-size", str(VLLM_BLOCK_SIZE), "--max-model-len", "2048"]
+        scheduler_args += ["--block-size", str(VLLM_BLOCK_SIZE)]
+        cluster.update(engine="vllm", vllm_args=list(getattr(args, "vllm_arg", [])),
+                       env={"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_LOGGING_LEVEL": "WARNING"})
+    return {**cluster, "engine_args": engine_args, "scheduler_args": scheduler_args}
+
+
+@contextlib.contextmanager
+def _started(spec: ClusterSpec) -> Iterator[LocalCluster]:
+    """A started cluster, stopped at exit; vLLM engines get longer to start (~30 s each unloaded)."""
+    c = LocalCluster(spec)
+    try:
+        c.start(timeout=VLLM_START_TIMEOUT_S if spec.engine == "vllm" else 180.0)
+        yield c
+    finally:
+        c.stop()
+
+
 def _run_mode(name: str, args: argparse.Namespace, wl: Workload, **cluster: Any) -> dict[str, Any]:
+    cluster = _engine_cluster_args(args, cluster)
     print(f"[{name}] starting a local cluster ({cluster})", file=sys.stderr)
     spec = ClusterSpec(model=args.model, log_dir=str(Path(args.out) / "logs" / name), torch_threads=1,
                        kv_cache_memory=args.kv_cache_memory, metrics=True, **cluster)
-    with LocalCluster(spec) as c:
+    with _started(spec) as c:
         rng = random.Random(-1)  # warm-up prompts share nothing with the workload
         warm = Workload([[rng.randrange(100, 1000) for _ in range(24)] for _ in range(2)], [2, 2])
         asyncio.run(_drive(c.target, warm, 2, 0.0))
