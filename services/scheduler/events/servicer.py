@@ -63,8 +63,15 @@ def request_to_filter(request: pb.SubscribeRequest) -> tuple[int | None, EventFi
 
 
 def batch_to_proto(seq: int, engine_id: str, epoch: int, batch: KVEventBatch) -> pb.EventBatch:
-    msg = pb.EventBatch(seq=seq, ts=batch.ts, engine_id=engine_id, epoch=epoch,
-                        events=[event_to_proto(e) for e in batch.events])
+    """The batch as protobuf; a `ProtoBackedBatch` has its events copied from its messages (in
+    C), any other batch converts event by event."""
+    proto_events = getattr(batch, "proto_events", None)
+    if proto_events is not None:
+        msg = pb.EventBatch(seq=seq, ts=batch.ts, engine_id=engine_id, epoch=epoch)
+        msg.events.extend(proto_events)
+    else:
+        msg = pb.EventBatch(seq=seq, ts=batch.ts, engine_id=engine_id, epoch=epoch,
+                            events=[event_to_proto(e) for e in batch.events])
     if batch.data_parallel_rank is not None:
         msg.data_parallel_rank = batch.data_parallel_rank
     return msg
