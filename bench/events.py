@@ -34,8 +34,9 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import msgpack
@@ -267,9 +268,7 @@ async def _stream_ranks_main(target: str, engines: int, tp: int, batch_events: i
                 rank=identity, compatibility_hash="bench", protocol_version=1, engine_address="127.0.0.1:1",
                 hash_seed="0", block_size=16)))
 
-            async def gen(box: asyncio.Queue[Any] = box) -> Any:
-                while (m := await box.get()) is not None:
-                    yield m
+            gen = partial(rank_messages, box)
 
             call = stub.Connect(gen())
             await call.read()  # Welcome
@@ -310,6 +309,32 @@ async def _stream_ranks_main(target: str, engines: int, tp: int, batch_events: i
         task.cancel()
     for channel in channels:
         await channel.close()
+
+
+async def rank_messages(box: asyncio.Queue[Any], max_batch: int = 64) -> AsyncIterator[Any]:
+    """A simulated rank's outgoing RankMessages from `box` (None ends the stream), as
+    `ControlClient` sends them: reports that queued up while the stream was busy go out
+    together in one ReportBatch (up to `max_batch`)."""
+    from pdserve.v1 import control_pb2 as cpb
+
+    held = None
+    while True:
+        m = held if held is not None else await box.get()
+        held = None
+        if m is None:
+            return
+        if m.WhichOneof("payload") != "report" or box.empty():
+            yield m
+            continue
+        reports = [m.report]
+        while len(reports) < max_batch and not box.empty():
+            nxt = box.get_nowait()
+            if nxt is None or nxt.WhichOneof("payload") != "report":
+                held = nxt
+                break
+            reports.append(nxt.report)
+        yield cpb.RankMessage(report=reports[0]) if len(reports) == 1 else cpb.RankMessage(
+            reports=cpb.ReportBatch(reports=reports))
 
 
 # -- in-process scheduler ------------------------------------------------------------------------

@@ -115,6 +115,7 @@ class SimEngine:
         self.address = ""
 
     async def start(self, control: str, channel: Any) -> None:
+        from bench.events import rank_messages
         from pdserve.v1 import control_pb2 as cpb
         from pdserve.v1 import control_pb2_grpc, engine_pb2_grpc
         from services.common.grpc_server import ServiceServer
@@ -132,7 +133,7 @@ class SimEngine:
             rank.outbox.put_nowait(cpb.RankMessage(hello=cpb.Hello(
                 rank=identity, compatibility_hash=_COMPAT, protocol_version=1, engine_address=self.address,
                 hash_seed=self.args.hash_seed, block_size=_BLOCK)))
-            call = stub.Connect(_drain_queue(rank.outbox))
+            call = stub.Connect(rank_messages(rank.outbox))
             first = await call.read()
             if first.WhichOneof("payload") != "welcome":
                 raise RuntimeError(f"{self.engine_id} rank {rank.index}: no Welcome ({first})")
@@ -222,11 +223,6 @@ class SimEngine:
             task.cancel()
         if self.server is not None:
             await self.server.stop(0)
-
-
-async def _drain_queue(box: asyncio.Queue[Any]) -> Any:
-    while (m := await box.get()) is not None:
-        yield m
 
 
 class _EngineApi:
@@ -342,9 +338,8 @@ async def _client_main(a: argparse.Namespace) -> None:
     import grpc
 
     from pdserve.v1 import generation_pb2 as gen_pb
-    from pdserve.v1 import generation_pb2_grpc
+    from pdserve.v1 import generation_pb2_grpc, kv_events_pb2_grpc
     from pdserve.v1 import kv_events_pb2 as ev_pb
-    from pdserve.v1 import kv_events_pb2_grpc
     from services.common.grpc_server import insecure_channel
 
     rng = random.Random(7)
@@ -473,8 +468,8 @@ def _point(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
         _wait_serving(port, sched)
         sims = []
         nproc = max(1, min(args.sim_procs, engines))
-        for p in range(nproc):
-            first, count = p * engines // nproc, (p + 1) * engines // nproc - p * engines // nproc
+        for k in range(nproc):
+            first, count = k * engines // nproc, (k + 1) * engines // nproc - k * engines // nproc
             sims.append(_spawn([sys.executable, "-m", _MODULE, "--role", "engines", "--control",
                                 f"127.0.0.1:{control}", "--first", str(first), "--count", str(count), "--tp",
                                 str(args.tp), "--step-hz", str(args.step_hz), "--events-per-step",

@@ -17,7 +17,9 @@ Contracts:
   (stream lost, scheduler restarted) every report above the new Welcome's `last_acked_seq` is
   sent again, in order, so nothing is lost and the scheduler (which ignores seq <= its last
   applied) counts nothing twice. At most `max_unacked` reports are buffered; beyond that the
-  oldest are dropped and counted in `num_dropped`.
+  oldest are dropped and counted in `num_dropped`. Reports that queued up while the stream was
+  busy go out together, up to `max_reports_per_message` (and the scheduler's limit from
+  Welcome) per ReportBatch message, acknowledged once per message.
 - Reconnects back off exponentially (`backoff_initial_s` doubling up to `backoff_max_s`) and
   resend the same Hello (same epoch). After every reconnect a fresh `Welcome` is delivered
   through `poll()` (and the callback), so the rank can refresh its peers.
@@ -114,6 +116,8 @@ class Welcome:
     last_acked_seq: int
     heartbeat_interval_s: float
     scheduler_id: str
+    # Reports the scheduler accepts in one message (1: one report per message).
+    max_reports_per_message: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +193,8 @@ def message_from_proto(m: pb.SchedulerMessage) -> ControlMessage | None:
     if kind == "welcome":
         w = m.welcome
         return Welcome([RankIdentity.from_proto(r) for r in w.expected_ranks], [_peer(p) for p in w.peers],
-                       w.last_acked_seq, w.heartbeat_interval_ms / 1000.0, w.scheduler_id)
+                       w.last_acked_seq, w.heartbeat_interval_ms / 1000.0, w.scheduler_id,
+                       max(1, w.max_reports_per_message))
     if kind == "peer_update":
         return PeerUpdate([_peer(p) for p in m.peer_update.joined],
                           [RankIdentity.from_proto(r) for r in m.peer_update.left])
@@ -227,7 +232,8 @@ class ControlClient:
     def __init__(self, target: str, hello: ControlHello, *,
                  on_message: Callable[[ControlMessage], None] | None = None,
                  backoff_initial_s: float = 0.05, backoff_max_s: float = 2.0,
-                 max_unacked: int = 100_000, security: ChannelSecurity | None = None) -> None:
+                 max_unacked: int = 100_000, max_reports_per_message: int = 64,
+                 security: ChannelSecurity | None = None) -> None:
         self.target = target
         self.security = security
         self.hello = hello
@@ -235,6 +241,7 @@ class ControlClient:
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.max_unacked = max_unacked
+        self.max_reports_per_message = max_reports_per_message
         self.welcome: Welcome | None = None
         self.error: ControlRefusedError | None = None
         self.num_reconnects = 0
@@ -447,9 +454,14 @@ class ControlClient:
         while not self._closed:
             with self._lock:
                 pending = [m for s, m in self._unacked.items() if s > sent_upto]
-            for m in pending:
-                yield pb.RankMessage(report=m)
-                sent_upto = m.seq
+            limit = min(self.max_reports_per_message, self.welcome.max_reports_per_message if self.welcome else 1)
+            for i in range(0, len(pending), max(1, limit)):
+                chunk = pending[i:i + max(1, limit)]
+                if len(chunk) == 1:
+                    yield pb.RankMessage(report=chunk[0])
+                else:
+                    yield pb.RankMessage(reports=pb.ReportBatch(reports=chunk))
+                sent_upto = chunk[-1].seq
             interval = self.welcome.heartbeat_interval_s if self.welcome and self.welcome.heartbeat_interval_s > 0 else 1.0
             now = time.monotonic()
             if now - last_beat >= interval or self._beat_now:

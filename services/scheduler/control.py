@@ -16,7 +16,9 @@ Contracts (see control.proto):
   one PeerUpdate per stream, and a stream never gets a join its Welcome held); an engine that
   dies or is fenced is announced as left.
 - Each StepReport is applied at most once (seq <= last applied is a duplicate: ignored) and
-  acknowledged with Ack(last applied seq). A report the scheduler cannot parse is acknowledged,
+  acknowledged with Ack(last applied seq). A ReportBatch (at most the Welcome's
+  `max_reports_per_message` reports of one rank) is applied report by report, in order, and
+  acknowledged once, after its last report. A report the scheduler cannot parse is acknowledged,
   dropped and counted (resending it would not help).
 - A rank silent for `heartbeat_timeout_s`, or whose stream closed and did not reopen within
   one heartbeat interval, is dead: its engine is down (transfers touching it
@@ -66,6 +68,7 @@ _ROLE_FROM_PB = {pb.ROLE_PREFILL: Role.PREFILL, pb.ROLE_DECODE: Role.DECODE}
 _ROLE_TO_PB = {v: k for k, v in _ROLE_FROM_PB.items()}
 HELLO_TIMEOUT_S = 10.0
 MAX_HELD_MESSAGES = 10_000
+MAX_REPORTS_PER_MESSAGE = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +227,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self.tracker = tracker or TransferTracker(clock=registry.clock)
         self.sink: EventSink = sink or NullEventSink()
         self.heartbeat_interval_s = heartbeat_interval_s
+        # Reports a rank may send in one ReportBatch (told in Welcome).
+        self.max_reports_per_message = MAX_REPORTS_PER_MESSAGE
         # How long a closed rank stream may take to come back before its engine is down.
         self.reconnect_grace_s = min(heartbeat_interval_s, registry.heartbeat_timeout_s)
         self.telemetry = telemetry or SchedulerTelemetry()
@@ -477,7 +482,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         welcome = pb.Welcome(expected_ranks=[_identity(engine, r) for r in engine.expected_ranks()], peers=peers,
                              last_acked_seq=rank.last_applied_seq,
                              heartbeat_interval_ms=int(self.heartbeat_interval_s * 1000),
-                             scheduler_id=self.scheduler_id)
+                             scheduler_id=self.scheduler_id,
+                             max_reports_per_message=self.max_reports_per_message)
         return pb.SchedulerMessage(welcome=welcome)
 
     async def _read(self, conn: RankConnection, request_iterator: AsyncIterator[pb.RankMessage]) -> None:
@@ -492,6 +498,14 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                 kind = msg.WhichOneof("payload")
                 if kind == "report":
                     self._on_report(conn, engine, msg.report)
+                    self._ack(conn, msg.report.seq)
+                elif kind == "reports":
+                    reports = msg.reports.reports
+                    for report in reports:
+                        self._on_report(conn, engine, report)
+                    if reports:
+                        self._ack(conn, reports[-1].seq)
+                    self.counters["report_batches"] += 1
                 elif kind == "heartbeat":
                     self._on_heartbeat(conn, engine, msg.heartbeat)
                 else:
@@ -522,6 +536,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             self.registry.update_load(engine.engine_id, load or engine.load, beat.draining)
 
     def _on_report(self, conn: RankConnection, engine: EngineState, report: pb.StepReport) -> None:
+        """Applies a new report once (the caller acknowledges)."""
         if report.seq == 0:
             self.counters["reports_malformed"] += 1
             return
@@ -534,8 +549,11 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                 logger.warning("dropped report %d of %s: %s", report.seq, conn.rank_id, e)
         else:
             self.counters["reports_duplicate"] += 1
+
+    def _ack(self, conn: RankConnection, seq: int) -> None:
+        """Acknowledges the rank's last applied seq (`seq` when the rank is gone)."""
         rank = self.registry.rank(conn.rank_id)
-        acked = rank.last_applied_seq if rank is not None else report.seq
+        acked = rank.last_applied_seq if rank is not None else seq
         conn.queue.put_nowait(pb.SchedulerMessage(ack=pb.Ack(seq=acked)))
 
     def apply_report(self, engine: EngineState, rank_id: RankId, report: pb.StepReport) -> None:
