@@ -379,6 +379,7 @@ async def _pdserve_section(args: argparse.Namespace, decode_per_rank: bool = Fal
     from services.scheduler.control import ControlServicer, WorkerEventDecoder
     from services.scheduler.events.plane import EventPlane
     from services.scheduler.events.servicer import SERVICE_NAME
+    from services.scheduler.main import settle_gc
     from services.scheduler.registry import EngineRegistry
 
     config = SchedulerConfig(zmq_endpoint="tcp://127.0.0.1:*", subscriber_buffer=args.subscriber_buffer,
@@ -395,6 +396,7 @@ async def _pdserve_section(args: argparse.Namespace, decode_per_rank: bool = Fal
     await server.start()
     plane.start()
     control.start_monitor()
+    settle_gc()  # as `pdserve scheduler` does after start-up
     assert plane.zmq is not None
     n_grpc, n_zmq = _split(args.subscribers)
     subs = _spawn("--role", "subscribers", "--grpc", f"127.0.0.1:{port}", "--zmq", plane.zmq.bound_endpoint,

@@ -563,7 +563,10 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         output = output_from_proto(report, events)
         engine_batch = None
         if report.HasField("engine_events") and rank_id == engine.leader and report.engine_events.events:
-            engine_batch = batch_from_proto(report.engine_events)
+            m = report.engine_events
+            engine_batch = ProtoBackedBatch(
+                ts=m.ts, events=[event_from_proto(e) for e in m.events], proto_events=m.events,
+                data_parallel_rank=m.data_parallel_rank if m.HasField("data_parallel_rank") else None)
         result = self.aggregator.add_report(engine.engine_id, engine.epoch, _global_rank(engine, rank_id), output)
         ref = EngineRef(engine.engine_id, engine.epoch)
         outcomes: list[TransferOutcome] = []

@@ -19,6 +19,7 @@ from connectors.kv_events import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
+    event_from_proto,
     event_to_proto,
 )
 from pdserve.v1 import kv_events_pb2 as pb
@@ -91,6 +92,19 @@ def encode_item(item: StreamItem) -> bytes:
         return pb.EventStreamMessage(batch=proto).SerializeToString()
     notice = pb.StreamNotice(kind=_NOTICES[item.kind], next_seq=item.next_seq, reason=item.reason)
     return pb.EventStreamMessage(notice=notice).SerializeToString()
+
+
+class GrpcRingCodec:
+    """`RingCodec` whose packed form is the batch's serialized EventStreamMessage: the bytes a
+    gRPC subscriber receives, so packing a batch also encodes it for them (once)."""
+
+    def pack(self, sb: SequencedBatch) -> bytes:
+        return encode_item(sb)
+
+    def unpack(self, data: bytes) -> KVEventBatch:
+        b = pb.EventStreamMessage.FromString(data).batch
+        return KVEventBatch(ts=b.ts, events=[event_from_proto(e) for e in b.events],
+                            data_parallel_rank=b.data_parallel_rank if b.HasField("data_parallel_rank") else None)
 
 
 def _pass_through(data: bytes) -> bytes:
