@@ -11,7 +11,7 @@ from scheduler_harness import ControlHarness, eventually, hello
 from pdserve.v1 import control_pb2 as pb
 from pdserve.v1 import control_pb2_grpc
 from services.common.grpc_server import insecure_channel
-from services.engine.control_client import PeerUpdate, StepReport
+from services.engine.control_client import ControlClient, PeerUpdate, StepReport
 from services.scheduler.control import ControlServicer, RankConnection
 from services.scheduler.registry import EngineRegistry, RankId, Role
 
@@ -93,9 +93,8 @@ async def test_every_decode_rank_learns_each_prefill_rank_exactly_once(harness: 
         assert welcome is not None
         seen += [p.rank.engine_id for p in welcome.peers]
 
-        def complete() -> bool:
-            seen.extend(p.rank.engine_id for m in client.poll() if isinstance(m, PeerUpdate)  # noqa: B023
-                        for p in m.joined)
+        def complete(client: ControlClient = client, seen: list[str] = seen) -> bool:
+            seen.extend(p.rank.engine_id for m in client.poll() if isinstance(m, PeerUpdate) for p in m.joined)
             return len(seen) >= 12
 
         await eventually(complete)
