@@ -567,9 +567,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--tp and --sim-procs must be >= 1, --duration and --step-hz > 0")
     points = []
     for n in sizes:
-        if not args.json:
-            print(f"  running {n} ranks ...", file=sys.stderr, flush=True)
+        print(f"bench scale: {n} ranks (a fresh scheduler; registration, then {args.duration:g} s measured) ...",
+              file=sys.stderr, flush=True)
         points.append(_point(args, n))
+        p = points[-1]
+        print(f"bench scale: {p['ranks']} ranks done: setup {p['setup_s']:.0f} s, overhead p50 "
+              f"{p['overhead_p50_ms']:.2f} ms, false down {p['false_down']}", file=sys.stderr, flush=True)
     first, last = points[0], points[-1]
     growth = {k: (last[k] / first[k] if first[k] else None)
               for k in ("overhead_p50_ms", "overhead_p99_ms", "events_per_s", "cpu_ms_per_rank_s", "rss_mib",
