@@ -5,13 +5,15 @@ decode) the benchmark starts a fresh `pdserve scheduler` process (prefix-aware r
 demo model's tokenizer facts) and:
 
 - `--sim-procs` engine-simulator processes. Every simulated rank holds its own real Control
-  stream (Hello, Welcome, numbered StepReports, Acks, heartbeats at the scheduler's interval;
-  rank 0 carries the engine load). Each engine steps at `--step-hz`; every rank reports each
+  stream and speaks it as `ControlClient` does (Hello, Welcome, numbered StepReports, queued
+  reports coalesced into a ReportBatch, Acks, heartbeats at the scheduler's interval: rank 0
+  always, with the engine load; other ranks only when they sent nothing since). Each engine steps at `--step-hz`; every rank reports each
   step with `--events-per-step` worker-side BlockStored events (medium CPU_OFFLOAD, the same on
   every rank: the aggregator publishes them once all ranks reported) plus the step's transfer
   results. Rank 0 of each engine serves a real Engine gRPC service with no model: Prefill
-  answers a transfer descriptor and publishes the prompt's block hashes (GPU BlockStored, on
-  rank 0's next report) so prefix routing sees them; every prefill rank reports
+  answers a transfer descriptor with the prompt's leading blocks it already holds as cached
+  tokens, and publishes the new ones (GPU BlockStored, on rank 0's next report) so prefix
+  routing sees them (`prefix_hit_rate`: requests that found cached blocks); every prefill rank reports
   `finished_sending` at its next step. Decode reports `finished_recving` on every rank at once,
   waits for KVReady (timed: the control-plane round trip of a transfer), then streams
   `--output-tokens` tokens.
@@ -90,6 +92,7 @@ class _Rank:
     outbox: asyncio.Queue[Any]
     seq: int = 0
     acked: int = 0
+    last_sent: float = 0.0
     sending: list[str] = field(default_factory=list)
     recving: list[str] = field(default_factory=list)
 
@@ -108,6 +111,7 @@ class SimEngine:
         self.ranks = [_Rank(r, asyncio.Queue()) for r in range(tp)]
         self.kv_waiters: dict[str, asyncio.Future[bool]] = {}
         self.engine_events: list[int] = []
+        self.stored: set[int] = set()  # prompt blocks this engine holds (never evicted here)
         self.steps = 0
         self.running = 0
         self.tasks: list[asyncio.Task[Any]] = []
@@ -167,6 +171,7 @@ class SimEngine:
             self.stats["streams_ended"].append(f"{self.engine_id}/{rank.index}: EOF")
 
     def _report(self, rank: _Rank, worker: list[Any] | None = None, engine_hashes: list[int] | None = None) -> None:
+        rank.last_sent = time.monotonic()
         from connectors.kv_events import BlockStored, event_to_proto
         from pdserve.v1 import control_pb2 as cpb
         from pdserve.v1 import kv_events_pb2
@@ -204,7 +209,11 @@ class SimEngine:
 
         await asyncio.sleep(random.random() * beat_s)
         while True:
+            now = time.monotonic()
             for rank in self.ranks:
+                if rank.index and now - rank.last_sent < beat_s:
+                    continue  # as ControlClient: reports since the last beat prove liveness
+                rank.last_sent = now
                 beat = cpb.Heartbeat()
                 if rank.index == 0:
                     beat.load.CopyFrom(cpb.EngineLoad(num_running=self.running, kv_usage=0.1,
@@ -240,14 +249,20 @@ class _EngineApi:
 
         e = self.engine
         tokens = list(request.prompt_token_ids)
-        e.engine_events.extend(self.hasher.external_hashes(tokens))
+        hashes = self.hasher.external_hashes(tokens)
+        cached = 0
+        while cached < len(hashes) and hashes[cached] in e.stored:
+            cached += 1
+        e.stored.update(hashes)
+        e.engine_events.extend(hashes[cached:])
         e.transfer_done_on_every_rank(request.request_id, sending=True)
         descriptor = pb.TransferDescriptor(engine_id=e.engine_id, epoch=e.epoch, request_id=request.request_id,
                                            block_ids=list(range(len(tokens) // _BLOCK)), num_tokens=len(tokens),
                                            tp_size=e.tp, block_size=_BLOCK, num_kv_heads=e.tp,
                                            lease_expires_unix_ms=int((time.time() + 30) * 1000))
         return pb.PrefillResponse(request_id=request.request_id, first_token_id=1, descriptor=descriptor,
-                                  finish_reason=gen_pb.FINISH_REASON_UNSPECIFIED, first_token_text="a")
+                                  num_cached_tokens=cached * _BLOCK, finish_reason=gen_pb.FINISH_REASON_UNSPECIFIED,
+                                  first_token_text="a")
 
     async def Decode(self, request: Any, context: Any) -> Any:
         from pdserve.v1 import engine_pb2 as pb

@@ -20,6 +20,9 @@ Contracts:
   oldest are dropped and counted in `num_dropped`. Reports that queued up while the stream was
   busy go out together, up to `max_reports_per_message` (and the scheduler's limit from
   Welcome) per ReportBatch message, acknowledged once per message.
+- Heartbeats go every Welcome `heartbeat_interval`; a rank other than rank 0 skips a beat when
+  it sent reports since its last one (every message counts as liveness for the scheduler; rank
+  0's beats also carry the engine's load and draining flag, so it always beats).
 - Reconnects back off exponentially (`backoff_initial_s` doubling up to `backoff_max_s`) and
   resend the same Hello (same epoch). After every reconnect a fresh `Welcome` is delivered
   through `poll()` (and the callback), so the rank can refresh its peers.
@@ -462,12 +465,19 @@ class ControlClient:
                 else:
                     yield pb.RankMessage(reports=pb.ReportBatch(reports=chunk))
                 sent_upto = chunk[-1].seq
+            if pending and not self._leader:
+                # Any message proves liveness; only rank 0's beats carry something more (load).
+                last_beat = time.monotonic()
             interval = self.welcome.heartbeat_interval_s if self.welcome and self.welcome.heartbeat_interval_s > 0 else 1.0
             now = time.monotonic()
             if now - last_beat >= interval or self._beat_now:
                 last_beat, self._beat_now = now, False
                 yield pb.RankMessage(heartbeat=self._heartbeat())
             await self._sleep(max(0.0, interval - (time.monotonic() - last_beat)))
+
+    @property
+    def _leader(self) -> bool:
+        return self.hello.identity.tp_rank == 0 and self.hello.identity.pp_rank == 0
 
     def _heartbeat(self) -> pb.Heartbeat:
         beat = pb.Heartbeat(draining=self._draining)
