@@ -333,8 +333,9 @@ async def _sim_main(a: argparse.Namespace) -> None:
     for engine in engines:
         engine.run(end)
     await asyncio.sleep(a.duration)
-    # the driver reads its figures now; the ranks keep beating until told to stop
     unacked = sum(r.seq - r.acked for e in engines for r in e.ranks)
+    # the figures go out once the client's last requests finished; the ranks keep beating
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     print(json.dumps({"reports": stats["reports"], "left": sorted(stats["left"]),
                       "streams_ended": stats["streams_ended"], "kv_wait_ms": stats["kv_wait_ms"],
                       "kv_failed": stats["kv_failed"], "unacked_reports": unacked,
@@ -507,10 +508,13 @@ def _point(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
         cpu0, w0 = _proc_cpu_s(sched.pid), time.monotonic()
         for p in [*sims, client]:
             _tell(p)
-        sim_out = [json.loads(_readline(sim, "engine simulator")) for sim in sims]
+        time.sleep(args.duration)
         cpu1, w1 = _proc_cpu_s(sched.pid), time.monotonic()
         rss1 = _proc_rss_mib(sched.pid)
-        got = json.loads(_readline(client, "client"))
+        got = json.loads(_readline(client, "client"))  # after its last request ended
+        for sim in sims:
+            _tell(sim)
+        sim_out = [json.loads(_readline(sim, "engine simulator")) for sim in sims]
         for sim in sims:
             _tell(sim)
         for p in sims:
