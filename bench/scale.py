@@ -68,6 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heartbeat-interval", type=float, default=1.0, help="scheduler heartbeat interval (s)")
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0, help="scheduler heartbeat timeout (s)")
     parser.add_argument("--plot", default="", help="write a PNG of the figures against ranks to this path")
+    parser.add_argument("--from-json", default="",
+                        help="print (and --plot) a saved `--json` result instead of running")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -566,6 +568,8 @@ def _plot(points: list[dict[str, Any]], path: str) -> None:
         for label, key in series:
             ax.plot(xs, [p[key] for p in points], marker="o", label=label)
         ax.set_title(title, fontsize=9)
+        if series[0][1].startswith("overhead"):
+            ax.set_yscale("log")
         ax.set_xlabel("ranks")
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [str(x) for x in xs])
@@ -576,6 +580,9 @@ def _plot(points: list[dict[str, Any]], path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        return _report(args, saved["points"], saved.get("config", {}), saved.get("load_average"))
     try:
         sizes = [int(x) for x in args.ranks.split(",") if x.strip()]
     except ValueError:
@@ -592,24 +599,29 @@ def run(args: argparse.Namespace) -> int:
         p = points[-1]
         print(f"bench scale: {p['ranks']} ranks done: setup {p['setup_s']:.0f} s, overhead p50 "
               f"{p['overhead_p50_ms']:.2f} ms, false down {p['false_down']}", file=sys.stderr, flush=True)
+    config = {k: getattr(args, k) for k in ("tp", "duration", "step_hz", "events_per_step", "request_rate",
+                                            "prompt_blocks", "output_tokens", "sim_procs", "heartbeat_interval",
+                                            "heartbeat_timeout")}
+    return _report(args, points, config, list(os.getloadavg()))
+
+
+def _report(args: argparse.Namespace, points: list[dict[str, Any]], config: dict[str, Any],
+            load: list[float] | None) -> int:
     first, last = points[0], points[-1]
     growth = {k: (last[k] / first[k] if first[k] else None)
               for k in ("overhead_p50_ms", "overhead_p99_ms", "events_per_s", "cpu_ms_per_rank_s", "rss_mib",
                         "routing_decisions_per_s")}
     result: dict[str, Any] = {k: last[k] for k in ("ranks", "overhead_p50_ms", "overhead_p99_ms", "events_per_s",
                                                    "rss_mib", "false_down")}
-    result |= {"points": points, "growth_first_to_last": growth,
-               "config": {k: getattr(args, k) for k in ("tp", "duration", "step_hz", "events_per_step",
-                                                        "request_rate", "prompt_blocks", "output_tokens",
-                                                        "sim_procs", "heartbeat_interval", "heartbeat_timeout")},
-               "load_average": os.getloadavg()}
+    result |= {"points": points, "growth_first_to_last": growth, "config": config, "load_average": load}
     if args.plot:
         _plot(points, args.plot)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"Scheduler at scale: tp {args.tp}, {args.step_hz:g} steps/s per engine x {args.events_per_step} "
-          f"events per rank report, {args.request_rate:g} req/s per engine (load avg {os.getloadavg()[0]:.1f})")
+    print(f"Scheduler at scale: tp {config.get('tp')}, {config.get('step_hz')} steps/s per engine x "
+          f"{config.get('events_per_step')} events per rank report, {config.get('request_rate')} req/s per engine "
+          f"(load average at the end {load[0] if load else float('nan'):.1f})")
     print(f"  {'ranks':>6} {'req/s':>7} {'ovh p50':>8} {'ovh p99':>8} {'events/s':>9} {'reports/s':>10} "
           f"{'CPU ms/rank/s':>14} {'RSS MiB':>8} {'false down':>10} {'errors':>7}")
     for p in points:
