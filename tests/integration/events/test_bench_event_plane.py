@@ -5,6 +5,7 @@ events (three sections) and 9 s for scale (one scheduler process, 8 ranks)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -33,10 +34,16 @@ def test_bench_events_rejects_unknown_sections(capsys: pytest.CaptureFixture[str
     assert "unknown ['vllm_style']" in capsys.readouterr().err
 
 
-def test_bench_scale_quick(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_scale_quick(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["bench", "scale", "--ranks", "8", "--tp", "2", "--duration", "2", "--sim-procs", "1",
                  "--request-rate", "2", "--step-hz", "4", "--json"]) == 0
-    result = json.loads(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    result = json.loads(out)
+    saved = tmp_path / "run.json"
+    saved.write_text(out)
+    assert main(["bench", "scale", "--from-json", str(saved)]) == 0
+    table = capsys.readouterr().out
+    assert "tp 2" in table and f"{result['overhead_p50_ms']:.2f}" in table
     for key in ("ranks", "overhead_p50_ms", "overhead_p99_ms", "events_per_s", "rss_mib", "false_down"):
         assert key in result
     point = result["points"][0]
