@@ -207,3 +207,17 @@ def test_packed_ring_replays_the_batches_published() -> None:
     only_gpu = rp.subscribe(3, EventFilter(media=frozenset({"GPU"}))).take()
     assert [(i.seq, i.batch.events) for i in only_gpu if isinstance(i, SequencedBatch)] == [
         (s, published[s].events[:1]) for s in (3, 4, 5)]
+
+
+def test_proto_backed_batch_encodes_like_its_events() -> None:
+    """The gRPC form copied from a report's protobuf events equals converting the events."""
+    from connectors.kv_events import event_to_proto
+    from services.scheduler.event_sink import ProtoBackedBatch
+    from services.scheduler.events.servicer import batch_to_proto
+
+    events = [BlockStored((5, 6), 4, (1, 2, 3), 16, lora_id=2, medium="CPU_OFFLOAD", group_idx=1),
+              BlockRemoved((7,), medium="GPU"), AllBlocksCleared("CPU")]
+    backed = ProtoBackedBatch(2.5, list(events), 0, proto_events=[event_to_proto(e) for e in events])
+    plain = KVEventBatch(2.5, list(events), 0)
+    assert (batch_to_proto(3, "e", 9, backed).SerializeToString()
+            == batch_to_proto(3, "e", 9, plain).SerializeToString())
