@@ -11,6 +11,8 @@ from services.common.logs import setup_logging
 from services.common.security import check_plaintext
 from services.local_cluster import ClusterSpec, LocalCluster
 
+VLLM_BLOCK_SIZE = 32  # vLLM 0.32's CPU attention takes block sizes that are multiples of 32
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="", help="model directory (Hugging Face layout); default: the demo model")
@@ -42,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="engine backend of every prefill and decode engine (vllm: run from .venv-vllm)")
     parser.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="a vLLM engine argument for every engine (repeatable; with --engine vllm)")
+    parser.add_argument("--block-size", type=int, default=0,
+                        help="KV block size of the whole cluster; 0: 16, or 32 with --engine vllm (vLLM's CPU "
+                             "attention needs a multiple of 32)")
 
 
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
@@ -64,6 +69,10 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         scheduler_args += ["--zmq-replay-endpoint", args.zmq_replay_endpoint]
     if args.auth_tokens_file:
         scheduler_args += ["--auth-tokens-file", args.auth_tokens_file]
+    block_size = args.block_size or (VLLM_BLOCK_SIZE if args.engine == "vllm" else 0)
+    if block_size:
+        scheduler_args += ["--block-size", str(block_size)]
+        engine_args += ["--block-size", str(block_size)]
     return ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode, tp=args.tp,
                        host=args.host, port=args.port, control_port=args.control_port,
                        events_port=args.events_port, http_port=args.http_port, metrics=args.metrics, torch_threads=args.torch_threads,
