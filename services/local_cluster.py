@@ -92,6 +92,8 @@ class ClusterSpec:
     tls: bool = False  # mTLS on every channel with a throwaway CA
     tls_dir: str = ""  # where the certificates go (default: a temporary directory, removed by stop())
     auth_tokens: list[str] = field(default_factory=list)  # bearer tokens of the client API and KV events
+    engine_devices: list[str] = field(default_factory=list)  # --devices of engine i (prefill first); empty: none
+    dtype: str = ""  # --dtype of every engine; empty: the engines' default (parity tests pin float32)
 
 
 @dataclass(slots=True)
@@ -173,10 +175,13 @@ class LocalCluster:
         metrics_port = free_port(s.host) if s.metrics else 0
         engine_id = f"{role}-{index}"
         port = free_port(s.host)
+        slot = index if role == "prefill" else s.num_prefill + index
+        devices = s.engine_devices[slot] if slot < len(s.engine_devices) else ""
         argv = self._cli(role, "--engine-id", engine_id, "--scheduler", f"{s.host}:{self.control_port}",
                          "--host", s.host, "--port", str(port), "--tp", str(s.tp), "--torch-threads", str(self.torch_threads),
                          "--metrics-port", str(metrics_port), "--kv-cache-memory", s.kv_cache_memory,
-                         *(["--model", s.model] if s.model else []), *s.engine_args)
+                         *(["--model", s.model] if s.model else []), *(["--dtype", s.dtype] if s.dtype else []),
+                         *(["--devices", devices] if devices else []), *s.engine_args)
         return Component(engine_id, argv, metrics_port or None, f"{s.host}:{port}")
 
     def start(self, timeout: float = 180.0) -> None:

@@ -128,17 +128,19 @@ class EngineService(pb_grpc.EngineServicer):
         cfg = self.config
         model = cfg.model or str(demo_model_dir())
         # The same dtype and KV spec the engine will resolve, so the compatibility hash is its own.
-        dtype = resolve_dtype(cfg.dtype, resolve_device(cfg.device))
+        kind = resolve_device(cfg.device)
+        dtype = resolve_dtype(cfg.dtype, kind)
         model_config = ModelConfig.from_dir(model, dtype=dtype, max_model_len=cfg.max_model_len)
         spec = make_kv_cache_spec(model_config, block_size=cfg.block_size, memory_bytes=cfg.kv_cache_bytes,
-                                  tp_size=cfg.tp, num_blocks=None, element_size=DTYPES[dtype].itemsize)
+                                  tp_size=cfg.tp, num_blocks=None, element_size=DTYPES[dtype].itemsize,
+                                  device_kind=kind)
         factory = RankAgentFactory(
             engine_id=cfg.engine_id, role=cfg.role, epoch=self.epoch, scheduler=cfg.scheduler,
             engine_address=self.engine_address, num_kv_heads=model_config.num_kv_heads,
             compat_hash=compatibility_hash(model_config, spec, cfg.hash_seed), hash_seed=cfg.hash_seed,
             block_size=cfg.block_size, transfer_timeout_s=cfg.transfer_timeout_s, lease_s=cfg.lease_s,
             max_inflight=cfg.max_inflight_transfers, ucx_tls=cfg.ucx_tls, ucx_net_devices=cfg.ucx_net_devices,
-            metrics_port=cfg.metrics_port, security=component_channel_security(cfg))
+            kv_staging=cfg.kv_staging, dtype=dtype, device_kind=kind, metrics_port=cfg.metrics_port, security=component_channel_security(cfg))
         offload: Any = None
         if cfg.kv_offload_bytes > 0:
             from connectors.offload import build_offload
@@ -154,7 +156,8 @@ class EngineService(pb_grpc.EngineServicer):
                                 max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                                 max_model_len=cfg.max_model_len, dtype=cfg.dtype, device=cfg.device,
                                 hash_seed=cfg.hash_seed, kv_medium=cfg.kv_medium, torch_threads=cfg.torch_threads,
-                                rank_init=factory, scheduler_connector=self.connector)
+                                rank_init=factory, scheduler_connector=self.connector, devices=cfg.devices,
+                                gpu_memory_fraction=cfg.gpu_memory_fraction)
         self.agent = self.engine.workers.rank0.connector
         assert isinstance(self.agent, RankAgent)
         self.agent.set_inbox(self._on_control_message)
@@ -166,8 +169,8 @@ class EngineService(pb_grpc.EngineServicer):
                                after_step=self._after_step, periodic=self._periodic)
         self.loop.start()
         self.agent.connect()
-        logger.info("%s engine %s ready (epoch %x, tp %d, %d KV blocks)", cfg.role, cfg.engine_id, self.epoch,
-                    cfg.tp, self.engine.kv_cache_spec.num_blocks)
+        logger.info("%s engine %s ready (epoch %x, tp %d, %s, %d KV blocks)", cfg.role, cfg.engine_id, self.epoch,
+                    cfg.tp, self.engine.device_plan.describe(), self.engine.kv_cache_spec.num_blocks)
 
     def attach(self, aio_loop: asyncio.AbstractEventLoop) -> None:
         self._aio = aio_loop

@@ -35,6 +35,7 @@ PROMPT_TEXTS = [
 
 def start_cluster(tmp_path_factory: pytest.TempPathFactory, name: str, **kwargs: object) -> LocalCluster:
     log_dir = tmp_path_factory.mktemp(name)
+    kwargs.setdefault("dtype", "float32")  # outputs are compared with the in-process engine's, in float32
     spec = ClusterSpec(log_dir=str(log_dir), torch_threads=1, kv_cache_memory="64MiB",
                        env={"PDSERVE_TRANSFER_TIMEOUT_S": "3"}, **kwargs)  # type: ignore[arg-type]
     cluster = LocalCluster(spec)
