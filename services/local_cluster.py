@@ -23,6 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -30,9 +31,11 @@ from pdserve.v1 import engine_pb2 as engine_pb
 from pdserve.v1 import engine_pb2_grpc as engine_grpc
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import generation_pb2_grpc as gen_grpc
-from services.common.certs import COMPONENT_NAME, LocalPki, make_local_pki
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.security import ChannelSecurity, open_sync_channel
+
+if TYPE_CHECKING:
+    from services.common.certs import LocalPki
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +127,9 @@ class LocalCluster:
         self._log_dir = Path(spec.log_dir) if spec.log_dir else None
         self.pki: LocalPki | None = None
         if spec.tls:
+            # Imported only for TLS: `cryptography` is not needed (nor shipped to the GPU check) otherwise.
+            from services.common.certs import make_local_pki
+
             self.pki = make_local_pki(spec.tls_dir or tempfile.mkdtemp(prefix="pdserve-tls-"), [spec.host])
         token = spec.auth_tokens[0] if spec.auth_tokens else ""
         # What a client of the Generate / KVEvents APIs uses, and what Engine.Inspect uses (mTLS).
@@ -158,6 +164,8 @@ class LocalCluster:
     def _tls_args(self) -> list[str]:
         if self.pki is None:
             return []
+        from services.common.certs import COMPONENT_NAME
+
         return ["--tls-cert", str(self.pki.server_cert), "--tls-key", str(self.pki.server_key),
                 "--tls-ca", str(self.pki.ca_cert), "--tls-peer-name", COMPONENT_NAME]
 

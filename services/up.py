@@ -71,7 +71,13 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     if args.auth_tokens_file:
         scheduler_args += ["--auth-tokens-file", args.auth_tokens_file]
     placement = gpu_placement(args)
-    engine_args += ["--dtype", args.dtype, "--device", placement.kind, "--kv-staging", args.kv_staging]
+    # Engines resolve auto the same way; only what differs from their defaults is passed on.
+    if args.device != "auto" or placement.kind == "cuda":
+        engine_args += ["--device", placement.kind]
+    if args.dtype != "auto":
+        engine_args += ["--dtype", args.dtype]
+    if args.kv_staging != "none":
+        engine_args += ["--kv-staging", args.kv_staging]
     if placement.kind == "cuda":
         engine_args += ["--gpu-memory-fraction", f"{placement.memory_fraction:.4f}"]
     return ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode, tp=args.tp,
