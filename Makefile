@@ -84,7 +84,9 @@ clean:
 GPU_CHECK_OUT ?= gpu-check.json
 GPU_CHECK_ARGS ?=
 GPU_CHECK_SITE := /tmp/pdserve-gpu-check-site
-GPU_CHECK_PY := $(if $(wildcard .whl/*.whl),$(PYTHON),$(if $(wildcard $(PY)),$(PY),$(PYTHON)))
+GPU_CHECK_WHEEL_DIR ?= .whl
+GPU_CHECK_WHEEL_FILES := $(wildcard $(GPU_CHECK_WHEEL_DIR)/*.whl)
+GPU_CHECK_PY := $(if $(GPU_CHECK_WHEEL_FILES),$(PYTHON),$(if $(wildcard $(PY)),$(PY),$(PYTHON)))
 GPU_CHECK_WHEELS := ucxx-cu13==0.52.0 libucxx-cu13==0.52.0 libucx-cu13==1.22.0 librmm-cu13==26.10.0 \
   rapids-logger==0.3.0 grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2 \
   opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2 \
@@ -99,7 +101,7 @@ gpu-check-wheels:
 	@echo "wheels in .whl: $$(du -sm .whl | cut -f1) MB; with the tracked tree: $$(( ($$(du -sb .whl | cut -f1) + $$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)) / 1048576 )) MiB of the 64 MiB a device run carries"
 
 gpu-check:
-	$(if $(wildcard .whl/*.whl),$(PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-	    --target $(GPU_CHECK_SITE) .whl/*.whl)
-	PYTHONPATH=$(if $(wildcard .whl/*.whl),$(GPU_CHECK_SITE):)protos:. PYTHONUNBUFFERED=1 $(GPU_CHECK_PY) -m services.common.cli bench gpu-check \
+	$(if $(GPU_CHECK_WHEEL_FILES),$(PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+	    --upgrade --target $(GPU_CHECK_SITE) $(GPU_CHECK_WHEEL_FILES))
+	PYTHONPATH=$(if $(GPU_CHECK_WHEEL_FILES),$(GPU_CHECK_SITE):)protos:. PYTHONUNBUFFERED=1 $(GPU_CHECK_PY) -m services.common.cli bench gpu-check \
 	  --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)

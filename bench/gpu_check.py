@@ -592,17 +592,23 @@ class _PdserveEnd:
         self.c.shutdown()
 
 
+def _nixl_api() -> Any:
+    import importlib
+
+    for module in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
+        try:
+            return importlib.import_module(module)
+        except ImportError:
+            continue
+    raise _Unavailable("nixl not installed")
+
+
 class _NixlEnd:
     """One side of NIXL's READ of VRAM (the writer registers, the reader reads blocks [0, n))."""
 
     def __init__(self, role: str, method: str, device: str, shape: KVShape) -> None:
-        try:
-            from nixl._api import nixl_agent, nixl_agent_config
-        except ImportError:
-            try:
-                from nixl_cu12._api import nixl_agent, nixl_agent_config
-            except ImportError as e:
-                raise _Unavailable(f"nixl not installed: {e}") from None
+        api = _nixl_api()
+        nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
         self.shape = shape
         self.kv = _kv_tensor(device, shape, seed=1 if role == "writer" else 0)
         self.agent = nixl_agent(f"gpu-check-{role}", nixl_agent_config(enable_prog_thread=False, backends=[]))

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_make_gpu_check_dry_run_passes_every_section(tmp_path: Path) -> None:
     out = tmp_path / "gpu-check.json"
-    result = subprocess.run(["make", "-s", "gpu-check", f"GPU_CHECK_OUT={out}",
+    result = subprocess.run(["make", "-s", "gpu-check", f"GPU_CHECK_OUT={out}", f"GPU_CHECK_WHEEL_DIR={tmp_path}",
                              f"GPU_CHECK_ARGS=--dry-run --new-tokens 6 --workdir {tmp_path / 'work'}"],
                             cwd=ROOT, capture_output=True, text=True, timeout=900,
                             env={**os.environ, "PDSERVE_CPU_BF16": "1"})

@@ -261,15 +261,15 @@ def test_rdma_device_plugin_and_dra() -> None:
         (container,) = containers(one(docs, "StatefulSet", role))
         assert container["resources"]["limits"]["rdma/ib"] == 1
     docs = rendered("everything-values.yaml")
-    (claim_template,) = of_kind(docs, "ResourceClaimTemplate")
+    (claim_template,) = [t for t in of_kind(docs, "ResourceClaimTemplate") if t["metadata"]["name"].endswith("-rdma")]
     request = claim_template["spec"]["spec"]["devices"]["requests"][0]
     assert request["exactly"] == {"deviceClassName": "rdma.nvidia.com", "allocationMode": "ExactCount", "count": 2}
     for role in ENGINE_ROLES:
         sts = one(docs, "StatefulSet", role)
         pod = sts["spec"]["template"]["spec"]
-        assert pod["resourceClaims"] == [{"name": "rdma",
-                                          "resourceClaimTemplateName": claim_template["metadata"]["name"]}]
-        assert pod["containers"][0]["resources"]["claims"] == [{"name": "rdma"}]
+        assert [c for c in pod["resourceClaims"] if c["name"] == "rdma"] == [
+            {"name": "rdma", "resourceClaimTemplateName": claim_template["metadata"]["name"]}]
+        assert {"name": "rdma"} in pod["containers"][0]["resources"]["claims"]
     assert not of_kind(rendered("default"), "ResourceClaimTemplate")
 
 
