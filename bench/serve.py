@@ -4,7 +4,10 @@ By default it starts local clusters itself (`--up`) and runs the same workload t
 side: disaggregated (prefill engine + decode engine, KV over UCX) and colocated (decode-only:
 the decode engine computes the prompt). With `--compare-routing` it instead runs prefix-aware
 vs round-robin prefill routing on `--prefill` (≥ 2) engines with a shared-prefix workload.
-`--target HOST:PORT` measures an existing cluster as is (one section, "target").
+`--target HOST:PORT` measures an existing cluster as is (one section, "target"). With `--http`
+it runs one cluster and sends the same kind of workload through the gRPC Generate API and the
+OpenAI-compatible HTTP API (streamed /v1/completions, token-id prompts) in ABBA order on fresh
+prompts per pass, reporting the HTTP path's added TTFT p50 and its throughput ratio.
 
 Reports TTFT / inter-token latency / end-to-end percentiles, throughput, goodput under an SLO,
 the scheduler's control-plane overhead per request (Complete.scheduler_overhead_ms), and
@@ -52,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-len", type=int, default=384, help="tokens of each shared prefix")
     parser.add_argument("--compare-routing", action="store_true",
                         help="prefix-aware vs round-robin routing (needs --prefill >= 2)")
+    parser.add_argument("--http", action="store_true",
+                        help="HTTP (OpenAI API, streamed /v1/completions) vs gRPC Generate on one cluster, "
+                             "same workload: added TTFT p50 and throughput ratio")
     parser.add_argument("--prefill", type=int, default=1, help="prefill engines per cluster (--up)")
     parser.add_argument("--kv-cache-memory", default="256MiB",
                         help="KV cache per engine rank (--up); a small cache makes routing matter")
@@ -112,6 +118,163 @@ async def _drive(target: str, wl: Workload, concurrency: int, rate: float) -> tu
         results = list(await asyncio.gather(*tasks))
         print(file=sys.stderr)
         return results, time.perf_counter() - start
+
+
+async def _drive_http(base_url: str, wl: Workload, concurrency: int,
+                      rate: float) -> tuple[list[GenerationResult], float]:
+    """The `_drive` workload over the HTTP API: streamed /v1/completions, token ids in and out,
+    usage from the final chunk (`stream_options.include_usage`)."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=max(concurrency, 8))
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
+        sem = asyncio.Semaphore(concurrency if rate <= 0 else len(wl.prompts))
+
+        async def one(i: int) -> GenerationResult:
+            body = {"prompt": wl.prompts[i], "max_tokens": wl.max_tokens[i], "temperature": 0.0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                    "return_token_ids": True}
+            async with sem:
+                return await _http_stream(client, body, f"http-{i}")
+
+        start = time.perf_counter()
+        tasks, rng = [], random.Random(1)
+        for i in range(len(wl.prompts)):
+            tasks.append(asyncio.create_task(one(i)))
+            if rate > 0:
+                await asyncio.sleep(rng.expovariate(rate))
+        results = list(await asyncio.gather(*tasks))
+        return results, time.perf_counter() - start
+
+
+async def _http_stream(client: Any, body: dict[str, Any], request_id: str) -> GenerationResult:
+    """One streamed completion, timed like services.client's gRPC results."""
+    r = GenerationResult(request_id=request_id)
+    start = time.perf_counter()
+    async with client.stream("POST", "/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            now = time.perf_counter() - start
+            for choice in event.get("choices", []):
+                ids = choice.get("token_ids", [])
+                if ids and r.ttft_s is None:
+                    r.ttft_s = now
+                r.token_ids.extend(ids)
+                r.token_times_s.extend([now] * len(ids))
+                r.finish_reason = choice.get("finish_reason") or r.finish_reason
+            usage = event.get("usage")
+            if usage:
+                r.prompt_tokens, r.generated_tokens = usage["prompt_tokens"], usage["completion_tokens"]
+                r.cached_tokens, r.transferred_tokens = usage["cached_tokens"], usage["transferred_tokens"]
+            if "error" in event:
+                raise RuntimeError(f"in-band error: {event['error']}")
+    r.e2e_s = time.perf_counter() - start
+    return r
+
+
+def paired_ttft(target: str, base_url: str, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    """TTFT of the two APIs one request at a time, in pairs, over one warm connection each:
+    each pair sends two fresh prompts of the same length, one per API, in alternating order, so
+    slow drift of the machine (other processes) cancels in the pair's difference."""
+    import httpx
+
+    wl = build_workload(argparse.Namespace(**{**vars(args), "seed": args.seed + 7}), vocab)
+    rng = random.Random(args.seed + 8)
+
+    async def run() -> tuple[list[float], dict[str, list[float]]]:
+        diffs: list[float] = []
+        ttft: dict[str, list[float]] = {"grpc": [], "http": []}
+        async with AsyncClient(target) as grpc_client, httpx.AsyncClient(base_url=base_url, timeout=600) as http:
+            async def one(proto: str, prompt: list[int]) -> float:
+                if proto == "grpc":
+                    r = await grpc_client.generate(prompt, max_tokens=2, temperature=0.0, ignore_eos=True, timeout=600)
+                else:
+                    r = await _http_stream(http, {"prompt": prompt, "max_tokens": 2, "temperature": 0.0,
+                                                  "ignore_eos": True, "stream": True, "return_token_ids": True}, "p")
+                return (r.ttft_s or 0.0) * 1000
+
+            warm = [rng.randrange(100, vocab) for _ in range(8)]
+            await one("grpc", warm)
+            await one("http", warm[::-1])
+            for i, prompt in enumerate(wl.prompts):
+                twin = [prompt, [rng.randrange(100, vocab) for _ in prompt]]
+                order = ("grpc", "http") if i % 2 == 0 else ("http", "grpc")
+                got = {proto: await one(proto, twin[j]) for j, proto in enumerate(order)}
+                for proto, ms in got.items():
+                    ttft[proto].append(ms)
+                diffs.append(got["http"] - got["grpc"])
+        return diffs, ttft
+
+    diffs, ttft = asyncio.run(run())
+    return {"pairs": len(diffs), "http_minus_grpc_ttft_ms": _pct(diffs),
+            "grpc_ttft_ms": _pct(ttft["grpc"]), "http_ttft_ms": _pct(ttft["http"])}
+
+
+def refusal_round_trip(target: str, base_url: str, n: int, prompt_len: int = 64) -> dict[str, Any]:
+    """The protocols' own cost without an engine: `n` interleaved requests per API that the
+    scheduler parses, validates and refuses (token ids, max_tokens 0), over warm
+    connections; round-trip percentiles in ms. Both APIs run the same validation."""
+    import grpc
+    import httpx
+
+    prompt = list(range(100, 100 + prompt_len))
+
+    async def run() -> dict[str, list[float]]:
+        times: dict[str, list[float]] = {"grpc": [], "http": []}
+        async with AsyncClient(target) as grpc_client, httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+            for i in range(n + 5):
+                for proto in (("grpc", "http") if i % 2 == 0 else ("http", "grpc")):
+                    start = time.perf_counter()
+                    if proto == "grpc":
+                        try:
+                            await grpc_client.generate(prompt, max_tokens=0, timeout=60)
+                        except grpc.aio.AioRpcError as e:
+                            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e
+                    else:
+                        r = await http.post("/completions", json={"prompt": prompt, "max_tokens": 0, "stream": True})
+                        assert r.status_code == 400, r.text
+                    if i >= 5:  # the first ones warm both paths
+                        times[proto].append((time.perf_counter() - start) * 1000)
+        return times
+
+    times = asyncio.run(run())
+    diffs = [h - g for g, h in zip(times["grpc"], times["http"], strict=True)]
+    return {"requests_per_api": n, "grpc_ms": _pct(times["grpc"]), "http_ms": _pct(times["http"]),
+            "http_minus_grpc_ms": _pct(diffs)}
+
+
+def http_vs_grpc(target: str, base_url: str, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    """ABBA passes (gRPC, HTTP, HTTP, gRPC) at the workload's concurrency, each on its own
+    prompts of the same shape, against one running cluster (per-protocol summaries over both of
+    its passes, and the ratios); then `paired_ttft`, one request at a time."""
+    passes: dict[str, list[tuple[list[GenerationResult], float]]] = {"grpc": [], "http": []}
+    for k, proto in enumerate(("grpc", "http", "http", "grpc")):
+        wl = build_workload(argparse.Namespace(**{**vars(args), "seed": args.seed + 1000 * (k + 1)}), vocab)
+        print(f"[{proto}] pass {k + 1}/4", file=sys.stderr)
+        if proto == "grpc":
+            passes[proto].append(asyncio.run(_drive(target, wl, args.concurrency, args.request_rate)))
+        else:
+            passes[proto].append(asyncio.run(_drive_http(base_url, wl, args.concurrency, args.request_rate)))
+    report: dict[str, Any] = {}
+    for proto, runs in passes.items():
+        report[proto] = summarize([r for rs, _ in runs for r in rs], sum(w for _, w in runs), args)
+    g, h = report["grpc"], report["http"]
+    report["ratios"] = {
+        "http_added_ttft_p50_ms": round(h["ttft_ms"]["p50"] - g["ttft_ms"]["p50"], 3),
+        "http_added_itl_p50_ms": round(h["itl_ms"]["p50"] - g["itl_ms"]["p50"], 3),
+        "throughput_http_over_grpc": round(h["throughput_tok_s"] / max(g["throughput_tok_s"], 1e-9), 3),
+    }
+    print("[paired] one request at a time, alternating APIs", file=sys.stderr)
+    report["paired"] = paired_ttft(target, base_url, args, vocab)
+    report["ratios"]["http_added_ttft_p50_ms_paired"] = report["paired"]["http_minus_grpc_ttft_ms"]["p50"]
+    print("[refusal] protocol round trips without an engine", file=sys.stderr)
+    report["refusal_round_trip"] = refusal_round_trip(target, base_url, max(20, 10 * args.num_requests))
+    report["ratios"]["http_added_round_trip_p50_ms"] = report["refusal_round_trip"]["http_minus_grpc_ms"]["p50"]
+    return report
 
 
 def summarize(results: list[GenerationResult], wall_s: float, args: argparse.Namespace) -> dict[str, Any]:
@@ -216,7 +379,16 @@ def run(args: argparse.Namespace) -> int:
     wl = build_workload(args, vocab)
     report: dict[str, Any] = {"workload": {k: getattr(args, k) for k in (
         "num_requests", "concurrency", "request_rate", "prompt_len", "output_len", "workload", "seed")}}
-    if args.target:
+    if args.http:
+        spec = ClusterSpec(model=args.model, log_dir=str(out / "logs" / "http"), torch_threads=1,
+                           kv_cache_memory=args.kv_cache_memory, num_prefill=args.prefill)
+        with LocalCluster(spec) as c:
+            rng = random.Random(-1)
+            warm = Workload([[rng.randrange(100, 1000) for _ in range(24)] for _ in range(2)], [2, 2])
+            asyncio.run(_drive(c.target, warm, 2, 0.0))
+            asyncio.run(_drive_http(c.http_url, warm, 2, 0.0))
+            report.update(http_vs_grpc(c.target, c.http_url, args, vocab))
+    elif args.target:
         results, wall = asyncio.run(_drive(args.target, wl, args.concurrency, args.request_rate))
         report["target"] = summarize(results, wall, args)
     elif args.compare_routing:

@@ -72,6 +72,15 @@ class ConnectorRequest(Protocol):
     num_computed_tokens: int
     block_hashes: list[bytes]
 
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def keeps_blocks_for_readers(self) -> bool:
+        """Finished, and its prompt blocks stay pinned for remote readers (a prefill-only request
+        that was not aborted): `request_finished` may then hand them to the data plane."""
+        ...
+
 
 HandshakeKey = tuple[int, int]
 """(pp_rank, tp_rank) of the rank a piece of handshake metadata belongs to."""
@@ -107,6 +116,9 @@ class SchedulerConnector(ABC):
     def build_connector_meta(self, step: Any) -> KVConnectorMetadata:
         """Metadata for every worker for this step (`step` is the engine's step plan, which the
         connector must not modify). Resets the connector's per-step state."""
+
+    def on_new_request(self, request: ConnectorRequest) -> None:  # noqa: B027
+        """Called once when the engine admits `request` (before any other call about it)."""
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:  # noqa: B027
         """Absorbs the aggregated output of all ranks for this step (finished sets, worker

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from connectors.base import SchedulerConnector
 from engine.block_pool import KVCacheBlock, NoFreeBlocksError
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestMode, RequestStatus
@@ -62,7 +63,8 @@ class BatchSchedulerConfig:
 
 
 class BatchScheduler:
-    def __init__(self, config: BatchSchedulerConfig, kv: KVCacheManager, *, connector: Any = None) -> None:
+    def __init__(self, config: BatchSchedulerConfig, kv: KVCacheManager, *,
+                 connector: SchedulerConnector | None = None) -> None:
         config.validate()
         self.config = config
         self.kv = kv
@@ -89,7 +91,7 @@ class BatchScheduler:
         else:
             self.waiting.append(request)
         self.requests[request.request_id] = request
-        if self.connector is not None and hasattr(self.connector, "on_new_request"):
+        if self.connector is not None:
             self.connector.on_new_request(request)
 
     def _admit_remote(self, request: Request) -> None:
@@ -148,7 +150,7 @@ class BatchScheduler:
         if not plan.preempted_ids:
             budget = self._schedule_waiting(plan, budget)
         plan.finished_ids, self._finished_since_plan = self._finished_since_plan, []
-        if self.connector is not None and hasattr(self.connector, "build_connector_meta"):
+        if self.connector is not None:
             plan.connector_meta = self.connector.build_connector_meta(plan)
         return plan
 
@@ -229,7 +231,7 @@ class BatchScheduler:
 
     def _external_match(self, request: Request, num_hit: int) -> tuple[int | None, bool]:
         """Tokens the scheduler-side connector can load beyond the local prefix hit."""
-        if self.connector is None or not hasattr(self.connector, "get_num_new_matched_tokens"):
+        if self.connector is None:
             return 0, False
         num_ext, is_async = self.connector.get_num_new_matched_tokens(request, num_hit)
         if num_ext is not None and num_hit + num_ext >= request.num_tokens:
@@ -302,7 +304,7 @@ class BatchScheduler:
         request.finish_reason = reason
         self._remove_from_queues(request)
         self._finished_since_plan.append(request_id)
-        if self.connector is not None and hasattr(self.connector, "request_finished"):
+        if self.connector is not None:
             self.connector.request_finished(request, self.kv.get_block_ids(request_id))
         if request.mode is RequestMode.PREFILL_ONLY and reason != "abort":
             request.status = RequestStatus.PINNED

@@ -15,10 +15,12 @@ from typing import Any
 
 import torch
 
+from connectors.base import SchedulerConnector
 from connectors.hashing import DEFAULT_HASH_SEED, BlockHasher
 from connectors.kv_events import KVCacheEvent
 from engine.batch_scheduler import BatchScheduler, BatchSchedulerConfig
 from engine.block_pool import BlockPool
+from engine.byte_size import parse_size
 from engine.config import KVCacheSpec, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.device import DevicePlan, cpu_has_native_bf16, plan_devices, probe_host, resolve_kind
@@ -59,8 +61,6 @@ def resolve_dtype(dtype: str, device: str) -> str:
 def kv_memory_bytes(kv_cache_memory: int | str, gpu_memory_fraction: float, plan: DevicePlan) -> int:
     """The per-rank KV budget: `gpu_memory_fraction` of rank 0's GPU memory on CUDA when set,
     else `kv_cache_memory`."""
-    from services.common.config import parse_size
-
     if not 0.0 <= gpu_memory_fraction < 1.0:
         raise ValueError(f"gpu_memory_fraction must be in [0, 1), got {gpu_memory_fraction}")
     if gpu_memory_fraction == 0.0 or plan.kind != "cuda":
@@ -75,8 +75,8 @@ class LLMEngine:
                  max_model_len: int = 0, dtype: str = "auto", device: str = "auto",
                  hash_seed: str = DEFAULT_HASH_SEED, kv_medium: str = "", torch_threads: int = 0,
                  num_blocks: int | None = None, rank_init: RankInitHook | None = None,
-                 scheduler_connector: Any = None, load_tokenizer: bool = True, devices: str = "",
-                 gpu_memory_fraction: float = 0.0) -> None:
+                 scheduler_connector: SchedulerConnector | None = None, load_tokenizer: bool = True,
+                 devices: str = "", gpu_memory_fraction: float = 0.0) -> None:
         if tp < 1:
             raise ValueError(f"tp must be >= 1, got {tp}")
         if block_size < 1:

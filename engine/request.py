@@ -95,6 +95,11 @@ class Request:
     remote_kv_target: int | None = None  # tokens computed once WAITING_FOR_REMOTE_KV ends
 
     @property
+    def keeps_blocks_for_readers(self) -> bool:
+        """A finished prefill-only request (not aborted): its prompt blocks stay for readers."""
+        return self.mode is RequestMode.PREFILL_ONLY and self.finish_reason not in (None, "abort")
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from connectors.base import WorkerConnector, collect_output
 from engine.batch_scheduler import StepPlan
 from engine.config import KVCacheSpec, ModelConfig
 from engine.kv_cache import allocate_kv_cache
@@ -36,7 +37,7 @@ from engine.models import load_model
 
 logger = logging.getLogger(__name__)
 
-RankInitHook = Callable[[int, int, torch.Tensor, KVCacheSpec], Any]
+RankInitHook = Callable[[int, int, torch.Tensor, KVCacheSpec], WorkerConnector | None]
 """(rank, tp_size, kv_cache, spec) -> WorkerConnector | None; must be picklable for tp > 1."""
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -113,7 +114,7 @@ class RankWorker:
         self.kv_cache = allocate_kv_cache(setup.spec, dtype, device)
         self.runner = ModelRunner(model, self.kv_cache, setup.spec.block_size, device)
         self.connector = setup.rank_init(rank, tp, self.kv_cache, setup.spec) if setup.rank_init else None
-        if self.connector is not None and hasattr(self.connector, "register_kv_caches"):
+        if self.connector is not None:
             self.connector.register_kv_caches(self.kv_cache, setup.spec)
         self.outputs: list[Any] = []
         self._warned = False
@@ -133,8 +134,6 @@ class RankWorker:
         return logits
 
     def _collect(self, plan: StepPlan) -> None:
-        from connectors.base import collect_output
-
         assert self.connector is not None
         output = collect_output(self.connector, frozenset(plan.finished_ids))
         if output.is_empty():

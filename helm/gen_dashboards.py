@@ -157,6 +157,13 @@ def overview() -> Board:
     b.ts("Refused client calls (auth, rate, streams)", [
         q(f"sum by (reason) (rate(pdserve_scheduler_client_refused_total[{RI}]))", "{{reason}}")], "ops")
     b.ts("Open client streams", [q("sum(pdserve_scheduler_client_streams)", "streams")])
+    b.row("OpenAI-compatible HTTP API")
+    b.ts("HTTP requests by endpoint and status", [
+        q(f"sum by (endpoint, code) (rate(pdserve_scheduler_http_requests_total[{RI}]))", "{{endpoint}} {{code}}")],
+        "reqps")
+    b.ts("HTTP error ratio (status >= 400)", [
+        q(f'sum(rate(pdserve_scheduler_http_requests_total{{code=~"[45].."}}[{RI}])) '
+          f"/ sum(rate(pdserve_scheduler_http_requests_total[{RI}]))", "errors")], "percentunit")
     return b
 
 

@@ -47,7 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"scheduler client API host:port (default: where `pdserve up` listens, {DEFAULT_TARGET})")
     parser.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     parser.add_argument("--prompt-ids", action="append", default=[], help="comma-separated prompt token ids (repeatable)")
-    parser.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
+    template = parser.add_mutually_exclusive_group()
+    template.add_argument("--chat", action="store_true",
+                          help="apply the model's chat template to text prompts (the default when the model has one)")
+    template.add_argument("--raw", action="store_true",
+                          help="send text prompts as they are, without the chat template (completion-style)")
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt: token ids, text, finish reason, usage")
     add_sampling_arguments(parser)
@@ -60,17 +64,31 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give at least one --prompt or --prompt-ids")
     kwargs = sampling_kwargs(args)
     with Client(args.target, security=client_security_from_args(args)) as client:
-        for prompt in prompts:
-            try:
+        try:
+            chat = use_chat_template(client, args, prompts)
+            for prompt in prompts:
+                templated = chat and isinstance(prompt, str)
                 if args.json:
-                    result = client.generate(prompt, timeout=args.timeout, chat=args.chat, **kwargs)
+                    result = client.generate(prompt, timeout=args.timeout, chat=templated, **kwargs)
                     print(json.dumps(result.to_json()), flush=True)
                     continue
-                result = client.generate(prompt, timeout=args.timeout, chat=args.chat,
+                result = client.generate(prompt, timeout=args.timeout, chat=templated,
                                          on_chunk=lambda c: print(c.text, end="", flush=True), **kwargs)
                 print(f"\n[{result.finish_reason}; prompt {result.prompt_tokens}, cached {result.cached_tokens}, "
                       f"transferred {result.transferred_tokens}, generated {result.generated_tokens} tokens]")
-            except grpc.RpcError as e:
-                print(f"pdserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
-                return 1
+                if isinstance(prompt, str) and not templated and result.finish_reason == "stop" \
+                        and result.generated_tokens <= 1:
+                    print("pdserve generate: hint: the answer ended at its first token; an instruct model "
+                          "usually needs its chat template (--chat)", file=sys.stderr)
+        except grpc.RpcError as e:
+            print(f"pdserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
     return 0
+
+
+def use_chat_template(client: Client, args: argparse.Namespace, prompts: list[str | list[int]]) -> bool:
+    """Text prompts get the model's chat template unless --raw: a question to an instruct
+    model otherwise often ends at its first token (EOS). Asks the server only when it matters."""
+    if args.chat or args.raw or not any(isinstance(p, str) for p in prompts):
+        return bool(args.chat)
+    return bool(client.server_info().has_chat_template)

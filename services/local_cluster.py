@@ -85,6 +85,7 @@ class ClusterSpec:
     port: int = 0
     control_port: int = 0
     events_port: int = 0
+    http_port: int = 0  # the OpenAI-compatible HTTP API; 0 picks a free port
     metrics: bool = False
     torch_threads: int = 0
     kv_cache_memory: str = "256MiB"
@@ -97,6 +98,8 @@ class ClusterSpec:
     auth_tokens: list[str] = field(default_factory=list)  # bearer tokens of the client API and KV events
     engine_devices: list[str] = field(default_factory=list)  # --devices of engine i (prefill first); empty: none
     dtype: str = ""  # --dtype of every engine; empty: the engines' default (parity tests pin float32)
+    engine: str = "native"  # engine backend of every prefill and decode engine (--engine)
+    vllm_args: list[str] = field(default_factory=list)  # KEY=VALUE, passed to every engine as --vllm-arg
 
 
 @dataclass(slots=True)
@@ -121,6 +124,7 @@ class LocalCluster:
         self.port = spec.port or free_port(spec.host)
         self.control_port = spec.control_port or free_port(spec.host)
         self.events_port = spec.events_port or free_port(spec.host)
+        self.http_port = spec.http_port or free_port(spec.host)
         ranks = (spec.num_prefill + spec.num_decode) * spec.tp
         self.torch_threads = spec.torch_threads or default_torch_threads(ranks)
         self.components: dict[str, Component] = {}
@@ -148,6 +152,13 @@ class LocalCluster:
         return f"{self.spec.host}:{self.port}"
 
     @property
+    def http_url(self) -> str:
+        """Base URL of the OpenAI-compatible API (what OpenAI clients take as `base_url`)."""
+        scheme = "https" if self.pki is not None else "http"
+        host = f"[{self.spec.host}]" if ":" in self.spec.host else self.spec.host
+        return f"{scheme}://{host}:{self.http_port}/v1"
+
+    @property
     def events_target(self) -> str:
         return f"{self.spec.host}:{self.events_port}"
 
@@ -160,6 +171,12 @@ class LocalCluster:
 
     def _cli(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "services.common.cli", *args, *self._tls_args()]
+
+    def _backend_args(self) -> list[str]:
+        args = ["--engine", self.spec.engine]
+        for item in self.spec.vllm_args:
+            args += ["--vllm-arg", item]
+        return args
 
     def _tls_args(self) -> list[str]:
         if self.pki is None:
@@ -174,7 +191,7 @@ class LocalCluster:
         metrics_port = free_port(s.host) if s.metrics else 0
         argv = self._cli("scheduler", "--host", s.host, "--port", str(self.port),
                          "--control-port", str(self.control_port), "--events-port", str(self.events_port),
-                         "--metrics-port", str(metrics_port), *(["--model", s.model] if s.model else []),
+                         "--http-port", str(self.http_port), "--metrics-port", str(metrics_port), *(["--model", s.model] if s.model else []),
                          *s.scheduler_args)
         return Component("scheduler", argv, metrics_port or None)
 
@@ -189,7 +206,7 @@ class LocalCluster:
                          "--host", s.host, "--port", str(port), "--tp", str(s.tp), "--torch-threads", str(self.torch_threads),
                          "--metrics-port", str(metrics_port), "--kv-cache-memory", s.kv_cache_memory,
                          *(["--model", s.model] if s.model else []), *(["--dtype", s.dtype] if s.dtype else []),
-                         *(["--devices", devices] if devices else []), *s.engine_args)
+                         *(["--devices", devices] if devices else []), *self._backend_args(), *s.engine_args)
         return Component(engine_id, argv, metrics_port or None, f"{s.host}:{port}")
 
     def start(self, timeout: float = 180.0) -> None:

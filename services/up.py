@@ -8,6 +8,7 @@ import threading
 from dataclasses import dataclass
 
 from engine.device import HostDevices, assign_gpus, engines_per_gpu, probe_host, resolve_dtype, resolve_kind
+from services.common.config import ENGINES, check_vllm_args, parse_vllm_args
 from services.common.logs import setup_logging
 from services.common.security import check_plaintext
 from services.local_cluster import ClusterSpec, LocalCluster
@@ -26,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=50051, help="client API port")
     parser.add_argument("--control-port", type=int, default=50052, help="scheduler control-stream port")
     parser.add_argument("--events-port", type=int, default=50053, help="KV-event subscription port")
+    parser.add_argument("--http-port", type=int, default=8000,
+                        help="OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions, ...)")
     parser.add_argument("--torch-threads", type=int, default=0,
                         help="torch threads per rank process; 0 divides the cores among them")
     parser.add_argument("--kv-cache-memory", default="256MiB", help="KV cache budget per rank (CPU)")
@@ -49,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--auth-tokens-file", default="",
                         help="bearer tokens required on Generate and KV events (see `pdserve scheduler --help`)")
     parser.add_argument("--log-level", default="INFO", help="logging level")
+    parser.add_argument("--engine", default="native", choices=ENGINES,
+                        help="engine backend of every prefill and decode engine (vllm: run from .venv-vllm)")
+    parser.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="a vLLM engine argument for every engine (repeatable; with --engine vllm)")
 
 
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
@@ -59,6 +66,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
             check_plaintext("--host", args.host, tls=False, allow_plaintext=False)
         except ValueError:
             raise ValueError(f"--host {args.host} is not loopback: add --tls (or --allow-plaintext)") from None
+    _check_engine(args.engine, args.vllm_arg)
     scheduler_args: list[str] = []
     engine_args: list[str] = []
     if args.allow_plaintext:
@@ -83,9 +91,23 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     return ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode, tp=args.tp,
                        engine_devices=placement.engine_devices,
                        host=args.host, port=args.port, control_port=args.control_port,
-                       events_port=args.events_port, metrics=args.metrics, torch_threads=args.torch_threads,
+                       events_port=args.events_port, http_port=args.http_port, metrics=args.metrics, torch_threads=args.torch_threads,
                        kv_cache_memory=args.kv_cache_memory, scheduler_args=scheduler_args,
-                       log_dir=args.log_dir, tls=args.tls, tls_dir=args.tls_dir, engine_args=engine_args)
+                       log_dir=args.log_dir, tls=args.tls, tls_dir=args.tls_dir, engine_args=engine_args,
+                       engine=args.engine, vllm_args=list(args.vllm_arg))
+
+
+def _check_engine(engine: str, vllm_args: list[str]) -> None:
+    """Refuses an engine backend that cannot run here, or bad vLLM arguments, before anything starts."""
+    from services.engine.registry import BackendUnavailable, check_backend
+
+    if vllm_args and engine != "vllm":
+        raise ValueError("--vllm-arg applies only with --engine vllm")
+    check_vllm_args(parse_vllm_args(vllm_args))
+    try:
+        check_backend(engine)
+    except BackendUnavailable as e:
+        raise ValueError(str(e)) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
         if args.auth_tokens_file:
             flags += " --token-file <file with one of your tokens>"
         print(f"  Generate API   {cluster.target}   (pdserve generate --target {cluster.target}{flags} --prompt ...)")
+        token_hint = "  (Authorization: Bearer <token>)" if args.auth_tokens_file else ""
+        print(f"  OpenAI API     {cluster.http_url}   (base_url of any OpenAI client){token_hint}")
         print(f"  KV events      {cluster.events_target}   (pdserve events --target {cluster.events_target}{flags})")
         print(f"  control plane  {args.host}:{cluster.control_port}")
         for comp in cluster.components.values():

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from connectors.base import KVConnectorMetadata, SchedulerConnector
+from connectors.base import ConnectorRequest, KVConnectorMetadata, SchedulerConnector
 from connectors.ucx.handshake import KVTransferDescriptor
 
 
@@ -118,12 +118,11 @@ class UcxSchedulerConnector(SchedulerConnector):
             meta.offload = offload
         return meta
 
-    def request_finished(self, request: Any, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
-        from engine.request import RequestMode
-
+    def request_finished(self, request: ConnectorRequest,
+                         block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.offload is not None:
             self.offload.request_finished(request, block_ids)
-        if request.mode is RequestMode.PREFILL_ONLY and request.finish_reason != "abort":
+        if request.keeps_blocks_for_readers:
             num_prompt_blocks = -(-request.num_prompt_tokens // self.block_size)
             with self._lock:
                 self._pending.sends.append(SendCommand(request.request_id, list(block_ids[:num_prompt_blocks])))

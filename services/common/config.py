@@ -21,24 +21,22 @@ from typing import Any, TypeVar
 import yaml
 
 from connectors.hashing import DEFAULT_HASH_SEED
+from engine.byte_size import parse_size  # noqa: F401  (re-exported: services import it from here)
 from services.common.security import TokenStore, check_plaintext, check_tls_files, target_host
 
 ENV_PREFIX = "PDSERVE_"
 C = TypeVar("C")
 
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 1000, "m": 1 << 20, "mib": 1 << 20,
-               "mb": 1000**2, "g": 1 << 30, "gib": 1 << 30, "gb": 1000**3}
-
-
-def parse_size(text: str | int) -> int:
-    """Parses a byte size such as 512MiB, 2G or 1048576."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"not a byte size: {text!r} (examples: 512MiB, 2GiB, 1048576)")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
-
+ENGINES = ("native", "vllm")  # engine backends (services/engine/registry.py loads them)
+# vLLM engine arguments that pdserve derives from its own settings (so they always agree with
+# the scheduler and the other engines): passing them as --vllm-arg is an error naming the flag.
+VLLM_RESERVED_ARGS = {
+    "model": "use --model", "tensor_parallel_size": "use --tp", "block_size": "use --block-size",
+    "dtype": "use --dtype", "max_model_len": "use --max-model-len", "max_num_seqs": "use --max-num-seqs",
+    "max_num_batched_tokens": "use --max-num-batched-tokens",
+    "kv_transfer_config": "pdserve's own KV connector is always configured",
+}
+_VLLM_ARG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 def opt(default: Any, help: str, **kw: Any) -> Any:
     """A config field with its CLI help."""
@@ -56,6 +54,8 @@ class SchedulerConfig:
     control_port: int = opt(50052, "rank control-stream port (Control service)")
     events_port: int = opt(50053, "KV-event subscription port (KVEvents service)")
     metrics_port: int = opt(9400, "Prometheus /metrics port; 0 disables")
+    http_port: int = opt(0, "OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions, /v1/models, "
+                            "/health, /metrics); same host, TLS and bearer tokens as the client API; 0 disables")
     model: str = opt("", "model directory (for the tokenizer); empty selects the demo model")
     block_size: int = opt(16, "KV block size in tokens; must match every engine")
     hash_seed: str = opt(DEFAULT_HASH_SEED, "block-hash seed (NONE_HASH); must match every engine")
@@ -115,7 +115,7 @@ class SchedulerConfig:
         _require(self.subscriber_buffer >= 1, "subscriber_buffer", "must be >= 1")
         _require(self.prefix_load_weight >= 0, "prefix_load_weight", "must be >= 0")
         _require(self.prefix_index_max_entries >= 1, "prefix_index_max_entries", "must be >= 1")
-        for name in ("port", "control_port", "events_port", "metrics_port", "health_port"):
+        for name in ("port", "control_port", "events_port", "metrics_port", "health_port", "http_port"):
             _require(0 <= getattr(self, name) < 65536, name, "must be a TCP port (0..65535)")
         _validate_security(self, [("host", self.host)])
         _require(self.max_streams_per_client >= 0, "max_streams_per_client", "must be >= 0")
@@ -130,6 +130,11 @@ class EngineConfig:
     """A prefill or decode engine (rank 0 serves the Engine API; --tp ranks in all)."""
 
     role: str = opt("prefill", "prefill or decode")
+    engine: str = opt("native", "engine backend: native (pdserve's own engine) or vllm (vLLM's async engine; "
+                                "needs `make install-vllm` and .venv-vllm/bin/pdserve)")
+    vllm: dict[str, Any] = opt({}, "a vLLM engine argument KEY=VALUE (repeatable; VALUE is read as YAML, e.g. "
+                                   "enforce_eager=true); the YAML config's `vllm:` section sets them too; only "
+                                   "with --engine vllm", flag="vllm-arg")
     engine_id: str = opt("", "stable engine id; default <role>-<hostname>")
     model: str = opt("", "model directory; empty selects the demo model")
     scheduler: str = opt("127.0.0.1:50052", "scheduler control address host:port")
@@ -178,6 +183,10 @@ class EngineConfig:
 
     def validate(self) -> None:
         _require(self.role in ("prefill", "decode"), "role", f"must be prefill or decode, got {self.role!r}")
+        _require(self.engine in ENGINES, "engine", f"must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        _require(not self.vllm or self.engine == "vllm", "vllm",
+                 f"vLLM engine arguments apply only with --engine vllm (got {sorted(self.vllm)})")
+        check_vllm_args(self.vllm)
         _require(self.tp >= 1, "tp", "must be >= 1")
         _require(self.block_size >= 1, "block_size", "must be >= 1")
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
@@ -217,6 +226,39 @@ class EngineConfig:
         return parse_size(self.kv_offload_memory)
 
 
+def check_vllm_args(args: Mapping[str, Any]) -> None:
+    """Raises ValueError for a vLLM argument name that is malformed or that pdserve sets itself."""
+    for key in args:
+        _require(bool(_VLLM_ARG_NAME.fullmatch(str(key))), "vllm",
+                 f"{key!r} is not a vLLM engine argument name (letters, digits, _ or -)")
+        owner = VLLM_RESERVED_ARGS.get(str(key))
+        _require(owner is None, "vllm", f"{key} is set by pdserve: {owner}")
+
+
+def parse_vllm_args(value: Any) -> dict[str, Any]:
+    """vLLM engine arguments from a YAML mapping, `KEY=VALUE` flags (a list) or the environment
+    (`PDSERVE_VLLM`, a YAML mapping such as `{enforce_eager: true}`); names use `_` for `-`."""
+    if isinstance(value, str):
+        value = yaml.safe_load(value) if value.strip() else {}
+    if isinstance(value, (list, tuple)):
+        value = dict(_split_vllm_arg(item) for item in value)
+    if not isinstance(value, Mapping):
+        raise ValueError(f"vllm: expected a mapping of vLLM engine arguments, got {value!r}")
+    return {str(k).replace("-", "_"): v for k, v in value.items()}
+
+
+def _split_vllm_arg(item: str) -> tuple[str, Any]:
+    key, sep, text = str(item).partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"vllm: expected KEY=VALUE, got {item!r}")
+    if not text.strip():
+        raise ValueError(f"vllm: {key.strip()} has no value (KEY=VALUE)")
+    try:
+        return key.strip(), yaml.safe_load(text)
+    except yaml.YAMLError:
+        raise ValueError(f"vllm: {key.strip()}: cannot read {text!r} as a YAML value") from None
+
+
 def _validate_security(config: SchedulerConfig | EngineConfig, hosts: list[tuple[str, str]]) -> None:
     check_tls_files(config.tls_cert, config.tls_key, config.tls_ca)
     for name, host in hosts:
@@ -239,6 +281,8 @@ def _field_type(cls: type, f: dataclasses.Field[Any]) -> type:
 
 def _coerce(cls: type, f: dataclasses.Field[Any], value: Any) -> Any:
     t = _field_type(cls, f)
+    if t is dict:
+        return parse_vllm_args(value)
     if t is bool and isinstance(value, str):
         if value.lower() in ("1", "true", "yes", "on"):
             return True
@@ -251,13 +295,24 @@ def _coerce(cls: type, f: dataclasses.Field[Any], value: Any) -> Any:
         raise ValueError(f"{f.name}: expected {t.__name__}, got {value!r}") from None
 
 
+def _put(cls: type, values: dict[str, Any], f: dataclasses.Field[Any], value: Any) -> None:
+    """A later source replaces a setting; a mapping setting (`vllm`) is merged key by key."""
+    if _field_type(cls, f) is dict:
+        values[f.name] = {**values.get(f.name, {}), **_coerce(cls, f, value)}
+    else:
+        values[f.name] = value
+
+
 def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     """Adds `--config FILE` and one `--<field>` flag per dataclass field (help from metadata)."""
     parser.add_argument("--config", metavar="FILE", help="YAML file with these settings (flags win)")
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         help_text = f"{f.metadata.get('help', '')} (default: {f.default!r})"
-        if _field_type(cls, f) is bool:
+        if _field_type(cls, f) is dict:
+            parser.add_argument("--" + f.metadata.get("flag", flag[2:]), dest=f.name, default=None, action="append",
+                                metavar="KEY=VALUE", help=f.metadata.get("help", ""))
+        elif _field_type(cls, f) is bool:
             parser.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction,
                                 help=help_text)
         else:
@@ -279,16 +334,16 @@ def load_config(cls: type[C], args: argparse.Namespace | None = None, *, yaml_pa
             key = key.replace("-", "_")
             if key not in names:
                 raise ValueError(f"{path}: unknown setting {key!r}")
-            values[key] = value
+            _put(cls, values, names[key], value)
     for name in names:
         env_value = env.get(ENV_PREFIX + name.upper())
         if env_value is not None:
-            values[name] = env_value
+            _put(cls, values, names[name], env_value)
     if args is not None:
         for name in names:
             flag_value = getattr(args, name, None)
             if flag_value is not None:
-                values[name] = flag_value
+                _put(cls, values, names[name], flag_value)
     for key, value in (overrides or {}).items():
         values[key] = value
     coerced = {k: _coerce(cls, names[k], v) for k, v in values.items()}

@@ -133,6 +133,9 @@ _SPECS = (
                "Client API / KV-event calls refused by auth or limits, by reason (missing_token, bad_token, "
                "scope, rate, streams)", ("reason",)),
     MetricSpec("pdserve_scheduler_client_streams", _G, "Open Generate and Subscribe streams counted by the limits"),
+    MetricSpec("pdserve_scheduler_http_requests_total", _C,
+               "OpenAI-compatible HTTP API requests answered, by endpoint and HTTP status code",
+               ("endpoint", "code")),
     # --- scheduler: KV event plane ---
     MetricSpec("pdserve_events_received_total", _C, "KV events received from engines, by type and medium",
                ("engine", "type", "medium")),
@@ -314,7 +317,8 @@ class SchedulerMetrics(_Group):
               "pdserve_scheduler_decode_only_total", "pdserve_scheduler_migrations_total",
               "pdserve_scheduler_retries_total", "pdserve_scheduler_lease_outcomes_total",
               "pdserve_scheduler_control_reconnects_total", "pdserve_scheduler_registrations_refused_total",
-              "pdserve_scheduler_client_refused_total", "pdserve_scheduler_client_streams")
+              "pdserve_scheduler_client_refused_total", "pdserve_scheduler_client_streams",
+              "pdserve_scheduler_http_requests_total")
 
     def request_started(self, num_prompt_tokens: int) -> None:
         """A Generate call was accepted (validated and tokenized)."""
@@ -377,6 +381,10 @@ class SchedulerMetrics(_Group):
     def count_client_refused(self, reason: str) -> None:
         """A client call refused by services.common.security.ServerGuard (auth or a limit)."""
         self._m["pdserve_scheduler_client_refused_total"].labels(reason=reason).inc()
+
+    def count_http_request(self, endpoint: str, code: int) -> None:
+        """An HTTP API request was answered; `endpoint` is a route path (a fixed set) or `other`."""
+        self._m["pdserve_scheduler_http_requests_total"].labels(endpoint=endpoint, code=str(code)).inc()
 
     def set_client_streams(self, num_streams: int) -> None:
         self._m["pdserve_scheduler_client_streams"].set(num_streams)

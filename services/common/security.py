@@ -369,6 +369,15 @@ def peer_address(peer: str) -> str:
     return peer
 
 
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a client call is refused: the gRPC status, a metric reason and the message."""
+
+    code: grpc.StatusCode
+    reason: str
+    message: str
+
+
 class ServerGuard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Bearer-token auth and per-client limits for the services in `scopes` (service name →
     required scope); every other service (health, reflection) passes untouched."""
@@ -398,33 +407,58 @@ class ServerGuard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return handler._replace(unary_stream=self._wrap_stream(handler.unary_stream, scope))
         return handler._replace(stream_stream=self._wrap_stream(handler.stream_stream, scope))
 
-    async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, reason: str,
-                      message: str) -> None:
-        self.refused[reason] += 1
+    def admit(self, presented: str | None, peer: str, scope: str) -> tuple[str, Refusal | None]:
+        """Transport-free check of one call (the gRPC interceptor and the HTTP API share it):
+        `presented` bearer token (None: none sent), `peer` address, required `scope`. Returns
+        the client key (token name, else peer) and the refusal (counted) or None."""
+        client = peer
+        if self.tokens is not None:
+            if presented is None:
+                return client, self._refused(Refusal(grpc.StatusCode.UNAUTHENTICATED, "missing_token",
+                                                     "missing bearer token (send `authorization: Bearer <token>`)"))
+            token = self.tokens.check(presented)
+            if token is None:
+                return client, self._refused(Refusal(grpc.StatusCode.UNAUTHENTICATED, "bad_token",
+                                                     "invalid bearer token"))
+            if scope not in token.scopes:
+                return client, self._refused(Refusal(grpc.StatusCode.PERMISSION_DENIED, "scope",
+                                                     f"this token lacks the {scope!r} scope"))
+            client = token.name
+        if self.rate_limiter is not None and not self.rate_limiter.allow(client):
+            return client, self._refused(Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "rate",
+                                                 f"rate limit of {self.rate_limiter.rate:g} requests/s exceeded; "
+                                                 "retry later"))
+        return client, None
+
+    def open_stream(self, client: str) -> Refusal | None:
+        """Counts a stream of `client` against the limit; the refusal (counted) when over it.
+        Every stream opened is closed with `close_stream`."""
+        if not self.streams.acquire(client):
+            return self._refused(Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "streams",
+                                         f"too many concurrent streams from this client (limit {self.streams.limit})"))
+        self._streams_changed()
+        return None
+
+    def close_stream(self, client: str) -> None:
+        self.streams.release(client)
+        self._streams_changed()
+
+    def _refused(self, refusal: Refusal) -> Refusal:
+        self.refused[refusal.reason] += 1
         if self.metrics is not None:
-            self.metrics.count_client_refused(reason)
-        logger.info("refused %s from %s: %s", reason, context.peer(), message)
-        await context.abort(code, message)
+            self.metrics.count_client_refused(refusal.reason)
+        return refusal
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, refusal: Refusal) -> None:
+        logger.info("refused %s from %s: %s", refusal.reason, context.peer(), refusal.message)
+        await context.abort(refusal.code, refusal.message)
 
     async def _admit(self, context: grpc.aio.ServicerContext, scope: str) -> str:
         """Checks the token and the rate; returns the client key (aborts the call otherwise)."""
-        client = peer_address(context.peer())
-        if self.tokens is not None:
-            presented = bearer_token(context.invocation_metadata())
-            if presented is None:
-                await self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "missing_token",
-                                   "missing bearer token (send metadata `authorization: Bearer <token>`)")
-            token = self.tokens.check(presented or "")
-            if token is None:
-                await self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "bad_token", "invalid bearer token")
-            assert token is not None
-            if scope not in token.scopes:
-                await self._refuse(context, grpc.StatusCode.PERMISSION_DENIED, "scope",
-                                   f"this token lacks the {scope!r} scope")
-            client = token.name
-        if self.rate_limiter is not None and not self.rate_limiter.allow(client):
-            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "rate",
-                               f"rate limit of {self.rate_limiter.rate:g} requests/s exceeded; retry later")
+        presented = bearer_token(context.invocation_metadata()) if self.tokens is not None else None
+        client, refusal = self.admit(presented, peer_address(context.peer()), scope)
+        if refusal is not None:
+            await self._refuse(context, refusal)
         return client
 
     def _wrap_unary(self, behavior: Callable[..., Any], scope: str) -> Callable[..., Any]:
@@ -437,15 +471,12 @@ class ServerGuard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def _wrap_stream(self, behavior: Callable[..., Any], scope: str) -> Callable[..., Any]:
         async def open_stream(context: grpc.aio.ServicerContext) -> str:
             client = await self._admit(context, scope)
-            if not self.streams.acquire(client):
-                await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "streams",
-                                   f"too many concurrent streams from this client (limit {self.streams.limit})")
-            self._streams_changed()
+            refusal = self.open_stream(client)
+            if refusal is not None:
+                await self._refuse(context, refusal)
             return client
 
-        def close_stream(client: str) -> None:
-            self.streams.release(client)
-            self._streams_changed()
+        close_stream = self.close_stream
 
         if inspect.isasyncgenfunction(behavior):
             async def guarded_gen(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:

@@ -13,6 +13,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.engine.server import run_engine  # imports torch: only when serving
+    from services.engine.main import run_engine  # the backend imports torch (or vLLM): only when serving
 
     return run_engine(args, "decode")

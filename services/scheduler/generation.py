@@ -25,10 +25,11 @@ Contracts (see generation.proto):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,7 +172,8 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         return gen_pb.ServerInfo(version=__version__, model=self.facts.name, max_model_len=self.facts.max_model_len,
                                  vocab_size=self.facts.vocab_size, block_size=self.config.block_size,
                                  num_prefill_engines=len(self.registry.routable(Role.PREFILL)),
-                                 num_decode_engines=len(self.registry.routable(Role.DECODE)))
+                                 num_decode_engines=len(self.registry.routable(Role.DECODE)),
+                                 has_chat_template=self.tokenizer is not None and self.tokenizer.has_chat_template)
 
     async def ListModels(self, request: gen_pb.ListModelsRequest,
                          context: grpc.aio.ServicerContext) -> gen_pb.ListModelsResponse:
@@ -180,16 +182,30 @@ class GenerationServicer(gen_grpc.GenerationServicer):
 
     async def Generate(self, request: gen_pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[gen_pb.GenerateResponse]:
+        try:
+            async with contextlib.aclosing(self.generate(request, context.time_remaining())) as responses:
+                async for response in responses:
+                    yield response
+        except RequestError as e:
+            await context.abort(e.code, e.message)
+
+    async def generate(self, request: gen_pb.GenerateRequest,
+                       time_remaining: float | None) -> AsyncGenerator[gen_pb.GenerateResponse, None]:
+        """One request's whole lifecycle, for every front end (the gRPC Generate RPC, the HTTP
+        API): chunks, then one Complete. A refusal raises RequestError before the first
+        response; a failure later raises it mid-stream. Cancelling the consuming task (client
+        gone) or closing the iterator ends the request as cancelled, both legs aborted.
+        `time_remaining` is the client's own deadline in seconds (None: the default one)."""
         arrived = time.monotonic()
         with self.tracer.span("generate", request_id=request.request_id or None) as span:
             try:
                 with self.tracer.span("route") as route_span:
-                    flight, route = self._admit(request, context.time_remaining(), arrived)
+                    flight, route = self._admit(request, time_remaining, arrived)
                     if route_span.is_recording():
                         self._trace_route(span, route_span, flight, route)
-            except RequestError as e:
+            except RequestError:
                 self.metrics.request_rejected()
-                await context.abort(e.code, e.message)
+                raise
             self.metrics.request_started(flight.record.num_prompt_tokens)
             self.telemetry.routed(route, self.router.policy.name)
             state, reason = RequestState.ABORTED, "cancelled"
@@ -201,8 +217,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                 state, reason = RequestState.FINISHED, "done"
             except RequestError as e:
                 state, reason = self._end_state(e)
-                self._end(flight, state, reason)
-                await context.abort(e.code, e.message)
+                raise
             finally:
                 self._end(flight, state, reason)
 

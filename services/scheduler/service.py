@@ -36,6 +36,7 @@ from services.scheduler.admission import Admission
 from services.scheduler.control import ControlServicer
 from services.scheduler.event_sink import EventSink
 from services.scheduler.generation import GenerationServicer
+from services.scheduler.http_api import HttpApi
 from services.scheduler.lifecycle import ReleaseCause, RequestTable
 from services.scheduler.registry import EngineRegistry
 from services.scheduler.routing import Router, RoutingPolicy, make_policy
@@ -110,7 +111,10 @@ class SchedulerService:
         control_pb2_grpc.add_ControlServicer_to_server(self.control, self.control_server.server)
         if self.plane is not None:
             self.plane.add_to_server(self.events_server.server)
-        self.port = self.control_port = self.events_port = self.health_port = 0
+        self.http: HttpApi | None = None
+        if config.http_port:
+            self.http = HttpApi(self.generation, self.guard, self.telemetry.prometheus)
+        self.port = self.control_port = self.events_port = self.health_port = self.http_port = 0
         self._sweeper: asyncio.Task[None] | None = None
 
     def _event_plane(self) -> Any:
@@ -143,6 +147,8 @@ class SchedulerService:
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         for server in self.servers:
             await server.set_serving(True)
+        if self.http is not None:
+            self.http_port = await self.http.start(c.host, c.http_port, public)
         logger.info("scheduler %s serving: client %s:%d, control %s:%d, events %s:%d", self.scheduler_id, c.host,
                     self.port, c.host, self.control_port, c.host, self.events_port)
 
@@ -167,6 +173,8 @@ class SchedulerService:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
         await self.control.stop()
+        if self.http is not None:
+            await self.http.stop(grace)
         for server in self.servers:
             await server.stop(grace)
         await self.generation.close()

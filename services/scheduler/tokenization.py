@@ -76,11 +76,21 @@ class PromptTokenizer:
 
     def render_chat(self, text: str) -> str:
         """The chat template applied to one user message, ending with the assistant prompt."""
+        return self.render_messages([{"role": "user", "content": text}])
+
+    def render_messages(self, messages: list[dict[str, str]]) -> str:
+        """The chat template applied to `messages` ({role, content}), ending with the assistant
+        prompt; ValueError when the model has no template or the template refuses them."""
         if self._template is None:
             raise ValueError("the model has no chat template; send the prompt without chat")
-        return str(self._template.render(messages=[{"role": "user", "content": text}], add_generation_prompt=True,
-                                         bos_token=self._config.get("bos_token", ""),
-                                         eos_token=self._config.get("eos_token", "")))
+        import jinja2
+
+        try:
+            return str(self._template.render(messages=messages, add_generation_prompt=True,
+                                             bos_token=self._config.get("bos_token", ""),
+                                             eos_token=self._config.get("eos_token", "")))
+        except jinja2.TemplateError as e:
+            raise ValueError(f"the model's chat template refused the messages: {e}") from None
 
     def encode_chat(self, text: str) -> list[int]:
         return self.encode(self.render_chat(text))

@@ -70,6 +70,34 @@ def test_client_api_refuses_missing_or_foreign_credentials(tls_cluster: LocalClu
         assert e.value.code() == code, name
 
 
+def test_http_api_over_https_needs_the_client_certificate_and_a_token(tls_cluster: LocalCluster) -> None:
+    """The OpenAI-compatible API shares the client API's TLS (client certificate required here)
+    and bearer tokens: 401 without or with a wrong token, a TLS failure without a certificate."""
+    import ssl
+
+    import httpx
+
+    pki = tls_cluster.pki
+    assert pki is not None and tls_cluster.http_url.startswith("https://")
+    with_cert = ssl.create_default_context(cafile=str(pki.ca_cert))
+    with_cert.load_cert_chain(str(pki.client_cert), str(pki.client_key))
+    body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(base_url=tls_cluster.http_url, verify=with_cert, timeout=60) as http:
+        for headers in ({}, {"authorization": "Bearer not-the-token-0123456789"}):
+            refused = http.post("/completions", json=body, headers=headers)
+            assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+        answer = http.post("/completions", json=body, headers={"authorization": f"Bearer {TOKEN}"})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] == 4
+        assert http.get(tls_cluster.http_url.removesuffix("/v1") + "/health").status_code == 200
+    without_cert = ssl.create_default_context(cafile=str(pki.ca_cert))
+    with httpx.Client(base_url=tls_cluster.http_url, verify=without_cert, timeout=10) as http, \
+            pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError),
+                          match=r"(?i)certificate|ssl|alert|reset|eof|disconnect"):
+        http.get("/models", headers={"authorization": f"Bearer {TOKEN}"}).raise_for_status()
+    assert tls_cluster.wait_no_leaks() == {}
+
+
 def test_engine_api_needs_the_cluster_certificate(tls_cluster: LocalCluster, foreign: LocalPki) -> None:
     pki = tls_cluster.pki
     assert pki is not None

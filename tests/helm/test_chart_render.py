@@ -163,18 +163,41 @@ def test_standard_labels_everywhere(values_name: str) -> None:
 
 
 def test_probes_are_native_grpc_on_the_health_port(values_name: str) -> None:
+    """Engines: native gRPC probes. The scheduler: GET /health on its HTTP API port without TLS;
+    under TLS the kubelet (which cannot present a client certificate) probes the plaintext
+    gRPC health-only port."""
     docs = rendered(values_name)
     configs = config_files(docs)
     for component, kind in (("scheduler", "Deployment"), ("prefill", "StatefulSet"), ("decode", "StatefulSet")):
         (container,) = containers(one(docs, kind, component))
         grpc_port = port_of(container, "grpc")
         assert grpc_port == configs[component]["port"]
-        # Under TLS the kubelet (which cannot speak TLS) probes the plaintext health-only port.
         probe_port = port_of(container, "health") if "health_port" in configs[component] else grpc_port
         assert probe_port == configs[component].get("health_port", grpc_port)
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            if component == "scheduler" and "health_port" not in configs[component]:
+                http_port = port_of(container, "http")
+                assert http_port == configs["scheduler"]["http_port"]
+                assert container[probe]["httpGet"] == {"path": "/health", "port": http_port}, probe
+                assert set(container[probe]) & {"grpc", "tcpSocket", "exec"} == set()
+                continue
             assert container[probe]["grpc"] == {"port": probe_port}, (component, probe)
             assert set(container[probe]) & {"httpGet", "tcpSocket", "exec"} == set()
+
+
+def test_http_api_port_is_served_exposed_and_open_to_clients(values_name: str) -> None:
+    docs = rendered(values_name)
+    configs = config_files(docs)
+    (container,) = containers(one(docs, "Deployment", "scheduler"))
+    http_port = configs["scheduler"]["http_port"]
+    assert port_of(container, "http") == http_port
+    [port] = [p for p in one(docs, "Service", "scheduler")["spec"]["ports"] if p["name"] == "http"]
+    assert port["port"] == http_port and port["targetPort"] == "http"
+    for policy in of_kind(docs, "NetworkPolicy"):
+        client_rules = [r for r in policy["spec"]["ingress"]
+                        if {"port": configs["scheduler"]["port"], "protocol": "TCP"} in r["ports"]]
+        for rule in client_rules:
+            assert {"port": http_port, "protocol": "TCP"} in rule["ports"], "clients reach the HTTP API too"
 
 
 def test_gpu_count_equals_tp_and_cpu_installs_request_none(values_name: str) -> None:
@@ -319,11 +342,11 @@ def test_scheduler_service_exposes_its_ports() -> None:
     docs = rendered("everything-values.yaml")
     svc = one(docs, "Service", "scheduler")
     names = {p["name"] for p in svc["spec"]["ports"]}
-    assert names == {"grpc", "control", "events", "metrics", "zmq-pub", "zmq-replay"}
+    assert names == {"grpc", "control", "events", "http", "metrics", "zmq-pub", "zmq-replay"}
     cfg = config_files(docs)["scheduler"]
     assert cfg["zmq_endpoint"] == "tcp://*:5557" and cfg["zmq_replay_endpoint"] == "tcp://*:5558"
     assert {p["name"] for p in one(rendered("default"), "Service", "scheduler")["spec"]["ports"]} == \
-        {"grpc", "control", "events", "metrics"}
+        {"grpc", "control", "events", "http", "metrics"}
 
 
 def test_tls_tracing_and_service_account() -> None:
@@ -386,12 +409,13 @@ def test_network_policy_rules() -> None:
 
     rules = {tuple(sorted(p["port"] for p in r["ports"])): r.get("from") for r in policies["scheduler"]["ingress"]}
     clients = values["networkPolicy"]["clients"]
-    # clients (and the helm test pod) reach only the Generate port
+    # clients (and the helm test pod) reach only the Generate port and the HTTP API
+    client_ports = tuple(sorted((sched_cfg["port"], sched_cfg["http_port"])))
     for ports, peers in rules.items():
         if any(p in clients for p in peers or [None]):
-            assert ports == (sched_cfg["port"],)
-    assert rules[(sched_cfg["port"],)][:len(clients)] == clients
-    assert _component_peer(rules[(sched_cfg["port"],)][-1], "test")
+            assert ports == client_ports
+    assert rules[client_ports][:len(clients)] == clients
+    assert _component_peer(rules[client_ports][-1], "test")
     # only engine pods reach the control port
     (control_peers,) = [peers for ports, peers in rules.items() if ports == (sched_cfg["control_port"],)]
     assert len(control_peers) == 1 and _engine_peer(control_peers[0])
@@ -414,11 +438,11 @@ def test_network_policy_rules() -> None:
     assert not of_kind(rendered("default"), "NetworkPolicy")
 
 
-def test_network_policy_without_client_list_opens_only_generate_to_all() -> None:
+def test_network_policy_without_client_list_opens_only_the_client_apis_to_all() -> None:
     docs = render_values({"networkPolicy": {"enabled": True}})
     (policy,) = [p for p in of_kind(docs, "NetworkPolicy") if p["metadata"]["name"].endswith("scheduler")]
     open_rules = [r for r in policy["spec"]["ingress"] if "from" not in r]
-    assert [r["ports"] for r in open_rules] == [[{"port": 50051, "protocol": "TCP"}]]
+    assert [r["ports"] for r in open_rules] == [[{"port": 50051, "protocol": "TCP"}, {"port": 8000, "protocol": "TCP"}]]
 
 
 # ---------------------------------------------------------------- image

@@ -68,6 +68,18 @@ matchExpressions:
 {{- printf "%s:%s" .Values.image.repository $tag }}
 {{- end }}
 
+{{/* An engine role's image (dict "ctx" $ "role" name): the default tag gains -vllm when the
+role runs vLLM engines (an image built with `--build-arg VLLM=1`); an explicit image.tag is
+used as given. */}}
+{{- define "pdserve.engineImage" -}}
+{{- $v := index .ctx.Values .role }}
+{{- if and (eq $v.engine "vllm") (not .ctx.Values.image.tag) }}
+{{- printf "%s-vllm" (include "pdserve.image" .ctx) }}
+{{- else }}
+{{- include "pdserve.image" .ctx }}
+{{- end }}
+{{- end }}
+
 {{/* The model directory every component is given ("" selects the built-in demo model). */}}
 {{- define "pdserve.modelPath" -}}
 {{- if eq .Values.model.source "demo" }}{{ "" }}{{ else }}{{ .Values.model.path }}{{ end }}

@@ -89,6 +89,24 @@ capabilities:
 {{- end }}
 
 {{/* Native gRPC probes against the standard health service on `port`. */}}
+{{- /* The scheduler's probes without TLS: GET /health on its HTTP API port (200 while serving,
+503 before start and while draining, like the gRPC health service). */ -}}
+{{- define "pdserve.httpProbes" -}}
+startupProbe:
+  httpGet: {path: /health, port: {{ .port }}}
+  periodSeconds: 5
+  failureThreshold: {{ .startupFailures }}
+readinessProbe:
+  httpGet: {path: /health, port: {{ .port }}}
+  periodSeconds: 5
+  failureThreshold: 2
+livenessProbe:
+  httpGet: {path: /health, port: {{ .port }}}
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: 6
+{{- end }}
+
 {{- define "pdserve.grpcProbes" -}}
 startupProbe:
   grpc: {port: {{ .port }}}

@@ -344,6 +344,7 @@ class ServerInfo(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     NUM_PREFILL_ENGINES_FIELD_NUMBER: _builtins.int
     NUM_DECODE_ENGINES_FIELD_NUMBER: _builtins.int
+    HAS_CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     model: _builtins.str
     max_model_len: _builtins.int
@@ -351,6 +352,10 @@ class ServerInfo(_message.Message):
     block_size: _builtins.int
     num_prefill_engines: _builtins.int
     num_decode_engines: _builtins.int
+    has_chat_template: _builtins.bool
+    """The model has a chat template (GenerateRequest.chat applies); `pdserve generate` applies it
+    to text prompts by default then.
+    """
     def __init__(
         self,
         *,
@@ -361,10 +366,11 @@ class ServerInfo(_message.Message):
         block_size: _builtins.int = ...,
         num_prefill_engines: _builtins.int = ...,
         num_decode_engines: _builtins.int = ...,
+        has_chat_template: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "max_model_len", b"max_model_len", "model", b"model", "num_decode_engines", b"num_decode_engines", "num_prefill_engines", b"num_prefill_engines", "version", b"version", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "has_chat_template", b"has_chat_template", "max_model_len", b"max_model_len", "model", b"model", "num_decode_engines", b"num_decode_engines", "num_prefill_engines", b"num_prefill_engines", "version", b"version", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

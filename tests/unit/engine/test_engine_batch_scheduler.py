@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from connectors.base import EmptyConnectorMetadata, KVConnectorMetadata, SchedulerConnector
 from connectors.hashing import BlockHasher
 from engine.batch_scheduler import BatchScheduler, BatchSchedulerConfig, StepPlan
 from engine.block_pool import BlockPool, NoFreeBlocksError
@@ -111,7 +112,7 @@ def test_remote_kv_without_room_changes_nothing() -> None:
     assert s.check_leaks() == []
 
 
-class _AsyncLoader:
+class _AsyncLoader(SchedulerConnector):
     """A scheduler-side connector that offers 8 external tokens, loaded asynchronously."""
 
     def __init__(self) -> None:
@@ -123,8 +124,8 @@ class _AsyncLoader:
     def update_state_after_alloc(self, request, block_ids, num_external_tokens):
         self.allocs.append((request.request_id, list(block_ids), num_external_tokens))
 
-    def build_connector_meta(self, step):
-        return None
+    def build_connector_meta(self, step) -> KVConnectorMetadata:
+        return EmptyConnectorMetadata()
 
 
 def test_async_connector_load_parks_the_request_until_finished() -> None:

@@ -1,0 +1,151 @@
+"""`EngineBackend`: what the Engine gRPC servicer needs from an engine, whichever it is.
+
+pdserve's own engine (`services.engine.native`) and vLLM's async engine (`services.engine.vllm`)
+sit behind this one protocol. The servicer (`services.engine.servicer`) owns everything that is
+the same for both — readiness and drain answers, role and epoch checks, request-id checks,
+spans, status codes — and converts protobuf at the edge (`services.engine.convert`); a backend
+sees only the plain dataclasses below and answers with them or with a `BackendError`.
+
+Contracts every backend keeps:
+- `start` returns once the engine serves; the backend registers with the pdserve scheduler
+  only after it can take requests (`ready` is True before the scheduler can route to it).
+- `prefill` computes the prompt, samples the first token and keeps the prompt's blocks pinned
+  for readers until `release`, the scheduler's ReleaseBlocks, an abort or the lease's end.
+- `decode` yields `TokenDelta`s until one has `finish_reason` set; the first carries the
+  cached / transferred token counts. With a descriptor the prompt's KV is pulled from the
+  prefill engine (recomputed locally if the scheduler reports a failure or no verdict comes).
+- Cancelling the task awaiting `prefill` or iterating `decode` aborts the request in the
+  engine (its blocks are freed); nothing is left behind (`inspect().leaks` is empty when idle).
+- `failed` turns True when the engine can no longer step (e.g. a rank died); the process then
+  exits non-zero so its supervisor restarts it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from connectors.ucx.handshake import KVTransferDescriptor
+from engine.request import SamplingParams
+
+
+class BackendError(Exception):
+    """A request the backend refuses; the servicer maps each subclass to one status code."""
+
+
+class InvalidRequest(BackendError):
+    """Bad input (sampling out of range, prompt too long, ...): INVALID_ARGUMENT."""
+
+
+class DuplicateRequest(BackendError):
+    """The request id is already running on this engine: ALREADY_EXISTS."""
+
+
+class OutOfBlocks(BackendError):
+    """The KV cache cannot hold the request now: RESOURCE_EXHAUSTED."""
+
+
+class RequestAborted(BackendError):
+    """The request was aborted while the caller waited for it: ABORTED."""
+
+
+class NotReady(BackendError):
+    """The engine is starting or stopping: UNAVAILABLE."""
+
+
+@dataclass(slots=True)
+class PrefillInput:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    first_token_id: int
+    first_token_text: str
+    finish_reason: str | None  # "stop" / "length" when the first token ends the request
+    num_cached_tokens: int  # prompt tokens found cached (device cache and offload tier)
+    descriptor: KVTransferDescriptor  # where readers pull the prompt's KV from
+
+
+@dataclass(slots=True)
+class DecodeInput:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)  # already generated (migration)
+    descriptor: KVTransferDescriptor | None = None  # pull the prompt's KV from a prefill engine
+    trace_carrier: dict[str, str] | None = None  # W3C context for the ranks' transfer spans
+
+
+@dataclass(slots=True)
+class TokenDelta:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # "stop", "length" or "abort" on the last delta
+    num_cached_tokens: int | None = None  # first delta only
+    num_transferred_tokens: int | None = None  # first delta only
+
+
+@dataclass(slots=True)
+class BackendLoad:
+    num_running: int
+    num_waiting: int
+    num_pinned: int
+    num_waiting_for_remote_kv: int
+    num_free_blocks: int
+    num_blocks: int
+    kv_usage: float = 0.0  # fraction of the KV cache in use
+
+    @property
+    def num_busy(self) -> int:
+        return self.num_running + self.num_waiting + self.num_pinned + self.num_waiting_for_remote_kv
+
+
+@dataclass(slots=True)
+class Inspection:
+    load: BackendLoad
+    leaks: list[str]  # empty when nothing is held that should not be
+
+
+class EngineBackend(Protocol):
+    """One engine behind the Engine API (see the module docstring for the contracts)."""
+
+    @property
+    def epoch(self) -> int:
+        """This incarnation's epoch (random, odd): Release with another epoch is refused."""
+        ...
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def failed(self) -> bool: ...
+
+    async def start(self) -> None:
+        """Loads the model, starts every rank and registers with the scheduler."""
+        ...
+
+    async def prefill(self, request: PrefillInput) -> PrefillResult: ...
+
+    def decode(self, request: DecodeInput) -> AsyncGenerator[TokenDelta, None]: ...
+
+    async def abort(self, request_id: str) -> bool:
+        """Aborts a running request or ends a pinned one; True if the engine knew it."""
+        ...
+
+    async def release(self, request_id: str) -> bool:
+        """Frees a finished prefill's pinned blocks; True if they were pinned."""
+        ...
+
+    async def load(self) -> BackendLoad: ...
+
+    async def inspect(self) -> Inspection: ...
+
+    def set_draining(self, draining: bool) -> None:
+        """Reported to the scheduler with the load, which then routes nothing new here."""
+        ...
+
+    def shutdown(self) -> None: ...
