@@ -83,7 +83,7 @@ clean:
 # The GPU check (bench/gpu_check.py): `make gpu-check` on a machine with one GPU writes one JSON
 # report. A machine whose Python has torch, transformers, grpcio and protobuf but not the rest
 # (the lent H200 image) gets the missing wheels from .whl/ (`make gpu-check-wheels` here
-# downloads them: CUDA 13 UCX stack, OpenTelemetry, pyzmq, gguf, cbor2; about 60 MB, within
+# downloads them: CUDA 13 UCX stack, grpcio, OpenTelemetry, pyzmq, gguf, starlette...; ~61 MB, within
 # the 64 MiB a device run carries). Without .whl/ the check uses this checkout's .venv, or
 # python3 as it is.
 GPU_CHECK_OUT ?= gpu-check.json
