@@ -1,7 +1,8 @@
 """`make gpu-check --dry-run`: every section of the GPU check (parity with transformers, a 1P1D
 cluster, KV transfer bandwidth) runs on the CPU at tiny sizes, so the script cannot rot while
 no GPU is lent; without a GPU and without --dry-run it refuses at once, naming the missing CUDA.
-Cost: one tiny cluster and two transfer process pairs, about a minute on an idle 2-core host."""
+Cost: one tiny cluster and one transfer process pair: 140 s to 400 s measured on a 2-core host
+shared with seven other test runs (most of it process start-up under that load)."""
 
 from __future__ import annotations
 
@@ -36,8 +37,7 @@ def test_make_gpu_check_dry_run_passes_every_section(tmp_path: Path) -> None:
     assert sections["cluster"]["leaks"] == {}
     rows = sections["transfer"]["rows"]
     assert [r["num_blocks"] for r in rows] == [16, 64]
-    assert all(r["gbps"]["pdserve"] > 0 and r["gbps"]["pdserve-host-staging"] > 0 and r["gbps"]["copy"] > 0
-               for r in rows)
+    assert all(r["gbps"]["pdserve"] > 0 and r["gbps"]["copy"] > 0 for r in rows)
     assert sections["transfer"]["unavailable"] == {"nixl": "NIXL VRAM reads need a GPU"}
     assert "PASSED" in result.stdout
 
