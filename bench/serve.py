@@ -9,6 +9,12 @@ it runs one cluster and sends the same kind of workload through the gRPC Generat
 OpenAI-compatible HTTP API (streamed /v1/completions, token-id prompts) in ABBA order on fresh
 prompts per pass, reporting the HTTP path's added TTFT p50 and its throughput ratio.
 
+Every mode gets the same CPU: all its processes are pinned to the same cores (`--cpus`, default
+the cores this process may use) and its engines share the same total of torch threads
+(`--threads`, default one per pinned core) split evenly over them — disaggregated 1P1D gives
+each engine half, colocated gives its one engine all; the split is stated in the output (`cpu`).
+`--compare vllm` runs the same workload against vLLM and pdserve instead (bench/vllm_compare.py).
+
 Reports TTFT / inter-token latency / end-to-end percentiles, throughput, goodput under an SLO,
 the scheduler's control-plane overhead per request (Complete.scheduler_overhead_ms), and
 writes JSON + a PNG plot.
@@ -18,12 +24,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import random
 import statistics
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +41,7 @@ from bench.workload import percentiles as _pct
 from services.client import AsyncClient, GenerationResult
 from services.local_cluster import ClusterSpec, LocalCluster
 
+VLLM_START_TIMEOUT_S = 900.0  # a cluster of vLLM engines on a loaded 2-core host
 
 @dataclass(slots=True)
 class Workload:
@@ -65,7 +75,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-itl-ms", type=float, default=200.0, help="goodput SLO on mean inter-token latency")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument("--out", default="bench-results", help="directory for serve.json and serve.png")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads per mode, split evenly over its engines (0: one per pinned core)")
+    parser.add_argument("--cpus", default="",
+                        help="cores every process of every mode is pinned to, e.g. 0-1 or 0,2 (default: all allowed)")
+    parser.add_argument("--compare", choices=["vllm"], default=None,
+                        help="vllm: the same workload against vLLM colocated, vLLM 1P1D NixlConnector, pdserve, "
+                             "and pdserve with vLLM engines where available")
+    parser.add_argument("--systems", default="vllm_colocated,vllm_pd_nixl,pdserve,pdserve_vllm",
+                        help="--compare vllm: which systems to run (comma-separated)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--engine", choices=["native", "vllm"], default="native",
+                        help="engine backend of every engine of the --up clusters (vllm: run from .venv-vllm)")
+    parser.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="a vLLM engine argument for every engine (with --engine vllm)")
+    parser.add_argument("--dtype", default="",
+                        help="engine dtype for --up (float32, bfloat16; default: the engine's; "
+                             "--compare vllm: bfloat16 for every system)")
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -303,24 +329,116 @@ def summarize(results: list[GenerationResult], wall_s: float, args: argparse.Nam
     }
 
 
+def _engine_cluster_args(args: argparse.Namespace, cluster: dict[str, Any]) -> dict[str, Any]:
+    """The --engine / --vllm-arg / --dtype choice applied to one cluster's spec (vLLM's CPU
+    attention needs a block size that is a multiple of 32, on the scheduler as on the engines)."""
+    engine = getattr(args, "engine", "native")
+    engine_args = list(cluster.pop("engine_args", []))
+    scheduler_args = list(cluster.pop("scheduler_args", []))
+    if getattr(args, "dtype", ""):
+        engine_args += ["--dtype", args.dtype]
+    if engine == "vllm":
+        from services.up import VLLM_BLOCK_SIZE
+
+        engine_args += ["--block-size", str(VLLM_BLOCK_SIZE), "--max-model-len", "2048"]
+        scheduler_args += ["--block-size", str(VLLM_BLOCK_SIZE)]
+        cluster.update(engine="vllm", vllm_args=list(getattr(args, "vllm_arg", [])),
+                       env={"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_LOGGING_LEVEL": "WARNING"})
+    return {**cluster, "engine_args": engine_args, "scheduler_args": scheduler_args}
+
+
+@contextlib.contextmanager
+def _started(spec: ClusterSpec) -> Iterator[LocalCluster]:
+    """A started cluster, stopped at exit; vLLM engines get longer to start (~30 s each unloaded)."""
+    c = LocalCluster(spec)
+    try:
+        c.start(timeout=VLLM_START_TIMEOUT_S if spec.engine == "vllm" else 180.0)
+        yield c
+    finally:
+        c.stop()
+
+
+def parse_cpus(text: str) -> list[int]:
+    """`0-3,6` -> [0, 1, 2, 3, 6]; empty: the cores this process may run on."""
+    if not text.strip():
+        return sorted(os.sched_getaffinity(0))
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()) or int(hi or lo) < int(lo):
+            raise ValueError(f"--cpus must list cores like 0-3,6, got {text!r}")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return sorted(cpus)
+
+
+@dataclass(frozen=True, slots=True)
+class CpuShare:
+    """The CPU one mode gets: its pinned cores and its engines' torch threads."""
+
+    cpus: tuple[int, ...]
+    engines: int
+    threads_per_engine: int
+
+    @property
+    def total_threads(self) -> int:
+        return self.engines * self.threads_per_engine
+
+    def describe(self) -> dict[str, Any]:
+        return {"cpus": list(self.cpus), "engines": self.engines, "torch_threads_per_engine": self.threads_per_engine,
+                "total_torch_threads": self.total_threads}
+
+
+def cpu_share(args: argparse.Namespace, engines: int) -> CpuShare:
+    """Splits `--threads` (default: one per pinned core) evenly over `engines` processes."""
+    cpus = tuple(parse_cpus(args.cpus))
+    threads = args.threads or len(cpus)
+    if threads < engines or threads % engines:
+        raise ValueError(f"--threads {threads} does not split evenly over {engines} engines")
+    return CpuShare(cpus, engines, threads // engines)
+
+
+def pin(share: CpuShare) -> None:
+    """Pins this process (and so every process it starts from now on) to the share's cores."""
+    unknown = set(share.cpus) - set(range(os.cpu_count() or 1))
+    if unknown:
+        raise ValueError(f"--cpus names cores this machine lacks: {sorted(unknown)}")
+    os.sched_setaffinity(0, share.cpus)
+
+
 def _run_mode(name: str, args: argparse.Namespace, wl: Workload, **cluster: Any) -> dict[str, Any]:
-    print(f"[{name}] starting a local cluster ({cluster})", file=sys.stderr)
-    spec = ClusterSpec(model=args.model, log_dir=str(Path(args.out) / "logs" / name), torch_threads=1,
-                       kv_cache_memory=args.kv_cache_memory, metrics=True, **cluster)
-    with LocalCluster(spec) as c:
+    results, wall, (share, before, after) = run_mode_results(name, args, wl, **cluster)
+    summary = summarize(results, wall, args)
+    queried = after[0] - before[0]
+    summary["prefill_prefix_hit_rate"] = round((after[1] - before[1]) / queried, 4) if queried else 0.0
+    summary["cpu"] = share.describe()
+    print(f"[{name}] TTFT p50 {summary['ttft_ms']['p50']} ms, ITL p50 {summary['itl_ms']['p50']} ms, "
+          f"{summary['throughput_tok_s']} tok/s, overhead p50 {summary['control_plane_overhead_ms_p50']} ms",
+          file=sys.stderr)
+    return summary
+
+
+def run_mode_results(name: str, args: argparse.Namespace, wl: Workload, **cluster: Any
+                     ) -> tuple[list[GenerationResult], float, tuple[CpuShare, tuple[float, float], tuple[float, float]]]:
+    """Starts one local cluster on its CPU share, warms it up, drives the workload; returns the
+    results, the wall time, and (share, prefill cache counters before, after)."""
+    share = cpu_share(args, cluster.get("num_prefill", 1) + cluster.get("num_decode", 1))
+    pin(share)
+    # A benchmark measures latency; the scheduler's default deadline (60 s) would only drop
+    # requests on a loaded machine, so it gets the client's own 600 s.
+    cluster["scheduler_args"] = ["--default-deadline-s", "600", *cluster.get("scheduler_args", [])]
+    cluster = _engine_cluster_args(args, cluster)
+    print(f"[{name}] starting a local cluster ({cluster}; {share.describe()})", file=sys.stderr)
+    spec = ClusterSpec(model=args.model, log_dir=str(Path(args.out) / "logs" / name),
+                       torch_threads=share.threads_per_engine, kv_cache_memory=args.kv_cache_memory, metrics=True,
+                       **cluster)
+    with _started(spec) as c:
         rng = random.Random(-1)  # warm-up prompts share nothing with the workload
         warm = Workload([[rng.randrange(100, 1000) for _ in range(24)] for _ in range(2)], [2, 2])
         asyncio.run(_drive(c.target, warm, 2, 0.0))
         before = _prefill_cache_counters(c)
         results, wall = asyncio.run(_drive(c.target, wl, args.concurrency, args.request_rate))
         after = _prefill_cache_counters(c)
-    summary = summarize(results, wall, args)
-    queried = after[0] - before[0]
-    summary["prefill_prefix_hit_rate"] = round((after[1] - before[1]) / queried, 4) if queried else 0.0
-    print(f"[{name}] TTFT p50 {summary['ttft_ms']['p50']} ms, ITL p50 {summary['itl_ms']['p50']} ms, "
-          f"{summary['throughput_tok_s']} tok/s, overhead p50 {summary['control_plane_overhead_ms_p50']} ms",
-          file=sys.stderr)
-    return summary
+    return results, wall, (share, before, after)
 
 
 def _prefill_cache_counters(cluster: LocalCluster) -> tuple[float, float]:
@@ -371,6 +489,10 @@ def _plot(report: dict[str, Any], path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.compare == "vllm":
+        from bench.vllm_compare import run_compare
+
+        return run_compare(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     vocab = _vocab(args) if not args.target else 49152
@@ -410,6 +532,7 @@ def run(args: argparse.Namespace) -> int:
             "throughput_disaggregated_over_colocated": round(
                 d["throughput_tok_s"] / max(c["throughput_tok_s"], 1e-9), 2),
         }
+    report["cpu"] = {m: report[m]["cpu"] for m in report if isinstance(report[m], dict) and "cpu" in report[m]}
     (out / "serve.json").write_text(json.dumps(report, indent=2))
     _plot(report, out / "serve.png")
     if args.json:

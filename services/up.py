@@ -16,6 +16,7 @@ from services.local_cluster import ClusterSpec, LocalCluster
 # The share of each GPU `pdserve up` gives to KV caches, split among the engine ranks on it;
 # the rest holds weights and activations.
 UP_GPU_KV_SHARE = 0.5
+VLLM_BLOCK_SIZE = 32  # vLLM 0.32's CPU attention takes block sizes that are multiples of 32
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="engine backend of every prefill and decode engine (vllm: run from .venv-vllm)")
     parser.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="a vLLM engine argument for every engine (repeatable; with --engine vllm)")
+    parser.add_argument("--block-size", type=int, default=0,
+                        help="KV block size of the whole cluster; 0: 16, or 32 with --engine vllm (vLLM's CPU "
+                             "attention needs a multiple of 32)")
 
 
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
@@ -88,6 +92,10 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         engine_args += ["--kv-staging", args.kv_staging]
     if placement.kind == "cuda":
         engine_args += ["--gpu-memory-fraction", f"{placement.memory_fraction:.4f}"]
+    block_size = args.block_size or (VLLM_BLOCK_SIZE if args.engine == "vllm" else 0)
+    if block_size:
+        scheduler_args += ["--block-size", str(block_size)]
+        engine_args += ["--block-size", str(block_size)]
     return ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode, tp=args.tp,
                        engine_devices=placement.engine_devices,
                        host=args.host, port=args.port, control_port=args.control_port,

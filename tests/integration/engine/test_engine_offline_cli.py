@@ -34,5 +34,5 @@ def test_offline_bad_input_exits_2(tiny_model, capsys) -> None:
     assert main(["offline", "--model", path, "--prompt-ids", "1,x"]) == 2
     assert main(["offline", "--model", path, "--prompt-ids", "1,99999"]) == 2
     assert "outside the vocabulary" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match='^2$'):
         main(["offline", "--model", path, "--max-tokens", "many"])

@@ -220,7 +220,7 @@ async def test_client_cancel_aborts_both_legs_and_releases(cluster: Cluster) -> 
 async def test_deadline_exceeded_aborts(cluster: Cluster) -> None:
     await cluster.add("p0", "prefill")
     d = await cluster.add("d0", "decode", token_delay_s=0.05)
-    with pytest.raises(grpc.aio.AioRpcError) as e:
+    with pytest.raises(grpc.aio.AioRpcError, match="DEADLINE_EXCEEDED") as e:
         await cluster.generate(list(range(40)), timeout=0.5, max_tokens=200)
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     await eventually(lambda: len(d.aborted) == 1)
@@ -255,7 +255,7 @@ async def test_bad_input_is_invalid_argument_and_changes_nothing(cluster: Cluste
     await cluster.add("d0", "decode")
     req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]))
     mutate(req)
-    with pytest.raises(grpc.aio.AioRpcError) as e:
+    with pytest.raises(grpc.aio.AioRpcError, match="INVALID_ARGUMENT") as e:
         async for _ in cluster.stub.Generate(req, timeout=5):
             pass
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and match in (e.value.details() or "")
@@ -263,19 +263,19 @@ async def test_bad_input_is_invalid_argument_and_changes_nothing(cluster: Cluste
 
 
 async def test_unknown_model_no_engine_and_full_engine(cluster: Cluster) -> None:
-    with pytest.raises(grpc.aio.AioRpcError) as e:
+    with pytest.raises(grpc.aio.AioRpcError, match="UNAVAILABLE") as e:
         await cluster.generate([1, 2, 3])
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     await cluster.add("d0", "decode", token_delay_s=0.2)
     req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), model="other")
-    with pytest.raises(grpc.aio.AioRpcError) as e:
+    with pytest.raises(grpc.aio.AioRpcError, match="NOT_FOUND") as e:
         async for _ in cluster.stub.Generate(req):
             pass
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
     cluster.service.admission.max_inflight_per_engine = 1
     first = asyncio.ensure_future(cluster.generate([1, 2, 3], max_tokens=3))
     await eventually(lambda: cluster.service.admission.total() == 1)
-    with pytest.raises(grpc.aio.AioRpcError) as e:
+    with pytest.raises(grpc.aio.AioRpcError, match="RESOURCE_EXHAUSTED") as e:
         await cluster.generate([1, 2, 3])
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     await first
@@ -356,7 +356,7 @@ async def test_health_serving_and_drain_refuses_new_work() -> None:
             drained = asyncio.ensure_future(c.service.drain(5.0))
             await eventually(lambda: c.service.generation.draining)
             assert (await health.Check(check)).status == health_pb2.HealthCheckResponse.NOT_SERVING
-            with pytest.raises(grpc.aio.AioRpcError) as e:
+            with pytest.raises(grpc.aio.AioRpcError, match="UNAVAILABLE") as e:
                 await c.generate([1, 2, 3])
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
             chunks, _ = await running  # the in-flight request finishes

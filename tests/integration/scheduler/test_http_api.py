@@ -258,3 +258,10 @@ async def test_chat_renders_the_models_template() -> None:
         await engine.stop()
         await api.stop(0)
         await service.stop(0)
+
+
+async def test_a_taken_port_is_an_error_not_an_exit(http: HttpCluster) -> None:
+    other = HttpApi(http.service.generation, http.service.guard)
+    with pytest.raises(RuntimeError, match="could not bind"):
+        await other.start("127.0.0.1", http.http.port)
+    await other.stop(0)

@@ -96,7 +96,7 @@ def test_eviction_bound_is_lru_with_match_touching() -> None:
         idx.apply("b", 1, [stored([i])])
     assert len(idx) == 4
     assert idx.match([1]) == {}
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='max_entries must be >= 1, got 0'):
         InMemoryPrefixIndex(max_entries=0)
 
 

@@ -1,0 +1,187 @@
+"""`VllmEngine`: vLLM's `AsyncLLM` in-process, configured to serve behind the pdserve scheduler.
+
+The engine service's vLLM backend (`services.engine.vllm`) drives it; this module holds every
+vLLM import of that path (pdserve imports vLLM only under `connectors/vllm/`).
+
+What pdserve fixes in vLLM's configuration (so it agrees with the scheduler and the other
+engines): the KV connector (`PdserveConnector`, `kv_role=kv_both`, the engine's identity and
+epoch in its extra config), the worker extension (`PdserveWorkerExtension`), prefix caching with
+`sha256_cbor` block hashes and `PYTHONHASHSEED` = the cluster's hash seed (vLLM's NONE_HASH), the
+block size, KV-cache events on a private `ipc://` ZMQ endpoint (forwarded by rank 0), the KV cache
+budget (`kv_cache_memory_bytes`), dtype (`auto` means float32 on CPU, as pdserve's engine), and
+`tensor_parallel_size`. Everything else is vLLM's default or the user's `--vllm-arg`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from vllm import SamplingParams as VllmSamplingParams
+from vllm import __version__ as vllm_version
+from vllm.config import KVEventsConfig, KVTransferConfig
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.inputs import TokensPrompt
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.metrics.loggers import StatLoggerBase
+
+from connectors.vllm.params import PdserveConnectorConfig
+from engine.request import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+CONNECTOR_MODULE = "connectors.vllm.connector"
+EXTENSION_CLS = "connectors.vllm.extension.PdserveWorkerExtension"
+CPU_BLOCK_MULTIPLE = 32  # vLLM 0.32's CPU attention: "No common block size for 16 (CPU_ATTN: [MultipleOf(32)])"
+
+
+@dataclass(slots=True)
+class VllmEngineSettings:
+    """pdserve's settings of one vLLM engine (from `EngineConfig`)."""
+
+    model: str
+    tp: int
+    dtype: str
+    block_size: int
+    kv_cache_bytes: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int  # 0: the model's
+    connector: PdserveConnectorConfig
+    vllm_args: dict[str, Any]
+
+
+@dataclass(slots=True)
+class VllmDelta:
+    """One streamed step of a request."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    num_cached_tokens: int
+    kv_transfer_params: dict[str, Any] | None
+
+
+@dataclass(slots=True)
+class SchedulerView:
+    """vLLM's scheduler as of its last step (its stats, as a stat logger receives them)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+
+
+def _stat_logger(view: SchedulerView) -> Any:
+    class LatestStats(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            if scheduler_stats is not None:
+                view.num_running = int(scheduler_stats.num_running_reqs)
+                view.num_waiting = int(scheduler_stats.num_waiting_reqs)
+                view.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return LatestStats
+
+
+def events_endpoint(engine_id: str, epoch: int) -> str:
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in engine_id)
+    return f"ipc://{tempfile.gettempdir()}/pdserve-kv-events-{safe}-{epoch:x}"
+
+
+def engine_args(s: VllmEngineSettings) -> AsyncEngineArgs:
+    dtype = "float32" if s.dtype == "auto" else s.dtype
+    kwargs: dict[str, Any] = dict(
+        model=s.model, tensor_parallel_size=s.tp, dtype=dtype, block_size=s.block_size,
+        kv_cache_memory_bytes=s.kv_cache_bytes, max_num_seqs=s.max_num_seqs,
+        max_num_batched_tokens=s.max_num_batched_tokens, max_model_len=s.max_model_len or None,
+        enable_prefix_caching=True, prefix_caching_hash_algo="sha256_cbor",
+        worker_extension_cls=EXTENSION_CLS,
+        kv_transfer_config=KVTransferConfig(kv_connector="PdserveConnector", kv_connector_module_path=CONNECTOR_MODULE,
+                                            kv_role="kv_both", kv_load_failure_policy="recompute",
+                                            kv_connector_extra_config=_asdict(s.connector)),
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=bool(s.connector.events_endpoint), publisher="zmq",
+                                        endpoint=s.connector.events_endpoint or "tcp://*:5557", replay_endpoint=None,
+                                        topic=f"kv@{s.connector.engine_id}"),
+    )
+    known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    unknown = sorted(set(s.vllm_args) - known)
+    if unknown:
+        raise ValueError(f"vllm: not vLLM {vllm_version} engine arguments: {', '.join(unknown)}")
+    kwargs.update(s.vllm_args)
+    return AsyncEngineArgs(**kwargs)
+
+
+def _asdict(config: PdserveConnectorConfig) -> dict[str, Any]:
+    return {name: getattr(config, name) for name in config.__slots__}  # type: ignore[attr-defined]
+
+
+def sampling_params(p: SamplingParams, *, max_tokens: int, kv_transfer_params: dict[str, Any] | None) -> VllmSamplingParams:
+    """pdserve's sampling params as vLLM's (streamed as deltas); raises ValueError on bad values."""
+    return VllmSamplingParams(
+        n=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else 0, seed=p.seed,
+        max_tokens=max_tokens, stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids) or None,
+        ignore_eos=p.ignore_eos, output_kind=RequestOutputKind.DELTA, detokenize=p.detokenize,
+        extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None)
+
+
+class VllmEngine:
+    """vLLM's async engine with pdserve's connector (see the module docstring)."""
+
+    def __init__(self, settings: VllmEngineSettings) -> None:
+        self.settings = settings
+        self.llm: AsyncLLM | None = None
+        self.view = SchedulerView()
+
+    async def start(self) -> None:
+        if self.settings.block_size % CPU_BLOCK_MULTIPLE:
+            raise ValueError(f"block_size {self.settings.block_size}: vLLM's CPU attention needs a multiple of "
+                             f"{CPU_BLOCK_MULTIPLE}; run the whole cluster (scheduler and engines) with "
+                             f"--block-size {CPU_BLOCK_MULTIPLE}")
+        os.environ["PYTHONHASHSEED"] = self.settings.connector.hash_seed  # vLLM's NONE_HASH, in its processes
+        args = engine_args(self.settings)
+        self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger(self.view)])
+        await self.llm.collective_rpc("pdserve_connect")
+        logger.info("vLLM engine %s ready (%d KV blocks of %d tokens)", self.settings.connector.engine_id,
+                    self.num_blocks(), self.settings.block_size)
+
+    def num_blocks(self) -> int:
+        assert self.llm is not None
+        return int(self.llm.vllm_config.cache_config.num_gpu_blocks or 0)
+
+    @property
+    def errored(self) -> bool:
+        return self.llm is not None and bool(self.llm.errored)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: VllmSamplingParams
+                       ) -> AsyncIterator[VllmDelta]:
+        """Streams the request's deltas; cancelling the iteration aborts it in vLLM."""
+        assert self.llm is not None
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids), params, request_id):
+            completion = out.outputs[0]
+            yield VllmDelta(list(completion.token_ids), completion.text, completion.finish_reason,
+                            int(out.num_cached_tokens or 0), out.kv_transfer_params)
+
+    async def abort(self, request_id: str) -> None:
+        assert self.llm is not None
+        await self.llm.abort(request_id)
+
+    async def rpc(self, method: str, *args: Any) -> list[Any]:
+        """Calls a `PdserveWorkerExtension` method on every worker; one answer per worker."""
+        assert self.llm is not None
+        return list(await self.llm.collective_rpc(method, args=args))
+
+    def shutdown(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()

@@ -1,0 +1,48 @@
+"""A vLLM cluster runs with block size 32 on the scheduler and every engine (vLLM's CPU attention
+takes multiples of 32), from `pdserve up --engine vllm` and `pdserve bench serve --engine vllm`."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from bench import serve
+from services import up
+from services.local_cluster import LocalCluster
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def parse_up(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (("--engine", "vllm"), "32"),
+    (("--engine", "vllm", "--block-size", "64"), "64"),
+    ((), None),  # native: the components' own default (16)
+    (("--block-size", "32"), "32"),
+])
+def test_up_sets_one_block_size_on_scheduler_and_engines(monkeypatch: pytest.MonkeyPatch,
+                                                          argv: tuple[str, ...], expected: str | None) -> None:
+    monkeypatch.setattr(up, "_check_engine", lambda engine, vllm_args: None)  # vLLM need not be installed
+    cluster = LocalCluster(up.spec_from_args(parse_up(*argv)))
+    assert _flag(cluster._scheduler_component().argv, "--block-size") == expected
+    assert _flag(cluster._engine_component("decode", 0).argv, "--block-size") == expected
+
+
+def test_bench_serve_engine_vllm_sets_the_backend_block_size_and_dtype() -> None:
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(["--engine", "vllm", "--vllm-arg", "enforce_eager=true", "--dtype", "bfloat16"])
+    cluster = serve._engine_cluster_args(args, {"num_prefill": 1, "scheduler_args": ["--routing-policy", "prefix"]})
+    assert cluster["engine"] == "vllm" and cluster["vllm_args"] == ["enforce_eager=true"]
+    assert _flag(cluster["engine_args"], "--block-size") == "32" and _flag(cluster["engine_args"], "--dtype") == "bfloat16"
+    assert cluster["scheduler_args"] == ["--routing-policy", "prefix", "--block-size", "32"]
+    native = serve._engine_cluster_args(parser.parse_args([]), {"num_prefill": 0})
+    assert "engine" not in native and native["engine_args"] == [] and native["scheduler_args"] == []

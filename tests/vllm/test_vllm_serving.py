@@ -1,0 +1,236 @@
+"""vLLM engines behind the pdserve scheduler, end to end (issue 13): a real scheduler, two vLLM
+prefill and two vLLM decode engines (`--engine vllm`, `PdserveConnector`) as processes, KV over
+pdserve's UCX data plane, the demo model in fp32.
+
+One cluster for the module (the start dominates: about 60-90 s for four vLLM engines on two
+cores, several minutes on a loaded machine); the tests then take about 60 s together. Run under
+`flock /tmp/pdserve-vllm.lock` beside other vLLM users. The reference is vLLM colocated: a decode
+engine answering `Engine.Decode` without a descriptor computes the prompt itself, greedily.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from pdserve.v1 import engine_pb2, engine_pb2_grpc, generation_pb2
+from services.client import AsyncClient, GenerationResult, _ResultBuilder, build_request
+from services.local_cluster import ClusterSpec, LocalCluster
+
+pytestmark = pytest.mark.timeout(1500)
+
+BLOCK = 32
+MAX_TOKENS = 12
+TEXTS = [
+    "The capital of France is", "Once upon a time, in a land far away,", "def fibonacci(n):",
+    "List three primary colors:", "Water boils at", "In 1492, Columbus", "A haiku about the sea:",
+    "Translate to French: good morning", "The meaning of life is", "Question: what is 2 + 2? Answer:",
+    "import numpy as np\nx = np.", "The largest planet in the solar system", "Roses are red, violets are blue,",
+    "Explain disaggregated serving in one sentence:", "1, 2, 3, 4, 5,", "The first law of thermodynamics states",
+]
+PREAMBLE = "You are a helpful assistant. Answer briefly and precisely, in plain English. "
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def demo_model() -> Path:
+    from engine.demo_model import demo_model_dir
+
+    return demo_model_dir()
+
+
+@pytest.fixture(scope="module")
+def prompts(demo_model: Path) -> list[list[int]]:
+    """16 prompts of 37-120 tokens (past the first block, so every one goes through prefill)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(demo_model / "tokenizer.json"))
+    return [tok.encode(PREAMBLE * (1 + i % 3) + text).ids for i, text in enumerate(TEXTS)]
+
+
+@pytest.fixture(scope="module")
+def zmq_endpoint() -> str:
+    return f"tcp://127.0.0.1:{_free_port()}"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, zmq_endpoint: str) -> Iterator[LocalCluster]:
+    spec = ClusterSpec(
+        log_dir=str(tmp_path_factory.mktemp("vllm")), num_prefill=2, num_decode=2, engine="vllm",
+        kv_cache_memory="96MiB", torch_threads=1,
+        scheduler_args=["--block-size", str(BLOCK), "--routing-policy", "prefix", "--zmq-endpoint", zmq_endpoint],
+        engine_args=["--block-size", str(BLOCK), "--dtype", "float32", "--max-model-len", "1024",
+                     "--max-num-seqs", "8", "--transfer-timeout-s", "5"],
+        vllm_args=["enforce_eager=true"],
+        env={"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"})
+    c = LocalCluster(spec)
+    try:
+        c.start(timeout=float(os.environ.get("PDSERVE_VLLM_START_TIMEOUT", "900")))
+        yield c
+    finally:
+        c.stop()
+
+
+def _engine_stub(c: LocalCluster, name: str) -> engine_pb2_grpc.EngineStub:
+    address = c.components[name].address
+    assert address
+    return engine_pb2_grpc.EngineStub(grpc.insecure_channel(address))
+
+
+def _colocated(c: LocalCluster, prompt: list[int], max_tokens: int, name: str = "decode-0") -> list[int]:
+    """vLLM colocated greedy: the decode engine computes the prompt itself (no descriptor)."""
+    stub = _engine_stub(c, name)
+    sampling = generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    request = engine_pb2.DecodeRequest(request_id=f"ref-{time.monotonic_ns()}", prompt_token_ids=prompt,
+                                       sampling=sampling)
+    return [t for response in stub.Decode(request, timeout=300) for t in response.token_ids]
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: LocalCluster, prompts: list[list[int]]) -> list[list[int]]:
+    return [_colocated(cluster, p, MAX_TOKENS) for p in prompts]
+
+
+async def _four_at_a_time(target: str, prompts: list[list[int]], max_tokens: int) -> list[GenerationResult]:
+    gate = asyncio.Semaphore(4)
+    async with AsyncClient(target) as client:
+        async def one(prompt: list[int]) -> GenerationResult:
+            async with gate:
+                return await client.generate(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                             timeout=300)
+
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+def test_disaggregated_vllm_matches_vllm_colocated_greedy(cluster: LocalCluster, prompts: list[list[int]],
+                                                          reference: list[list[int]]) -> None:
+    results = asyncio.run(_four_at_a_time(cluster.target, prompts, MAX_TOKENS))
+    for i, (result, expected) in enumerate(zip(results, reference, strict=True)):
+        assert result.token_ids == expected, f"prompt {i}: {result.token_ids} != {expected}"
+        assert result.prefill_engine_id in ("prefill-0", "prefill-1"), result
+        assert result.transferred_tokens > 0, f"prompt {i}: no KV came over the data plane: {result}"
+    assert cluster.wait_no_leaks(timeout=60) == {}
+
+
+def _generate(target: str, prompt: list[int], max_tokens: int = 4) -> GenerationResult:
+    return asyncio.run(_four_at_a_time(target, [prompt], max_tokens))[0]
+
+
+def test_prefix_routing_follows_vllm_block_pool_events(cluster: LocalCluster, zmq_endpoint: str) -> None:
+    """Shared prefixes stay on the prefill engine whose vLLM block pool stored them; `pdserve
+    events` and a consumer of vLLM's own wire format (vLLM's msgspec classes) see the BlockStored
+    events of vLLM engines."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(zmq_endpoint)
+    try:
+        time.sleep(0.5)  # the SUB socket's subscription reaches the scheduler's PUB
+        prefix_a = [1000 + i for i in range(4 * BLOCK)]
+        prefix_b = [5000 + i for i in range(4 * BLOCK)]
+        holders = {"a": _generate(cluster.target, prefix_a + [7, 8, 9]).prefill_engine_id,
+                   "b": _generate(cluster.target, prefix_b + [7, 8, 9]).prefill_engine_id}
+        assert set(holders.values()) <= {"prefill-0", "prefill-1"}
+        time.sleep(0.5)  # events travel engine -> scheduler asynchronously
+        for i in range(3):
+            for name, prefix in (("a", prefix_a), ("b", prefix_b)):
+                result = _generate(cluster.target, prefix + [11 + i, 12 + i, 13 + i])
+                assert result.prefill_engine_id == holders[name], f"prefix {name} left its engine"
+                assert result.cached_tokens >= 3 * BLOCK, result
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        stored = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not stored:
+            if sub.poll(500):
+                _topic, _seq, payload = sub.recv_multipart()
+                stored += [e for e in decoder.decode(payload).events if isinstance(e, BlockStored)]
+        assert stored and all(e.block_size == BLOCK for e in stored)
+    finally:
+        sub.close(0)
+    events_cli = subprocess.run(
+        [sys.executable, "-m", "services.common.cli", "events", "--target", cluster.events_target, "--from-seq", "0",
+         "--duration", "5", "--type", "BlockStored"], capture_output=True, text=True, timeout=120)
+    lines = [json.loads(line) for line in events_cli.stdout.splitlines() if line.strip()]
+    assert {line.get("engine_id") for line in lines} >= set(holders.values()), events_cli.stdout[:2000]
+    assert any(e.get("type") == "BlockStored" and e.get("block_size") == BLOCK
+               for line in lines for e in line.get("events", [])), events_cli.stdout[:2000]
+    assert cluster.wait_no_leaks(timeout=60) == {}
+
+
+def test_cancel_mid_stream_frees_blocks_on_both_vllm_engines(cluster: LocalCluster,
+                                                             prompts: list[list[int]]) -> None:
+    async def cancel_after_two_tokens() -> int:
+        async with AsyncClient(cluster.target) as client:
+            call = client._stub.Generate(build_request(prompts[3], max_tokens=300, ignore_eos=True, temperature=0.0))
+            seen = 0
+            async for resp in call:
+                if resp.WhichOneof("payload") == "chunk":
+                    seen += len(resp.chunk.token_ids)
+                if seen >= 2:
+                    call.cancel()
+                    break
+            return seen
+
+    assert asyncio.run(cancel_after_two_tokens()) >= 2
+    assert cluster.wait_no_leaks(timeout=60) == {}
+
+
+def _stream_with_indexes(client: AsyncClient, prompt: list[int], max_tokens: int) -> Any:
+    async def run() -> tuple[GenerationResult, list[tuple[int, int]]]:
+        req = build_request(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        builder = _ResultBuilder(req.request_id)
+        chunks: list[tuple[int, int]] = []
+        async for resp in client.stream_raw(req, timeout=300):
+            chunk = builder.add(resp)
+            if chunk is not None:
+                chunks.append((chunk.index, len(chunk.token_ids)))
+        return builder.result, chunks
+
+    return run()
+
+
+def test_kill_9_vllm_decode_migrates_and_kill_9_vllm_prefill_recomputes(cluster: LocalCluster,
+                                                                       prompts: list[list[int]]) -> None:
+    """Runs last (it kills engines): every request still ends with exactly vLLM's colocated
+    greedy tokens, streamed without a repeated or skipped index."""
+    long = 32
+    batch = prompts[:4]
+    expected = [_colocated(cluster, p, long, "decode-1") for p in batch]
+
+    async def burst(victim: str, kill_after_s: float) -> list[tuple[GenerationResult, list[tuple[int, int]]]]:
+        async with AsyncClient(cluster.target) as client:
+            tasks = [asyncio.create_task(_stream_with_indexes(client, p, long)) for p in batch]
+            await asyncio.sleep(kill_after_s)
+            cluster.kill(victim)
+            return list(await asyncio.gather(*tasks))
+
+    for victim, kill_after_s in (("decode-0", 3.0), ("prefill-0", 0.2)):
+        outcomes = asyncio.run(burst(victim, kill_after_s))
+        for i, (result, chunks) in enumerate(outcomes):
+            assert result.token_ids == expected[i], f"{victim} killed: prompt {i} differs"
+            position = 0
+            for index, n in chunks:
+                assert index == position, f"{victim} killed: prompt {i} chunk at {index}, expected {position}"
+                position += n
+        if victim == "decode-0":
+            assert any(r.num_migrations > 0 for r, _ in outcomes), "no request migrated off decode-0"
+    assert cluster.wait_no_leaks(["prefill-1", "decode-1"], timeout=60) == {}
