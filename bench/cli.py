@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, str] = {
     "aggregator": "per-rank reports per second through the aggregator",
     "serve": "load generator against a cluster: disaggregated vs colocated",
     "events": "KV-event plane throughput and latency (gRPC and ZMQ subscribers)",
+    "scale": "one scheduler process against 128 -> 1,024 simulated ranks on real control streams",
     "chaos": "kill engines and the scheduler under load; count lost requests",
     "load": "1,000 concurrent streaming clients against a local cluster",
     "gpu-check": "pdserve on one GPU: parity with transformers, a 1P1D cluster, CUDA KV bandwidth (one JSON)",

@@ -331,30 +331,59 @@ class Heartbeat(_message.Message):
 Global___Heartbeat: _TypeAlias = Heartbeat  # noqa: Y015
 
 @_typing.final
+class ReportBatch(_message.Message):
+    """Several consecutive StepReports of one rank in one message (seqs increasing), applied in
+    order and acknowledged with one Ack. Sent only to a scheduler whose Welcome allows it
+    (max_reports_per_message > 1).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPORTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def reports(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepReport]: ...
+    def __init__(
+        self,
+        *,
+        reports: _abc.Iterable[Global___StepReport] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reports", b"reports"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportBatch: _TypeAlias = ReportBatch  # noqa: Y015
+
+@_typing.final
 class RankMessage(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     HELLO_FIELD_NUMBER: _builtins.int
     REPORT_FIELD_NUMBER: _builtins.int
     HEARTBEAT_FIELD_NUMBER: _builtins.int
+    REPORTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def hello(self) -> Global___Hello: ...
     @_builtins.property
     def report(self) -> Global___StepReport: ...
     @_builtins.property
     def heartbeat(self) -> Global___Heartbeat: ...
+    @_builtins.property
+    def reports(self) -> Global___ReportBatch: ...
     def __init__(
         self,
         *,
         hello: Global___Hello | None = ...,
         report: Global___StepReport | None = ...,
         heartbeat: Global___Heartbeat | None = ...,
+        reports: Global___ReportBatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "hello", b"hello", "payload", b"payload", "report", b"report"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "hello", b"hello", "payload", b"payload", "report", b"report", "reports", b"reports"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "hello", b"hello", "payload", b"payload", "report", b"report"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "hello", b"hello", "payload", b"payload", "report", b"report", "reports", b"reports"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["hello", "report", "heartbeat"]  # noqa: Y015
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["hello", "report", "heartbeat", "reports"]  # noqa: Y015
     _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
 
@@ -395,10 +424,15 @@ class Welcome(_message.Message):
     LAST_ACKED_SEQ_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _builtins.int
     SCHEDULER_ID_FIELD_NUMBER: _builtins.int
+    MAX_REPORTS_PER_MESSAGE_FIELD_NUMBER: _builtins.int
     last_acked_seq: _builtins.int
     """Highest StepReport seq of this rank (this epoch) the scheduler has applied."""
     heartbeat_interval_ms: _builtins.int
     scheduler_id: _builtins.str
+    max_reports_per_message: _builtins.int
+    """Most StepReports the scheduler accepts in one ReportBatch; 0 (an older scheduler) or 1:
+    send each report in its own message.
+    """
     @_builtins.property
     def expected_ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankIdentity]:
         """Every rank of this engine the scheduler waits for before a transfer counts as finished."""
@@ -417,10 +451,11 @@ class Welcome(_message.Message):
         last_acked_seq: _builtins.int = ...,
         heartbeat_interval_ms: _builtins.int = ...,
         scheduler_id: _builtins.str = ...,
+        max_reports_per_message: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_ranks", b"expected_ranks", "heartbeat_interval_ms", b"heartbeat_interval_ms", "last_acked_seq", b"last_acked_seq", "peers", b"peers", "scheduler_id", b"scheduler_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_ranks", b"expected_ranks", "heartbeat_interval_ms", b"heartbeat_interval_ms", "last_acked_seq", b"last_acked_seq", "max_reports_per_message", b"max_reports_per_message", "peers", b"peers", "scheduler_id", b"scheduler_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
