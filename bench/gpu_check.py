@@ -310,7 +310,10 @@ def check_cluster(ctx: CheckContext) -> dict[str, Any]:
     engine_args = ["--device", ctx.device, "--transfer-timeout-s", "10"]
     if ctx.device == "cuda":
         engine_args += ["--gpu-memory-fraction", "0.05"]
+    # --path-policy remote: every prompt is prefilled on the prefill engine and its KV pulled (this
+    # section checks the disaggregated path, not the scheduler's choice of it).
     spec = ClusterSpec(model=str(path), num_prefill=1, num_decode=1, torch_threads=2, kv_cache_memory="32MiB",
+                       scheduler_args=["--path-policy", "remote"],
                        dtype="float32", engine_args=engine_args, log_dir=str(ctx.workdir / "cluster-logs"),
                        engine_devices=["0", "0"] if ctx.device == "cuda" else [])
     rows: list[dict[str, Any]] = []
