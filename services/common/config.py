@@ -165,8 +165,15 @@ class EngineConfig:
     port: int = opt(0, "Engine API port; 0 picks a free port")
     metrics_port: int = opt(0, "Prometheus /metrics port of rank 0 (rank r serves on port + r); 0 disables")
     tp: int = opt(1, "tensor-parallel size (rank processes)")
-    dtype: str = opt("auto", "float32, bfloat16, float16 or auto (float32 on CPU)")
-    device: str = opt("auto", "cpu, cuda or auto")
+    dtype: str = opt("auto", "float32, bfloat16, float16 or auto (bfloat16 on CUDA and on CPUs with native bf16, "
+                             "else float32)")
+    device: str = opt("auto", "cpu, cuda or auto (cuda when a GPU is visible)")
+    devices: str = opt("", "GPU indices of the ranks, e.g. 2,3 (rank r takes the r-th; indices among "
+                           "CUDA_VISIBLE_DEVICES); empty: rank r takes GPU r")
+    gpu_memory_fraction: float = opt(0.0, "share of each rank's GPU memory its KV cache takes, e.g. 0.4 when "
+                                          "two engines share a GPU (CUDA only); 0: use kv_cache_memory")
+    kv_staging: str = opt("none", "KV pulls of GPU memory: none (UCX CUDA transports, fail at start if missing) "
+                                  "or host (bounce through a host copy, slower, measured and labelled)")
     kv_cache_memory: str = opt("256MiB", "KV cache memory budget per rank (e.g. 512MiB, 8GiB)")
     block_size: int = opt(16, "KV block size in tokens; must match the scheduler")
     hash_seed: str = opt(DEFAULT_HASH_SEED, "block-hash seed; must match the scheduler")
@@ -207,6 +214,14 @@ class EngineConfig:
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
                  f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         _require(self.device in ("auto", "cpu", "cuda"), "device", f"must be auto, cpu or cuda, got {self.device!r}")
+        _require(0.0 <= self.gpu_memory_fraction < 1.0, "gpu_memory_fraction", "must be in [0, 1)")
+        _require(self.kv_staging in ("none", "host"), "kv_staging", f"must be none or host, got {self.kv_staging!r}")
+        try:
+            from engine.device import parse_devices
+
+            parse_devices(self.devices)
+        except ValueError as e:
+            raise ValueError(f"devices: {e}") from None
         _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         _require(self.max_num_batched_tokens >= self.block_size, "max_num_batched_tokens",
                  "must be >= block_size")

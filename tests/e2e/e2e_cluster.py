@@ -37,6 +37,7 @@ def start_cluster(tmp_path_factory: pytest.TempPathFactory, name: str, **kwargs:
     """A started cluster. The scheduler prefills every prompt remotely (`--path-policy remote`:
     these tests exercise the disaggregated path) unless `scheduler_args` names a path policy."""
     log_dir = tmp_path_factory.mktemp(name)
+    kwargs.setdefault("dtype", "float32")  # outputs are compared with the in-process engine's, in float32
     scheduler_args = list(kwargs.pop("scheduler_args", []))  # type: ignore[call-overload]
     if "--path-policy" not in scheduler_args:
         scheduler_args += ["--path-policy", "remote"]
