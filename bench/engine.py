@@ -24,19 +24,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="", help="model directory; default: the demo model")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per side (0: all cores)")
     parser.add_argument("--batch1-tokens", type=int, default=64, help="tokens generated at batch 1")
+    parser.add_argument("--mixed-requests", type=int, default=16, help="requests of the mixed workload")
+    parser.add_argument("--mixed-max-tokens", type=int, default=128,
+                        help="longest output of the mixed workload (outputs are 16..this, or this when smaller)")
     parser.add_argument("--kv-cache-memory", default="512MiB", help="pdserve KV cache budget")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--side", choices=["pdserve", "transformers"], help=argparse.SUPPRESS)
 
 
-def _workload(vocab: int, seed: int, batch1_tokens: int) -> dict[str, Any]:
+def _workload(vocab: int, seed: int, batch1_tokens: int, num_mixed: int = 16, mixed_max_tokens: int = 128
+              ) -> dict[str, Any]:
     rng = random.Random(seed)
     lo, hi = 100, min(vocab, 20000)  # ordinary tokens, away from the special ones
     batch1 = [rng.randrange(lo, hi) for _ in range(32)]
     mixed = []
-    for _ in range(16):
-        n, m = rng.randint(16, 256), rng.randint(16, 128)
+    for _ in range(num_mixed):
+        n, m = rng.randint(16, 256), rng.randint(min(16, mixed_max_tokens), mixed_max_tokens)
         mixed.append(([rng.randrange(lo, hi) for _ in range(n)], m))
     return {"batch1": (batch1, batch1_tokens), "mixed": mixed}
 
@@ -45,7 +49,7 @@ def _run_pdserve(model: str, work: dict[str, Any], kv_memory: str, threads: int)
     from engine.llm_engine import LLMEngine
     from engine.request import SamplingParams
 
-    engine = LLMEngine(model, kv_cache_memory=kv_memory, torch_threads=threads)
+    engine = LLMEngine(model, kv_cache_memory=kv_memory, torch_threads=threads, dtype="float32")  # as transformers below
     engine.generate([work["batch1"][0][:8]], SamplingParams(max_tokens=4))  # warm-up
     prompt, n = work["batch1"]
     t0 = time.perf_counter()
@@ -98,7 +102,8 @@ def _side_main(args: argparse.Namespace) -> int:
 
     threads = args.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
-    work = _workload(ModelConfig.from_dir(args.model).vocab_size, args.seed, args.batch1_tokens)
+    work = _workload(ModelConfig.from_dir(args.model).vocab_size, args.seed, args.batch1_tokens,
+                     args.mixed_requests, args.mixed_max_tokens)
     if args.side == "pdserve":
         result = _run_pdserve(args.model, work, args.kv_cache_memory, threads)
     else:
@@ -111,7 +116,8 @@ def _side_main(args: argparse.Namespace) -> int:
 def _side(args: argparse.Namespace, side: str) -> dict[str, float]:
     cmd = [sys.executable, "-m", "services.common.cli", "bench", "engine", "--side", side, "--model", args.model,
            "--threads", str(args.threads), "--batch1-tokens", str(args.batch1_tokens),
-           "--kv-cache-memory", args.kv_cache_memory, "--seed", str(args.seed)]
+           "--kv-cache-memory", args.kv_cache_memory, "--seed", str(args.seed),
+           "--mixed-requests", str(args.mixed_requests), "--mixed-max-tokens", str(args.mixed_max_tokens)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{side} side failed:\n{proc.stderr[-3000:]}")
@@ -123,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
         from engine.demo_model import demo_model_dir
 
         args.model = str(demo_model_dir())
+    if args.batch1_tokens < 1 or args.mixed_requests < 1 or args.mixed_max_tokens < 1:
+        raise ValueError("--batch1-tokens, --mixed-requests and --mixed-max-tokens must be >= 1")
     if args.side:
         return _side_main(args)
     ours, theirs = _side(args, "pdserve"), _side(args, "transformers")

@@ -11,14 +11,19 @@ send time into the block hashes, so latency is from the rank's send (the engine 
 report) to the subscriber's receipt. Steps are paced to `--rate` published events/s.
 `lost` = events published but not received, summed over subscribers (resyncs count as lost).
 
-Baseline (section "vllm_style"): vLLM's `ZmqEventPublisher` design re-implemented from the
-reference spec §1.5 (bounded queue, one publisher thread, PUB with an HWM, replay deque) fed the
-same 64-event batches directly at the same rate (no aggregation, no control streams, no gRPC),
-to `--subscribers` ZMQ subscribers.
+Baseline (section "vllm"): vLLM's own `vllm.distributed.kv_events.ZmqEventPublisher` (msgspec
+encoding, its publisher thread and queue, PUB + replay buffer), imported from the vLLM
+environment (`.venv-vllm`), fed the same 64-event batches of vLLM's own `BlockStored` structs
+directly (no aggregation, no control streams, no gRPC) to `--subscribers` ZMQ subscribers, at
+the same paced rate as each pdserve section that ran: `--rate` beside "pdserve" and
+`--direct-rate` beside "direct", so every ratio compares equal offered rates. Where vLLM does
+not import, a re-implementation of its design from the reference spec §1.5 runs instead and
+the output says so (`baseline` names which).
 
 Overload (section "overload"): the republisher driven unpaced for `--overload-seconds` with one
 subscriber that never reads and one that keeps up: publish rate, the stalled subscriber's
-largest buffer (bounded by `subscriber_buffer`), resyncs, and memory growth.
+largest buffer (bounded by `subscriber_buffer`), resyncs, and the process's current RSS
+(VmRSS) before and after.
 """
 
 from __future__ import annotations
@@ -28,14 +33,14 @@ import asyncio
 import json
 import os
 import queue
-import resource
 import subprocess
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import msgpack
@@ -45,7 +50,7 @@ import zmq.asyncio
 from connectors.kv_events import MEDIUM_CPU_OFFLOAD, BlockStored, KVCacheEvent, KVEventBatch
 from connectors.wire import encode_batch
 
-SECTIONS = ("pdserve", "decode_per_rank", "direct", "vllm_style", "overload")
+SECTIONS = ("pdserve", "decode_per_rank", "direct", "vllm", "overload")
 STAMP = 1 << 12  # hash = send time in µs * STAMP + index within the step
 _MODULE = "bench.events"
 
@@ -67,6 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--subscriber-buffer", type=int, default=1024, help="batches per subscriber")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated sections to run, from {','.join(SECTIONS)}")
+    parser.add_argument("--reimplemented-baseline", action="store_true",
+                        help="use the re-implementation of vLLM's publisher even where vLLM imports")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -267,9 +274,7 @@ async def _stream_ranks_main(target: str, engines: int, tp: int, batch_events: i
                 rank=identity, compatibility_hash="bench", protocol_version=1, engine_address="127.0.0.1:1",
                 hash_seed="0", block_size=16)))
 
-            async def gen(box: asyncio.Queue[Any] = box) -> Any:
-                while (m := await box.get()) is not None:
-                    yield m
+            gen = partial(rank_messages, box)
 
             call = stub.Connect(gen())
             await call.read()  # Welcome
@@ -312,6 +317,32 @@ async def _stream_ranks_main(target: str, engines: int, tp: int, batch_events: i
         await channel.close()
 
 
+async def rank_messages(box: asyncio.Queue[Any], max_batch: int = 64) -> AsyncIterator[Any]:
+    """A simulated rank's outgoing RankMessages from `box` (None ends the stream), as
+    `ControlClient` sends them: reports that queued up while the stream was busy go out
+    together in one ReportBatch (up to `max_batch`)."""
+    from pdserve.v1 import control_pb2 as cpb
+
+    held = None
+    while True:
+        m = held if held is not None else await box.get()
+        held = None
+        if m is None:
+            return
+        if m.WhichOneof("payload") != "report" or box.empty():
+            yield m
+            continue
+        reports = [m.report]
+        while len(reports) < max_batch and not box.empty():
+            nxt = box.get_nowait()
+            if nxt is None or nxt.WhichOneof("payload") != "report":
+                held = nxt
+                break
+            reports.append(nxt.report)
+        yield cpb.RankMessage(report=reports[0]) if len(reports) == 1 else cpb.RankMessage(
+            reports=cpb.ReportBatch(reports=reports))
+
+
 # -- in-process scheduler ------------------------------------------------------------------------
 
 def _spawn(*argv: str) -> subprocess.Popen[str]:
@@ -348,6 +379,7 @@ async def _pdserve_section(args: argparse.Namespace, decode_per_rank: bool = Fal
     from services.scheduler.control import ControlServicer, WorkerEventDecoder
     from services.scheduler.events.plane import EventPlane
     from services.scheduler.events.servicer import SERVICE_NAME
+    from services.scheduler.main import settle_gc
     from services.scheduler.registry import EngineRegistry
 
     config = SchedulerConfig(zmq_endpoint="tcp://127.0.0.1:*", subscriber_buffer=args.subscriber_buffer,
@@ -364,6 +396,7 @@ async def _pdserve_section(args: argparse.Namespace, decode_per_rank: bool = Fal
     await server.start()
     plane.start()
     control.start_monitor()
+    settle_gc()  # as `pdserve scheduler` does after start-up
     assert plane.zmq is not None
     n_grpc, n_zmq = _split(args.subscribers)
     subs = _spawn("--role", "subscribers", "--grpc", f"127.0.0.1:{port}", "--zmq", plane.zmq.bound_endpoint,
@@ -450,7 +483,27 @@ async def _direct_section(args: argparse.Namespace) -> dict[str, Any]:
             "p99_ms_by_transport": got["p99_ms_by_transport"], "resyncs": plane.republisher.stats().num_resyncs, "subscribers": got["subscribers"]}
 
 
-# -- baseline: vLLM's publisher design (reference spec §1.5), re-implemented ----------------------
+# -- baseline: vLLM's own ZmqEventPublisher, or its design re-implemented -------------------------
+
+def vllm_publisher(endpoint_port: int) -> tuple[Any, Callable[[float, list[int]], Any], str] | None:
+    """(vLLM's ZmqEventPublisher bound on 127.0.0.1:port, a batch builder from (ts, hashes) using
+    vLLM's own event structs, "vllm <version>"), or None when vLLM does not import here."""
+    try:
+        import vllm
+        from vllm.distributed.kv_events import BlockStored as VllmBlockStored
+        from vllm.distributed.kv_events import KVEventBatch as VllmBatch
+        from vllm.distributed.kv_events import ZmqEventPublisher
+    except Exception:  # noqa: BLE001 - any import failure means: no vLLM here
+        return None
+    publisher = ZmqEventPublisher(0, endpoint=f"tcp://*:{endpoint_port}")
+
+    def build(ts: float, hashes: list[int]) -> Any:
+        return VllmBatch(ts=ts, events=[VllmBlockStored(block_hashes=[h], parent_block_hash=None, token_ids=[],
+                                                        block_size=0, lora_id=None, medium=MEDIUM_CPU_OFFLOAD,
+                                                        lora_name=None) for h in hashes])
+
+    return publisher, build, f"vllm {vllm.__version__} ZmqEventPublisher"
+
 
 class VllmStylePublisher:
     """Bounded queue, one publisher thread, PUB with an HWM, replay deque; put() blocks when full."""
@@ -490,30 +543,60 @@ class VllmStylePublisher:
         self._ctx.term()
 
 
-async def _baseline_section(args: argparse.Namespace) -> dict[str, Any]:
-    publisher = VllmStylePublisher("tcp://127.0.0.1:*")
-    subs = _spawn("--role", "subscribers", "--grpc", "", "--zmq", publisher.endpoint, "--n-grpc", "0",
+async def _baseline_section(args: argparse.Namespace, rate: float) -> dict[str, Any]:
+    """vLLM's own publisher (or, without vLLM, the labelled re-implementation) paced at `rate`."""
+    from services.local_cluster import free_port
+
+    port = free_port()
+    real = vllm_publisher(port) if not args.reimplemented_baseline else None
+    if real is not None:
+        publisher, build, name = real
+        endpoint = f"tcp://127.0.0.1:{port}"
+
+        def publish(ts: float, hashes: list[int]) -> None:
+            publisher.publish(build(ts, hashes))
+
+        close = publisher.shutdown
+    else:
+        reimpl = VllmStylePublisher("tcp://127.0.0.1:*")
+        endpoint, name, close = reimpl.endpoint, "re-implementation of vLLM's ZmqEventPublisher (vLLM absent)", \
+            reimpl.close
+
+        def publish(ts: float, hashes: list[int]) -> None:
+            reimpl.publish(KVEventBatch(ts, [BlockStored((h,), None, (), 0, medium=MEDIUM_CPU_OFFLOAD)
+                                             for h in hashes]))
+
+    subs = _spawn("--role", "subscribers", "--grpc", "", "--zmq", endpoint, "--n-grpc", "0",
                   "--n-zmq", str(args.subscribers))
     try:
         await _readline(subs)
         t0 = time.monotonic()
-        published = await asyncio.to_thread(_drive, publisher.publish, args.direct_rate, args.batch_events,
-                                            args.duration)
+        published = await asyncio.to_thread(_drive_hashes, publish, rate, args.batch_events, args.duration)
         elapsed = time.monotonic() - t0
         _tell(subs)
         got = json.loads(await _readline(subs))
     finally:
         subs.kill() if subs.poll() is None else None
-        publisher.close()
+        close()
     lost = sum(max(0, published - s["events"]) for s in got["subscribers"])
-    return {"events_per_s": published / elapsed, "p50_ms": got["p50_ms"], "p99_ms": got["p99_ms"],
-            "max_ms": got["max_ms"], "lost": lost, "published_events": published}
+    return {"baseline": name, "offered_rate": rate, "events_per_s": published / elapsed, "p50_ms": got["p50_ms"],
+            "p99_ms": got["p99_ms"], "max_ms": got["max_ms"], "lost": lost, "published_events": published}
 
 
 def _drive(publish: Callable[[KVEventBatch], Any], rate: float, batch_events: int, duration: float) -> int:
     steps = Pacer(rate / batch_events).run(
         duration, lambda: publish(KVEventBatch(time.time(), list(stamp_events(time.time(), batch_events)))))
     return steps * batch_events
+
+
+def _drive_hashes(publish: Callable[[float, list[int]], Any], rate: float, batch_events: int,
+                  duration: float) -> int:
+    def step() -> None:
+        now = time.time()
+        base = int(now * 1e6) * STAMP
+        publish(now, [base + i for i in range(batch_events)])
+
+    return Pacer(rate / batch_events).run(duration, step) * batch_events
 
 
 # -- overload ------------------------------------------------------------------------------------
@@ -525,7 +608,7 @@ def _overload_section(args: argparse.Namespace) -> dict[str, Any]:
     rp = EventRepublisher(InMemoryPrefixIndex(100_000), ring_size=4096, subscriber_buffer=args.subscriber_buffer)
     stalled = rp.subscribe(None)
     live = rp.subscribe(None)
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss0 = current_rss_mib()
     end = time.monotonic() + args.overload_seconds
     events = max_lag = drained = 0
     t0 = time.monotonic()
@@ -536,11 +619,21 @@ def _overload_section(args: argparse.Namespace) -> dict[str, Any]:
         drained += len(live.take(1024))
     elapsed = time.monotonic() - t0
     resynced = [i for i in stalled.take(10) if isinstance(i, StreamNotice) and i.kind is NoticeKind.RESYNC]
-    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss1 = current_rss_mib()
     return {"events_per_s": events / elapsed, "stalled_max_buffered_batches": max_lag,
             "subscriber_buffer": args.subscriber_buffer, "stalled_resyncs": stalled.num_resyncs,
             "stalled_told_resync": bool(resynced), "live_received_batches": drained,
-            "published_batches": rp.stats().num_batches, "max_rss_growth_mib": (rss1 - rss0) / 1024}
+            "published_batches": rp.stats().num_batches, "rss_before_mib": rss0, "rss_after_mib": rss1,
+            "rss_growth_mib": rss1 - rss0}
+
+
+def current_rss_mib() -> float:
+    """This process's current resident set (VmRSS), not the high-water mark."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 # -- entry points ----------------------------------------------------------------------------------
@@ -549,21 +642,32 @@ def run(args: argparse.Namespace) -> int:
     sections = [x.strip() for x in args.sections.split(",") if x.strip()]
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown or not sections:
-        raise SystemExit(f"--sections: unknown {unknown}, choose from {','.join(SECTIONS)}")
+        raise ValueError(f"--sections: unknown {unknown}, choose from {','.join(SECTIONS)}")
     pdserve = asyncio.run(_pdserve_section(args)) if "pdserve" in sections else None
     per_rank = asyncio.run(_pdserve_section(args, decode_per_rank=True)) if "decode_per_rank" in sections else None
     direct = asyncio.run(_direct_section(args)) if "direct" in sections else None
-    baseline = asyncio.run(_baseline_section(args)) if "vllm_style" in sections else None
+    baseline = baseline_direct = None
+    if "vllm" in sections:
+        if pdserve or per_rank or not direct:
+            baseline = asyncio.run(_baseline_section(args, args.rate))
+        if direct:
+            baseline_direct = asyncio.run(_baseline_section(args, args.direct_rate))
     overload = _overload_section(args) if "overload" in sections else None
     head = pdserve or per_rank or {}
     result: dict[str, Any] = {
         "events_per_s": head.get("events_per_s"), "p99_ms": head.get("p99_ms"), "lost": head.get("lost"),
         "pdserve": pdserve, "pdserve_decode_per_rank": per_rank, "event_plane_direct": direct,
-        "vllm_style": baseline, "overload": overload,
+        "vllm": baseline, "vllm_at_direct_rate": baseline_direct, "overload": overload,
+        "baseline": (baseline or baseline_direct or {}).get("baseline"),
+        "load_average": os.getloadavg(),
         "config": {"engines": args.engines, "tp": args.tp, "batch_events": args.batch_events,
-                   "rate": args.rate, "duration_s": args.duration, "subscribers": args.subscribers},
-        "p99_ratio_vs_vllm_style": (pdserve["p99_ms"] / baseline["p99_ms"]
-                                    if pdserve and baseline and baseline["p99_ms"] else None),
+                   "rate": args.rate, "direct_rate": args.direct_rate, "duration_s": args.duration,
+                   "subscribers": args.subscribers},
+        # Ratios at equal offered rates (each pdserve section against the baseline paced alike).
+        "p99_ratio_vs_vllm": _ratio(head, baseline, "p99_ms"),
+        "delivered_ratio_vs_vllm": _ratio(head, baseline, "events_per_s"),
+        "direct_p99_ratio_vs_vllm": _ratio(direct, baseline_direct, "p99_ms"),
+        "direct_delivered_ratio_vs_vllm": _ratio(direct, baseline_direct, "events_per_s"),
         # > 1: the decode-once path needs that many times less scheduler CPU per event.
         "cpu_per_event_ratio_vs_decode_per_rank": (
             per_rank["scheduler_cpu_us_per_event"] / pdserve["scheduler_cpu_us_per_event"]
@@ -574,10 +678,15 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"KV-event plane, {args.engines} engines x tp {args.tp}, {args.batch_events}-event batches, "
           f"{args.subscribers} subscribers (half gRPC, half ZMQ)")
+    label = "vLLM ZmqEventPublisher" if result["baseline"] and result["baseline"].startswith("vllm") \
+        else "vLLM-style re-implementation"
+    if result["baseline"]:
+        print(f"  baseline: {result['baseline']}; load average {os.getloadavg()[0]:.1f}")
     for name, r in ((f"pdserve end to end, paced {args.rate:.0f}/s", pdserve),
                     ("  same, decoding every rank's copy (old path)", per_rank),
+                    (f"{label}, paced {args.rate:.0f}/s", baseline),
                     (f"pdserve event plane alone, paced {args.direct_rate:.0f}/s", direct),
-                    (f"vLLM-style ZMQ publisher, paced {args.direct_rate:.0f}/s", baseline)):
+                    (f"{label}, paced {args.direct_rate:.0f}/s", baseline_direct)):
         if r is None:
             continue
         cpu = r.get("scheduler_cpu_us_per_event")
@@ -592,9 +701,19 @@ def run(args: argparse.Namespace) -> int:
         o = overload
         print(f"  overload: {o['events_per_s']:.0f} events/s unpaced; stalled subscriber held at most "
               f"{o['stalled_max_buffered_batches']} batches (buffer {o['subscriber_buffer']}), resynced "
-              f"{o['stalled_resyncs']}x, told: {o['stalled_told_resync']}; max RSS growth "
-              f"{o['max_rss_growth_mib']:.1f} MiB")
+              f"{o['stalled_resyncs']}x, told: {o['stalled_told_resync']}; RSS {o['rss_before_mib']:.0f} -> "
+              f"{o['rss_after_mib']:.0f} MiB (current VmRSS)")
+    for key in ("p99_ratio_vs_vllm", "delivered_ratio_vs_vllm", "direct_p99_ratio_vs_vllm",
+                "direct_delivered_ratio_vs_vllm"):
+        if result[key] is not None:
+            print(f"  {key}: {result[key]:.2f}x (equal offered rates)")
     return 0
+
+
+def _ratio(mine: dict[str, Any] | None, base: dict[str, Any] | None, key: str) -> float | None:
+    if not mine or not base or not base.get(key):
+        return None
+    return float(mine[key]) / float(base[key])
 
 
 def _main() -> None:

@@ -4,10 +4,20 @@ By default it starts local clusters itself (`--up`) and runs the same workload t
 side: disaggregated (prefill engine + decode engine, KV over UCX) and colocated (decode-only:
 the decode engine computes the prompt). With `--compare-routing` it instead runs prefix-aware
 vs round-robin prefill routing on `--prefill` (≥ 2) engines with a shared-prefix workload.
+With `--compare-paths` it runs always-remote prefill vs the scheduler's path policy (remote
+prefill + transfer or decode-local prefill, per request) on `--prefill` x `--decode` engines,
+by default with `--workload mixed` (short chat turns and long shared-prefix prompts), and
+reports short and long prompts apart plus the policy's decisions by reason.
 `--target HOST:PORT` measures an existing cluster as is (one section, "target"). With `--http`
 it runs one cluster and sends the same kind of workload through the gRPC Generate API and the
 OpenAI-compatible HTTP API (streamed /v1/completions, token-id prompts) in ABBA order on fresh
 prompts per pass, reporting the HTTP path's added TTFT p50 and its throughput ratio.
+
+Every mode gets the same CPU: all its processes are pinned to the same cores (`--cpus`, default
+the cores this process may use) and its engines share the same total of torch threads
+(`--threads`, default one per pinned core) split evenly over them — disaggregated 1P1D gives
+each engine half, colocated gives its one engine all; the split is stated in the output (`cpu`).
+`--compare vllm` runs the same workload against vLLM and pdserve instead (bench/vllm_compare.py).
 
 Reports TTFT / inter-token latency / end-to-end percentiles, throughput, goodput under an SLO,
 the scheduler's control-plane overhead per request (Complete.scheduler_overhead_ms), and
@@ -20,11 +30,13 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import statistics
 import sys
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,12 +46,16 @@ from bench.workload import percentiles as _pct
 from services.client import AsyncClient, GenerationResult
 from services.local_cluster import ClusterSpec, LocalCluster
 
+# The classic disaggregated path for every prompt (the scheduler's default is the cost policy).
+ALWAYS_REMOTE = ["--path-policy", "remote"]
 VLLM_START_TIMEOUT_S = 900.0  # a cluster of vLLM engines on a loaded 2-core host
 
 @dataclass(slots=True)
 class Workload:
     prompts: list[list[int]]
     max_tokens: list[int]
+    # Per prompt: "short" or "long" (mixed workload), else "".
+    kinds: list[str] | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,8 +68,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="open-loop Poisson arrivals per second instead of fixed concurrency")
     parser.add_argument("--prompt-len", default="64:512", help="prompt length range MIN:MAX (uniform)")
     parser.add_argument("--output-len", default="16:32", help="output length range MIN:MAX (uniform)")
-    parser.add_argument("--workload", choices=["random", "shared-prefix"], default="random",
-                        help="shared-prefix: prompts share one of a few long prefixes")
+    parser.add_argument("--workload", choices=["random", "shared-prefix", "mixed"], default="random",
+                        help="shared-prefix: prompts share one of a few long prefixes; mixed: short chat turns "
+                             "(--short-len) and long shared-prefix prompts (--prompt-len)")
+    parser.add_argument("--short-len", default="8:32", help="mixed workload: short prompt length range MIN:MAX")
+    parser.add_argument("--short-fraction", type=float, default=0.5, help="mixed workload: share of short prompts")
+    parser.add_argument("--compare-paths", action="store_true",
+                        help="always-remote prefill vs the path policy (default workload: mixed)")
+    parser.add_argument("--path-policy", default="cost", choices=["cost", "threshold"],
+                        help="--compare-paths: the policy measured against always-remote")
+    parser.add_argument("--decode", type=int, default=1, help="decode engines per cluster (--up)")
     parser.add_argument("--num-prefixes", type=int, default=4, help="distinct shared prefixes")
     parser.add_argument("--prefix-len", type=int, default=384, help="tokens of each shared prefix")
     parser.add_argument("--compare-routing", action="store_true",
@@ -68,12 +92,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-itl-ms", type=float, default=200.0, help="goodput SLO on mean inter-token latency")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument("--out", default="bench-results", help="directory for serve.json and serve.png")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads per mode, split evenly over its engines (0: one per pinned core)")
+    parser.add_argument("--cpus", default="",
+                        help="cores every process of every mode is pinned to, e.g. 0-1 or 0,2 (default: all allowed)")
+    parser.add_argument("--compare", choices=["vllm"], default=None,
+                        help="vllm: the same workload against vLLM colocated, vLLM 1P1D NixlConnector, pdserve, "
+                             "and pdserve with vLLM engines where available")
+    parser.add_argument("--systems", default="vllm_colocated,vllm_pd_nixl,pdserve,pdserve_vllm",
+                        help="--compare vllm: which systems to run (comma-separated)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--engine", choices=["native", "vllm"], default="native",
                         help="engine backend of every engine of the --up clusters (vllm: run from .venv-vllm)")
     parser.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="a vLLM engine argument for every engine (with --engine vllm)")
-    parser.add_argument("--dtype", default="", help="engine dtype for --up (float32, bfloat16; default: the engine's)")
+    parser.add_argument("--dtype", default="",
+                        help="engine dtype for --up (float32, bfloat16; default: the engine's; "
+                             "--compare vllm: bfloat16 for every system)")
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -90,16 +125,26 @@ def build_workload(args: argparse.Namespace, vocab: int) -> Workload:
     o_lo, o_hi = _range(args.output_len)
     token = lambda: rng.randrange(100, vocab)  # noqa: E731 - skip special tokens at the bottom
     prefixes = [[token() for _ in range(args.prefix_len)] for _ in range(args.num_prefixes)]
-    prompts, outs = [], []
+    prompts, outs, kinds = [], [], []
+    s_lo, s_hi = _range(getattr(args, "short_len", "8:32"))
     for _ in range(args.num_requests):
         n = rng.randint(p_lo, p_hi)
-        if args.workload == "shared-prefix":
+        if args.workload == "mixed":
+            short = rng.random() < args.short_fraction
+            kinds.append("short" if short else "long")
+            if short:
+                n = rng.randint(s_lo, s_hi)
+                prompts.append([token() for _ in range(n)])
+            else:
+                prefix = prefixes[rng.randrange(len(prefixes))]
+                prompts.append(prefix + [token() for _ in range(max(1, n - args.prefix_len))])
+        elif args.workload == "shared-prefix":
             prefix = prefixes[rng.randrange(len(prefixes))]  # random order: no accidental partition
             prompts.append(prefix + [token() for _ in range(max(1, n - args.prefix_len))])
         else:
             prompts.append([token() for _ in range(n)])
         outs.append(rng.randint(o_lo, o_hi))
-    return Workload(prompts, outs)
+    return Workload(prompts, outs, kinds or None)
 
 
 async def _drive(target: str, wl: Workload, concurrency: int, rate: float) -> tuple[list[GenerationResult], float]:
@@ -340,11 +385,83 @@ def _started(spec: ClusterSpec) -> Iterator[LocalCluster]:
         c.stop()
 
 
+def parse_cpus(text: str) -> list[int]:
+    """`0-3,6` -> [0, 1, 2, 3, 6]; empty: the cores this process may run on."""
+    if not text.strip():
+        return sorted(os.sched_getaffinity(0))
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()) or int(hi or lo) < int(lo):
+            raise ValueError(f"--cpus must list cores like 0-3,6, got {text!r}")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return sorted(cpus)
+
+
+@dataclass(frozen=True, slots=True)
+class CpuShare:
+    """The CPU one mode gets: its pinned cores and its engines' torch threads."""
+
+    cpus: tuple[int, ...]
+    engines: int
+    threads_per_engine: int
+
+    @property
+    def total_threads(self) -> int:
+        return self.engines * self.threads_per_engine
+
+    def describe(self) -> dict[str, Any]:
+        return {"cpus": list(self.cpus), "engines": self.engines, "torch_threads_per_engine": self.threads_per_engine,
+                "total_torch_threads": self.total_threads}
+
+
+def cpu_share(args: argparse.Namespace, engines: int) -> CpuShare:
+    """Splits `--threads` (default: one per pinned core) evenly over `engines` processes."""
+    cpus = tuple(parse_cpus(args.cpus))
+    threads = args.threads or len(cpus)
+    if threads < engines or threads % engines:
+        raise ValueError(f"--threads {threads} does not split evenly over {engines} engines")
+    return CpuShare(cpus, engines, threads // engines)
+
+
+def pin(share: CpuShare) -> None:
+    """Pins this process (and so every process it starts from now on) to the share's cores."""
+    unknown = set(share.cpus) - set(range(os.cpu_count() or 1))
+    if unknown:
+        raise ValueError(f"--cpus names cores this machine lacks: {sorted(unknown)}")
+    os.sched_setaffinity(0, share.cpus)
+
+
 def _run_mode(name: str, args: argparse.Namespace, wl: Workload, **cluster: Any) -> dict[str, Any]:
+    results, wall, (share, before, after) = run_mode_results(name, args, wl, **cluster)
+    summary = summarize(results, wall, args)
+    summary["decisions"] = dict(sorted(Counter(r.path_reason or "unknown" for r in results).items()))
+    if wl.kinds:
+        summary["by_kind"] = {k: summarize([r for r, kind in zip(results, wl.kinds, strict=True) if kind == k],
+                                           wall, args) for k in sorted(set(wl.kinds))}
+    queried = after[0] - before[0]
+    summary["prefill_prefix_hit_rate"] = round((after[1] - before[1]) / queried, 4) if queried else 0.0
+    summary["cpu"] = share.describe()
+    print(f"[{name}] TTFT p50 {summary['ttft_ms']['p50']} ms, ITL p50 {summary['itl_ms']['p50']} ms, "
+          f"{summary['throughput_tok_s']} tok/s, overhead p50 {summary['control_plane_overhead_ms_p50']} ms",
+          file=sys.stderr)
+    return summary
+
+
+def run_mode_results(name: str, args: argparse.Namespace, wl: Workload, **cluster: Any
+                     ) -> tuple[list[GenerationResult], float, tuple[CpuShare, tuple[float, float], tuple[float, float]]]:
+    """Starts one local cluster on its CPU share, warms it up, drives the workload; returns the
+    results, the wall time, and (share, prefill cache counters before, after)."""
+    share = cpu_share(args, cluster.get("num_prefill", 1) + cluster.get("num_decode", 1))
+    pin(share)
+    # A benchmark measures latency; the scheduler's default deadline (60 s) would only drop
+    # requests on a loaded machine, so it gets the client's own 600 s.
+    cluster["scheduler_args"] = ["--default-deadline-s", "600", *cluster.get("scheduler_args", [])]
     cluster = _engine_cluster_args(args, cluster)
-    print(f"[{name}] starting a local cluster ({cluster})", file=sys.stderr)
-    spec = ClusterSpec(model=args.model, log_dir=str(Path(args.out) / "logs" / name), torch_threads=1,
-                       kv_cache_memory=args.kv_cache_memory, metrics=True, **cluster)
+    print(f"[{name}] starting a local cluster ({cluster}; {share.describe()})", file=sys.stderr)
+    spec = ClusterSpec(model=args.model, log_dir=str(Path(args.out) / "logs" / name),
+                       torch_threads=share.threads_per_engine, kv_cache_memory=args.kv_cache_memory, metrics=True,
+                       **cluster)
     with _started(spec) as c:
         rng = random.Random(-1)  # warm-up prompts share nothing with the workload
         warm = Workload([[rng.randrange(100, 1000) for _ in range(24)] for _ in range(2)], [2, 2])
@@ -352,13 +469,7 @@ def _run_mode(name: str, args: argparse.Namespace, wl: Workload, **cluster: Any)
         before = _prefill_cache_counters(c)
         results, wall = asyncio.run(_drive(c.target, wl, args.concurrency, args.request_rate))
         after = _prefill_cache_counters(c)
-    summary = summarize(results, wall, args)
-    queried = after[0] - before[0]
-    summary["prefill_prefix_hit_rate"] = round((after[1] - before[1]) / queried, 4) if queried else 0.0
-    print(f"[{name}] TTFT p50 {summary['ttft_ms']['p50']} ms, ITL p50 {summary['itl_ms']['p50']} ms, "
-          f"{summary['throughput_tok_s']} tok/s, overhead p50 {summary['control_plane_overhead_ms_p50']} ms",
-          file=sys.stderr)
-    return summary
+    return results, wall, (share, before, after)
 
 
 def _prefill_cache_counters(cluster: LocalCluster) -> tuple[float, float]:
@@ -408,15 +519,43 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _compare_paths(args: argparse.Namespace, wl: Workload) -> dict[str, Any]:
+    """Always-remote vs the path policy on the same engines and workload, one after the other."""
+    engines = {"num_prefill": max(1, args.prefill), "num_decode": max(1, args.decode)}
+    remote = _run_mode("always_remote", args, wl, scheduler_args=ALWAYS_REMOTE, **engines)
+    policy = _run_mode("path_policy", args, wl, scheduler_args=["--path-policy", args.path_policy], **engines)
+    out: dict[str, Any] = {"always_remote": remote, "path_policy": policy, "decisions": policy["decisions"]}
+    by_r, by_p = remote.get("by_kind", {}), policy.get("by_kind", {})
+    if "short" in by_r and "short" in by_p:
+        out["short_ttft_p50_speedup"] = _ratio(by_r["short"]["ttft_ms"]["p50"], by_p["short"]["ttft_ms"]["p50"])
+    if "long" in by_r and "long" in by_p:
+        out["long_ttft_p50_ratio"] = _ratio(by_r["long"]["ttft_ms"]["p50"], by_p["long"]["ttft_ms"]["p50"])
+    out["throughput_ratio"] = _ratio(policy["throughput_tok_s"], remote["throughput_tok_s"])
+    out["transferred_tokens_ratio"] = _ratio(policy["transferred_tokens"], remote["transferred_tokens"])
+    return out
+
+
+def _ratio(a: float, b: float) -> float:
+    """a / b rounded; 0.0 when b is 0 (nothing measured)."""
+    return round(a / b, 2) if b else 0.0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.compare == "vllm":
+        from bench.vllm_compare import run_compare
+
+        return run_compare(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     vocab = _vocab(args) if not args.target else 49152
     if args.compare_routing:
         args.workload = "shared-prefix"
+    if args.compare_paths and args.workload == "random":
+        args.workload = "mixed"
     wl = build_workload(args, vocab)
     report: dict[str, Any] = {"workload": {k: getattr(args, k) for k in (
-        "num_requests", "concurrency", "request_rate", "prompt_len", "output_len", "workload", "seed")}}
+        "num_requests", "concurrency", "request_rate", "prompt_len", "output_len", "workload", "seed",
+        "short_len", "short_fraction", "prefix_len", "num_prefixes", "prefill", "decode")}}
     if args.http:
         spec = ClusterSpec(model=args.model, log_dir=str(out / "logs" / "http"), torch_threads=1,
                            kv_cache_memory=args.kv_cache_memory, num_prefill=args.prefill)
@@ -429,16 +568,19 @@ def run(args: argparse.Namespace) -> int:
     elif args.target:
         results, wall = asyncio.run(_drive(args.target, wl, args.concurrency, args.request_rate))
         report["target"] = summarize(results, wall, args)
+    elif args.compare_paths:
+        report.update(_compare_paths(args, wl))
     elif args.compare_routing:
         n = max(2, args.prefill)
         report["prefix_aware"] = _run_mode("prefix_aware", args, wl, num_prefill=n,
-                                           scheduler_args=["--routing-policy", "prefix"])
+                                           scheduler_args=["--routing-policy", "prefix", *ALWAYS_REMOTE])
         report["round_robin"] = _run_mode("round_robin", args, wl, num_prefill=n,
-                                          scheduler_args=["--routing-policy", "round_robin"])
+                                          scheduler_args=["--routing-policy", "round_robin", *ALWAYS_REMOTE])
         a, b = report["prefix_aware"]["ttft_ms"]["p50"], report["round_robin"]["ttft_ms"]["p50"]
         report["ttft_p50_speedup"] = round(b / a, 2) if a else 0.0
     else:
-        report["disaggregated"] = _run_mode("disaggregated", args, wl, num_prefill=args.prefill)
+        report["disaggregated"] = _run_mode("disaggregated", args, wl, num_prefill=args.prefill,
+                                            scheduler_args=ALWAYS_REMOTE)
         report["colocated"] = _run_mode("colocated", args, wl, num_prefill=0)
         report["control_plane_overhead_ms_p50"] = report["disaggregated"]["control_plane_overhead_ms_p50"]
         d, c = report["disaggregated"], report["colocated"]
@@ -448,6 +590,7 @@ def run(args: argparse.Namespace) -> int:
             "throughput_disaggregated_over_colocated": round(
                 d["throughput_tok_s"] / max(c["throughput_tok_s"], 1e-9), 2),
         }
+    report["cpu"] = {m: report[m]["cpu"] for m in report if isinstance(report[m], dict) and "cpu" in report[m]}
     (out / "serve.json").write_text(json.dumps(report, indent=2))
     _plot(report, out / "serve.png")
     if args.json:

@@ -3,14 +3,17 @@
 The same KV bytes move five ways, side by side in one run, each between two fresh processes
 (memcpy: one process): (a) `pdserve` — the UCX worker connector, engine KV tensor to engine KV
 tensor (`start_pull` → `finished_recving`); (b) `ucxx` — raw ucxx tagged send/receive of the
-same bytes (endpoints from worker addresses, error handling off, polling progress, UCX's
-default transports); (c) `nixl` — NIXL READ over its UCX backend with error handling off (what
+same bytes on pdserve's transport and progress policy: SysV shared memory (`UCX_TLS=^cma`),
+endpoints from worker addresses with error handling off, TAG + WAKEUP features, and progress
+that polls `progress_once` and yields the CPU (`sched_yield`) between empty polls, as
+pdserve's progress thread does while a transfer is live; (c) `nixl` — NIXL READ over its UCX backend with error handling off (what
 vLLM, Dynamo and llm-d use); (d) `grpc` — a gRPC server stream of the same bytes in 4 MiB
 chunks; (e) `memcpy` — a single-thread copy in one process (the local limit).
 
-`pdserve-cma` is (a) with `--ucx-tls all` (UCX picks CMA), shown for the connector's own
-overhead; the ratios are pdserve's default configuration (SysV shared memory, see
-docs/architecture.md) against the baselines.
+A second like-for-like pair runs on CMA: `pdserve-cma` is (a) with `--ucx-tls all` (UCX picks
+CMA) and `ucxx-cma` is (b) with `UCX_TLS=all`, same polling. Ratios compare pdserve with
+`ucxx` and `pdserve-cma` with `ucxx-cma` (each pair on one transport); pdserve's default
+configuration (SysV shared memory, see docs/architecture.md) against NIXL and gRPC.
 
 Cases: one request of 1, 16, 256 and 1024 blocks, and 32 requests of 16 blocks concurrently.
 Each timing is the median of `--iters` runs after one warm-up, measured on the reader from the
@@ -34,10 +37,18 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-METHODS = ("pdserve", "pdserve-cma", "ucxx", "nixl", "grpc", "memcpy")
-BASELINES = {"ucxx": "min_ratio_vs_ucxx", "nixl": "min_ratio_vs_nixl", "grpc": "min_ratio_vs_grpc"}
+METHODS = ("pdserve", "pdserve-cma", "ucxx", "ucxx-cma", "nixl", "grpc", "memcpy")
+BASELINES = {"ucxx": "min_ratio_vs_ucxx", "ucxx-cma": "min_ratio_cma_vs_ucxx_cma", "nixl": "min_ratio_vs_nixl",
+             "grpc": "min_ratio_vs_grpc"}
+# Which pdserve run each baseline is compared with: the one on the same transport.
+COMPARED_WITH = {"ucxx-cma": "pdserve-cma"}
+TRANSPORTS = {"pdserve": "SysV shared memory (UCX_TLS=^cma)", "ucxx": "SysV shared memory (UCX_TLS=^cma)",
+              "pdserve-cma": "CMA (UCX_TLS=all)", "ucxx-cma": "CMA (UCX_TLS=all)",
+              "nixl": "NIXL's UCX backend, UCX's default transports", "grpc": "TCP loopback", "memcpy": "one process"}
 CHUNK = 4 << 20
 DEFAULT_SIZES = "1,16,256,1024"
+# Throughput, not failure detection, is measured: a loaded machine may take seconds per pull.
+BENCH_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,10 +174,9 @@ def _rows(cases: list[Case], shape: Shape, methods: list[str],
         for m in methods:
             seconds = timings[m].get(case.label)
             row.gbps[m] = nbytes / seconds / 1e9 if seconds else None
-        ours = row.gbps["pdserve"]
         for m in methods:
             if m != "pdserve":
-                theirs = row.gbps[m]
+                ours, theirs = row.gbps.get(COMPARED_WITH.get(m, "pdserve")), row.gbps[m]
                 row.ratios[m] = ours / theirs if ours and theirs else None
         rows.append(row)
     return rows
@@ -175,6 +185,8 @@ def _rows(cases: list[Case], shape: Shape, methods: list[str],
 def _summary(rows: list[Row], shape: Shape, args: argparse.Namespace) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "block_nbytes": shape.block_nbytes, "iters": args.iters,
+        "transports": {m: TRANSPORTS[m] for m in rows[0].gbps} if rows else {},
+        "compared_with": {m: COMPARED_WITH.get(m, "pdserve") for m in BASELINES},
         "rows": [{"case": r.case, "num_blocks": r.num_blocks, "num_bytes": r.num_bytes, "gbps": r.gbps,
                   "ratio_vs": r.ratios} for r in rows],
     }
@@ -187,10 +199,12 @@ def _summary(rows: list[Row], shape: Shape, args: argparse.Namespace) -> dict[st
 
 def _print_table(rows: list[Row], methods: list[str], summary: dict[str, Any], out: Path) -> None:
     print(f"KV transfer, block = {summary['block_nbytes']} bytes, GB/s (median of {summary['iters']})")
-    print(f"{'case':>8} {'MiB':>8} " + " ".join(f"{m:>9}" for m in methods) + "   pdserve / "
-          + " / ".join(m for m in methods if m != "pdserve"))
+    for m in methods:
+        print(f"  {m:>11}: {TRANSPORTS[m]}")
+    print(f"{'case':>8} {'MiB':>8} " + " ".join(f"{m:>11}" for m in methods) + "   ratio vs "
+          + " / ".join(f"{m} ({COMPARED_WITH.get(m, 'pdserve')})" for m in methods if m != "pdserve"))
     for r in rows:
-        cells = " ".join(f"{r.gbps[m]:9.2f}" if r.gbps[m] else f"{'-':>9}" for m in methods)
+        cells = " ".join(f"{r.gbps[m]:11.2f}" if r.gbps[m] else f"{'-':>11}" for m in methods)
         ratios = " ".join(f"{r.ratios[m]:.2f}x" if r.ratios[m] else "-" for m in methods if m != "pdserve")
         print(f"{r.case:>8} {r.num_bytes / 2**20:8.1f} {cells}   {ratios}")
     for key in BASELINES.values():
@@ -347,7 +361,7 @@ def _pdserve_writer(conn: Connection, shape: Shape, ucx_tls: str = "") -> None:
 
     c = UcxWorkerConnector(engine_id="bench-prefill", epoch=1, tp_rank=0, tp_size=1, num_kv_heads=shape.kv_heads,
                            compatibility_hash="bench", kv_cache=shape.tensor(seed=1),
-                           config=UcxConnectorConfig(ucx_tls=ucx_tls))
+                           config=UcxConnectorConfig(ucx_tls=ucx_tls, transfer_timeout_s=BENCH_TIMEOUT_S))
     conn.send(("ok", c.get_handshake_metadata()))
     conn.recv()
     conn.send(("ok", None))
@@ -376,7 +390,7 @@ def _pdserve_reader(conn: Connection, shape: Shape, ucx_tls: str = "") -> None:
 
     c = UcxWorkerConnector(engine_id="bench-decode", epoch=2, tp_rank=0, tp_size=1, num_kv_heads=shape.kv_heads,
                            compatibility_hash="bench", kv_cache=shape.tensor(),
-                           config=UcxConnectorConfig(ucx_tls=ucx_tls))
+                           config=UcxConnectorConfig(ucx_tls=ucx_tls, transfer_timeout_s=BENCH_TIMEOUT_S))
     c.add_peer(conn.recv())
     conn.send(("ok", None))
     conn.send(("ok", None))
@@ -404,27 +418,40 @@ def _pdserve_reader(conn: Connection, shape: Shape, ucx_tls: str = "") -> None:
 
 # -- (b) raw ucxx tagged messages ---------------------------------------------------------------
 
-def _ucxx_worker() -> tuple[Any, Any, Any]:
+def _ucxx_worker(tls: str) -> tuple[Any, Any, Any]:
+    """A worker configured as pdserve's transport configures its own (context options, features,
+    progress mode); only the transport list differs between the two pairs."""
     import os
 
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     import ucxx._lib.libucxx as ucx_api
     from ucxx._lib.arr import Array
 
-    ctx = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG,))
-    return ucx_api, Array, ucx_api.UCXWorker(ctx)
+    from connectors.ucx.worker import UcxConnectorConfig
+
+    ctx = ucx_api.UCXContext(config_dict=UcxConnectorConfig(ucx_tls=tls).ucx_options(),
+                             feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
+    worker = ucx_api.UCXWorker(ctx)
+    worker.init_blocking_progress_mode()
+    return ucx_api, Array, worker
 
 
 def _ucxx_wait(worker: Any, requests: list[Any]) -> None:
+    """pdserve's policy while a transfer is live: poll, and yield the CPU after an empty poll."""
+    import os
+
     while not all(r.completed for r in requests):
-        worker.progress()
+        if worker.progress_once():
+            worker.progress()
+        else:
+            os.sched_yield()
     for r in requests:
         r.check_error()
 
 
-def _ucxx_writer(conn: Connection, shape: Shape) -> None:
+def _ucxx_writer(conn: Connection, shape: Shape, tls: str = "^cma") -> None:
     _child_setup()
-    ucx_api, Array, worker = _ucxx_worker()
+    ucx_api, Array, worker = _ucxx_worker(tls)
     region = shape.tensor(seed=1).view(-1).view(__import__("torch").uint8).numpy()
     conn.send(("ok", bytes(worker.address.tobytes())))
     reader_address = conn.recv()
@@ -454,9 +481,9 @@ def _ucxx_writer(conn: Connection, shape: Shape) -> None:
             conn.send(("ok", None))
 
 
-def _ucxx_reader(conn: Connection, shape: Shape) -> None:
+def _ucxx_reader(conn: Connection, shape: Shape, tls: str = "^cma") -> None:
     _child_setup()
-    ucx_api, Array, worker = _ucxx_worker()
+    ucx_api, Array, worker = _ucxx_worker(tls)
     import numpy as np
 
     region = shape.tensor().view(-1).view(__import__("torch").uint8).numpy()
@@ -634,6 +661,7 @@ _PAIRS: dict[str, tuple[Callable[[Connection, Shape], None], Callable[[Connectio
     # contention, but a writer dying mid-read aborts the reader (see docs/architecture.md).
     "pdserve-cma": (functools.partial(_pdserve_writer, ucx_tls="all"), functools.partial(_pdserve_reader, ucx_tls="all")),
     "ucxx": (_ucxx_writer, _ucxx_reader),
+    "ucxx-cma": (functools.partial(_ucxx_writer, tls="all"), functools.partial(_ucxx_reader, tls="all")),
     "nixl": (_nixl_writer, _nixl_reader),
     "grpc": (_grpc_writer, _grpc_reader),
 }

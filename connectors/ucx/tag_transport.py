@@ -35,6 +35,12 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from connectors.ucx.device_memory import (
+    MemoryRegistration,
+    cuda_transport_problem,
+    is_device_region,
+    region_nbytes,
+)
 from connectors.ucx.handshake import PeerKey
 from connectors.ucx.transport import (
     HeadGeometry,
@@ -101,31 +107,34 @@ class _Serve:
 
 
 class UcxTagTransport(KVTransport):
-    """See the module docstring. `region` is the rank's KV bytes (a flat uint8 view) and
+    """See the module docstring. `region` is the rank's KV bytes (a flat uint8 view, in host
+    memory or, checked and registered once, GPU memory: connectors/ucx/device_memory.py) and
     `local_key` this rank's identity as peers know it. A reader that has not said `done`
     `serve_timeout_s` after its pull is presumed dead: its endpoint is closed (cancelling
     its sends) and every request it was reading is reported done with ok=False. `geometry`
     (the region's layers and heads) is needed for head-range segments; without it they are
     refused (writer) or fail (reader) with `bad_segments`."""
 
-    def __init__(self, region: np.ndarray, block_nbytes: int, local_key: PeerKey, *,
+    def __init__(self, region: Any, block_nbytes: int, local_key: PeerKey, *,
                  ucx_config: dict[str, str] | None = None, serve_timeout_s: float = 30.0, name: str = "ucx",
                  geometry: HeadGeometry | None = None) -> None:
         import ucxx._lib.libucxx as ucx_api
         from ucxx._lib.arr import Array
 
-        if region.dtype != np.uint8 or region.ndim != 1 or block_nbytes < 1 or region.size % block_nbytes:
+        nbytes = region_nbytes(region)
+        if block_nbytes < 1 or nbytes % block_nbytes:
             raise ValueError("region must be a flat uint8 array of whole blocks")
         self._api = ucx_api
         self._array = Array
         self._region = region
-        self._num_blocks = region.size // block_nbytes
+        self._num_blocks = nbytes // block_nbytes
         self._block_nbytes = block_nbytes
         if geometry is not None and geometry.block_nbytes != block_nbytes:
             raise ValueError(f"geometry {geometry} does not make blocks of {block_nbytes} bytes")
         self._geometry = geometry or HeadGeometry(1, 1, 0)
         self._ctx = ucx_api.UCXContext(config_dict=dict(ucx_config or {}),
                                        feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
+        self._registration = _register_device_region(self._ctx, region, ucx_config or {})
         self._worker = ucx_api.UCXWorker(self._ctx)
         self._worker.init_blocking_progress_mode()
         self._address = bytes(self._worker.address.tobytes())
@@ -197,6 +206,8 @@ class UcxTagTransport(KVTransport):
             _close(ep)
         self._peers.clear()
         self._reply_eps.clear()
+        if self._registration is not None:
+            self._registration.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
 
@@ -400,7 +411,7 @@ class UcxTagTransport(KVTransport):
             self._track_in_lane(("pull", xfer_id), request, functools.partial(self._on_data, pull=pull, index=index),
                                 target)
 
-    def _data_target(self, pull: _Pull | None, index: int, length: int) -> np.ndarray | None:
+    def _data_target(self, pull: _Pull | None, index: int, length: int) -> Any:
         if pull is None or pull.finished or index >= len(pull.pieces) or index in pull.posted:
             return None
         start, expected = pull.pieces[index]
@@ -584,6 +595,19 @@ def _error_of(request: Any) -> str | None:
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     return None
+
+
+def _register_device_region(ctx: Any, region: Any, ucx_config: dict[str, str]) -> MemoryRegistration | None:
+    """For a GPU region: checks UCX's CUDA transports (RuntimeError naming what is missing and
+    the UCX_TLS to set) and registers the region once. Host regions: None (UCX registers host
+    memory through its cache as before)."""
+    if not is_device_region(region):
+        return None
+    tls = ucx_config.get("TLS") or os.environ.get("UCX_TLS", "")
+    problem = cuda_transport_problem(ctx.info, tls)
+    if problem is not None:
+        raise RuntimeError(problem)
+    return MemoryRegistration(ctx, region)
 
 
 def _ignore(error: str | None) -> None:

@@ -104,7 +104,40 @@ def _as_map(tag: str, values: dict[str, Any], required: tuple[str, ...],
     return out
 
 
+def _int_hashes(hashes: tuple[ExternalBlockHash, ...]) -> bool:
+    """Whether every hash is a plain int in [0, 2**64) (the common case, checked in bulk)."""
+    return all(type(h) is int and 0 <= h < _U64 for h in hashes)
+
+
+def _stored_map_fast(e: BlockStored) -> dict[str, Any]:
+    """`_as_map` of a BlockStored without the intermediate dicts: same keys, same order."""
+    parent = e.parent_block_hash
+    out: dict[str, Any] = {
+        "type": "BlockStored",
+        "block_hashes": list(e.block_hashes) if _int_hashes(e.block_hashes) else _hashes_out(e.block_hashes),
+        "parent_block_hash": None if parent is None else _hash_out(parent),
+        "token_ids": list(e.token_ids),
+        "block_size": e.block_size,
+        "lora_id": e.lora_id,
+        "medium": e.medium,
+        "lora_name": e.lora_name,
+    }
+    if e.extra_keys is not None:
+        out["extra_keys"] = list(e.extra_keys)
+    if e.group_idx is not None:
+        out["group_idx"] = e.group_idx
+    if e.kv_cache_spec_kind is not None:
+        out["kv_cache_spec_kind"] = e.kv_cache_spec_kind
+    if e.kv_cache_spec_sliding_window is not None:
+        out["kv_cache_spec_sliding_window"] = e.kv_cache_spec_sliding_window
+    if e.locality is not None:
+        out["locality"] = e.locality
+    return out
+
+
 def _event_out(event: KVCacheEvent, legacy: bool) -> Any:
+    if type(event) is BlockStored and not legacy:
+        return _stored_map_fast(event)
     if isinstance(event, BlockStored):
         values = _stored_values(event)
         if legacy:

@@ -17,7 +17,12 @@ Contracts:
   (stream lost, scheduler restarted) every report above the new Welcome's `last_acked_seq` is
   sent again, in order, so nothing is lost and the scheduler (which ignores seq <= its last
   applied) counts nothing twice. At most `max_unacked` reports are buffered; beyond that the
-  oldest are dropped and counted in `num_dropped`.
+  oldest are dropped and counted in `num_dropped`. Reports that queued up while the stream was
+  busy go out together, up to `max_reports_per_message` (and the scheduler's limit from
+  Welcome) per ReportBatch message, acknowledged once per message.
+- Heartbeats go every Welcome `heartbeat_interval`; a rank other than rank 0 skips a beat when
+  it sent reports since its last one (every message counts as liveness for the scheduler; rank
+  0's beats also carry the engine's load and draining flag, so it always beats).
 - Reconnects back off exponentially (`backoff_initial_s` doubling up to `backoff_max_s`) and
   resend the same Hello (same epoch). After every reconnect a fresh `Welcome` is delivered
   through `poll()` (and the callback), so the rank can refresh its peers.
@@ -98,6 +103,8 @@ class ControlHello:
     hash_seed: str | None = None
     block_size: int | None = None
     protocol_version: int = PROTOCOL_VERSION
+    dtype: str | None = None
+    device_kind: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +121,8 @@ class Welcome:
     last_acked_seq: int
     heartbeat_interval_s: float
     scheduler_id: str
+    # Reports the scheduler accepts in one message (1: one report per message).
+    max_reports_per_message: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +198,8 @@ def message_from_proto(m: pb.SchedulerMessage) -> ControlMessage | None:
     if kind == "welcome":
         w = m.welcome
         return Welcome([RankIdentity.from_proto(r) for r in w.expected_ranks], [_peer(p) for p in w.peers],
-                       w.last_acked_seq, w.heartbeat_interval_ms / 1000.0, w.scheduler_id)
+                       w.last_acked_seq, w.heartbeat_interval_ms / 1000.0, w.scheduler_id,
+                       max(1, w.max_reports_per_message))
     if kind == "peer_update":
         return PeerUpdate([_peer(p) for p in m.peer_update.joined],
                           [RankIdentity.from_proto(r) for r in m.peer_update.left])
@@ -227,7 +237,8 @@ class ControlClient:
     def __init__(self, target: str, hello: ControlHello, *,
                  on_message: Callable[[ControlMessage], None] | None = None,
                  backoff_initial_s: float = 0.05, backoff_max_s: float = 2.0,
-                 max_unacked: int = 100_000, security: ChannelSecurity | None = None) -> None:
+                 max_unacked: int = 100_000, max_reports_per_message: int = 64,
+                 security: ChannelSecurity | None = None) -> None:
         self.target = target
         self.security = security
         self.hello = hello
@@ -235,6 +246,7 @@ class ControlClient:
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.max_unacked = max_unacked
+        self.max_reports_per_message = max_reports_per_message
         self.welcome: Welcome | None = None
         self.error: ControlRefusedError | None = None
         self.num_reconnects = 0
@@ -434,6 +446,10 @@ class ControlClient:
             msg.hash_seed = h.hash_seed
         if h.block_size is not None:
             msg.block_size = h.block_size
+        if h.dtype is not None:
+            msg.dtype = h.dtype
+        if h.device_kind is not None:
+            msg.device_kind = h.device_kind
         return pb.RankMessage(hello=msg)
 
     async def _outgoing(self) -> AsyncIterator[pb.RankMessage]:
@@ -447,15 +463,27 @@ class ControlClient:
         while not self._closed:
             with self._lock:
                 pending = [m for s, m in self._unacked.items() if s > sent_upto]
-            for m in pending:
-                yield pb.RankMessage(report=m)
-                sent_upto = m.seq
+            limit = min(self.max_reports_per_message, self.welcome.max_reports_per_message if self.welcome else 1)
+            for i in range(0, len(pending), max(1, limit)):
+                chunk = pending[i:i + max(1, limit)]
+                if len(chunk) == 1:
+                    yield pb.RankMessage(report=chunk[0])
+                else:
+                    yield pb.RankMessage(reports=pb.ReportBatch(reports=chunk))
+                sent_upto = chunk[-1].seq
+            if pending and not self._leader:
+                # Any message proves liveness; only rank 0's beats carry something more (load).
+                last_beat = time.monotonic()
             interval = self.welcome.heartbeat_interval_s if self.welcome and self.welcome.heartbeat_interval_s > 0 else 1.0
             now = time.monotonic()
             if now - last_beat >= interval or self._beat_now:
                 last_beat, self._beat_now = now, False
                 yield pb.RankMessage(heartbeat=self._heartbeat())
             await self._sleep(max(0.0, interval - (time.monotonic() - last_beat)))
+
+    @property
+    def _leader(self) -> bool:
+        return self.hello.identity.tp_rank == 0 and self.hello.identity.pp_rank == 0
 
     def _heartbeat(self) -> pb.Heartbeat:
         beat = pb.Heartbeat(draining=self._draining)

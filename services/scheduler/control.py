@@ -12,10 +12,13 @@ Contracts (see control.proto):
 - Welcome carries the engine's expected ranks, the handshake metadata of every registered rank
   of the other role (decode ranks get every prefill rank, prefill ranks every decode rank) and
   the rank's last applied seq. A rank registering for the first time in its epoch is announced
-  to the other role's connected ranks in a PeerUpdate (joined); an engine that dies or is fenced
-  is announced as left.
+  to the other role's connected ranks in a PeerUpdate (joined; the joins of one loop turn share
+  one PeerUpdate per stream, and a stream never gets a join its Welcome held); an engine that
+  dies or is fenced is announced as left.
 - Each StepReport is applied at most once (seq <= last applied is a duplicate: ignored) and
-  acknowledged with Ack(last applied seq). A report the scheduler cannot parse is acknowledged,
+  acknowledged with Ack(last applied seq). A ReportBatch (at most the Welcome's
+  `max_reports_per_message` reports of one rank) is applied report by report, in order, and
+  acknowledged once, after its last report. A report the scheduler cannot parse is acknowledged,
   dropped and counted (resending it would not help).
 - A rank silent for `heartbeat_timeout_s`, or whose stream closed and did not reopen within
   one heartbeat interval, is dead: its engine is down (transfers touching it
@@ -26,8 +29,10 @@ Contracts (see control.proto):
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
+import operator
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -40,7 +45,7 @@ from connectors.kv_events import AllBlocksCleared, KVCacheEvent, KVEventBatch, e
 from connectors.outputs import KVConnectorOutput
 from pdserve.v1 import control_pb2 as pb
 from pdserve.v1 import control_pb2_grpc, kv_events_pb2
-from services.scheduler.event_sink import EventSink, NullEventSink
+from services.scheduler.event_sink import EventSink, NullEventSink, ProtoBackedBatch
 from services.scheduler.lifecycle import EngineRef
 from services.scheduler.registry import (
     PROTOCOL_VERSION,
@@ -63,6 +68,7 @@ _ROLE_FROM_PB = {pb.ROLE_PREFILL: Role.PREFILL, pb.ROLE_DECODE: Role.DECODE}
 _ROLE_TO_PB = {v: k for k, v in _ROLE_FROM_PB.items()}
 HELLO_TIMEOUT_S = 10.0
 MAX_HELD_MESSAGES = 10_000
+MAX_REPORTS_PER_MESSAGE = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +84,9 @@ class RankConnection:
     epoch: int
     role: Role
     queue: asyncio.Queue[pb.SchedulerMessage | _Close]
+    # The announcement counter when this stream was welcomed: joins announced before it were
+    # in its Welcome, later ones reach it in a (coalesced) PeerUpdate.
+    welcomed_at: int = 0
 
 
 def hello_from_proto(m: pb.Hello) -> RankHello:
@@ -93,7 +102,9 @@ def hello_from_proto(m: pb.Hello) -> RankHello:
                      engine_address=m.engine_address, handshake_metadata=m.handshake_metadata,
                      protocol_version=m.protocol_version or PROTOCOL_VERSION, last_sent_seq=m.last_sent_seq,
                      hash_seed=m.hash_seed if m.HasField("hash_seed") else None,
-                     block_size=m.block_size if m.HasField("block_size") else None)
+                     block_size=m.block_size if m.HasField("block_size") else None,
+                     dtype=m.dtype if m.HasField("dtype") else None,
+                     device_kind=m.device_kind if m.HasField("device_kind") else None)
 
 
 def _identity(engine: EngineState, rank_id: RankId) -> pb.RankIdentity:
@@ -196,6 +207,11 @@ class WorkerEventDecoder:
         return events
 
 
+def _same_events(published: list[KVCacheEvent], decoded: tuple[KVCacheEvent, ...]) -> bool:
+    """Whether `published` is `decoded`, object for object."""
+    return len(published) == len(decoded) and all(map(operator.is_, published, decoded))
+
+
 def batch_from_proto(m: kv_events_pb2.EventBatch) -> KVEventBatch:
     return KVEventBatch(ts=m.ts, events=[event_from_proto(e) for e in m.events],
                         data_parallel_rank=m.data_parallel_rank if m.HasField("data_parallel_rank") else None)
@@ -213,6 +229,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self.tracker = tracker or TransferTracker(clock=registry.clock)
         self.sink: EventSink = sink or NullEventSink()
         self.heartbeat_interval_s = heartbeat_interval_s
+        # Reports a rank may send in one ReportBatch (told in Welcome).
+        self.max_reports_per_message = MAX_REPORTS_PER_MESSAGE
         # How long a closed rank stream may take to come back before its engine is down.
         self.reconnect_grace_s = min(heartbeat_interval_s, registry.heartbeat_timeout_s)
         self.telemetry = telemetry or SchedulerTelemetry()
@@ -232,6 +250,12 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self.transfer_bytes: Counter[tuple[str, str]] = Counter()
         self.worker_events = WorkerEventDecoder()
         self._monitor_task: asyncio.Task[None] | None = None
+        # Joined ranks not yet announced, per role to tell: (announcement number, peer), sent as
+        # one PeerUpdate per stream at the next loop turn (a burst of N registrations costs one
+        # message per stream, not N) and always before any other broadcast, so order holds.
+        self._announced = 0
+        self._pending_joins: dict[Role, list[tuple[int, pb.PeerInfo]]] = {}
+        self._flush_scheduled = False
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -301,7 +325,36 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
     def release(self, engine: EngineRef, request_id: str) -> bool:
         return self.send_to_leader(engine, pb.SchedulerMessage(release=pb.ReleaseBlocks(request_id=request_id)))
 
+    def _announce_joined(self, role: Role, peer: pb.PeerInfo) -> None:
+        """Queues a joined peer for every `role` stream welcomed before now (coalesced)."""
+        self._announced += 1
+        self._pending_joins.setdefault(role, []).append((self._announced, peer))
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush_joins)
+
+    def flush_joins(self) -> None:
+        """Sends the pending joined peers: each stream gets those announced after its Welcome."""
+        self._flush_scheduled = False
+        pending, self._pending_joins = self._pending_joins, {}
+        for role, items in pending.items():
+            marks = [n for n, _ in items]
+            cache: dict[int, pb.SchedulerMessage] = {}
+            for conn in self.connections.values():
+                if conn.role != role:
+                    continue
+                start = bisect.bisect_right(marks, conn.welcomed_at)
+                if start == len(items):
+                    continue
+                msg = cache.get(start)
+                if msg is None:
+                    msg = pb.SchedulerMessage(peer_update=pb.PeerUpdate(joined=[p for _, p in items[start:]]))
+                    cache[start] = msg
+                conn.queue.put_nowait(msg)
+
     def _broadcast(self, role: Role, msg: pb.SchedulerMessage) -> None:
+        if self._pending_joins:
+            self.flush_joins()
         for conn in self.connections.values():
             if conn.role == role:
                 conn.queue.put_nowait(msg)
@@ -391,6 +444,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         if old is not None:
             old.queue.put_nowait(_Close(grpc.StatusCode.ABORTED, "replaced by a newer stream of this rank"))
         self.connections[hello.rank_id] = conn
+        conn.welcomed_at = self._announced
         conn.queue.put_nowait(self._welcome(engine, reg.rank))
         for held in self.held.pop((hello.rank_id, engine.epoch), []):
             conn.queue.put_nowait(held)
@@ -401,8 +455,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             self.telemetry.metrics.count_control_reconnect(engine.engine_id)
         if reg.new_rank:
             other = Role.DECODE if engine.role == Role.PREFILL else Role.PREFILL
-            update = pb.PeerUpdate(joined=[_peer_info(engine, reg.rank)])
-            self._broadcast(other, pb.SchedulerMessage(peer_update=update))
+            self._announce_joined(other, _peer_info(engine, reg.rank))
         self.counters["hello_accepted"] += 1
         logger.info("rank %s tp=%d/%d of %s engine %s epoch %#x registered", hello.tp_rank, hello.tp_rank,
                     hello.tp_size, engine.role, engine.engine_id, engine.epoch)
@@ -431,7 +484,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         welcome = pb.Welcome(expected_ranks=[_identity(engine, r) for r in engine.expected_ranks()], peers=peers,
                              last_acked_seq=rank.last_applied_seq,
                              heartbeat_interval_ms=int(self.heartbeat_interval_s * 1000),
-                             scheduler_id=self.scheduler_id)
+                             scheduler_id=self.scheduler_id,
+                             max_reports_per_message=self.max_reports_per_message)
         return pb.SchedulerMessage(welcome=welcome)
 
     async def _read(self, conn: RankConnection, request_iterator: AsyncIterator[pb.RankMessage]) -> None:
@@ -446,6 +500,14 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                 kind = msg.WhichOneof("payload")
                 if kind == "report":
                     self._on_report(conn, engine, msg.report)
+                    self._ack(conn, msg.report.seq)
+                elif kind == "reports":
+                    reports = msg.reports.reports
+                    for report in reports:
+                        self._on_report(conn, engine, report)
+                    if reports:
+                        self._ack(conn, reports[-1].seq)
+                    self.counters["report_batches"] += 1
                 elif kind == "heartbeat":
                     self._on_heartbeat(conn, engine, msg.heartbeat)
                 else:
@@ -476,6 +538,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             self.registry.update_load(engine.engine_id, load or engine.load, beat.draining)
 
     def _on_report(self, conn: RankConnection, engine: EngineState, report: pb.StepReport) -> None:
+        """Applies a new report once (the caller acknowledges)."""
         if report.seq == 0:
             self.counters["reports_malformed"] += 1
             return
@@ -488,8 +551,11 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                 logger.warning("dropped report %d of %s: %s", report.seq, conn.rank_id, e)
         else:
             self.counters["reports_duplicate"] += 1
+
+    def _ack(self, conn: RankConnection, seq: int) -> None:
+        """Acknowledges the rank's last applied seq (`seq` when the rank is gone)."""
         rank = self.registry.rank(conn.rank_id)
-        acked = rank.last_applied_seq if rank is not None else report.seq
+        acked = rank.last_applied_seq if rank is not None else seq
         conn.queue.put_nowait(pb.SchedulerMessage(ack=pb.Ack(seq=acked)))
 
     def apply_report(self, engine: EngineState, rank_id: RankId, report: pb.StepReport) -> None:
@@ -499,7 +565,10 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         output = output_from_proto(report, events)
         engine_batch = None
         if report.HasField("engine_events") and rank_id == engine.leader and report.engine_events.events:
-            engine_batch = batch_from_proto(report.engine_events)
+            m = report.engine_events
+            engine_batch = ProtoBackedBatch(
+                ts=m.ts, events=[event_from_proto(e) for e in m.events], proto_events=m.events,
+                data_parallel_rank=m.data_parallel_rank if m.HasField("data_parallel_rank") else None)
         result = self.aggregator.add_report(engine.engine_id, engine.epoch, _global_rank(engine, rank_id), output)
         ref = EngineRef(engine.engine_id, engine.epoch)
         outcomes: list[TransferOutcome] = []
@@ -511,7 +580,14 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         if engine_batch is not None:
             self.sink.publish(engine.engine_id, engine.epoch, engine_batch)
         if result.events:
-            self.sink.publish(engine.engine_id, engine.epoch, KVEventBatch(ts=time.time(), events=result.events))
+            batch: KVEventBatch
+            if _same_events(result.events, events):
+                # Every decoded event of this report, in order: the report's own protobuf
+                # events describe the batch, so the gRPC encoding copies them.
+                batch = ProtoBackedBatch(ts=time.time(), events=result.events, proto_events=report.worker_events)
+            else:
+                batch = KVEventBatch(ts=time.time(), events=result.events)
+            self.sink.publish(engine.engine_id, engine.epoch, batch)
         for stat in report.transfer_stats:
             self.transfer_bytes[(stat.src_engine_id, stat.dst_engine_id)] += stat.num_bytes
         for outcome in outcomes:

@@ -12,9 +12,20 @@ not block, and must not keep references to the batch it may later mutate.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 from connectors.kv_events import KVEventBatch
+
+
+@dataclass(slots=True)
+class ProtoBackedBatch(KVEventBatch):
+    """A batch whose events are exactly `proto_events` (a sequence of `pdserve.v1.KVEvent`, e.g.
+    the `worker_events` of the StepReport they were decoded from), in order. Consumers that
+    speak protobuf copy those messages instead of converting every event again; everyone else
+    sees a plain `KVEventBatch`. Whoever builds one guarantees the equality."""
+
+    proto_events: Any = None
 
 
 @runtime_checkable

@@ -17,7 +17,7 @@ Contract of `PrefixIndex` (every implementation):
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -32,6 +32,7 @@ from connectors.kv_events import (
 )
 
 DEFAULT_MAX_ENTRIES = 1_000_000
+_MASK64 = (1 << 64) - 1
 # Events without a medium come from producers older than vLLM's `medium` field: the GPU pool.
 DEFAULT_MEDIUM = MEDIUM_GPU
 
@@ -103,6 +104,64 @@ class PrefixIndex(Protocol):
     def stats(self) -> IndexStats: ...
 
 
+class IntLru:
+    """Exact least-recently-used order over int keys, built from ints only.
+
+    `stamp` maps each key to the tick of its last use; two parallel deques list (key, tick) in
+    use order, with stale pairs (a key used again or removed since) skipped lazily and
+    compacted away once they outnumber the live keys. An OrderedDict would do the same, but
+    the garbage collector walks its million entries on every full collection (about 25 times
+    the cost of a dict of ints, measured); dicts and deques of ints cost it next to nothing.
+    """
+
+    __slots__ = ("_keys", "_slack", "_stamp", "_tick", "_ticks")
+
+    def __init__(self, slack: int = 1024) -> None:
+        self._slack = slack
+        self._stamp: dict[int, int] = {}
+        self._keys: deque[int] = deque()
+        self._ticks: deque[int] = deque()
+        self._tick = 0
+
+    def __len__(self) -> int:
+        return len(self._stamp)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._stamp
+
+    def touch(self, key: int) -> None:
+        """Marks `key` used now (adding it when absent)."""
+        self._tick += 1
+        self._stamp[key] = self._tick
+        self._keys.append(key)
+        self._ticks.append(self._tick)
+        if len(self._keys) > 2 * len(self._stamp) + self._slack:
+            self._compact()
+
+    def discard(self, key: int) -> None:
+        self._stamp.pop(key, None)
+
+    def pop_oldest(self) -> int:
+        """Removes and returns the least recently used key (KeyError when empty)."""
+        stamp, keys, ticks = self._stamp, self._keys, self._ticks
+        while keys:
+            key, tick = keys.popleft(), ticks.popleft()
+            if stamp.get(key) == tick:
+                del stamp[key]
+                return key
+        raise KeyError("pop_oldest from an empty IntLru")
+
+    def __iter__(self) -> Iterator[int]:
+        """Keys, least recently used first."""
+        stamp = self._stamp
+        return iter([k for k, t in zip(self._keys, self._ticks, strict=True) if stamp.get(k) == t])
+
+    def _compact(self) -> None:
+        live = [(k, t) for k, t in zip(self._keys, self._ticks, strict=True) if self._stamp.get(k) == t]
+        self._keys = deque(k for k, _ in live)
+        self._ticks = deque(t for _, t in live)
+
+
 @dataclass(slots=True)
 class _EngineState:
     epoch: int
@@ -110,7 +169,7 @@ class _EngineState:
 
 
 class InMemoryPrefixIndex:
-    """A dict-based `PrefixIndex` with a bound on the number of entries.
+    """A compact dict-based `PrefixIndex` with a bound on the number of entries.
 
     Eviction rule: when more than `max_entries` (hash, engine, medium) entries are held, the
     least recently used one goes first, where "used" means stored (again) or counted in a
@@ -118,6 +177,11 @@ class InMemoryPrefixIndex:
     routing merely under-estimates its prefix); BlockRemoved events keep the index exact while
     it is under the bound. Touching on match keeps the hot shared prefixes (whose block 0 is
     stored only once) from being evicted before their continuations.
+
+    Layout: each (engine, medium) pair gets a small slot number; a block is one int -> int
+    entry (hash -> bitmask of the slots holding it) and an LRU entry is one int
+    (`slot << 64 | hash`). Only ints are stored per block, which the garbage collector never
+    tracks, so a full collection does not walk a million small containers.
     """
 
     def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, *, max_dead_epochs: int = 8) -> None:
@@ -125,14 +189,16 @@ class InMemoryPrefixIndex:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self._max_entries = max_entries
         self._max_dead_epochs = max_dead_epochs
-        # hash -> engine id -> media holding it
-        self._blocks: dict[int, dict[str, set[str]]] = {}
-        # (hash, engine id, medium) in LRU order, oldest first
-        self._lru: OrderedDict[tuple[int, str, str], None] = OrderedDict()
+        # hash -> bitmask of the slots holding it
+        self._blocks: dict[int, int] = {}
+        # slot << 64 | hash, in LRU order, oldest first
+        self._lru = IntLru()
         self._engines: dict[str, _EngineState] = {}
-        # engine id -> its (hash, medium) entries, so dropping an engine costs its own size
-        self._by_engine: dict[str, set[tuple[int, str]]] = {}
-        self._per_medium: dict[str, int] = {}
+        # (engine id, medium) <-> slot; slot -> the hashes it holds
+        self._slots: dict[tuple[str, str], int] = {}
+        self._slot_keys: dict[int, tuple[str, str]] = {}
+        self._slot_hashes: dict[int, set[int]] = {}
+        self._free_slots: list[int] = []
         self._stats = IndexStats()
 
     def __len__(self) -> int:
@@ -149,7 +215,12 @@ class InMemoryPrefixIndex:
 
     def blocks_by_medium(self) -> dict[str, int]:
         """Entries per medium (for the index-size metric)."""
-        return {m: n for m, n in self._per_medium.items() if n}
+        out: dict[str, int] = {}
+        for slot, hashes in self._slot_hashes.items():
+            if hashes:
+                medium = self._slot_keys[slot][1]
+                out[medium] = out.get(medium, 0) + len(hashes)
+        return out
 
     def begin_epoch(self, engine_id: str, epoch: int) -> int | None:
         """Makes `epoch` the engine's live epoch; returns the replaced epoch (its entries are
@@ -183,95 +254,113 @@ class InMemoryPrefixIndex:
             if isinstance(event, BlockStored):
                 self._store(event.block_hashes, engine_id, event.medium or DEFAULT_MEDIUM)
             elif isinstance(event, BlockRemoved):
-                medium = event.medium or DEFAULT_MEDIUM
-                for h in event.block_hashes:
-                    self._remove(block_key(h), engine_id, medium)
+                slot = self._slots.get((engine_id, event.medium or DEFAULT_MEDIUM))
+                if slot is not None:
+                    for h in event.block_hashes:
+                        self._remove(block_key(h), slot)
             elif isinstance(event, AllBlocksCleared):
                 self._drop(engine_id, event.medium)
         return True
 
     def remove_engine(self, engine_id: str) -> None:
         self._drop(engine_id, None)
+        for key in [k for k in self._slots if k[0] == engine_id]:
+            slot = self._slots.pop(key)
+            del self._slot_keys[slot]
+            self._slot_hashes.pop(slot, None)
+            self._free_slots.append(slot)
         self._engines.pop(engine_id, None)
 
     def match(self, block_hashes: Sequence[int]) -> dict[str, EngineMatch]:
         media: dict[str, list[frozenset[str]]] = {}
         active: set[str] | None = None
+        blocks, lru, slot_keys = self._blocks, self._lru, self._slot_keys
         for h in block_hashes:
-            holders = self._blocks.get(h)
+            mask = blocks.get(h)
+            if not mask:
+                break
+            holders: dict[str, set[str]] = {}
+            slot = 0
+            while mask:
+                if mask & 1:
+                    engine_id, medium = slot_keys[slot]
+                    if active is None or engine_id in active:
+                        holders.setdefault(engine_id, set()).add(medium)
+                        lru.touch(slot << 64 | h)
+                mask >>= 1
+                slot += 1
             if not holders:
                 break
-            still = set(holders) if active is None else active & holders.keys()
-            if not still:
-                break
-            for engine_id in still:
-                held = holders[engine_id]
+            for engine_id, held in holders.items():
                 media.setdefault(engine_id, []).append(frozenset(held))
-                for m in held:
-                    self._lru.move_to_end((h, engine_id, m))
-            active = still
+            active = set(holders)
         return {e: EngineMatch(e, self._engines[e].epoch, len(ms), tuple(ms)) for e, ms in media.items()}
 
     def snapshot(self) -> list[IndexSnapshotPart]:
-        grouped: dict[tuple[str, str], list[int]] = {}
-        for h, engine_id, medium in self._lru:
-            grouped.setdefault((engine_id, medium), []).append(h)
-        return [IndexSnapshotPart(e, self._engines[e].epoch, m, tuple(hs)) for (e, m), hs in grouped.items()]
+        grouped: dict[int, list[int]] = {}
+        for key in self._lru:
+            grouped.setdefault(key >> 64, []).append(key & _MASK64)
+        parts = []
+        for slot, hs in grouped.items():
+            engine_id, medium = self._slot_keys[slot]
+            parts.append(IndexSnapshotPart(engine_id, self._engines[engine_id].epoch, medium, tuple(hs)))
+        return parts
 
     def entries(self) -> Iterator[tuple[int, str, str]]:
         """Every (hash, engine id, medium), least recently used first."""
-        return iter(list(self._lru))
+        keys = self._slot_keys
+        return iter([(key & _MASK64, *keys[key >> 64]) for key in self._lru])
+
+    def _slot(self, engine_id: str, medium: str) -> int:
+        slot = self._slots.get((engine_id, medium))
+        if slot is None:
+            slot = self._free_slots.pop() if self._free_slots else len(self._slots)
+            self._slots[(engine_id, medium)] = slot
+            self._slot_keys[slot] = (engine_id, medium)
+        return slot
 
     def _store(self, hashes: Sequence[ExternalBlockHash], engine_id: str, medium: str) -> None:
         # The hot path of every published batch: locals and no helper calls per hash.
+        slot = self._slot(engine_id, medium)
+        bit, high = 1 << slot, slot << 64
         lru, blocks = self._lru, self._blocks
-        owned = self._by_engine.setdefault(engine_id, set())
-        added = 0
+        owned = self._slot_hashes.get(slot)
+        if owned is None:
+            owned = self._slot_hashes[slot] = set()
         for raw in hashes:
             h = raw if type(raw) is int else block_key(raw)
-            key = (h, engine_id, medium)
-            if key in lru:
-                lru.move_to_end(key)
-                continue
-            holders = blocks.get(h)
-            if holders is None:
-                blocks[h] = {engine_id: {medium}}
-            elif (held := holders.get(engine_id)) is None:
-                holders[engine_id] = {medium}
-            else:
-                held.add(medium)
-            owned.add((h, medium))
-            lru[key] = None
-            added += 1
-        self._per_medium[medium] = self._per_medium.get(medium, 0) + added
+            key = high | h
+            if key not in lru:
+                blocks[h] = blocks.get(h, 0) | bit
+                owned.add(h)
+            lru.touch(key)
         while len(lru) > self._max_entries:
-            old_key, _ = lru.popitem(last=False)
-            self._unlink(*old_key)
+            old_key = lru.pop_oldest()
+            self._unlink(old_key & _MASK64, old_key >> 64)
             self._stats.num_evicted += 1
 
-    def _remove(self, h: int, engine_id: str, medium: str) -> None:
-        key = (h, engine_id, medium)
+    def _remove(self, h: int, slot: int) -> None:
+        key = slot << 64 | h
         if key in self._lru:
-            del self._lru[key]
-            self._unlink(h, engine_id, medium)
+            self._lru.discard(key)
+            self._unlink(h, slot)
 
-    def _unlink(self, h: int, engine_id: str, medium: str) -> None:
-        self._per_medium[medium] -= 1
-        owned = self._by_engine[engine_id]
-        owned.discard((h, medium))
-        if not owned:
-            del self._by_engine[engine_id]
-        holders = self._blocks[h]
-        held = holders[engine_id]
-        held.discard(medium)
-        if not held:
-            del holders[engine_id]
-            if not holders:
-                del self._blocks[h]
+    def _unlink(self, h: int, slot: int) -> None:
+        self._slot_hashes[slot].discard(h)
+        mask = self._blocks[h] & ~(1 << slot)
+        if mask:
+            self._blocks[h] = mask
+        else:
+            del self._blocks[h]
 
     def _drop(self, engine_id: str, medium: str | None) -> None:
-        owned = self._by_engine.get(engine_id, ())
-        doomed = [(h, m) for h, m in owned if medium is None or m == medium]
-        for h, m in doomed:
-            del self._lru[(h, engine_id, m)]
-            self._unlink(h, engine_id, m)
+        for (e, m), slot in list(self._slots.items()):
+            if e != engine_id or (medium is not None and m != medium):
+                continue
+            hashes = self._slot_hashes.get(slot)
+            if not hashes:
+                continue
+            high, lru = slot << 64, self._lru
+            for h in list(hashes):
+                lru.discard(high | h)
+                self._unlink(h, slot)

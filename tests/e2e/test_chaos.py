@@ -52,7 +52,7 @@ def test_chaos_killed_rank_takes_its_engine_down_and_loses_nothing(tmp_path: Pat
 @pytest.mark.parametrize("bad", [dict(duration_s=0.0), dict(num_decode=0), dict(concurrency=0),
                                  dict(tp=0)])
 def test_chaos_config_refuses_bad_values(bad: dict[str, float]) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='must be > 0|must be >= 1|need >= 1 decode'):
         ChaosConfig(**bad).validate()  # type: ignore[arg-type]
 
 
@@ -79,5 +79,5 @@ def test_percentiles_and_prompts() -> None:
     prompts = random_prompts(3, 10, 4, 9, 1000)
     assert prompts == random_prompts(3, 10, 4, 9, 1000)
     assert all(4 <= len(p) <= 9 and all(100 <= t < 1000 for t in p) for p in prompts)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="prompt lengths must satisfy 1 <= min <= max"):
         random_prompts(0, 1, 5, 4, 1000)

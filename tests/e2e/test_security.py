@@ -65,7 +65,7 @@ def test_client_api_refuses_missing_or_foreign_credentials(tls_cluster: LocalClu
                                         token="not-the-token-0123456789"), grpc.StatusCode.UNAUTHENTICATED),
     }
     for name, (security, code) in cases.items():
-        with Client(tls_cluster.target, security=security) as client, pytest.raises(grpc.RpcError) as e:
+        with Client(tls_cluster.target, security=security) as client, pytest.raises(grpc.RpcError, match=f"{code.name}") as e:
             client.generate("Hello", max_tokens=2, timeout=10)
         assert e.value.code() == code, name
 
@@ -109,12 +109,12 @@ def test_engine_api_needs_the_cluster_certificate(tls_cluster: LocalCluster, for
                                                      key=str(foreign.server_key)),
     }
     for name, security in refused.items():
-        with open_sync_channel(address, security, CHANNEL_OPTIONS) as channel, pytest.raises(grpc.RpcError) as e:
+        with open_sync_channel(address, security, CHANNEL_OPTIONS) as channel, pytest.raises(grpc.RpcError, match="UNAVAILABLE") as e:
             engine_pb2_grpc.EngineStub(channel).Abort(engine_pb2.AbortRequest(request_id="x"), timeout=5)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE, name
     # An API client's certificate from the cluster's CA: TLS accepts it, the peer-name check does not.
     client_cert = ChannelSecurity(ca=str(pki.ca_cert), cert=str(pki.client_cert), key=str(pki.client_key))
-    with open_sync_channel(address, client_cert, CHANNEL_OPTIONS) as channel, pytest.raises(grpc.RpcError) as e:
+    with open_sync_channel(address, client_cert, CHANNEL_OPTIONS) as channel, pytest.raises(grpc.RpcError, match="PERMISSION_DENIED") as e:
         engine_pb2_grpc.EngineStub(channel).Abort(engine_pb2.AbortRequest(request_id="x"), timeout=5)
     assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert tls_cluster.inspect("prefill-0").engine_id == "prefill-0"

@@ -198,7 +198,7 @@ def test_a_stopped_process_flushes_its_batched_spans(tmp_path: Path, receiver: T
     cluster = LocalCluster(spec)
     try:
         cluster.start(timeout=120)
-        with Client(cluster.target) as client, pytest.raises(grpc.RpcError) as refused:
+        with Client(cluster.target) as client, pytest.raises(grpc.RpcError, match="UNAVAILABLE") as refused:
             client.generate("no engine is up", request_id="flushed-1", max_tokens=2, timeout=10)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         assert not [s for s in receiver.spans() if s.name == "generate"], "exported before the delay"

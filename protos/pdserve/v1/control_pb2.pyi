@@ -87,6 +87,8 @@ class Hello(_message.Message):
     LAST_SENT_SEQ_FIELD_NUMBER: _builtins.int
     HASH_SEED_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    DEVICE_KIND_FIELD_NUMBER: _builtins.int
     compatibility_hash: _builtins.str
     """Hex digest over model, dtype, layers, KV heads, head size, block size, KV layout, hash
     seed and protocol version; every engine of a cluster must agree.
@@ -107,6 +109,11 @@ class Hello(_message.Message):
     checks both against its own configuration and refuses a mismatch with that reason.
     """
     block_size: _builtins.int
+    dtype: _builtins.str
+    """The KV dtype ("bfloat16", "float32", ...) and device kind ("cpu", "cuda") of the engine,
+    both inside compatibility_hash too; stated in clear so a mismatch is refused naming them.
+    """
+    device_kind: _builtins.str
     @_builtins.property
     def rank(self) -> Global___RankIdentity: ...
     def __init__(
@@ -120,17 +127,27 @@ class Hello(_message.Message):
         last_sent_seq: _builtins.int = ...,
         hash_seed: _builtins.str | None = ...,
         block_size: _builtins.int | None = ...,
+        dtype: _builtins.str | None = ...,
+        device_kind: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_hash_seed", b"_hash_seed", "block_size", b"block_size", "hash_seed", b"hash_seed", "rank", b"rank"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_device_kind", b"_device_kind", "_dtype", b"_dtype", "_hash_seed", b"_hash_seed", "block_size", b"block_size", "device_kind", b"device_kind", "dtype", b"dtype", "hash_seed", b"hash_seed", "rank", b"rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_hash_seed", b"_hash_seed", "block_size", b"block_size", "compatibility_hash", b"compatibility_hash", "engine_address", b"engine_address", "handshake_metadata", b"handshake_metadata", "hash_seed", b"hash_seed", "last_sent_seq", b"last_sent_seq", "protocol_version", b"protocol_version", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_device_kind", b"_device_kind", "_dtype", b"_dtype", "_hash_seed", b"_hash_seed", "block_size", b"block_size", "compatibility_hash", b"compatibility_hash", "device_kind", b"device_kind", "dtype", b"dtype", "engine_address", b"engine_address", "handshake_metadata", b"handshake_metadata", "hash_seed", b"hash_seed", "last_sent_seq", b"last_sent_seq", "protocol_version", b"protocol_version", "rank", b"rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__block_size: _TypeAlias = _typing.Literal["block_size"]  # noqa: Y015
     _WhichOneofArgType__block_size: _TypeAlias = _typing.Literal["_block_size", b"_block_size"]  # noqa: Y015
+    _WhichOneofReturnType__device_kind: _TypeAlias = _typing.Literal["device_kind"]  # noqa: Y015
+    _WhichOneofArgType__device_kind: _TypeAlias = _typing.Literal["_device_kind", b"_device_kind"]  # noqa: Y015
+    _WhichOneofReturnType__dtype: _TypeAlias = _typing.Literal["dtype"]  # noqa: Y015
+    _WhichOneofArgType__dtype: _TypeAlias = _typing.Literal["_dtype", b"_dtype"]  # noqa: Y015
     _WhichOneofReturnType__hash_seed: _TypeAlias = _typing.Literal["hash_seed"]  # noqa: Y015
     _WhichOneofArgType__hash_seed: _TypeAlias = _typing.Literal["_hash_seed", b"_hash_seed"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__block_size) -> _WhichOneofReturnType__block_size | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__device_kind) -> _WhichOneofReturnType__device_kind | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__dtype) -> _WhichOneofReturnType__dtype | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__hash_seed) -> _WhichOneofReturnType__hash_seed | None: ...
 
@@ -314,30 +331,59 @@ class Heartbeat(_message.Message):
 Global___Heartbeat: _TypeAlias = Heartbeat  # noqa: Y015
 
 @_typing.final
+class ReportBatch(_message.Message):
+    """Several consecutive StepReports of one rank in one message (seqs increasing), applied in
+    order and acknowledged with one Ack. Sent only to a scheduler whose Welcome allows it
+    (max_reports_per_message > 1).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPORTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def reports(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepReport]: ...
+    def __init__(
+        self,
+        *,
+        reports: _abc.Iterable[Global___StepReport] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reports", b"reports"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportBatch: _TypeAlias = ReportBatch  # noqa: Y015
+
+@_typing.final
 class RankMessage(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     HELLO_FIELD_NUMBER: _builtins.int
     REPORT_FIELD_NUMBER: _builtins.int
     HEARTBEAT_FIELD_NUMBER: _builtins.int
+    REPORTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def hello(self) -> Global___Hello: ...
     @_builtins.property
     def report(self) -> Global___StepReport: ...
     @_builtins.property
     def heartbeat(self) -> Global___Heartbeat: ...
+    @_builtins.property
+    def reports(self) -> Global___ReportBatch: ...
     def __init__(
         self,
         *,
         hello: Global___Hello | None = ...,
         report: Global___StepReport | None = ...,
         heartbeat: Global___Heartbeat | None = ...,
+        reports: Global___ReportBatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "hello", b"hello", "payload", b"payload", "report", b"report"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "hello", b"hello", "payload", b"payload", "report", b"report", "reports", b"reports"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "hello", b"hello", "payload", b"payload", "report", b"report"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "hello", b"hello", "payload", b"payload", "report", b"report", "reports", b"reports"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["hello", "report", "heartbeat"]  # noqa: Y015
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["hello", "report", "heartbeat", "reports"]  # noqa: Y015
     _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
 
@@ -378,10 +424,15 @@ class Welcome(_message.Message):
     LAST_ACKED_SEQ_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _builtins.int
     SCHEDULER_ID_FIELD_NUMBER: _builtins.int
+    MAX_REPORTS_PER_MESSAGE_FIELD_NUMBER: _builtins.int
     last_acked_seq: _builtins.int
     """Highest StepReport seq of this rank (this epoch) the scheduler has applied."""
     heartbeat_interval_ms: _builtins.int
     scheduler_id: _builtins.str
+    max_reports_per_message: _builtins.int
+    """Most StepReports the scheduler accepts in one ReportBatch; 0 (an older scheduler) or 1:
+    send each report in its own message.
+    """
     @_builtins.property
     def expected_ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankIdentity]:
         """Every rank of this engine the scheduler waits for before a transfer counts as finished."""
@@ -400,10 +451,11 @@ class Welcome(_message.Message):
         last_acked_seq: _builtins.int = ...,
         heartbeat_interval_ms: _builtins.int = ...,
         scheduler_id: _builtins.str = ...,
+        max_reports_per_message: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_ranks", b"expected_ranks", "heartbeat_interval_ms", b"heartbeat_interval_ms", "last_acked_seq", b"last_acked_seq", "peers", b"peers", "scheduler_id", b"scheduler_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_ranks", b"expected_ranks", "heartbeat_interval_ms", b"heartbeat_interval_ms", "last_acked_seq", b"last_acked_seq", "max_reports_per_message", b"max_reports_per_message", "peers", b"peers", "scheduler_id", b"scheduler_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

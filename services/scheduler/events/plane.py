@@ -23,7 +23,7 @@ from services.common.config import SchedulerConfig
 from services.common.metrics import EventMetrics
 from services.scheduler.events.metrics import instrument
 from services.scheduler.events.republisher import EventRepublisher
-from services.scheduler.events.servicer import KVEventsServicer
+from services.scheduler.events.servicer import GrpcRingCodec, KVEventsServicer
 from services.scheduler.events.zmq_publisher import ZmqEventPublisher
 from services.scheduler.lifecycle import EngineRef
 from services.scheduler.prefix_index import InMemoryPrefixIndex
@@ -50,7 +50,7 @@ class EventPlane:
         weights = parse_medium_weights(config.medium_weights)
         index = InMemoryPrefixIndex(config.prefix_index_max_entries)
         republisher = EventRepublisher(index, ring_size=config.event_ring_size,
-                                       subscriber_buffer=config.subscriber_buffer)
+                                       subscriber_buffer=config.subscriber_buffer, ring_codec=GrpcRingCodec())
         zmq = None
         if config.zmq_endpoint:
             zmq = ZmqEventPublisher(republisher, config.zmq_endpoint, config.zmq_replay_endpoint or None,

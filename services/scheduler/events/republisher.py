@@ -16,6 +16,9 @@ Contract:
   was one, e.g. from the Control servicer's fencing), then marks the old epoch dead; batches
   from a dead epoch are refused (None, counted). `remove_engine` does the same for an engine
   that left.
+- The ring holds the batches themselves, or with a `ring_codec` their packed bytes (unpacked
+  for a replay; the batches replayed are equal to those published, and keep their cached wire
+  encodings).
 - A subscription starting at `from_seq`: inside the ring (oldest <= from_seq <= next) gets
   exactly the batches from_seq, from_seq+1, ...; older than the ring, or ahead of the publisher
   (the scheduler restarted and seqs began again at 0), gets SNAPSHOT_BEGIN, the index as
@@ -35,6 +38,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from connectors.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, KVEventBatch
 from services.scheduler.prefix_index import DEFAULT_MEDIUM, PrefixIndex
@@ -54,6 +58,29 @@ class SequencedBatch:
     epoch: int
     batch: KVEventBatch
     wire: dict[str, bytes] = field(default_factory=dict, repr=False)
+
+
+class RingCodec(Protocol):
+    """Packs a republished batch into bytes for the replay ring and back (see EventRepublisher)."""
+
+    def pack(self, sb: SequencedBatch) -> bytes:
+        """The batch as bytes; may also fill `sb.wire` (the bytes are then shared)."""
+        ...
+
+    def unpack(self, data: bytes) -> KVEventBatch:
+        """The batch `pack` was given, up to equality of its events."""
+        ...
+
+
+@dataclass(slots=True, eq=False)
+class _Packed:
+    """A ring entry held as bytes: one small object instead of one per event."""
+
+    seq: int
+    engine_id: str
+    epoch: int
+    data: bytes
+    wire: dict[str, bytes]
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +236,7 @@ class EventRepublisher:
 
     def __init__(self, index: PrefixIndex, *, ring_size: int = 4096, subscriber_buffer: int = 1024,
                  snapshot_blocks_per_batch: int = SNAPSHOT_BLOCKS_PER_BATCH,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, ring_codec: RingCodec | None = None) -> None:
         if ring_size < 1:
             raise ValueError(f"ring_size must be >= 1, got {ring_size}")
         if subscriber_buffer < 1:
@@ -220,7 +247,10 @@ class EventRepublisher:
         self._snapshot_blocks = snapshot_blocks_per_batch
         self._clock = clock
         self._lock = threading.RLock()
-        self._ring: deque[SequencedBatch] = deque(maxlen=ring_size)
+        # With a codec the ring holds packed bytes (unpacked again only for a replay), so the
+        # garbage collector does not walk every event of the last `ring_size` batches.
+        self._codec = ring_codec
+        self._ring: deque[SequencedBatch | _Packed] = deque(maxlen=ring_size)
         self._next_seq = 0
         self._epochs: dict[str, int] = {}
         # engine -> epoch whose last published batch ended in a full AllBlocksCleared
@@ -313,7 +343,7 @@ class EventRepublisher:
             if not self._ring or start_seq >= self._next_seq:
                 return []
             skip = max(0, start_seq - self._ring[0].seq)
-            return [self._ring[i] for i in range(skip, len(self._ring))]
+            return [self._ring_batch(i) for i in range(skip, len(self._ring))]
 
     def subscribe(self, from_seq: int | None, event_filter: EventFilter | None = None, *,
                   wake: Callable[[], None] = lambda: None) -> Subscription:
@@ -330,7 +360,7 @@ class EventRepublisher:
             elif oldest <= from_seq <= nxt:
                 skip = from_seq - oldest
                 for i in range(skip, len(self._ring)):
-                    selected = f.apply(self._ring[i])
+                    selected = f.apply(self._ring_batch(i))
                     if selected is not None:
                         sub._ready.append(selected)
             else:
@@ -364,7 +394,6 @@ class EventRepublisher:
             self._cleared[engine_id] = epoch
         else:
             self._cleared.pop(engine_id, None)
-        self._ring.append(sb)
         s = self._stats
         s.num_batches += 1
         s.num_events += len(batch.events)
@@ -378,7 +407,18 @@ class EventRepublisher:
                 listener(sb)
             except Exception:
                 logger.exception("KV-event listener failed on seq %d", seq)
+        if self._codec is None:
+            self._ring.append(sb)
+        else:
+            self._ring.append(_Packed(seq, engine_id, epoch, self._codec.pack(sb), sb.wire))
         return seq
+
+    def _ring_batch(self, i: int) -> SequencedBatch:
+        entry = self._ring[i]
+        if isinstance(entry, SequencedBatch):
+            return entry
+        assert self._codec is not None
+        return SequencedBatch(entry.seq, entry.engine_id, entry.epoch, self._codec.unpack(entry.data), entry.wire)
 
     def _adopt_epoch(self, engine_id: str, epoch: int) -> None:
         current = self._epochs.get(engine_id)

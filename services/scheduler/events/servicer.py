@@ -19,6 +19,7 @@ from connectors.kv_events import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
+    event_from_proto,
     event_to_proto,
 )
 from pdserve.v1 import kv_events_pb2 as pb
@@ -63,8 +64,15 @@ def request_to_filter(request: pb.SubscribeRequest) -> tuple[int | None, EventFi
 
 
 def batch_to_proto(seq: int, engine_id: str, epoch: int, batch: KVEventBatch) -> pb.EventBatch:
-    msg = pb.EventBatch(seq=seq, ts=batch.ts, engine_id=engine_id, epoch=epoch,
-                        events=[event_to_proto(e) for e in batch.events])
+    """The batch as protobuf; a `ProtoBackedBatch` has its events copied from its messages (in
+    C), any other batch converts event by event."""
+    proto_events = getattr(batch, "proto_events", None)
+    if proto_events is not None:
+        msg = pb.EventBatch(seq=seq, ts=batch.ts, engine_id=engine_id, epoch=epoch)
+        msg.events.extend(proto_events)
+    else:
+        msg = pb.EventBatch(seq=seq, ts=batch.ts, engine_id=engine_id, epoch=epoch,
+                            events=[event_to_proto(e) for e in batch.events])
     if batch.data_parallel_rank is not None:
         msg.data_parallel_rank = batch.data_parallel_rank
     return msg
@@ -84,6 +92,19 @@ def encode_item(item: StreamItem) -> bytes:
         return pb.EventStreamMessage(batch=proto).SerializeToString()
     notice = pb.StreamNotice(kind=_NOTICES[item.kind], next_seq=item.next_seq, reason=item.reason)
     return pb.EventStreamMessage(notice=notice).SerializeToString()
+
+
+class GrpcRingCodec:
+    """`RingCodec` whose packed form is the batch's serialized EventStreamMessage: the bytes a
+    gRPC subscriber receives, so packing a batch also encodes it for them (once)."""
+
+    def pack(self, sb: SequencedBatch) -> bytes:
+        return encode_item(sb)
+
+    def unpack(self, data: bytes) -> KVEventBatch:
+        b = pb.EventStreamMessage.FromString(data).batch
+        return KVEventBatch(ts=b.ts, events=[event_from_proto(e) for e in b.events],
+                            data_parallel_rank=b.data_parallel_rank if b.HasField("data_parallel_rank") else None)
 
 
 def _pass_through(data: bytes) -> bytes:

@@ -19,7 +19,7 @@ def test_offline_json_matches_transformers_in_input_order(tiny_model, prompts_of
     prompts = prompts_of([9, 30, 4], seed=31)
     jsonl = tmp_path / "p.jsonl"
     jsonl.write_text(json.dumps({"prompt_ids": prompts[2]}) + "\n")
-    argv = ["--model", str(model.path), "--max-tokens", "12", "--json", "--kv-cache-memory", "4MiB",
+    argv = ["--model", str(model.path), "--max-tokens", "12", "--json", "--kv-cache-memory", "4MiB", "--dtype", "float32",
             "--prompt-ids", ",".join(map(str, prompts[0])), "--prompt-ids", ",".join(map(str, prompts[1])),
             "--jsonl", str(jsonl)]
     rows = _run(capsys, argv)
@@ -34,5 +34,5 @@ def test_offline_bad_input_exits_2(tiny_model, capsys) -> None:
     assert main(["offline", "--model", path, "--prompt-ids", "1,x"]) == 2
     assert main(["offline", "--model", path, "--prompt-ids", "1,99999"]) == 2
     assert "outside the vocabulary" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match='^2$'):
         main(["offline", "--model", path, "--max-tokens", "many"])

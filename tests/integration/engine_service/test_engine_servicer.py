@@ -118,7 +118,7 @@ def _decode(rid: str = "r1", *, block_size: int = 16) -> pb.DecodeRequest:
 
 
 async def _code(call: object) -> grpc.StatusCode:
-    with pytest.raises(grpc.aio.AioRpcError) as info:
+    with pytest.raises(grpc.aio.AioRpcError, match=r"status = StatusCode\.") as info:
         if hasattr(call, "__aiter__"):
             async for _ in call:  # type: ignore[attr-defined]
                 pass
@@ -150,7 +150,7 @@ async def test_decode_converts_both_ways_and_streams_deltas(engine) -> None:
 async def test_backend_errors_map_to_status_codes_with_their_message(engine, error, code) -> None:
     backend, stub, _ = engine
     backend.error = error
-    with pytest.raises(grpc.aio.AioRpcError) as info:
+    with pytest.raises(grpc.aio.AioRpcError, match=code.name) as info:
         async for _ in stub.Decode(_decode()):
             pass
     assert info.value.code() == code and info.value.details() == str(error)

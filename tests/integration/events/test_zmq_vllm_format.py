@@ -133,7 +133,7 @@ def test_req_socket_replay(zmq_plane: tuple[EventRepublisher, ZmqEventPublisher,
 
 def test_plain_topic_and_bad_endpoint() -> None:
     rp = EventRepublisher(InMemoryPrefixIndex())
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='zmq endpoint must not be empty'):
         ZmqEventPublisher(rp, "")
     ctx = zmq.Context()
     pub = ZmqEventPublisher(rp, "inproc://kv-test", topic="", context=ctx)

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import grpc
 import pytest
+from google.protobuf import message_factory
 from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import Message
 from hypothesis import HealthCheck, Phase, given, settings
@@ -161,15 +162,16 @@ METHODS = [
 DRAIN = Method("decode-0", "/pdserve.v1.Engine/Drain", engine_pb2.DrainRequest.DESCRIPTOR, "unary_unary", 5)
 
 
-def call_raw(cluster: FuzzCluster, method: Method, payload: bytes | list[bytes]) -> tuple[grpc.StatusCode, list[bytes]]:
-    """Sends raw request bytes; returns the status and (at most 3) raw responses."""
+def call_raw(cluster: FuzzCluster, method: Method, payload: bytes | list[bytes]
+             ) -> tuple[grpc.StatusCode, str, list[bytes]]:
+    """Sends raw request bytes; returns the status, its details and (at most 3) raw responses."""
     channel = cluster.channel(method.where)
     stream_timeout = LONG_LIVED_TIMEOUT_S if method.long_lived else method.timeout_s
     received: list[bytes] = []
     try:
         if method.kind == "unary_unary":
             received.append(channel.unary_unary(method.path)(payload, timeout=UNARY_TIMEOUT_S))
-            return grpc.StatusCode.OK, received
+            return grpc.StatusCode.OK, "", received
         if method.kind == "unary_stream":
             call = channel.unary_stream(method.path)(payload, timeout=stream_timeout)
         else:
@@ -180,16 +182,32 @@ def call_raw(cluster: FuzzCluster, method: Method, payload: bytes | list[bytes])
             if len(received) >= 3:
                 call.cancel()
                 break
-        return grpc.StatusCode.OK, received
+        return grpc.StatusCode.OK, "", received
     except grpc.RpcError as e:
-        return e.code(), received
+        return e.code(), e.details() or "", received
+
+
+def parses(method: Method, payload: bytes | list[bytes]) -> bool:
+    """Whether the server can parse the request: a unary payload, or a stream's first message
+    (a stream may legitimately end on an earlier message's verdict before a later bad one)."""
+    data = payload[0] if isinstance(payload, list) else payload
+    try:
+        message_factory.GetMessageClass(method.request).FromString(data)
+    except Exception:  # noqa: BLE001 - the server's guard treats any decoder failure as malformed
+        return False
+    return True
 
 
 def check(cluster: FuzzCluster, method: Method, payload: bytes | list[bytes], well_formed: bool,
           request_id: str = "") -> None:
-    code, received = call_raw(cluster, method, payload)
+    code, details, received = call_raw(cluster, method, payload)
     cluster.codes.setdefault(method.path, set()).add(code.name)
     assert code != CRASH, f"{method.path}: unhandled exception in the servicer"
+    if well_formed:
+        assert not details.startswith("malformed request"), f"{method.path}: a well-formed message refused: {details}"
+    elif not parses(method, payload):
+        assert (code, details.startswith(f"malformed request for {method.path}: ")) == \
+            (grpc.StatusCode.INVALID_ARGUMENT, True), f"{method.path}: unparseable bytes got {code.name} {details!r}"
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         waiting_for_kv = method.path.endswith("/Decode")  # a descriptor makes it wait for remote KV by design
         assert method.long_lived or (method.kind != "unary_unary" and (received or waiting_for_kv)), \
@@ -277,7 +295,7 @@ def test_fuzz_drain_last(cluster: FuzzCluster) -> None:
     decode = cluster.channel("decode-0").unary_stream(
         "/pdserve.v1.Engine/Decode", request_serializer=engine_pb2.DecodeRequest.SerializeToString,
         response_deserializer=engine_pb2.DecodeResponse.FromString)
-    with pytest.raises(grpc.RpcError) as e:
+    with pytest.raises(grpc.RpcError, match="UNAVAILABLE") as e:
         list(decode(engine_pb2.DecodeRequest(request_id="after-drain", prompt_token_ids=[1, 2, 3]), timeout=5))
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in (e.value.details() or "")
     assert cluster.engines.wait_no_leaks(timeout=10) == {}

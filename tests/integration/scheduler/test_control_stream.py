@@ -103,7 +103,7 @@ def _raw_hello(engine_id: str = "x", tp_rank: int = 0, tp_size: int = 1, epoch: 
 ])
 async def test_malformed_hello_is_invalid_argument(harness: ControlHarness, first: pb.RankMessage,
                                                    match: str) -> None:
-    with pytest.raises(grpc.aio.AioRpcError) as e:
+    with pytest.raises(grpc.aio.AioRpcError, match="INVALID_ARGUMENT") as e:
         await _raw_stream(harness.port, [first])
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and match in (e.value.details() or "")
     assert harness.servicer.registry.engines == {}  # type: ignore[union-attr]

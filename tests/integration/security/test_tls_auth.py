@@ -144,7 +144,7 @@ async def test_health_and_reflection_stay_open(mtls_service: SchedulerService, p
     async with grpc.aio.insecure_channel(f"127.0.0.1:{mtls_service.config.health_port}") as channel:
         reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=3)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
-        with pytest.raises(grpc.aio.AioRpcError) as e:
+        with pytest.raises(grpc.aio.AioRpcError, match="UNIMPLEMENTED") as e:
             await generation_pb2_grpc.GenerationStub(channel).GetServerInfo(gen_pb.GetServerInfoRequest(), timeout=3)
         assert e.value.code() == Code.UNIMPLEMENTED, "the health port serves nothing else"
 
@@ -180,12 +180,12 @@ async def test_control_stream_needs_an_engine_certificate_and_hides_handshake_me
             "client certificate": (client(pki), Code.PERMISSION_DENIED),
         }
         for name, (security, code) in intruders.items():
-            with pytest.raises(TimeoutError):
+            with pytest.raises(TimeoutError, match="no Welcome from the scheduler"):
                 await register(target, rank_hello(f"intruder-{name}", "decode", b"x"), security, timeout=1.0)
             # The raw stream: refused before a Hello could be read (TLS layer or peer-name check).
             async with open_channel(target, security, CHANNEL_OPTIONS) as channel:
                 call = control_pb2_grpc.ControlStub(channel).Connect(timeout=3)
-                with pytest.raises(grpc.aio.AioRpcError) as e:
+                with pytest.raises(grpc.aio.AioRpcError, match=f"{code.name}") as e:
                     await call.write(ctl_pb.RankMessage(hello=ctl_pb.Hello()))
                     await call.read()
                 assert e.value.code() == code, name
@@ -242,7 +242,7 @@ async def test_limits_answer_resource_exhausted_and_invalid_argument(tmp_path: P
         async with open_channel(target, sizes, CHANNEL_OPTIONS) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             for request, code, message in cases:
-                with pytest.raises(grpc.aio.AioRpcError) as e:
+                with pytest.raises(grpc.aio.AioRpcError, match=f"{code.name}") as e:
                     async for _ in stub.Generate(request, timeout=3, metadata=sizes.metadata()):
                         pass
                 assert e.value.code() == code and message in (e.value.details() or "")

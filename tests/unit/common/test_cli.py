@@ -15,7 +15,7 @@ def test_top_level_help(capsys) -> None:
 
 @pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
 def test_every_subcommand_has_help(name: str, capsys) -> None:
-    with pytest.raises(SystemExit) as exit_info:
+    with pytest.raises(SystemExit, match='^0$') as exit_info:
         main([name, "--help"])
     assert exit_info.value.code == 0
     assert f"pdserve {name}" in capsys.readouterr().out

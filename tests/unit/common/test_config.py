@@ -50,5 +50,5 @@ def test_parse_size() -> None:
     assert parse_size("512MiB") == 512 << 20
     assert parse_size("2G") == 2 << 30
     assert parse_size("1000") == 1000
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="not a byte size: '12 parsecs'"):
         parse_size("12 parsecs")

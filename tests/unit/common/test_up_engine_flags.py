@@ -39,7 +39,7 @@ def test_bad_engine_flags_are_refused_before_anything_starts() -> None:
         up.spec_from_args(parse("--vllm-arg", "enforce_eager=true"))
     with pytest.raises(ValueError, match="vllm: tensor_parallel_size is set by pdserve: use --tp"):
         up.spec_from_args(parse("--engine", "vllm", "--vllm-arg", "tensor_parallel_size=2"))
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match="^2$"):
         parse("--engine", "sglang")
 
 

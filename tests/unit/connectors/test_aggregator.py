@@ -134,7 +134,7 @@ def test_epoch_change_clears_and_stale_reports_are_rejected() -> None:
     assert a.pending_reports()["e"].total == 2
     assert a.register_engine("e", 8, [0, 1, 2]) is True
     assert a.pending_reports()["e"].total == 0
-    with pytest.raises(StaleEpochError):
+    with pytest.raises(StaleEpochError, match='report for epoch 7, current epoch is 8'):
         a.add_report("e", 7, 1, out(sending={"x"}))
     for rank in (0, 1):
         assert a.add_report("e", 8, rank, out(sending={"x"})).finished_sending == []
@@ -145,7 +145,7 @@ def test_bad_input_raises_and_changes_nothing() -> None:
     a = agg2()
     a.add_report("e", 7, 0, out(sending={"x"}))
     before = a.pending_reports()
-    with pytest.raises(UnknownEngineError):
+    with pytest.raises(UnknownEngineError, match="engine 'nope' is not registered"):
         a.add_report("nope", 7, 0, out())
     with pytest.raises(ValueError, match="rank 5"):
         a.add_report("e", 7, 5, out(sending={"x"}))
@@ -175,7 +175,7 @@ def test_pending_age_uses_the_injected_clock() -> None:
     a.add_report("e", 7, 1, out(recving={"x"}))
     assert a.oldest_pending_age("e") == 2.0
     assert a.drop_engine("e") and a.oldest_pending_age() is None
-    with pytest.raises(UnknownEngineError):
+    with pytest.raises(UnknownEngineError, match="engine 'e' is not registered"):
         a.oldest_pending_age("e")
 
 

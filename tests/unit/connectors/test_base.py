@@ -87,7 +87,7 @@ def test_stats_aggregate_and_reduce() -> None:
     class Other(KVConnectorStats):
         pass
 
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match='cannot aggregate Other into KVConnectorStats'):
         a.aggregate(Other())
 
 
@@ -97,7 +97,7 @@ def test_registry_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(create_scheduler_connector("toy"), _Sched)
     w = create_worker_connector("toy", tag="x")
     assert isinstance(w, _Worker) and w.tag == "x"
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match="connector 'toy' is already registered"):
         register_connector("toy", _Sched, _Worker)
     with pytest.raises(ValueError, match="unknown KV connector 'nope'"):
         create_scheduler_connector("nope")

@@ -134,7 +134,7 @@ def test_request_finished_params_and_async_save_countdown() -> None:
     assert worker.get_transfer_results().finished_sending == {"r"}
     with pytest.raises(RuntimeError, match="more than one"):
         MultiSchedulerConnector([Sched(params={}), Sched(params={})]).request_finished(Req("q"), [])
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match='MultiConnector expects MultiConnectorMetadata with 2 entries'):
         worker.start_load_kv(EmptyConnectorMetadata())
 
 

@@ -183,13 +183,13 @@ def test_reset_cache_clears_the_tier_on_every_rank() -> None:
 
 def test_worker_input_errors() -> None:
     worker = OffloadWorker(4)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match='OffloadWorker expects OffloadMetadata, got StepPlan'):
         worker.start_load_kv(StepPlan())  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="register_kv_caches"):
         worker.start_load_kv(OffloadMetadata(loads=(BlockLoad(0, 0),)))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='num_cpu_blocks must be >= 1, got 0'):
         OffloadWorker(0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='num_cpu_blocks must be >= 1, got 0'):
         OffloadScheduler(BS, 0)
     assert num_cpu_blocks_for(1000, 96) == 10
 

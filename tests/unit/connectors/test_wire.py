@@ -144,7 +144,7 @@ def test_map_event_missing_optional_keys_are_nil() -> None:
     pack([1.0, []]) + b"\x00",
 ])
 def test_malformed_batches_raise_wire_format_error(data: bytes) -> None:
-    with pytest.raises(WireFormatError):
+    with pytest.raises(WireFormatError, match='must be|not a msgpack document|empty event array|needs at least'):
         decode_batch(data)
 
 

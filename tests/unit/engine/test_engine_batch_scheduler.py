@@ -107,7 +107,7 @@ def test_remote_kv_and_pinned_states() -> None:
 
 def test_remote_kv_without_room_changes_nothing() -> None:
     s = _sched(num_blocks=2)
-    with pytest.raises(NoFreeBlocksError):
+    with pytest.raises(NoFreeBlocksError, match='not enough free KV blocks for 20 prompt tokens'):
         s.add_request(_req("d", 20, mode=RequestMode.REMOTE_KV, outputs=[1]))
     assert s.check_leaks() == []
 

@@ -65,7 +65,7 @@ def test_allocation_failure_changes_nothing() -> None:
     r = _req("r", list(range(12)))
     assert not kv.allocate_slots(r, 12)
     assert pool.num_free_blocks == 2 and kv.check_leaks() == []
-    with pytest.raises(NoFreeBlocksError):
+    with pytest.raises(NoFreeBlocksError, match='need 3 free KV blocks, have 2'):
         pool.get_new_blocks(3)
 
 

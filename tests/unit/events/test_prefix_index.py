@@ -1,6 +1,8 @@
 """InMemoryPrefixIndex: longest consecutive match, epochs, AllBlocksCleared, eviction bound."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from connectors.hashing import BlockHasher
 from connectors.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -96,7 +98,7 @@ def test_eviction_bound_is_lru_with_match_touching() -> None:
         idx.apply("b", 1, [stored([i])])
     assert len(idx) == 4
     assert idx.match([1]) == {}
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='max_entries must be >= 1, got 0'):
         InMemoryPrefixIndex(max_entries=0)
 
 
@@ -106,3 +108,32 @@ def test_snapshot_groups_by_engine_and_medium() -> None:
     idx.apply("b", 4, [stored([1], "GPU")])
     parts = {(p.engine_id, p.epoch, p.medium): p.block_hashes for p in idx.snapshot()}
     assert parts == {("a", 3, "GPU"): (1, 2), ("a", 3, "CPU"): (9,), ("b", 4, "GPU"): (1,)}
+
+
+# -- IntLru: the index's LRU order, against OrderedDict as the reference ---------------------------
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["touch", "discard", "pop"]), st.integers(0, 40)), max_size=400),
+       st.sampled_from([0, 4, 1024]))
+def test_int_lru_matches_ordered_dict(ops: list[tuple[str, int]], slack: int) -> None:
+    """Cost: about 1 s."""
+    from collections import OrderedDict
+
+    from services.scheduler.prefix_index import IntLru
+
+    lru, ref = IntLru(slack), OrderedDict[int, None]()
+    for op, key in ops:
+        if op == "touch":
+            lru.touch(key)
+            ref[key] = None
+            ref.move_to_end(key)
+        elif op == "discard":
+            lru.discard(key)
+            ref.pop(key, None)
+        elif ref:
+            assert lru.pop_oldest() == ref.popitem(last=False)[0]
+        else:
+            with pytest.raises(KeyError, match="empty"):
+                lru.pop_oldest()
+        assert len(lru) == len(ref) and list(lru) == list(ref)
+        assert all(k in lru for k in ref)

@@ -102,5 +102,5 @@ def test_parse_medium_weights() -> None:
     for bad in ("GPU", "=1", "GPU=x", "GPU=-1"):
         with pytest.raises(ValueError, match="medium_weights"):
             parse_medium_weights(bad)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='load_weight must be >= 0, got -1'):
         PrefixAwarePolicy(InMemoryPrefixIndex(), load_weight=-1)

@@ -47,7 +47,7 @@ def test_one_sequence_over_engines_in_order_and_into_the_index() -> None:
 def test_bad_input_is_refused_and_changes_nothing() -> None:
     rp = make()
     for args in (("", 1, batch(1)), ("a", -1, batch(1)), ("a", 1, KVEventBatch(1.0, ["x"]))):  # type: ignore[list-item]
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match='KV events need an engine id|epoch must be >= 0|not a KV event'):
             rp.publish_seq(*args)  # type: ignore[arg-type]
     assert rp.next_seq == 0 and rp.index.stats().num_entries == 0
     with pytest.raises(ValueError, match="from_seq"):
@@ -187,3 +187,37 @@ def test_publish_from_many_threads_keeps_one_gapless_sequence() -> None:
     for i in got:
         per_engine.setdefault(i.engine_id, []).append(i.batch.events[0].block_hashes[0])
     assert all(v == list(range(200)) for v in per_engine.values())
+
+
+def test_packed_ring_replays_the_batches_published() -> None:
+    """With GrpcRingCodec the ring holds bytes; replays (plain and filtered) equal the originals."""
+    from services.scheduler.events.servicer import GrpcRingCodec, encode_item
+
+    rp = EventRepublisher(InMemoryPrefixIndex(), ring_size=4, subscriber_buffer=8, ring_codec=GrpcRingCodec())
+    published = [KVEventBatch(float(i), [BlockStored((10 + i,), None, (1, 2), 16, medium="GPU"),
+                                         BlockRemoved((i,), medium="CPU")], data_parallel_rank=i % 2 or None)
+                 for i in range(6)]
+    for b in published:
+        rp.publish("e", 1, b)
+    replayed = rp.replay(0)
+    assert [sb.seq for sb in replayed] == [2, 3, 4, 5]  # the ring's 4
+    for sb in replayed:
+        assert sb.batch == published[sb.seq]
+        assert sb.wire["grpc"] == encode_item(SequencedBatch(sb.seq, sb.engine_id, sb.epoch, sb.batch))
+    only_gpu = rp.subscribe(3, EventFilter(media=frozenset({"GPU"}))).take()
+    assert [(i.seq, i.batch.events) for i in only_gpu if isinstance(i, SequencedBatch)] == [
+        (s, published[s].events[:1]) for s in (3, 4, 5)]
+
+
+def test_proto_backed_batch_encodes_like_its_events() -> None:
+    """The gRPC form copied from a report's protobuf events equals converting the events."""
+    from connectors.kv_events import event_to_proto
+    from services.scheduler.event_sink import ProtoBackedBatch
+    from services.scheduler.events.servicer import batch_to_proto
+
+    events = [BlockStored((5, 6), 4, (1, 2, 3), 16, lora_id=2, medium="CPU_OFFLOAD", group_idx=1),
+              BlockRemoved((7,), medium="GPU"), AllBlocksCleared("CPU")]
+    backed = ProtoBackedBatch(2.5, list(events), 0, proto_events=[event_to_proto(e) for e in events])
+    plain = KVEventBatch(2.5, list(events), 0)
+    assert (batch_to_proto(3, "e", 9, backed).SerializeToString()
+            == batch_to_proto(3, "e", 9, plain).SerializeToString())

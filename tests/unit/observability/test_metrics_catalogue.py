@@ -185,7 +185,7 @@ def test_rank_ports() -> None:
     assert metrics_port_for_rank(0, 3) is None
     assert metrics_port_for_rank(9400, 0) == 9400
     assert metrics_port_for_rank(9400, 3) == 9403
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r'metrics port 65535 \\+ rank 1 is not a TCP port'):
         metrics_port_for_rank(65535, 1)
 
 
@@ -201,5 +201,5 @@ def test_metrics_server_serves_the_registry_over_http() -> None:
     names = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
     assert "pdserve_scheduler_requests_total" in names
     assert names <= exported_series()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='metrics port must be 0..65535, got 70000'):
         start_metrics_server(70000, registry)

@@ -18,5 +18,5 @@ def test_double_release_and_bad_bound_are_refused() -> None:
     with pytest.raises(ValueError, match="no in-flight slot"):
         a.release("e")
     assert a.total() == 0
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='max_inflight_per_engine must be >= 1, got 0'):
         Admission(0)

@@ -50,7 +50,7 @@ def test_abort_first_releases_and_later_transfer_is_a_noop() -> None:
     t.finish(r, RequestState.ABORTED, "cancelled")
     assert t.release_prefill(r, ReleaseCause.ABORT)
     assert not t.release_prefill(r, ReleaseCause.TRANSFERRED)
-    with pytest.raises(LifecycleError):
+    with pytest.raises(LifecycleError, match='aborted -> decoding is not allowed'):
         t.start_decode(r, D)
 
 
@@ -97,6 +97,6 @@ def test_deadline_lease_and_engine_queries() -> None:
     assert [r.request_id for r in t.lease_expired()] == ["b"]
     assert [r.request_id for r in t.on_engine("p0", 1)] == ["b"]
     assert t.on_engine("p0", 2) == []
-    with pytest.raises(LifecycleError):
+    with pytest.raises(LifecycleError, match='remove while queued'):
         t.remove(a)
     assert sorted(t.leaks()) == ["a: queued", "b: prefilling"]

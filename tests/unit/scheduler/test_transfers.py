@@ -63,6 +63,6 @@ def test_dead_decode_engine_releases_the_prefill_blocks() -> None:
 
 def test_duplicate_start_and_cancel() -> None:
     t = tracker()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="transfer for 'r' already tracked"):
         t.start("r", P, D)
     assert t.cancel("r") is not None and t.cancel("r") is None

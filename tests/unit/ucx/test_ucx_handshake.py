@@ -38,6 +38,15 @@ def metadata(**over: object) -> UcxHandshakeMetadata:
 def test_metadata_round_trips() -> None:
     meta = metadata()
     assert UcxHandshakeMetadata.decode(meta.encode(), expected_hash="h1") == meta
+    gpu = metadata(region=region(memory_type="cuda"))
+    assert UcxHandshakeMetadata.decode(gpu.encode(), expected_hash="h1").region.memory_type == "cuda"
+
+
+def test_metadata_of_a_peer_that_states_no_memory_type_is_host_memory() -> None:
+    body = dataclasses.asdict(metadata())
+    del body["region"]["memory_type"]
+    blob = msgpack.packb({"v": HANDSHAKE_VERSION, "hash": "h1", "meta": msgpack.packb(body)})
+    assert UcxHandshakeMetadata.decode(blob, expected_hash="h1").region.memory_type == "cpu"
 
 
 @pytest.mark.parametrize(("blob", "message"), [
@@ -66,6 +75,7 @@ def test_compatibility_hash_is_checked_before_the_body() -> None:
     ({"region": region(block_nbytes=1000)}, "block_nbytes"),
     ({"region": region(layout="NHD")}, "layout"),
     ({"region": region(head_end=5)}, "heads"),
+    ({"region": region(memory_type="tpu")}, "unknown KV memory type 'tpu'"),
 ])
 def test_inconsistent_metadata_is_refused(over: dict[str, object], message: str) -> None:
     blob = metadata(**over).encode()
@@ -85,7 +95,7 @@ def test_coalesce_makes_runs_consecutive_on_both_sides() -> None:
     assert coalesce([4, 5, 6, 9, 10, 2], [0, 1, 2, 3, 7, 8]) == [
         Segment(4, 0, 3), Segment(9, 3, 1), Segment(10, 7, 1), Segment(2, 8, 1)]
     assert coalesce([], []) == []
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='1 remote blocks for 0 local blocks'):
         coalesce([1], [])
 
 
@@ -97,7 +107,7 @@ def test_data_tags_round_trip() -> None:
 
 def test_config_validation_and_ucx_options(monkeypatch: pytest.MonkeyPatch) -> None:
     for bad in ({"transfer_timeout_s": 0}, {"lease_s": -1}, {"max_inflight_transfers": 0}):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match='transfer_timeout_s: must be > 0|lease_s: must be > 0|max_inflight_transfers: must be >= 1'):
             UcxConnectorConfig(**bad).validate()  # type: ignore[arg-type]
     monkeypatch.delenv("UCX_TLS", raising=False)
     assert UcxConnectorConfig().ucx_options() == {"TLS": DEFAULT_UCX_TLS}
@@ -138,11 +148,11 @@ def test_incompatible_peers_are_refused_and_change_nothing(connector: UcxWorkerC
 def test_caller_errors_raise_without_state_change(connector: UcxWorkerConnector) -> None:
     desc = KVTransferDescriptor("prefill-a", 1, "r", (1, 2), 8, 2, 4, 4)
     for local in ([64, 1], [1, 1], [1, 2, 3]):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match='local blocks for 2 remote blocks|local block ids must be distinct'):
             connector.start_pull("r", desc, local)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r'request s: block ids must be in \\[0, 64\\)'):
         connector.expect_send("s", [64])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='lease_s must be > 0 and num_readers >= 1'):
         connector.expect_send("s", [1], lease_s=0)
     assert connector.num_pending() == 0
     assert not connector.get_transfer_results().failed_recving

@@ -1,0 +1,344 @@
+"""`pdserve bench serve --compare vllm`: one workload against vLLM and pdserve, side by side.
+
+Systems (each started fresh, measured, stopped, one after another, on the same pinned cores with
+the same total of compute threads):
+- `vllm_colocated`: one vLLM OpenAI server (`python -m vllm.entrypoints.openai.api_server`),
+  all threads (`VLLM_CPU_OMP_THREADS_BIND` = every core).
+- `vllm_pd_nixl`: vLLM's own 1P1D: two servers with `NixlConnector` (`kv_role` kv_both,
+  `kv_buffer_device` cpu), half the cores each; per request the client (the role of vLLM's
+  toy proxy) sends the prompt to the prefill server with `max_tokens` 1 and
+  `kv_transfer_params {"do_remote_decode": true}`, then streams from the decode server with
+  the `kv_transfer_params` the prefill returned. TTFT counts from the prefill call.
+- `pdserve`: a pdserve 1P1D cluster with its own engine (bench serve's disaggregated mode).
+- `pdserve_vllm`: the same cluster with vLLM engines (`--engine vllm`), where the engine
+  service's `vllm` backend can run here (`services.engine.registry.check_backend`); otherwise
+  reported under `absent` with the reason. A system that fails is reported under `absent` as
+  `failed: …` (the others' figures are kept) and the command exits 1.
+
+Workload: bench serve's (token-id prompts, lengths, concurrency, greedy, `ignore_eos`). vLLM is
+driven through its streaming `/v1/completions`; token times are the arrival times of the
+streamed chunks (with `return_token_ids` a chunk's token count is exact).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.serve import CpuShare, Workload, build_workload, cpu_share, pin, run_mode_results
+from bench.workload import percentiles
+from services.local_cluster import free_port
+
+SYSTEMS = ("vllm_colocated", "vllm_pd_nixl", "pdserve", "pdserve_vllm")
+METRICS = ("wall_s", "tok_s", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p99_ms", "threads")
+START_TIMEOUT_S = 1200.0  # ~26 s on a quiet 2-core machine; over 10 min at load average 20+
+
+
+@dataclass(slots=True)
+class Timing:
+    """One request as the client saw it."""
+
+    start: float
+    token_times: list[float] = field(default_factory=list)
+
+
+def summarize(timings: list[Timing], wall_s: float, threads: int) -> dict[str, Any]:
+    """The issue's per-system figures from client-side timings."""
+    ttft = [(t.token_times[0] - t.start) * 1000 for t in timings if t.token_times]
+    itl = [(b - a) * 1000 for t in timings for a, b in zip(t.token_times, t.token_times[1:], strict=False)]
+    tokens = sum(len(t.token_times) for t in timings)
+    p_ttft, p_itl = percentiles(ttft), percentiles(itl)
+    return {"wall_s": round(wall_s, 2), "tok_s": round(tokens / wall_s, 2) if wall_s > 0 else 0.0,
+            "ttft_p50_ms": p_ttft["p50"], "ttft_p90_ms": p_ttft["p90"],
+            "itl_p50_ms": p_itl["p50"], "itl_p99_ms": p_itl["p99"], "threads": threads}
+
+
+# -- the vLLM OpenAI server -------------------------------------------------------------------
+
+def vllm_available() -> str:
+    """'' when vLLM imports here, else why not."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        return f"vLLM not importable from {sys.executable} ({e}); run from .venv-vllm (make install-vllm)"
+    return ""
+
+
+@dataclass(slots=True)
+class VllmServer:
+    """One `vllm.entrypoints.openai.api_server` process on 127.0.0.1."""
+
+    name: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server {self.name} exited with {self.proc.returncode}; "
+                                   f"log: {self.log_path}\n{_tail(self.log_path)}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"vLLM server {self.name} not ready within {timeout} s; log: {self.log_path}")
+
+    def stop(self) -> None:
+        """Stops the server and its engine-core and worker processes (its process group)."""
+        for sig, wait_s in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                continue
+            if sig == signal.SIGTERM:  # the leader left: make sure its children did too
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+            break
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def start_vllm(name: str, args: argparse.Namespace, cores: list[int], kv_transfer: dict[str, Any] | None,
+               log_dir: Path) -> VllmServer:
+    port = free_port("127.0.0.1")
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype, "--seed", "0",
+            "--max-model-len", str(_max_model_len(args)), "--served-model-name", "bench"]
+    if kv_transfer is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer)]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+           "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+           "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port("127.0.0.1")), "VLLM_LOGGING_LEVEL": "WARNING"}
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    print(f"[{name}] vLLM server on port {port}, cores {cores} (log {log_path})", file=sys.stderr)
+    return VllmServer(name, port, proc, log_path)
+
+
+def _max_model_len(args: argparse.Namespace) -> int:
+    hi_prompt = int(args.prompt_len.partition(":")[2] or args.prompt_len)
+    hi_out = int(args.output_len.partition(":")[2] or args.output_len)
+    return max(256, 1 << (hi_prompt + hi_out).bit_length())
+
+
+def _post(url: str, body: dict[str, Any], timeout: float = 600.0) -> Any:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    return urllib.request.urlopen(req, timeout=timeout)
+
+
+def stream_completion(url: str, prompt: list[int], max_tokens: int, timing: Timing,
+                      kv_transfer_params: dict[str, Any] | None = None) -> None:
+    """Streams one greedy completion, appending each token's arrival time to `timing`."""
+    body: dict[str, Any] = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                            "ignore_eos": True, "stream": True, "return_token_ids": True}
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
+    with _post(f"{url}/v1/completions", body) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            now = time.perf_counter()
+            for choice in json.loads(line[5:]).get("choices", []):
+                ids = choice.get("token_ids")
+                n = len(ids) if ids is not None else (1 if choice.get("text") else 0)
+                timing.token_times.extend([now] * n)
+    if len(timing.token_times) != max_tokens:
+        raise RuntimeError(f"asked for {max_tokens} tokens, streamed {len(timing.token_times)}")
+
+
+def remote_prefill(url: str, prompt: list[int]) -> dict[str, Any]:
+    """vLLM's P/D first leg: the prefill server computes the prompt and returns where its KV is."""
+    body = {"model": "bench", "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "stream": False,
+            "kv_transfer_params": {"do_remote_decode": True}}
+    with _post(f"{url}/v1/completions", body) as resp:
+        params = json.loads(resp.read()).get("kv_transfer_params")
+    if not params:
+        raise RuntimeError("the prefill server returned no kv_transfer_params (is NixlConnector configured?)")
+    return dict(params)
+
+
+def drive_vllm(wl: Workload, concurrency: int, prefill_url: str | None, decode_url: str) -> tuple[list[Timing], float]:
+    """Closed loop at `concurrency`; with `prefill_url` each request goes P then D."""
+    def one(i: int) -> Timing:
+        timing = Timing(time.perf_counter())
+        params = remote_prefill(prefill_url, wl.prompts[i]) if prefill_url else None
+        stream_completion(decode_url, wl.prompts[i], wl.max_tokens[i], timing, params)
+        print(f"\r  request {i + 1}/{len(wl.prompts)}", end="", file=sys.stderr, flush=True)
+        return timing
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        timings = list(pool.map(one, range(len(wl.prompts))))
+    print(file=sys.stderr)
+    return timings, time.perf_counter() - start
+
+
+def _warm_up(prefill_url: str | None, decode_url: str) -> None:
+    warm = Workload([[100 + i for i in range(24)]], [2])
+    drive_vllm(warm, 1, prefill_url, decode_url)
+
+
+def run_vllm_colocated(args: argparse.Namespace, wl: Workload, share: CpuShare, log_dir: Path) -> dict[str, Any]:
+    server = start_vllm("vllm_colocated", args, list(share.cpus), None, log_dir)
+    try:
+        server.wait_ready()
+        _warm_up(None, server.url)
+        timings, wall = drive_vllm(wl, args.concurrency, None, server.url)
+    finally:
+        server.stop()
+    return summarize(timings, wall, share.total_threads)
+
+
+def run_vllm_pd(args: argparse.Namespace, wl: Workload, share: CpuShare, log_dir: Path) -> dict[str, Any]:
+    kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+    half = len(share.cpus) // 2
+    servers = [start_vllm("vllm_prefill", args, list(share.cpus[:half]), kv, log_dir),
+               start_vllm("vllm_decode", args, list(share.cpus[half:]), kv, log_dir)]
+    try:
+        for s in servers:
+            s.wait_ready()
+        _warm_up(servers[0].url, servers[1].url)
+        timings, wall = drive_vllm(wl, args.concurrency, servers[0].url, servers[1].url)
+    finally:
+        for s in servers:
+            s.stop()
+    return summarize(timings, wall, share.total_threads)
+
+
+# -- pdserve ------------------------------------------------------------------------------------
+
+def pdserve_vllm_engine_available() -> str:
+    """'' when the engine service's `vllm` backend can run here, else why not."""
+    from services.engine.registry import BackendUnavailable, check_backend
+
+    try:
+        check_backend("vllm")
+    except BackendUnavailable as e:
+        return f"pdserve with vLLM engines unavailable: {e}"
+    return ""
+
+
+def run_pdserve(args: argparse.Namespace, wl: Workload, share: CpuShare, engine: str) -> dict[str, Any]:
+    """pdserve 1P1D with `engine` (native | vllm) behind its scheduler (bench serve's cluster)."""
+    mode_args = argparse.Namespace(**{**vars(args), "engine": engine})
+    results, wall, _ = run_mode_results("pdserve" if engine == "native" else "pdserve_vllm", mode_args, wl,
+                                        num_prefill=1)
+    # The client's token times count from the request's start.
+    return summarize([Timing(0.0, list(r.token_times_s)) for r in results], wall, share.total_threads)
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+def run_compare(args: argparse.Namespace) -> int:
+    if args.target:
+        raise ValueError("--compare vllm starts its own systems; it takes no --target")
+    from bench.serve import _vocab
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    args.dtype = args.dtype or "bfloat16"  # one dtype for every system; vLLM's default for the demo model
+    wl = build_workload(args, _vocab(args))
+    colocated, disaggregated = cpu_share(args, 1), cpu_share(args, 2)
+    pin(colocated)
+    report: dict[str, Any] = {"systems": {}, "absent": {}, "workload": {k: getattr(args, k) for k in (
+        "num_requests", "concurrency", "prompt_len", "output_len", "seed", "dtype")},
+        "threads": {}}
+    no_vllm = vllm_available()
+    plans = [("vllm_colocated", no_vllm, colocated, lambda: run_vllm_colocated(args, wl, colocated, out / "logs")),
+             ("vllm_pd_nixl", no_vllm, disaggregated, lambda: run_vllm_pd(args, wl, disaggregated, out / "logs")),
+             ("pdserve", "", disaggregated, lambda: run_pdserve(args, wl, disaggregated, "native")),
+             ("pdserve_vllm", pdserve_vllm_engine_available(), disaggregated,
+              lambda: run_pdserve(args, wl, disaggregated, "vllm"))]
+    # SIGTERM (timeout, CI) unwinds like Ctrl-C, so every started server is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    for name, missing, share, measure in plans:
+        if name not in args.systems.split(","):
+            continue
+        if missing:
+            report["absent"][name] = missing
+            print(f"[{name}] absent: {missing}", file=sys.stderr)
+            continue
+        try:
+            report["systems"][name] = measure()
+        except Exception as e:  # noqa: BLE001 - one system failing must not lose the others' figures
+            traceback.print_exc()
+            report["absent"][name] = f"failed: {type(e).__name__}: {e}"
+            report["failed"] = True
+            continue
+        report["threads"][name] = share.describe()
+        print(f"[{name}] {report['systems'][name]}", file=sys.stderr)
+        (out / "serve_compare.json").write_text(json.dumps(report, indent=2))  # long runs keep what they have
+    (out / "serve_compare.json").write_text(json.dumps(report, indent=2))
+    if report["systems"]:
+        plot(report, out / "serve_compare.png")
+    print(json.dumps(report) if args.json else table(report))
+    return 1 if report.get("failed") else 0
+
+
+def table(report: dict[str, Any]) -> str:
+    head = f"{'system':<16}" + "".join(f"{m:>13}" for m in METRICS)
+    rows = [f"{name:<16}" + "".join(f"{r[m]:>13}" for m in METRICS) for name, r in report["systems"].items()]
+    absent = [f"{name:<16} absent: {why}" for name, why in report["absent"].items()]
+    threads = [f"  {name}: {desc}" for name, desc in report["threads"].items()]
+    return "\n".join([head, *rows, *absent, "threads (same pinned cores for every system):", *threads])
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["systems"])
+    panels = [("TTFT (ms)", ("ttft_p50_ms", "ttft_p90_ms")), ("ITL (ms)", ("itl_p50_ms", "itl_p99_ms")),
+              ("throughput (tok/s)", ("tok_s",)), ("wall time (s)", ("wall_s",))]
+    fig, axes = plt.subplots(1, len(panels), figsize=(14, 3.6))
+    for ax, (title, keys) in zip(axes, panels, strict=True):
+        width = 0.8 / len(keys)
+        for j, key in enumerate(keys):
+            ax.bar([i + j * width for i in range(len(names))], [report["systems"][n][key] for n in names],
+                   width, label=key.rsplit("_", 2)[-2] if len(keys) > 1 else None)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, rotation=20, fontsize=8)
+        ax.set_title(title)
+        if len(keys) > 1:
+            ax.legend(fontsize=8)
+    w = report["workload"]
+    fig.suptitle(f"bench serve --compare vllm: {w['num_requests']} requests, prompts {w['prompt_len']}, "
+                 f"outputs {w['output_len']}, concurrency {w['concurrency']}, {w['dtype']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

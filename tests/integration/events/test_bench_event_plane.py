@@ -1,0 +1,61 @@
+"""Quick runs of `pdserve bench events` and `pdserve bench scale` (tiny sizes), so neither can
+rot: real scheduler parts, control streams and subscribers in subprocesses. About 12 s for
+events (three sections) and 9 s for scale (one scheduler process, 8 ranks)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from services.common.cli import main
+
+
+def test_bench_events_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "events", "--engines", "2", "--tp", "2", "--batch-events", "8", "--rate", "400",
+                 "--duration", "1", "--subscribers", "2", "--sections", "pdserve,vllm,overload",
+                 "--overload-seconds", "0.5", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    pdserve, baseline = result["pdserve"], result["vllm"]
+    assert pdserve["lost"] == 0 and pdserve["published_events"] > 0
+    assert pdserve["subscribers"][0]["events"] == pdserve["published_events"]
+    # the baseline ran at the same offered rate, and says which code it is
+    assert baseline["offered_rate"] == 400 and baseline["lost"] == 0
+    assert result["baseline"].startswith(("vllm ", "re-implementation"))
+    assert result["p99_ratio_vs_vllm"] == pytest.approx(pdserve["p99_ms"] / baseline["p99_ms"])
+    overload = result["overload"]
+    assert overload["stalled_max_buffered_batches"] <= overload["subscriber_buffer"]
+    assert overload["rss_after_mib"] > 0
+
+
+def test_bench_events_rejects_unknown_sections(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "events", "--sections", "pdserve,vllm_style"]) == 2
+    assert "unknown ['vllm_style']" in capsys.readouterr().err
+
+
+def test_bench_scale_quick(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["bench", "scale", "--ranks", "8", "--tp", "2", "--duration", "2", "--sim-procs", "1",
+                 "--request-rate", "2", "--step-hz", "4", "--json"]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out)
+    saved = tmp_path / "run.json"
+    saved.write_text(out)
+    assert main(["bench", "scale", "--from-json", str(saved)]) == 0
+    table = capsys.readouterr().out
+    assert "tp 2" in table and f"{result['overhead_p50_ms']:.2f}" in table
+    for key in ("ranks", "overhead_p50_ms", "overhead_p99_ms", "events_per_s", "rss_mib", "false_down"):
+        assert key in result
+    point = result["points"][0]
+    assert result["ranks"] == 8 and point["engines"] == 4
+    assert result["false_down"] == 0 and point["request_errors"] == {}
+    assert point["requests_ok"] == point["requests_sent"] > 0
+    assert result["events_per_s"] > 0 and point["rank_reports_per_s"] > 0
+    assert 0 < result["overhead_p50_ms"] <= result["overhead_p99_ms"]
+    assert point["kv_ready_p50_ms"] > 0  # every request's transfer went through the control plane
+    assert 0 < result["rss_mib"] < 1024
+
+
+def test_bench_scale_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "scale", "--ranks", "1"]) == 2
+    assert "every value must be >= 2" in capsys.readouterr().err

@@ -1,0 +1,104 @@
+"""Control stream at scale: several reports per message (ReportBatch, one Ack) and coalesced
+PeerUpdate joins. Real Control server and clients over loopback; about 3 s in all."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from scheduler_harness import ControlHarness, eventually, hello
+
+from pdserve.v1 import control_pb2 as pb
+from pdserve.v1 import control_pb2_grpc
+from services.common.grpc_server import insecure_channel
+from services.engine.control_client import ControlClient, PeerUpdate, StepReport
+from services.scheduler.control import ControlServicer, RankConnection
+from services.scheduler.registry import EngineRegistry, RankId, Role
+
+
+def _hello_msg(engine_id: str = "x", epoch: int = 9) -> pb.RankMessage:
+    return pb.RankMessage(hello=pb.Hello(
+        rank=pb.RankIdentity(engine_id=engine_id, role=pb.ROLE_PREFILL, epoch=epoch, tp_rank=0, tp_size=1,
+                             pp_size=1),
+        compatibility_hash="compat-1", protocol_version=1, engine_address="127.0.0.1:1", hash_seed="0"))
+
+
+def _batch(*seqs: int) -> pb.RankMessage:
+    return pb.RankMessage(reports=pb.ReportBatch(reports=[pb.StepReport(seq=s, finished_sending=[f"r{s}"])
+                                                          for s in seqs]))
+
+
+async def _exchange(port: int, messages: list[pb.RankMessage], hold: float) -> list[pb.SchedulerMessage]:
+    async def gen() -> AsyncIterator[pb.RankMessage]:
+        for m in messages:
+            yield m
+        await asyncio.sleep(hold)
+
+    async with insecure_channel(f"127.0.0.1:{port}") as channel:
+        return [m async for m in control_pb2_grpc.ControlStub(channel).Connect(gen())]
+
+
+async def test_report_batch_is_applied_in_order_and_acked_once(harness: ControlHarness) -> None:
+    got = await _exchange(harness.port, [_hello_msg(), _batch(1, 2, 3), _batch(2, 3, 4)], hold=0.3)
+    welcome = got[0].welcome
+    assert welcome.max_reports_per_message > 1
+    assert [m.ack.seq for m in got if m.WhichOneof("payload") == "ack"] == [3, 4]
+    counters = harness.servicer.counters  # type: ignore[union-attr]
+    assert counters["reports_applied"] == 4 and counters["reports_duplicate"] == 2
+    assert counters["report_batches"] == 2
+
+
+async def test_control_client_sends_queued_reports_together(harness: ControlHarness) -> None:
+    client = harness.client(hello("p0", "prefill"))
+    seqs = [client.report(StepReport(finished_sending=[f"q{i}"])) for i in range(40)]  # queued before start
+    await asyncio.to_thread(client.start, 10.0)
+    assert await asyncio.to_thread(client.wait_acked, seqs[-1])
+    counters = harness.servicer.counters  # type: ignore[union-attr]
+    assert counters["reports_applied"] == 40 and counters["report_batches"] >= 1
+    assert client.num_unacked() == 0
+
+
+async def test_joins_of_one_loop_turn_share_one_peer_update_per_stream() -> None:
+    servicer = ControlServicer(EngineRegistry(block_size=16, hash_seed="0"), scheduler_id="t")
+    early = RankConnection(RankId("d0", 0, 0), 1, 5, Role.DECODE, asyncio.Queue())
+    late = RankConnection(RankId("d1", 0, 0), 2, 6, Role.DECODE, asyncio.Queue())
+    prefill = RankConnection(RankId("p9", 0, 0), 3, 7, Role.PREFILL, asyncio.Queue())
+    servicer.connections = {c.rank_id: c for c in (early, late, prefill)}
+    peers = [pb.PeerInfo(rank=pb.RankIdentity(engine_id=f"p{i}", tp_rank=0, tp_size=1), engine_address=f"a{i}")
+             for i in range(5)]
+    for i, peer in enumerate(peers):
+        servicer._announce_joined(Role.DECODE, peer)
+        if i == 2:
+            late.welcomed_at = servicer._announced  # its Welcome held p0..p2
+    await asyncio.sleep(0)
+    assert early.queue.qsize() == 1 and late.queue.qsize() == 1 and prefill.queue.empty()
+    first, second = early.queue.get_nowait(), late.queue.get_nowait()
+    assert [p.engine_address for p in first.peer_update.joined] == ["a0", "a1", "a2", "a3", "a4"]  # type: ignore[union-attr]
+    assert [p.engine_address for p in second.peer_update.joined] == ["a3", "a4"]  # type: ignore[union-attr]
+    # A later broadcast (e.g. a left) goes after the pending joins, never before them.
+    servicer._announce_joined(Role.DECODE, peers[0])
+    servicer._broadcast(Role.DECODE, pb.SchedulerMessage(peer_update=pb.PeerUpdate(left=[peers[0].rank])))
+    kinds = [bool(early.queue.get_nowait().peer_update.joined) for _ in range(2)]  # type: ignore[union-attr]
+    assert kinds == [True, False]
+
+
+async def test_every_decode_rank_learns_each_prefill_rank_exactly_once(harness: ControlHarness) -> None:
+    decode = [await harness.connect(hello(f"d{i}", "decode")) for i in range(2)]
+    tasks = [asyncio.ensure_future(_exchange(harness.port, [_hello_msg(f"p{i}", 100 + i)], hold=1.5))
+             for i in range(12)]
+    await eventually(lambda: len(harness.servicer.registry.engines) == 14)  # type: ignore[union-attr]
+    for client in decode:
+        seen: list[str] = []
+        welcome = client.welcome
+        assert welcome is not None
+        seen += [p.rank.engine_id for p in welcome.peers]
+
+        def complete(client: ControlClient = client, seen: list[str] = seen) -> bool:
+            seen.extend(p.rank.engine_id for m in client.poll() if isinstance(m, PeerUpdate) for p in m.joined)
+            return len(seen) >= 12
+
+        await eventually(complete)
+        await asyncio.sleep(0.2)
+        complete()
+        assert sorted(seen) == sorted(f"p{i}" for i in range(12))
+    await asyncio.gather(*tasks)

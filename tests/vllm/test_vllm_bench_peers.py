@@ -1,0 +1,47 @@
+"""The benchmarks whose baseline is vLLM's own code, run from .venv-vllm at tiny sizes:
+`bench aggregator` against vLLM's KVOutputAggregator (seconds), and `bench serve --compare vllm`
+with vLLM colocated and vLLM's 1P1D NixlConnector (~2 minutes: three vLLM server starts). Run
+under `flock /tmp/pdserve-vllm.lock` like every vLLM test, so one vLLM cluster runs at a time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.common.cli import main
+
+
+def run_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str, Any]:
+    capsys.readouterr()
+    assert main([*argv, "--json"]) == 0
+    out = capsys.readouterr().out
+    return dict(json.loads(out[out.index("{"):]))  # one object, on one line or indented
+
+
+def test_bench_aggregator_baseline_is_vllms_own_code(capsys: pytest.CaptureFixture[str]) -> None:
+    import vllm
+
+    result = run_json(capsys, ["bench", "aggregator", "--tp", "2", "--ids", "4", "--events", "3", "--steps", "2",
+                               "--repeat", "1"])
+    assert result["vllm_version"] == vllm.__version__
+    assert result["vllm_rank_reports_per_s"] == result["baseline_rank_reports_per_s"] > 0
+    assert result["ratio_vs_vllm"] == result["ratio"] > 0
+    assert result["baseline"].startswith(f"vLLM {vllm.__version__}: KVOutputAggregator.aggregate")
+
+
+def test_bench_serve_compare_vllm_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from engine.demo_model import demo_model_dir
+
+    report = run_json(capsys, ["bench", "serve", "--compare", "vllm", "--model", str(demo_model_dir()), "--out", str(tmp_path),
+                               "--num-requests", "2", "--concurrency", "2", "--prompt-len", "16:32",
+                               "--output-len", "3:4", "--kv-cache-memory", "64MiB"])
+    keys = {"wall_s", "tok_s", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p99_ms", "threads"}
+    for name in ("vllm_colocated", "vllm_pd_nixl", "pdserve"):
+        assert set(report["systems"][name]) == keys, name
+        assert report["systems"][name]["tok_s"] > 0, name
+    assert set(report["systems"]) | set(report["absent"]) == {"vllm_colocated", "vllm_pd_nixl", "pdserve",
+                                                              "pdserve_vllm"}
+    assert len({report["systems"][n]["threads"] for n in report["systems"]}) == 1, "every system gets the same CPU"
