@@ -46,7 +46,7 @@ def _reference(model: Path, prompts: list[list[int]]) -> list[list[int]]:
     from engine.request import SamplingParams
 
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    with LLMEngine(model, torch_threads=1) as engine:
+    with LLMEngine(model, torch_threads=1, dtype="float32") as engine:
         return engine.generate(prompts, params)
 
 
