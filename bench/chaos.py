@@ -43,6 +43,7 @@ import grpc
 
 from bench.workload import (
     OK,
+    REFERENCE_DTYPE,
     StreamOutcome,
     greedy_reference,
     model_vocab_size,
@@ -371,6 +372,7 @@ def run_chaos(cfg: ChaosConfig, progress: Callable[[str], None] | None = None) -
     say(f"greedy reference for {len(prompts)} prompts x {cfg.max_tokens} tokens (in-process engine)")
     expected = greedy_reference(model, prompts, cfg.max_tokens)
     spec = ClusterSpec(model=model, num_prefill=cfg.num_prefill, num_decode=cfg.num_decode, tp=cfg.tp, torch_threads=1,
+                       dtype=REFERENCE_DTYPE,
                        kv_cache_memory="64MiB", log_dir=cfg.log_dir,
                        scheduler_args=["--default-deadline-s", str(cfg.deadline_s)],
                        engine_args=["--lease-s", str(cfg.lease_s)],

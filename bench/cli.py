@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, str] = {
     "scale": "one scheduler process against 128 -> 1,024 simulated ranks on real control streams",
     "chaos": "kill engines and the scheduler under load; count lost requests",
     "load": "1,000 concurrent streaming clients against a local cluster",
+    "gpu-check": "pdserve on one GPU: parity with transformers, a 1P1D cluster, CUDA KV bandwidth (one JSON)",
 }
 
 
@@ -27,10 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     for name, text in BENCHMARKS.items():
         p = sub.add_parser(name, help=text, description=text)
+        module_name = f"bench.{name.replace('-', '_')}"
         try:
-            module = importlib.import_module(f"bench.{name}")
+            module = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
-            if e.name != f"bench.{name}":
+            if e.name != module_name:
                 raise
             p.add_argument("--json", action="store_true", help="print one JSON object")
             p.set_defaults(_bench_run=None)

@@ -49,7 +49,7 @@ def _run_pdserve(model: str, work: dict[str, Any], kv_memory: str, threads: int)
     from engine.llm_engine import LLMEngine
     from engine.request import SamplingParams
 
-    engine = LLMEngine(model, kv_cache_memory=kv_memory, torch_threads=threads)
+    engine = LLMEngine(model, kv_cache_memory=kv_memory, torch_threads=threads, dtype="float32")  # as transformers below
     engine.generate([work["batch1"][0][:8]], SamplingParams(max_tokens=4))  # warm-up
     prompt, n = work["batch1"]
     t0 = time.perf_counter()

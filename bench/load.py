@@ -32,6 +32,7 @@ import grpc
 
 from bench.workload import (
     OK,
+    REFERENCE_DTYPE,
     StreamOutcome,
     greedy_reference,
     model_vocab_size,
@@ -153,6 +154,7 @@ def run_load(cfg: LoadConfig) -> dict[str, Any]:
     print(f"greedy reference for {len(prompts)} prompts (in-process engine)", file=sys.stderr)
     expected = greedy_reference(model, prompts, cfg.max_tokens)
     spec = ClusterSpec(model=model, num_prefill=cfg.num_prefill, num_decode=cfg.num_decode, torch_threads=1,
+                       dtype=REFERENCE_DTYPE,
                        kv_cache_memory="128MiB", log_dir=cfg.log_dir,
                        scheduler_args=["--max-queue-per-engine", str(cfg.max_queue_per_engine),
                                        "--default-deadline-s", str(cfg.deadline_s)],

@@ -4,6 +4,10 @@ By default it starts local clusters itself (`--up`) and runs the same workload t
 side: disaggregated (prefill engine + decode engine, KV over UCX) and colocated (decode-only:
 the decode engine computes the prompt). With `--compare-routing` it instead runs prefix-aware
 vs round-robin prefill routing on `--prefill` (≥ 2) engines with a shared-prefix workload.
+With `--compare-paths` it runs always-remote prefill vs the scheduler's path policy (remote
+prefill + transfer or decode-local prefill, per request) on `--prefill` x `--decode` engines,
+by default with `--workload mixed` (short chat turns and long shared-prefix prompts), and
+reports short and long prompts apart plus the policy's decisions by reason.
 `--target HOST:PORT` measures an existing cluster as is (one section, "target"). With `--http`
 it runs one cluster and sends the same kind of workload through the gRPC Generate API and the
 OpenAI-compatible HTTP API (streamed /v1/completions, token-id prompts) in ABBA order on fresh
@@ -32,6 +36,7 @@ import statistics
 import sys
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,12 +46,16 @@ from bench.workload import percentiles as _pct
 from services.client import AsyncClient, GenerationResult
 from services.local_cluster import ClusterSpec, LocalCluster
 
+# The classic disaggregated path for every prompt (the scheduler's default is the cost policy).
+ALWAYS_REMOTE = ["--path-policy", "remote"]
 VLLM_START_TIMEOUT_S = 900.0  # a cluster of vLLM engines on a loaded 2-core host
 
 @dataclass(slots=True)
 class Workload:
     prompts: list[list[int]]
     max_tokens: list[int]
+    # Per prompt: "short" or "long" (mixed workload), else "".
+    kinds: list[str] | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,8 +68,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="open-loop Poisson arrivals per second instead of fixed concurrency")
     parser.add_argument("--prompt-len", default="64:512", help="prompt length range MIN:MAX (uniform)")
     parser.add_argument("--output-len", default="16:32", help="output length range MIN:MAX (uniform)")
-    parser.add_argument("--workload", choices=["random", "shared-prefix"], default="random",
-                        help="shared-prefix: prompts share one of a few long prefixes")
+    parser.add_argument("--workload", choices=["random", "shared-prefix", "mixed"], default="random",
+                        help="shared-prefix: prompts share one of a few long prefixes; mixed: short chat turns "
+                             "(--short-len) and long shared-prefix prompts (--prompt-len)")
+    parser.add_argument("--short-len", default="8:32", help="mixed workload: short prompt length range MIN:MAX")
+    parser.add_argument("--short-fraction", type=float, default=0.5, help="mixed workload: share of short prompts")
+    parser.add_argument("--compare-paths", action="store_true",
+                        help="always-remote prefill vs the path policy (default workload: mixed)")
+    parser.add_argument("--path-policy", default="cost", choices=["cost", "threshold"],
+                        help="--compare-paths: the policy measured against always-remote")
+    parser.add_argument("--decode", type=int, default=1, help="decode engines per cluster (--up)")
     parser.add_argument("--num-prefixes", type=int, default=4, help="distinct shared prefixes")
     parser.add_argument("--prefix-len", type=int, default=384, help="tokens of each shared prefix")
     parser.add_argument("--compare-routing", action="store_true",
@@ -108,16 +125,26 @@ def build_workload(args: argparse.Namespace, vocab: int) -> Workload:
     o_lo, o_hi = _range(args.output_len)
     token = lambda: rng.randrange(100, vocab)  # noqa: E731 - skip special tokens at the bottom
     prefixes = [[token() for _ in range(args.prefix_len)] for _ in range(args.num_prefixes)]
-    prompts, outs = [], []
+    prompts, outs, kinds = [], [], []
+    s_lo, s_hi = _range(getattr(args, "short_len", "8:32"))
     for _ in range(args.num_requests):
         n = rng.randint(p_lo, p_hi)
-        if args.workload == "shared-prefix":
+        if args.workload == "mixed":
+            short = rng.random() < args.short_fraction
+            kinds.append("short" if short else "long")
+            if short:
+                n = rng.randint(s_lo, s_hi)
+                prompts.append([token() for _ in range(n)])
+            else:
+                prefix = prefixes[rng.randrange(len(prefixes))]
+                prompts.append(prefix + [token() for _ in range(max(1, n - args.prefix_len))])
+        elif args.workload == "shared-prefix":
             prefix = prefixes[rng.randrange(len(prefixes))]  # random order: no accidental partition
             prompts.append(prefix + [token() for _ in range(max(1, n - args.prefix_len))])
         else:
             prompts.append([token() for _ in range(n)])
         outs.append(rng.randint(o_lo, o_hi))
-    return Workload(prompts, outs)
+    return Workload(prompts, outs, kinds or None)
 
 
 async def _drive(target: str, wl: Workload, concurrency: int, rate: float) -> tuple[list[GenerationResult], float]:
@@ -408,6 +435,10 @@ def pin(share: CpuShare) -> None:
 def _run_mode(name: str, args: argparse.Namespace, wl: Workload, **cluster: Any) -> dict[str, Any]:
     results, wall, (share, before, after) = run_mode_results(name, args, wl, **cluster)
     summary = summarize(results, wall, args)
+    summary["decisions"] = dict(sorted(Counter(r.path_reason or "unknown" for r in results).items()))
+    if wl.kinds:
+        summary["by_kind"] = {k: summarize([r for r, kind in zip(results, wl.kinds, strict=True) if kind == k],
+                                           wall, args) for k in sorted(set(wl.kinds))}
     queried = after[0] - before[0]
     summary["prefill_prefix_hit_rate"] = round((after[1] - before[1]) / queried, 4) if queried else 0.0
     summary["cpu"] = share.describe()
@@ -488,6 +519,27 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _compare_paths(args: argparse.Namespace, wl: Workload) -> dict[str, Any]:
+    """Always-remote vs the path policy on the same engines and workload, one after the other."""
+    engines = {"num_prefill": max(1, args.prefill), "num_decode": max(1, args.decode)}
+    remote = _run_mode("always_remote", args, wl, scheduler_args=ALWAYS_REMOTE, **engines)
+    policy = _run_mode("path_policy", args, wl, scheduler_args=["--path-policy", args.path_policy], **engines)
+    out: dict[str, Any] = {"always_remote": remote, "path_policy": policy, "decisions": policy["decisions"]}
+    by_r, by_p = remote.get("by_kind", {}), policy.get("by_kind", {})
+    if "short" in by_r and "short" in by_p:
+        out["short_ttft_p50_speedup"] = _ratio(by_r["short"]["ttft_ms"]["p50"], by_p["short"]["ttft_ms"]["p50"])
+    if "long" in by_r and "long" in by_p:
+        out["long_ttft_p50_ratio"] = _ratio(by_r["long"]["ttft_ms"]["p50"], by_p["long"]["ttft_ms"]["p50"])
+    out["throughput_ratio"] = _ratio(policy["throughput_tok_s"], remote["throughput_tok_s"])
+    out["transferred_tokens_ratio"] = _ratio(policy["transferred_tokens"], remote["transferred_tokens"])
+    return out
+
+
+def _ratio(a: float, b: float) -> float:
+    """a / b rounded; 0.0 when b is 0 (nothing measured)."""
+    return round(a / b, 2) if b else 0.0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.compare == "vllm":
         from bench.vllm_compare import run_compare
@@ -498,9 +550,12 @@ def run(args: argparse.Namespace) -> int:
     vocab = _vocab(args) if not args.target else 49152
     if args.compare_routing:
         args.workload = "shared-prefix"
+    if args.compare_paths and args.workload == "random":
+        args.workload = "mixed"
     wl = build_workload(args, vocab)
     report: dict[str, Any] = {"workload": {k: getattr(args, k) for k in (
-        "num_requests", "concurrency", "request_rate", "prompt_len", "output_len", "workload", "seed")}}
+        "num_requests", "concurrency", "request_rate", "prompt_len", "output_len", "workload", "seed",
+        "short_len", "short_fraction", "prefix_len", "num_prefixes", "prefill", "decode")}}
     if args.http:
         spec = ClusterSpec(model=args.model, log_dir=str(out / "logs" / "http"), torch_threads=1,
                            kv_cache_memory=args.kv_cache_memory, num_prefill=args.prefill)
@@ -513,16 +568,19 @@ def run(args: argparse.Namespace) -> int:
     elif args.target:
         results, wall = asyncio.run(_drive(args.target, wl, args.concurrency, args.request_rate))
         report["target"] = summarize(results, wall, args)
+    elif args.compare_paths:
+        report.update(_compare_paths(args, wl))
     elif args.compare_routing:
         n = max(2, args.prefill)
         report["prefix_aware"] = _run_mode("prefix_aware", args, wl, num_prefill=n,
-                                           scheduler_args=["--routing-policy", "prefix"])
+                                           scheduler_args=["--routing-policy", "prefix", *ALWAYS_REMOTE])
         report["round_robin"] = _run_mode("round_robin", args, wl, num_prefill=n,
-                                          scheduler_args=["--routing-policy", "round_robin"])
+                                          scheduler_args=["--routing-policy", "round_robin", *ALWAYS_REMOTE])
         a, b = report["prefix_aware"]["ttft_ms"]["p50"], report["round_robin"]["ttft_ms"]["p50"]
         report["ttft_p50_speedup"] = round(b / a, 2) if a else 0.0
     else:
-        report["disaggregated"] = _run_mode("disaggregated", args, wl, num_prefill=args.prefill)
+        report["disaggregated"] = _run_mode("disaggregated", args, wl, num_prefill=args.prefill,
+                                            scheduler_args=ALWAYS_REMOTE)
         report["colocated"] = _run_mode("colocated", args, wl, num_prefill=0)
         report["control_plane_overhead_ms_p50"] = report["disaggregated"]["control_plane_overhead_ms_p50"]
         d, c = report["disaggregated"], report["colocated"]

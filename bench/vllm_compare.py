@@ -44,7 +44,7 @@ from services.local_cluster import free_port
 
 SYSTEMS = ("vllm_colocated", "vllm_pd_nixl", "pdserve", "pdserve_vllm")
 METRICS = ("wall_s", "tok_s", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p99_ms", "threads")
-START_TIMEOUT_S = 600.0
+START_TIMEOUT_S = 1200.0  # ~26 s on a quiet 2-core machine; over 10 min at load average 20+
 
 
 @dataclass(slots=True)

@@ -81,13 +81,18 @@ def model_vocab_size(model: str) -> int:
     return int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
 
 
+# Streams are checked token for token against the in-process engine: both run in float32, where
+# batching cannot flip a greedy choice (bf16 rounding can).
+REFERENCE_DTYPE = "float32"
+
+
 def greedy_reference(model: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Greedy outputs (ignore_eos) of the in-process engine: what every served stream must equal."""
     from engine.llm_engine import LLMEngine
     from engine.request import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    with LLMEngine(model, torch_threads=1) as engine:
+    with LLMEngine(model, torch_threads=1, dtype=REFERENCE_DTYPE) as engine:
         return [list(out) for out in engine.generate(prompts, params)]
 
 

@@ -145,6 +145,7 @@ class KVCacheSpec:
     tp_size: int = 1
     layout: str = KV_LAYOUT
     kv_head_ranges: tuple[tuple[int, int], ...] = field(default_factory=tuple)
+    device_kind: str = "cpu"  # where the cache lives: cpu or cuda (part of the compatibility hash)
 
     @property
     def block_nbytes(self) -> int:

@@ -12,7 +12,8 @@ logger = logging.getLogger(__name__)
 
 
 def make_kv_cache_spec(config: ModelConfig, *, block_size: int, memory_bytes: int, tp_size: int = 1,
-                       num_blocks: int | None = None, element_size: int = 4) -> KVCacheSpec:
+                       num_blocks: int | None = None, element_size: int = 4,
+                       device_kind: str = "cpu") -> KVCacheSpec:
     """num_blocks = memory_bytes // block_nbytes (or the explicit num_blocks). Raises ValueError
     when the budget does not hold one full-length sequence's worth of a single block."""
     config.check_tp(tp_size)
@@ -23,7 +24,7 @@ def make_kv_cache_spec(config: ModelConfig, *, block_size: int, memory_bytes: in
         raise ValueError(f"KV cache budget {memory_bytes} bytes holds no block of {probe.block_nbytes} bytes")
     ranges = tuple((r * heads, (r + 1) * heads) for r in range(tp_size))
     return KVCacheSpec(n, block_size, config.num_layers, heads, config.head_dim, config.dtype, element_size,
-                       tp_size, kv_head_ranges=ranges)
+                       tp_size, kv_head_ranges=ranges, device_kind=device_kind)
 
 
 def allocate_kv_cache(spec: KVCacheSpec, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:

@@ -23,6 +23,8 @@ from engine.block_pool import BlockPool
 from engine.byte_size import parse_size
 from engine.config import KVCacheSpec, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.device import DevicePlan, cpu_has_native_bf16, plan_devices, probe_host, resolve_kind
+from engine.device import resolve_dtype as _resolve_dtype
 from engine.kv_cache import make_kv_cache_spec
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.request import Request, RequestMode, RequestOutput, RequestStatus, SamplingParams
@@ -44,17 +46,27 @@ class EngineLoad:
 
 
 def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
+    """The device kind (cpu or cuda) `device` (auto, cpu, cuda) means on this host; raises
+    DeviceUnavailableError for cuda without a GPU."""
+    return resolve_kind(device, probe_host())
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
-    if dtype == "auto":
-        return "bfloat16" if device.startswith("cuda") else "float32"
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
-    return dtype
+    """The dtype name `dtype` (auto or a name) means on a device of kind `device` (see
+    engine/device.py: bf16 on CUDA, and on CPUs with native bf16)."""
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    return _resolve_dtype(dtype, kind, kind == "cpu" and cpu_has_native_bf16())
+
+
+def kv_memory_bytes(kv_cache_memory: int | str, gpu_memory_fraction: float, plan: DevicePlan) -> int:
+    """The per-rank KV budget: `gpu_memory_fraction` of rank 0's GPU memory on CUDA when set,
+    else `kv_cache_memory`."""
+    if not 0.0 <= gpu_memory_fraction < 1.0:
+        raise ValueError(f"gpu_memory_fraction must be in [0, 1), got {gpu_memory_fraction}")
+    if gpu_memory_fraction == 0.0 or plan.kind != "cuda":
+        return parse_size(kv_cache_memory)
+    _, total = torch.cuda.mem_get_info(torch.device(plan.device_for(0)))
+    return int(total * gpu_memory_fraction)
 
 
 class LLMEngine:
@@ -63,8 +75,8 @@ class LLMEngine:
                  max_model_len: int = 0, dtype: str = "auto", device: str = "auto",
                  hash_seed: str = DEFAULT_HASH_SEED, kv_medium: str = "", torch_threads: int = 0,
                  num_blocks: int | None = None, rank_init: RankInitHook | None = None,
-                 scheduler_connector: SchedulerConnector | None = None, load_tokenizer: bool = True) -> None:
-
+                 scheduler_connector: SchedulerConnector | None = None, load_tokenizer: bool = True,
+                 devices: str = "", gpu_memory_fraction: float = 0.0) -> None:
         if tp < 1:
             raise ValueError(f"tp must be >= 1, got {tp}")
         if block_size < 1:
@@ -73,18 +85,18 @@ class LLMEngine:
             from engine.demo_model import demo_model_dir
 
             model = demo_model_dir()
-        device = resolve_device(device)
-        self.model_config = ModelConfig.from_dir(model, dtype=resolve_dtype(dtype, device),
-                                                 max_model_len=max_model_len)
+        self.device_plan = plan_devices(device, dtype, tp, devices)
+        self.model_config = ModelConfig.from_dir(model, dtype=self.device_plan.dtype, max_model_len=max_model_len)
         self.model_config.check_tp(tp)
         threads = torch_threads or max(1, (os.cpu_count() or 1) // tp)
         torch.set_num_threads(threads)
         element_size = torch.tensor([], dtype=DTYPES[self.model_config.dtype]).element_size()
         self.kv_cache_spec: KVCacheSpec = make_kv_cache_spec(
-            self.model_config, block_size=block_size, memory_bytes=parse_size(kv_cache_memory), tp_size=tp,
-            num_blocks=num_blocks, element_size=element_size)
+            self.model_config, block_size=block_size,
+            memory_bytes=kv_memory_bytes(kv_cache_memory, gpu_memory_fraction, self.device_plan), tp_size=tp,
+            num_blocks=num_blocks, element_size=element_size, device_kind=self.device_plan.kind)
         self.tokenizer = _load_tokenizer(Path(model)) if load_tokenizer else None
-        self.medium = kv_medium or ("GPU" if device.startswith("cuda") else "CPU")
+        self.medium = kv_medium or ("GPU" if self.device_plan.kind == "cuda" else "CPU")
         pool = BlockPool(self.kv_cache_spec.num_blocks, block_size, medium=self.medium)
         self.hasher = BlockHasher(block_size, hash_seed)
         self.kv = KVCacheManager(pool, self.hasher)
@@ -95,7 +107,9 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending_outputs: list[RequestOutput] = []
         self._order = 0
-        self.workers = Workers(RankSetup(self.model_config, self.kv_cache_spec, device, threads, rank_init))
+        logger.info("engine on %s (tp %d)", self.device_plan.describe(), tp)
+        self.workers = Workers(RankSetup(self.model_config, self.kv_cache_spec, self.device_plan.rank_devices,
+                                         threads, rank_init))
         # Finished ids reach the worker connectors even in a step with nothing to compute.
         self._has_connectors = rank_init is not None
         self._closed = False

@@ -36,8 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
     parser.add_argument("--max-model-len", type=int, default=0, help="longest sequence; 0 = model config")
-    parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
+    parser.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when a GPU is visible)")
+    parser.add_argument("--devices", default="", help="GPU indices of the ranks, e.g. 2,3 (default: rank r on GPU r)")
+    parser.add_argument("--dtype", default="auto",
+                        help="float32, bfloat16, float16 or auto (bfloat16 on CUDA and on CPUs with native bf16)")
+    parser.add_argument("--gpu-memory-fraction", type=float, default=0.0,
+                        help="share of each rank's GPU memory for its KV cache (CUDA; 0 = --kv-cache-memory)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
 
 
@@ -96,15 +100,18 @@ def apply_chat_template(model_dir: Path, user_text: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from engine.device import plan_devices
     from engine.llm_engine import LLMEngine
     from engine.request import SamplingParams
 
+    plan_devices(args.device, args.dtype, args.tp, args.devices)  # a missing GPU fails here, in milliseconds
     prompts = _collect_prompts(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=list(args.stop), ignore_eos=args.ignore_eos)
     with LLMEngine(args.model or None, tp=args.tp, kv_cache_memory=args.kv_cache_memory,
                    block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                   device=args.device, dtype=args.dtype) as engine:
+                   device=args.device, dtype=args.dtype, devices=args.devices,
+                   gpu_memory_fraction=args.gpu_memory_fraction) as engine:
         params.validate(engine.model_config.vocab_size)
         encoded = [_encode(engine, p, args.chat) for p in prompts]
         ids = [f"offline-{i}" for i in range(len(encoded))]

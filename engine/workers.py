@@ -2,9 +2,10 @@
 
 Rank 0 lives in the engine's process; ranks 1..N-1 are spawned processes. They form a gloo
 process group of their own (a private TCPStore + ProcessGroupGloo, so several engines can live
-in one process). Every step rank 0 broadcasts the StepPlan (pickled); every rank runs its shard
-(o_proj / down_proj outputs are all-reduced), and rank 0 samples from the logits. A None plan
-tells the ranks to shut down.
+in one process). Every step rank 0 broadcasts the StepPlan (pickled, over gloo); every rank runs
+its shard (o_proj / down_proj outputs are all-reduced: over gloo on CPU, over a NCCL group on the
+same store when the ranks run on CUDA), and rank 0 samples from the logits. A None plan tells
+the ranks to shut down. Rank r runs on `RankSetup.devices[r]` (engine/device.py decides).
 
 Per step, every rank drives its optional worker-side connector: `start_load_kv(meta)` before the
 forward, `wait_for_save()` after, then `collect_output(...)`; a non-empty output is handed to
@@ -48,7 +49,7 @@ class RankSetup:
 
     model_config: ModelConfig
     spec: KVCacheSpec
-    device: str
+    devices: tuple[str, ...]  # one per rank: "cpu" or "cuda:N"
     torch_threads: int
     rank_init: RankInitHook | None = None
     store_port: int = 0
@@ -56,13 +57,18 @@ class RankSetup:
 
 
 class TPGroup:
-    def __init__(self, rank: int, size: int, store: Any, timeout_s: float) -> None:
+    """The ranks of one engine: gloo for control (plans) and CPU tensors, NCCL for CUDA tensors."""
+
+    def __init__(self, rank: int, size: int, store: Any, timeout_s: float, device: str = "cpu") -> None:
         self.rank, self.size = rank, size
         self._store = store
-        self.pg: Any = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.pg: Any = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self.nccl: Any = _nccl_group(store, rank, size, timeout) if device.startswith("cuda") else None
 
     def all_reduce(self, t: torch.Tensor) -> None:
-        self.pg.allreduce([t]).wait()
+        pg = self.nccl if t.is_cuda and self.nccl is not None else self.pg
+        pg.allreduce([t]).wait()
 
     def broadcast_object(self, obj: Any) -> Any:
         """Rank 0's obj, on every rank."""
@@ -78,19 +84,35 @@ class TPGroup:
         return obj if self.rank == 0 else pickle.loads(buf.numpy().tobytes())
 
 
+def _nccl_group(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+    """A NCCL group over the same store (keys prefixed apart from gloo's); the caller has set
+    its CUDA device already, so NCCL binds this rank to that GPU."""
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size, options)
+
+
+def bind_device(device: str) -> None:
+    """Makes `device` this process's current CUDA device (no-op on CPU) before any CUDA work."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+
+
 class RankWorker:
     """One rank's model shard, KV cache and worker connector."""
 
     def __init__(self, setup: RankSetup, rank: int, group: TPGroup | None) -> None:
         tp = setup.spec.tp_size
         dtype = DTYPES[setup.model_config.dtype]
+        device = setup.devices[rank]
         self.rank = rank
         self.group = group
+        self.device = device
         model = load_model(setup.model_config, rank=rank, tp_size=tp,
                            all_reduce=group.all_reduce if group is not None else None,
-                           device=setup.device, dtype=dtype)
-        self.kv_cache = allocate_kv_cache(setup.spec, dtype, setup.device)
-        self.runner = ModelRunner(model, self.kv_cache, setup.spec.block_size, setup.device)
+                           device=device, dtype=dtype)
+        self.kv_cache = allocate_kv_cache(setup.spec, dtype, device)
+        self.runner = ModelRunner(model, self.kv_cache, setup.spec.block_size, device)
         self.connector = setup.rank_init(rank, tp, self.kv_cache, setup.spec) if setup.rank_init else None
         if self.connector is not None:
             self.connector.register_kv_caches(self.kv_cache, setup.spec)
@@ -103,6 +125,10 @@ class RankWorker:
             c.start_load_kv(plan.connector_meta)
         logits = self.runner.execute(plan, compute_logits=self.rank == 0)
         if c is not None:
+            if self.device.startswith("cuda"):
+                # The step's KV writes are complete before the connector may hand blocks to UCX,
+                # which copies on its own streams.
+                torch.cuda.current_stream().synchronize()
             c.wait_for_save()
             self._collect(plan)
         return logits
@@ -132,8 +158,13 @@ def _rank_main(setup: RankSetup, rank: int) -> None:
     torch.set_num_threads(setup.torch_threads)
     store = dist.TCPStore("127.0.0.1", setup.store_port, setup.spec.tp_size, False,
                           timeout=datetime.timedelta(seconds=setup.timeout_s))
+    try:
+        bind_device(setup.devices[rank])
+    except Exception as e:
+        store.set(f"error{rank}", f"{type(e).__name__}: {e}")
+        raise
     store.set(f"started{rank}", "1")
-    group = TPGroup(rank, setup.spec.tp_size, store, setup.timeout_s)
+    group = TPGroup(rank, setup.spec.tp_size, store, setup.timeout_s, setup.devices[rank])
     try:
         worker = RankWorker(setup, rank, group)
     except Exception as e:
@@ -156,8 +187,11 @@ class Workers:
 
     def __init__(self, setup: RankSetup) -> None:
         tp = setup.spec.tp_size
+        if len(setup.devices) != tp:
+            raise ValueError(f"{len(setup.devices)} devices for {tp} ranks")
         self.procs: list[Any] = []
         self.group: TPGroup | None = None
+        bind_device(setup.devices[0])
         if tp > 1:
             store = dist.TCPStore("127.0.0.1", 0, tp, True, timeout=datetime.timedelta(seconds=setup.timeout_s),
                                   wait_for_workers=False)
@@ -169,12 +203,13 @@ class Workers:
                 p.start()
                 self.procs.append(p)
             self._wait_for_ranks(store, "started", setup.timeout_s)
-            self.group = TPGroup(0, tp, store, setup.timeout_s)
+            self.group = TPGroup(0, tp, store, setup.timeout_s, setup.devices[0])
         self.rank0 = RankWorker(setup, 0, self.group)
         if self.group is not None:
             self._wait_for_ranks(store, "loaded", setup.timeout_s)
             self.group.broadcast_object("ready")
-        logger.info("engine ranks ready (tp=%d, pid %d)", tp, os.getpid())
+        logger.info("engine ranks ready (tp=%d, devices %s, %s, pid %d)", tp, ",".join(setup.devices),
+                    setup.model_config.dtype, os.getpid())
 
     def _wait_for_ranks(self, store: Any, stage: str, timeout_s: float) -> None:
         """Waits until every spawned rank reached `stage`; a rank that died or reported an error

@@ -145,6 +145,11 @@ def overview() -> Board:
     b.row("Routing and recovery")
     b.ts("Routing decisions", [q(f"sum by (role, policy, reason) (rate(pdserve_scheduler_routing_decisions_total[{RI}]))",
                                  "{{role}} {{policy}}/{{reason}}")], "ops")
+    b.ts("Path decisions by reason", [
+        q(f"sum by (reason) (rate(pdserve_scheduler_path_decisions_total[{RI}]))", "{{reason}}")], "ops")
+    b.ts("Prompt tokens: transferred vs total", [
+        q(f"sum(rate(pdserve_scheduler_transferred_tokens_total[{RI}]))", "transferred (pulled by decode)"),
+        q(f"sum(rate(pdserve_scheduler_prompt_tokens_total[{RI}]))", "prompt")])
     b.ts("Decode-only, migrations, retries", [
         q(f"sum by (reason) (rate(pdserve_scheduler_decode_only_total[{RI}]))", "decode-only {{reason}}"),
         q(f"sum by (reason) (rate(pdserve_scheduler_migrations_total[{RI}]))", "migration {{reason}}"),

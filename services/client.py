@@ -53,6 +53,8 @@ class GenerationResult:
     decode_engine_id: str = ""
     num_migrations: int = 0
     scheduler_overhead_ms: float = 0.0
+    # The scheduler's path decision: "decode_local:<why>" or "remote:<why>".
+    path_reason: str = ""
     ttft_s: float | None = None
     e2e_s: float = 0.0
     token_times_s: list[float] = field(default_factory=list)
@@ -65,7 +67,8 @@ class GenerationResult:
                       "transferred_tokens": self.transferred_tokens,
                       "generated_tokens": self.generated_tokens},
             "prefill_engine_id": self.prefill_engine_id, "decode_engine_id": self.decode_engine_id,
-            "num_migrations": self.num_migrations, "ttft_s": self.ttft_s, "e2e_s": self.e2e_s,
+            "num_migrations": self.num_migrations, "path_reason": self.path_reason,
+            "ttft_s": self.ttft_s, "e2e_s": self.e2e_s,
         }
 
 
@@ -73,11 +76,13 @@ def build_request(prompt: str | Sequence[int], *, request_id: str = "", chat: bo
                   max_tokens: int | None = None, temperature: float | None = None,
                   top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
                   stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-                  ignore_eos: bool | None = None) -> pb.GenerateRequest:
+                  ignore_eos: bool | None = None, ttft_target_ms: float | None = None,
+                  itl_target_ms: float | None = None) -> pb.GenerateRequest:
     """Builds a GenerateRequest; unset tunables stay unset (server defaults apply)."""
     sampling = pb.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids))
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
-                        ("top_k", top_k), ("seed", seed), ("ignore_eos", ignore_eos)):
+                        ("top_k", top_k), ("seed", seed), ("ignore_eos", ignore_eos),
+                        ("ttft_target_ms", ttft_target_ms), ("itl_target_ms", itl_target_ms)):
         if value is not None:
             setattr(sampling, name, value)
     req = pb.GenerateRequest(request_id=request_id or uuid.uuid4().hex, sampling=sampling)
@@ -114,6 +119,7 @@ class _ResultBuilder:
         r.prefill_engine_id, r.decode_engine_id = done.prefill_engine_id, done.decode_engine_id
         r.num_migrations = done.num_migrations
         r.scheduler_overhead_ms = done.scheduler_overhead_ms
+        r.path_reason = done.path_reason
         r.e2e_s = now
         return None
 

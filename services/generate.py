@@ -24,6 +24,10 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--stop-token-ids", default="", help="comma-separated stop token ids")
     parser.add_argument("--ignore-eos", action="store_true", default=None, help="do not stop at EOS")
+    parser.add_argument("--ttft-target-ms", type=float, help="TTFT target; the scheduler may prefill on the "
+                                                             "decode engine to meet it")
+    parser.add_argument("--itl-target-ms", type=float, help="ITL target; no prefill on this request's decode "
+                                                            "engine stalls it longer")
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -32,6 +36,7 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "top_k": args.top_k, "seed": args.seed, "stop": args.stop,
         "stop_token_ids": parse_ids(args.stop_token_ids) if args.stop_token_ids else [],
         "ignore_eos": args.ignore_eos,
+        "ttft_target_ms": getattr(args, "ttft_target_ms", None), "itl_target_ms": getattr(args, "itl_target_ms", None),
     }
 
 

@@ -23,6 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -30,9 +31,11 @@ from pdserve.v1 import engine_pb2 as engine_pb
 from pdserve.v1 import engine_pb2_grpc as engine_grpc
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import generation_pb2_grpc as gen_grpc
-from services.common.certs import COMPONENT_NAME, LocalPki, make_local_pki
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.security import ChannelSecurity, open_sync_channel
+
+if TYPE_CHECKING:
+    from services.common.certs import LocalPki
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +96,8 @@ class ClusterSpec:
     tls: bool = False  # mTLS on every channel with a throwaway CA
     tls_dir: str = ""  # where the certificates go (default: a temporary directory, removed by stop())
     auth_tokens: list[str] = field(default_factory=list)  # bearer tokens of the client API and KV events
+    engine_devices: list[str] = field(default_factory=list)  # --devices of engine i (prefill first); empty: none
+    dtype: str = ""  # --dtype of every engine; empty: the engines' default (parity tests pin float32)
     engine: str = "native"  # engine backend of every prefill and decode engine (--engine)
     vllm_args: list[str] = field(default_factory=list)  # KEY=VALUE, passed to every engine as --vllm-arg
 
@@ -126,6 +131,9 @@ class LocalCluster:
         self._log_dir = Path(spec.log_dir) if spec.log_dir else None
         self.pki: LocalPki | None = None
         if spec.tls:
+            # Imported only for TLS: `cryptography` is not needed (nor shipped to the GPU check) otherwise.
+            from services.common.certs import make_local_pki
+
             self.pki = make_local_pki(spec.tls_dir or tempfile.mkdtemp(prefix="pdserve-tls-"), [spec.host])
         token = spec.auth_tokens[0] if spec.auth_tokens else ""
         # What a client of the Generate / KVEvents APIs uses, and what Engine.Inspect uses (mTLS).
@@ -173,6 +181,8 @@ class LocalCluster:
     def _tls_args(self) -> list[str]:
         if self.pki is None:
             return []
+        from services.common.certs import COMPONENT_NAME
+
         return ["--tls-cert", str(self.pki.server_cert), "--tls-key", str(self.pki.server_key),
                 "--tls-ca", str(self.pki.ca_cert), "--tls-peer-name", COMPONENT_NAME]
 
@@ -190,10 +200,13 @@ class LocalCluster:
         metrics_port = free_port(s.host) if s.metrics else 0
         engine_id = f"{role}-{index}"
         port = free_port(s.host)
+        slot = index if role == "prefill" else s.num_prefill + index
+        devices = s.engine_devices[slot] if slot < len(s.engine_devices) else ""
         argv = self._cli(role, "--engine-id", engine_id, "--scheduler", f"{s.host}:{self.control_port}",
                          "--host", s.host, "--port", str(port), "--tp", str(s.tp), "--torch-threads", str(self.torch_threads),
                          "--metrics-port", str(metrics_port), "--kv-cache-memory", s.kv_cache_memory,
-                         *(["--model", s.model] if s.model else []), *self._backend_args(), *s.engine_args)
+                         *(["--model", s.model] if s.model else []), *(["--dtype", s.dtype] if s.dtype else []),
+                         *(["--devices", devices] if devices else []), *self._backend_args(), *s.engine_args)
         return Component(engine_id, argv, metrics_port or None, f"{s.host}:{port}")
 
     def start(self, timeout: float = 180.0) -> None:

@@ -5,12 +5,17 @@ from __future__ import annotations
 import argparse
 import signal
 import threading
+from dataclasses import dataclass
 
+from engine.device import HostDevices, assign_gpus, engines_per_gpu, probe_host, resolve_dtype, resolve_kind
 from services.common.config import ENGINES, check_vllm_args, parse_vllm_args
 from services.common.logs import setup_logging
 from services.common.security import check_plaintext
 from services.local_cluster import ClusterSpec, LocalCluster
 
+# The share of each GPU `pdserve up` gives to KV caches, split among the engine ranks on it;
+# the rest holds weights and activations.
+UP_GPU_KV_SHARE = 0.5
 VLLM_BLOCK_SIZE = 32  # vLLM 0.32's CPU attention takes block sizes that are multiples of 32
 
 
@@ -27,7 +32,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions, ...)")
     parser.add_argument("--torch-threads", type=int, default=0,
                         help="torch threads per rank process; 0 divides the cores among them")
-    parser.add_argument("--kv-cache-memory", default="256MiB", help="KV cache budget per rank")
+    parser.add_argument("--kv-cache-memory", default="256MiB", help="KV cache budget per rank (CPU)")
+    parser.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when a GPU is visible)")
+    parser.add_argument("--dtype", default="auto",
+                        help="float32, bfloat16, float16 or auto (bfloat16 on CUDA and on CPUs with native bf16)")
+    parser.add_argument("--gpu-memory-fraction", type=float, default=0.0,
+                        help=f"share of a GPU's memory each engine rank's KV cache takes; 0: {UP_GPU_KV_SHARE} "
+                             "divided by the engine ranks sharing the GPU")
+    parser.add_argument("--kv-staging", default="none", choices=("none", "host"),
+                        help="host: GPU KV moves through pinned host memory (when UCX has no CUDA transport)")
     parser.add_argument("--metrics", action="store_true", help="serve /metrics on a free port per process")
     parser.add_argument("--zmq-endpoint", default="", help="ZMQ PUB endpoint for vLLM-format KV events")
     parser.add_argument("--zmq-replay-endpoint", default="", help="ZMQ ROUTER replay endpoint (vLLM format)")
@@ -69,11 +82,22 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         scheduler_args += ["--zmq-replay-endpoint", args.zmq_replay_endpoint]
     if args.auth_tokens_file:
         scheduler_args += ["--auth-tokens-file", args.auth_tokens_file]
+    placement = gpu_placement(args)
+    # Engines resolve auto the same way; only what differs from their defaults is passed on.
+    if args.device != "auto" or placement.kind == "cuda":
+        engine_args += ["--device", placement.kind]
+    if args.dtype != "auto":
+        engine_args += ["--dtype", args.dtype]
+    if args.kv_staging != "none":
+        engine_args += ["--kv-staging", args.kv_staging]
+    if placement.kind == "cuda":
+        engine_args += ["--gpu-memory-fraction", f"{placement.memory_fraction:.4f}"]
     block_size = args.block_size or (VLLM_BLOCK_SIZE if args.engine == "vllm" else 0)
     if block_size:
         scheduler_args += ["--block-size", str(block_size)]
         engine_args += ["--block-size", str(block_size)]
     return ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode, tp=args.tp,
+                       engine_devices=placement.engine_devices,
                        host=args.host, port=args.port, control_port=args.control_port,
                        events_port=args.events_port, http_port=args.http_port, metrics=args.metrics, torch_threads=args.torch_threads,
                        kv_cache_memory=args.kv_cache_memory, scheduler_args=scheduler_args,
@@ -94,14 +118,51 @@ def _check_engine(engine: str, vllm_args: list[str]) -> None:
         raise ValueError(str(e)) from None
 
 
+@dataclass(frozen=True, slots=True)
+class GpuPlacement:
+    """Where `pdserve up` puts the engines: kind, `--devices` per engine, each rank's KV share."""
+
+    kind: str
+    dtype: str
+    engine_devices: list[str]
+    memory_fraction: float
+    num_gpus: int
+    ranks_per_gpu: int = 0
+
+    def describe(self) -> str:
+        if self.kind == "cpu":
+            return f"cpu, dtype {self.dtype}"
+        return (f"cuda ({self.num_gpus} GPU(s), up to {self.ranks_per_gpu} engine rank(s) per GPU, KV "
+                f"{self.memory_fraction:.2f} of GPU memory per rank), dtype {self.dtype}")
+
+
+def gpu_placement(args: argparse.Namespace, host: HostDevices | None = None) -> GpuPlacement:
+    """Resolves --device / --dtype for the whole cluster and spreads engine ranks over the GPUs.
+    Raises DeviceUnavailableError (exit 2, no process started) for --device cuda without CUDA."""
+    host = host if host is not None else probe_host()
+    kind = resolve_kind(args.device, host)
+    dtype = resolve_dtype(args.dtype, kind, host.native_bf16)
+    num_engines = args.prefill + args.decode
+    if kind == "cpu":
+        return GpuPlacement(kind, dtype, [], 0.0, 0)
+    gpus = assign_gpus(num_engines, args.tp, host.num_gpus)
+    sharing = engines_per_gpu(num_engines, args.tp, host.num_gpus)
+    fraction = args.gpu_memory_fraction or UP_GPU_KV_SHARE / sharing
+    if not 0 < fraction * sharing < 1:
+        raise ValueError(f"--gpu-memory-fraction {fraction} times {sharing} ranks per GPU must stay below 1")
+    return GpuPlacement(kind, dtype, [",".join(map(str, g)) for g in gpus], fraction, host.num_gpus, sharing)
+
+
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, "up")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    cluster = LocalCluster(spec_from_args(args))
+    spec = spec_from_args(args)
+    cluster = LocalCluster(spec)
     print("pdserve up: starting scheduler, "
-          f"{args.prefill} prefill and {args.decode} decode engine(s), tp {args.tp} ...", flush=True)
+          f"{args.prefill} prefill and {args.decode} decode engine(s), tp {args.tp} on "
+          f"{gpu_placement(args).describe()} ...", flush=True)
     with cluster:
         flags = ""
         if cluster.pki is not None:

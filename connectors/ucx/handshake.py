@@ -22,6 +22,7 @@ import msgpack
 
 HANDSHAKE_VERSION = 1
 KV_LAYOUT = "NL2HBD"
+MEMORY_TYPES = ("cpu", "cuda")
 # The largest metadata blob accepted from a peer (a worker address is a few hundred bytes).
 MAX_METADATA_BYTES = 64 * 1024
 
@@ -49,6 +50,7 @@ class KVRegionLayout:
     head_end: int  # one past the last
     dtype: str
     layout: str = KV_LAYOUT
+    memory_type: str = "cpu"  # where the region lives: cpu or cuda (a peer without it is cpu)
 
     @property
     def num_local_heads(self) -> int:
@@ -69,6 +71,8 @@ class KVRegionLayout:
                              f"[0, {self.num_kv_heads})")
         if self.layout != KV_LAYOUT:
             raise ValueError(f"handshake: unsupported KV layout {self.layout!r} (expected {KV_LAYOUT!r})")
+        if self.memory_type not in MEMORY_TYPES:
+            raise ValueError(f"handshake: unknown KV memory type {self.memory_type!r} (expected one of {MEMORY_TYPES})")
         per_elem, rem = divmod(self.block_nbytes, self.num_layers * 2 * self.num_local_heads
                                * self.block_size * self.head_dim)
         if rem or per_elem not in (1, 2, 4, 8):
@@ -172,7 +176,7 @@ def _check_types(meta: UcxHandshakeMetadata) -> None:
             raise TypeError(f"{name} must be {typ.__name__}")
     for f in fields(KVRegionLayout):
         value = getattr(meta.region, f.name)
-        if not isinstance(value, str if f.name in ("dtype", "layout") else int):
+        if not isinstance(value, str if f.name in ("dtype", "layout", "memory_type") else int):
             raise TypeError(f"region.{f.name} has the wrong type")
 
 

@@ -33,6 +33,12 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from connectors.ucx.device_memory import (
+    MemoryRegistration,
+    cuda_transport_problem,
+    is_device_region,
+    region_nbytes,
+)
 from connectors.ucx.handshake import PeerKey
 from connectors.ucx.transport import KVTransport, PullOp, PullRequest, PullResult, Segment, TransportListener
 
@@ -86,25 +92,28 @@ class _Serve:
 
 
 class UcxTagTransport(KVTransport):
-    """See the module docstring. `region` is the rank's KV bytes (a flat uint8 view) and
+    """See the module docstring. `region` is the rank's KV bytes (a flat uint8 view, in host
+    memory or, checked and registered once, GPU memory: connectors/ucx/device_memory.py) and
     `local_key` this rank's identity as peers know it. A reader that has not said `done`
     `serve_timeout_s` after its pull is presumed dead: its endpoint is closed (cancelling
     its sends) and every request it was reading is reported done with ok=False."""
 
-    def __init__(self, region: np.ndarray, block_nbytes: int, local_key: PeerKey, *,
+    def __init__(self, region: Any, block_nbytes: int, local_key: PeerKey, *,
                  ucx_config: dict[str, str] | None = None, serve_timeout_s: float = 30.0, name: str = "ucx") -> None:
         import ucxx._lib.libucxx as ucx_api
         from ucxx._lib.arr import Array
 
-        if region.dtype != np.uint8 or region.ndim != 1 or block_nbytes < 1 or region.size % block_nbytes:
+        nbytes = region_nbytes(region)
+        if block_nbytes < 1 or nbytes % block_nbytes:
             raise ValueError("region must be a flat uint8 array of whole blocks")
         self._api = ucx_api
         self._array = Array
         self._region = region
-        self._num_blocks = region.size // block_nbytes
+        self._num_blocks = nbytes // block_nbytes
         self._block_nbytes = block_nbytes
         self._ctx = ucx_api.UCXContext(config_dict=dict(ucx_config or {}),
                                        feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
+        self._registration = _register_device_region(self._ctx, region, ucx_config or {})
         self._worker = ucx_api.UCXWorker(self._ctx)
         self._worker.init_blocking_progress_mode()
         self._address = bytes(self._worker.address.tobytes())
@@ -172,6 +181,8 @@ class UcxTagTransport(KVTransport):
             _close(ep)
         self._peers.clear()
         self._reply_eps.clear()
+        if self._registration is not None:
+            self._registration.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
 
@@ -351,7 +362,7 @@ class UcxTagTransport(KVTransport):
             request = self._worker.tag_recv_with_handle(self._array(target), probe)
             self._track(request, functools.partial(self._on_data, pull=pull, index=index), target)
 
-    def _data_target(self, pull: _Pull | None, index: int, length: int) -> np.ndarray | None:
+    def _data_target(self, pull: _Pull | None, index: int, length: int) -> Any:
         if pull is None or pull.finished or index >= len(pull.op.segments) or index in pull.posted:
             return None
         seg = pull.op.segments[index]
@@ -506,6 +517,19 @@ class UcxTagTransport(KVTransport):
     def _on_renew_msg(self, message: dict[str, Any]) -> None:
         if self._listener is not None:
             self._listener.on_renew([str(r) for r in message["rids"]], _key_from_wire(message["reader"]))
+
+
+def _register_device_region(ctx: Any, region: Any, ucx_config: dict[str, str]) -> MemoryRegistration | None:
+    """For a GPU region: checks UCX's CUDA transports (RuntimeError naming what is missing and
+    the UCX_TLS to set) and registers the region once. Host regions: None (UCX registers host
+    memory through its cache as before)."""
+    if not is_device_region(region):
+        return None
+    tls = ucx_config.get("TLS") or os.environ.get("UCX_TLS", "")
+    problem = cuda_transport_problem(ctx.info, tls)
+    if problem is not None:
+        raise RuntimeError(problem)
+    return MemoryRegistration(ctx, region)
 
 
 def _ignore(error: str | None) -> None:

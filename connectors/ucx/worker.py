@@ -66,6 +66,8 @@ class UcxConnectorConfig:
     """Data-plane settings (EngineConfig carries the same names).
 
     `ucx_tls` empty means UCX_TLS from the environment if set, else `DEFAULT_UCX_TLS`.
+    `kv_staging` "host" moves GPU KV through a pinned host mirror (connectors/ucx/host_staging.py)
+    instead of UCX's CUDA transports; "none" registers the GPU tensor itself.
     """
 
     transfer_timeout_s: float = 5.0
@@ -73,6 +75,7 @@ class UcxConnectorConfig:
     max_inflight_transfers: int = 64
     ucx_tls: str = ""
     ucx_net_devices: str = ""
+    kv_staging: str = "none"
 
     def validate(self) -> None:
         if self.transfer_timeout_s <= 0:
@@ -81,6 +84,8 @@ class UcxConnectorConfig:
             raise ValueError("lease_s: must be > 0")
         if self.max_inflight_transfers < 1:
             raise ValueError("max_inflight_transfers: must be >= 1")
+        if self.kv_staging not in ("none", "host"):
+            raise ValueError(f"kv_staging: must be none or host, got {self.kv_staging!r}")
 
     def ucx_options(self) -> dict[str, str]:
         """UCX context options (UCX_ names without the prefix)."""
@@ -99,6 +104,7 @@ class _Results:
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     failed_recving: set[str] = field(default_factory=set)
+    staging_in: dict[str, tuple[int, ...]] = field(default_factory=dict)  # pulled, not yet copied to the GPU
 
 
 @dataclass(slots=True)
@@ -213,6 +219,7 @@ class UcxWorkerConnector(WorkerConnector):
         self._failure_reasons: dict[str, str] = {}
         self._stats = UcxTransferStats()
         self._last_renew = time.monotonic()
+        self._staging: Any = None  # HostStaging when config.kv_staging == "host"
         if kv_cache is not None:
             self.register_kv_caches(kv_cache, None)
 
@@ -222,13 +229,20 @@ class UcxWorkerConnector(WorkerConnector):
         """Registers the rank's KV tensor (or a one-entry {name: tensor} dict) and starts UCX.
 
         The tensor must be contiguous with shape [num_blocks, num_layers, 2, heads_local,
-        block_size, head_dim] on the CPU; everything the handshake needs is read from it
-        (`spec` is accepted for the base API and not needed). `transport` overrides the UCX tag
+        block_size, head_dim], on the CPU or on a GPU; everything the handshake needs is read
+        from it (`spec` is accepted for the base API and not needed). A GPU tensor is
+        registered with UCX's CUDA transports (start-up fails naming what is missing), or with
+        `kv_staging="host"` mirrored in pinned host memory. `transport` overrides the UCX tag
         transport (e.g. an RMA backend).
         """
         if self._transport is not None:
             raise RuntimeError("KV caches are already registered")
         tensor = _single_tensor(kv_cache)
+        if self.config.kv_staging == "host":
+            from connectors.ucx.host_staging import HostStaging
+
+            self._staging = HostStaging(tensor)
+            tensor = self._staging.mirror
         region, layout = self._describe(tensor)
         if transport is None:
             from connectors.ucx.tag_transport import UcxTagTransport
@@ -244,21 +258,23 @@ class UcxWorkerConnector(WorkerConnector):
         transport.start(self)
         self._transport = transport
 
-    def _describe(self, tensor: Any) -> tuple[np.ndarray, KVRegionLayout]:
-        if tensor.dim() != 6 or not tensor.is_contiguous() or tensor.device.type != "cpu":
-            raise ValueError("kv_cache must be a contiguous CPU tensor [blocks, layers, 2, heads, block_size, "
+    def _describe(self, tensor: Any) -> tuple[Any, KVRegionLayout]:
+        """The region UCX moves (a flat uint8 view: numpy for host memory, the CUDA tensor
+        itself for GPU memory) and its layout for the handshake."""
+        if tensor.dim() != 6 or not tensor.is_contiguous() or tensor.device.type not in ("cpu", "cuda"):
+            raise ValueError("kv_cache must be a contiguous CPU or CUDA tensor [blocks, layers, 2, heads, block_size, "
                              f"head_dim], got shape {tuple(tensor.shape)} on {tensor.device}")
         num_blocks, num_layers, two, heads, block_size, head_dim = (int(d) for d in tensor.shape)
         per_rank = self.num_kv_heads // self.tp_size
         if two != 2 or heads != per_rank:
             raise ValueError(f"kv_cache dims 2 and 3 must be 2 and {per_rank} (heads of this rank), got {two}, {heads}")
-        import torch
-
-        region = tensor.view(-1).view(torch.uint8).numpy()
-        layout = KVRegionLayout(num_blocks=num_blocks, block_nbytes=region.size // num_blocks, num_layers=num_layers,
+        region = _cuda_region(tensor) if tensor.device.type == "cuda" else _host_region(tensor)
+        nbytes = tensor.numel() * tensor.element_size()
+        layout = KVRegionLayout(num_blocks=num_blocks, block_nbytes=nbytes // num_blocks, num_layers=num_layers,
                                 block_size=block_size, head_dim=head_dim, num_kv_heads=self.num_kv_heads,
                                 head_start=self.key.tp_rank * per_rank, head_end=(self.key.tp_rank + 1) * per_rank,
-                                dtype=str(tensor.dtype).removeprefix("torch."), layout=KV_LAYOUT)
+                                dtype=str(tensor.dtype).removeprefix("torch."), layout=KV_LAYOUT,
+                                memory_type=tensor.device.type)
         return region, layout
 
     def get_handshake_metadata(self) -> bytes:
@@ -409,7 +425,10 @@ class UcxWorkerConnector(WorkerConnector):
                 stats.durations.append(result.seconds)
                 self._stats.record("transfer_duration", result.seconds)
                 self._stats.record("bytes_transferred", result.num_bytes)
-                self._results.finished_recving.add(request_id)
+                if self._staging is not None:
+                    self._results.staging_in[request_id] = recv.local_block_ids  # copied in at the drain
+                else:
+                    self._results.finished_recving.add(request_id)
                 self._changed.notify_all()
             else:
                 self._fail_locked(recv, result.reason or "unknown", result.done_segments)
@@ -442,6 +461,11 @@ class UcxWorkerConnector(WorkerConnector):
         lease = self.config.lease_s if lease_s is None else lease_s
         if lease <= 0 or num_readers < 1:
             raise ValueError(f"request {request_id}: lease_s must be > 0 and num_readers >= 1")
+        with self._lock:
+            if request_id in self._leases:
+                raise ValueError(f"request {request_id} is already pinned for sending")
+        if self._staging is not None:
+            self._staging.stage_out(ids)  # before any reader can ask for them
         with self._lock:
             if request_id in self._leases:
                 raise ValueError(f"request {request_id} is already pinned for sending")
@@ -513,15 +537,32 @@ class UcxWorkerConnector(WorkerConnector):
         if transport is not None:
             for peer, rids in renew.items():
                 transport.renew(peer, rids)
+        self._stage_in(r)
         return TransferResults(frozenset(r.finished_sending), frozenset(r.finished_recving),
                                frozenset(r.failed_recving))
+
+    def _stage_in(self, r: _Results) -> None:
+        """Host staging: copies pulled blocks to the GPU (on the draining thread, off the UCX
+        progress thread) before their requests count as received."""
+        if self._staging is None:
+            return
+        for request_id, block_ids in r.staging_in.items():
+            self._staging.stage_in(block_ids)
+            r.finished_recving.add(request_id)
+        staged = self._staging.take_stats()
+        if not staged.num_copies:
+            return
+        with self._lock:
+            self._stats.record("host_staging_duration", staged.seconds)
+            self._stats.record("host_staged_bytes", staged.num_bytes)
 
     def wait_for_results(self, timeout_s: float) -> bool:
         """Blocks until some transfer finished or failed since the last `get_transfer_results()`
         (True) or `timeout_s` passed (False). Lets a drain loop sleep instead of spinning."""
         with self._changed:
             return self._changed.wait_for(lambda: bool(self._results.finished_sending or self._results.finished_recving
-                                                       or self._results.failed_recving), timeout_s)
+                                                       or self._results.failed_recving or self._results.staging_in),
+                                          timeout_s)
 
     def take_failure_reasons(self) -> dict[str, str]:
         """Why each failed pull failed (request id -> reason, e.g. timeout, stale_epoch,
@@ -605,6 +646,19 @@ class UcxWorkerConnector(WorkerConnector):
         if self._transport is None:
             raise RuntimeError("register_kv_caches() first (or the connector is shut down)")
         return self._transport
+
+
+def _host_region(tensor: Any) -> np.ndarray:
+    import torch
+
+    return tensor.view(-1).view(torch.uint8).numpy()
+
+
+def _cuda_region(tensor: Any) -> Any:
+    """The GPU tensor's bytes as a flat uint8 CUDA tensor (UCX reads `__cuda_array_interface__`)."""
+    import torch
+
+    return tensor.detach().view(-1).view(torch.uint8)
 
 
 def _single_tensor(kv_caches: Any) -> Any:

@@ -61,6 +61,21 @@ class SchedulerConfig:
     hash_seed: str = opt(DEFAULT_HASH_SEED, "block-hash seed (NONE_HASH); must match every engine")
     routing_policy: str = opt("prefix", "prefill routing policy: prefix, load or round_robin")
     decode_only_threshold: int = opt(0, "prompts shorter than this many tokens skip prefill")
+    # Path policy (services/scheduler/path_policy.py): remote prefill + transfer or decode-local.
+    path_policy: str = opt("cost", "per-request path: cost (predicted time, the default), threshold "
+                                   "(uncached tokens on the decode engine) or remote (always disaggregated)")
+    path_threshold_tokens: int = opt(256, "threshold path policy: decode-local below this many uncached tokens")
+    path_decode_stall_steps: float = opt(2.0, "cost path policy: longest prefill a decode engine takes on (it "
+                                              "stalls the requests decoding there), in measured inter-token gaps")
+    path_decode_stall_budget_ms: float = opt(50.0, "cost path policy: the stall budget's floor (before any "
+                                                   "inter-token gap is measured)")
+    path_decode_load_ms: float = opt(2.0, "cost path policy: cost of one unit of decode-engine load")
+    path_max_decode_kv_usage: float = opt(0.9, "decode engines at or above this KV usage get no new request "
+                                               "while another is below it")
+    path_ttft_target_ms: float = opt(0.0, "default TTFT target of requests that set none (lifts the stall "
+                                          "budget when only a local prefill meets it); 0: none")
+    path_prior_prefill_us_per_token: float = opt(200.0, "cost path policy: prefill cost per token until measured")
+    path_prior_transfer_us_per_token: float = opt(20.0, "cost path policy: transfer cost per token until measured")
     default_deadline_s: float = opt(120.0, "deadline for requests that set none")
     max_queue_per_engine: int = opt(256, "in-flight requests per engine before RESOURCE_EXHAUSTED")
     prefill_failure_policy: str = opt("recompute", "on prefill failure: recompute (decode) or retry")
@@ -114,6 +129,13 @@ class SchedulerConfig:
         _require(self.event_ring_size >= 1, "event_ring_size", "must be >= 1")
         _require(self.subscriber_buffer >= 1, "subscriber_buffer", "must be >= 1")
         _require(self.prefix_load_weight >= 0, "prefix_load_weight", "must be >= 0")
+        _require(self.path_policy in ("cost", "threshold", "remote"), "path_policy",
+                 f"must be cost, threshold or remote, got {self.path_policy!r}")
+        _require(self.path_threshold_tokens >= 0, "path_threshold_tokens", "must be >= 0")
+        _require(0 < self.path_max_decode_kv_usage <= 1, "path_max_decode_kv_usage", "must be in (0, 1]")
+        for name in ("path_decode_stall_steps", "path_decode_stall_budget_ms", "path_decode_load_ms", "path_ttft_target_ms",
+                     "path_prior_prefill_us_per_token", "path_prior_transfer_us_per_token"):
+            _require(getattr(self, name) >= 0, name, "must be >= 0")
         _require(self.prefix_index_max_entries >= 1, "prefix_index_max_entries", "must be >= 1")
         for name in ("port", "control_port", "events_port", "metrics_port", "health_port", "http_port"):
             _require(0 <= getattr(self, name) < 65536, name, "must be a TCP port (0..65535)")
@@ -143,8 +165,15 @@ class EngineConfig:
     port: int = opt(0, "Engine API port; 0 picks a free port")
     metrics_port: int = opt(0, "Prometheus /metrics port of rank 0 (rank r serves on port + r); 0 disables")
     tp: int = opt(1, "tensor-parallel size (rank processes)")
-    dtype: str = opt("auto", "float32, bfloat16, float16 or auto (float32 on CPU)")
-    device: str = opt("auto", "cpu, cuda or auto")
+    dtype: str = opt("auto", "float32, bfloat16, float16 or auto (bfloat16 on CUDA and on CPUs with native bf16, "
+                             "else float32)")
+    device: str = opt("auto", "cpu, cuda or auto (cuda when a GPU is visible)")
+    devices: str = opt("", "GPU indices of the ranks, e.g. 2,3 (rank r takes the r-th; indices among "
+                           "CUDA_VISIBLE_DEVICES); empty: rank r takes GPU r")
+    gpu_memory_fraction: float = opt(0.0, "share of each rank's GPU memory its KV cache takes, e.g. 0.4 when "
+                                          "two engines share a GPU (CUDA only); 0: use kv_cache_memory")
+    kv_staging: str = opt("none", "KV pulls of GPU memory: none (UCX CUDA transports, fail at start if missing) "
+                                  "or host (bounce through a host copy, slower, measured and labelled)")
     kv_cache_memory: str = opt("256MiB", "KV cache memory budget per rank (e.g. 512MiB, 8GiB)")
     block_size: int = opt(16, "KV block size in tokens; must match the scheduler")
     hash_seed: str = opt(DEFAULT_HASH_SEED, "block-hash seed; must match the scheduler")
@@ -185,6 +214,14 @@ class EngineConfig:
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
                  f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         _require(self.device in ("auto", "cpu", "cuda"), "device", f"must be auto, cpu or cuda, got {self.device!r}")
+        _require(0.0 <= self.gpu_memory_fraction < 1.0, "gpu_memory_fraction", "must be in [0, 1)")
+        _require(self.kv_staging in ("none", "host"), "kv_staging", f"must be none or host, got {self.kv_staging!r}")
+        try:
+            from engine.device import parse_devices
+
+            parse_devices(self.devices)
+        except ValueError as e:
+            raise ValueError(f"devices: {e}") from None
         _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         _require(self.max_num_batched_tokens >= self.block_size, "max_num_batched_tokens",
                  "must be >= block_size")

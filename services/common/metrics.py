@@ -106,6 +106,11 @@ _SPECS = (
                ("medium",)),
     MetricSpec("pdserve_scheduler_routing_decisions_total", _C,
                "Engine choices by role, engine, policy and reason", ("role", "engine", "policy", "reason")),
+    MetricSpec("pdserve_scheduler_path_decisions_total", _C,
+               "Path decisions: remote (prefill engine + KV transfer) or decode_local (prefill on the decode "
+               "engine), by path and reason (e.g. decode_local:short_prompt, remote:long_prompt)", ("path", "reason")),
+    MetricSpec("pdserve_scheduler_transferred_tokens_total", _C,
+               "Prompt tokens decode engines pulled from prefill engines (only the blocks they lacked)"),
     MetricSpec("pdserve_scheduler_decode_only_total", _C,
                "Requests served without a prefill engine, by reason "
                "(short_prompt, no_prefill_engine, prefill_failed)", ("reason",)),
@@ -315,6 +320,7 @@ class SchedulerMetrics(_Group):
               "pdserve_scheduler_prompt_tokens_total", "pdserve_scheduler_generation_tokens_total",
               "pdserve_scheduler_prefix_hit_tokens_total", "pdserve_scheduler_routing_decisions_total",
               "pdserve_scheduler_decode_only_total", "pdserve_scheduler_migrations_total",
+              "pdserve_scheduler_path_decisions_total", "pdserve_scheduler_transferred_tokens_total",
               "pdserve_scheduler_retries_total", "pdserve_scheduler_lease_outcomes_total",
               "pdserve_scheduler_control_reconnects_total", "pdserve_scheduler_registrations_refused_total",
               "pdserve_scheduler_client_refused_total", "pdserve_scheduler_client_streams",
@@ -358,6 +364,13 @@ class SchedulerMetrics(_Group):
         """e.g. ("prefill", "prefill-0", "prefix", "longest_prefix") or ("decode", "decode-1", "load", "least_kv")."""
         self._m["pdserve_scheduler_routing_decisions_total"].labels(
             role=role, engine=engine, policy=policy, reason=reason).inc()
+
+    def count_path_decision(self, path: str, reason: str) -> None:
+        """path decode_local | remote; reason the path policy's, e.g. "decode_local:short_prompt"."""
+        self._m["pdserve_scheduler_path_decisions_total"].labels(path=path, reason=reason).inc()
+
+    def count_transferred_tokens(self, num_tokens: int) -> None:
+        self._m["pdserve_scheduler_transferred_tokens_total"].inc(num_tokens)
 
     def count_decode_only(self, reason: str) -> None:
         self._m["pdserve_scheduler_decode_only_total"].labels(reason=reason).inc()

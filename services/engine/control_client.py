@@ -103,6 +103,8 @@ class ControlHello:
     hash_seed: str | None = None
     block_size: int | None = None
     protocol_version: int = PROTOCOL_VERSION
+    dtype: str | None = None
+    device_kind: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -444,6 +446,10 @@ class ControlClient:
             msg.hash_seed = h.hash_seed
         if h.block_size is not None:
             msg.block_size = h.block_size
+        if h.dtype is not None:
+            msg.dtype = h.dtype
+        if h.device_kind is not None:
+            msg.device_kind = h.device_kind
         return pb.RankMessage(hello=msg)
 
     async def _outgoing(self) -> AsyncIterator[pb.RankMessage]:

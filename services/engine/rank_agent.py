@@ -71,7 +71,8 @@ def compatibility_hash(model_config: Any, kv_spec: Any, hash_seed: str) -> str:
         f"proto={PROTOCOL_VERSION}", f"arch={model_config.architecture}", f"vocab={model_config.vocab_size}",
         f"hidden={model_config.hidden_size}", f"layers={model_config.num_layers}",
         f"kv_heads={model_config.num_kv_heads}", f"head_dim={model_config.head_dim}",
-        f"dtype={model_config.dtype}", f"block_size={kv_spec.block_size}", f"layout={kv_spec.layout}",
+        f"dtype={model_config.dtype}", f"device={kv_spec.device_kind}", f"block_size={kv_spec.block_size}",
+        f"layout={kv_spec.layout}",
         f"hash=sha256_cbor:{hash_seed}",
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
@@ -95,6 +96,9 @@ class RankAgentFactory:
     max_inflight: int
     ucx_tls: str = ""
     ucx_net_devices: str = ""
+    dtype: str = ""  # stated in Hello beside the compatibility hash (which covers it too)
+    device_kind: str = ""
+    kv_staging: str = "none"  # "host": GPU KV bounces through pinned host memory (connectors/ucx/host_staging.py)
     metrics_port: int = 0  # rank r serves /metrics on metrics_port + r; 0 disables
     security: ChannelSecurity | None = None  # TLS to the scheduler, the engine's certificate as identity
     offload: OffloadRankInit | None = None  # the CPU offload tier's per-rank half; None = no tier
@@ -111,7 +115,7 @@ class RankAgent(WorkerConnector):
         self.identity = RankIdentity(factory.engine_id, factory.role, factory.epoch, rank, tp_size)
         config = UcxConnectorConfig(transfer_timeout_s=factory.transfer_timeout_s, lease_s=factory.lease_s,
                                     max_inflight_transfers=factory.max_inflight, ucx_tls=factory.ucx_tls,
-                                    ucx_net_devices=factory.ucx_net_devices)
+                                    ucx_net_devices=factory.ucx_net_devices, kv_staging=factory.kv_staging)
         self.ucx = UcxWorkerConnector(engine_id=factory.engine_id, epoch=factory.epoch, tp_rank=rank,
                                       tp_size=tp_size, num_kv_heads=factory.num_kv_heads,
                                       compatibility_hash=factory.compat_hash, config=config)
@@ -152,7 +156,8 @@ class RankAgent(WorkerConnector):
         """Registers this rank (Hello carries the UCX handshake metadata) and starts draining."""
         f = self.factory
         hello = ControlHello(self.identity, f.compat_hash, f.engine_address, self.ucx.get_handshake_metadata(),
-                             hash_seed=f.hash_seed, block_size=f.block_size)
+                             hash_seed=f.hash_seed, block_size=f.block_size, dtype=f.dtype or None,
+                             device_kind=f.device_kind or None)
         self.control = ControlClient(f.scheduler, hello, on_message=self._on_message, security=f.security)
         self.control.start(timeout=None)
         self._drain_thread = threading.Thread(target=self._drain_loop, name=f"rank{self.identity.tp_rank}-drain",

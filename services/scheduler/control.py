@@ -102,7 +102,9 @@ def hello_from_proto(m: pb.Hello) -> RankHello:
                      engine_address=m.engine_address, handshake_metadata=m.handshake_metadata,
                      protocol_version=m.protocol_version or PROTOCOL_VERSION, last_sent_seq=m.last_sent_seq,
                      hash_seed=m.hash_seed if m.HasField("hash_seed") else None,
-                     block_size=m.block_size if m.HasField("block_size") else None)
+                     block_size=m.block_size if m.HasField("block_size") else None,
+                     dtype=m.dtype if m.HasField("dtype") else None,
+                     device_kind=m.device_kind if m.HasField("device_kind") else None)
 
 
 def _identity(engine: EngineState, rank_id: RankId) -> pb.RankIdentity:

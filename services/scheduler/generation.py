@@ -48,6 +48,7 @@ from services.common.version import __version__
 from services.scheduler.admission import Admission
 from services.scheduler.control import ControlServicer
 from services.scheduler.lifecycle import EngineRef, ReleaseCause, RequestRecord, RequestState, RequestTable
+from services.scheduler.path_costs import PathCosts
 from services.scheduler.registry import EngineState, Role
 from services.scheduler.routing import EngineView, Route, Router, RoutingRequest
 from services.scheduler.telemetry import SchedulerTelemetry
@@ -133,9 +134,23 @@ class Flight:
     dispatched: bool = False
     # Time spent waiting on engines and on the client (not the scheduler's own work).
     outside_s: float = 0.0
+    path_reason: str = ""
+    # Prompt tokens counted in an engine's backlog for this request until its prefill is done:
+    # (engine id, own uncached tokens, backlog + own at dispatch) — see PathCosts.
+    backlog: tuple[str, int, int] | None = None
+    # The decode engine this request's ITL target is registered on, and the target.
+    itl_engine: str | None = None
+    itl_target_s: float | None = None
+    leg_started_at: float = 0.0
+    kv_ready_at: float | None = None
 
 
 _FINISH_FROM_ENGINE = {gen_pb.FINISH_REASON_STOP, gen_pb.FINISH_REASON_LENGTH}
+
+
+def _target_s(sampling: gen_pb.SamplingParams, name: str) -> float | None:
+    """A latency target of the request in seconds (validated positive), None when unset."""
+    return float(getattr(sampling, name)) / 1000.0 if sampling.HasField(name) else None  # type: ignore[arg-type]
 
 
 class GenerationServicer(gen_grpc.GenerationServicer):
@@ -232,6 +247,11 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         route_span.set_attribute("pdserve.route.prefill", route.prefill.engine_id or "")
         route_span.set_attribute("pdserve.route.reason", route.prefill.reason)
         route_span.set_attribute("pdserve.route.matched_blocks", route.prefill.matched_blocks)
+        if route.path is not None:
+            route_span.set_attribute("pdserve.route.path", route.path.path)
+            route_span.set_attribute("pdserve.route.path_reason", route.path.reason)
+            route_span.set_attribute("pdserve.route.uncached_tokens", route.path.num_uncached_tokens)
+            route_span.set_attribute("pdserve.route.predicted_ms", 1000.0 * route.path.predicted_s)
 
     @staticmethod
     def _end_state(e: RequestError) -> tuple[RequestState, str]:
@@ -255,22 +275,61 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         if timeout <= 0:
             raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline has already passed")
         hashes = self.hasher.external_hashes(valid.prompt_token_ids)
-        route = self.router.route(RoutingRequest(hashes, len(valid.prompt_token_ids)), self._views(Role.PREFILL),
-                                  self._views(Role.DECODE))
-        if route.decode.engine_id is None:
+        ttft, itl = _target_s(valid.sampling, "ttft_target_ms"), _target_s(valid.sampling, "itl_target_ms")
+        route = self.router.route(RoutingRequest(hashes, len(valid.prompt_token_ids), ttft, itl),
+                                  self._views(Role.PREFILL), self._views(Role.DECODE))
+        if route.decode.engine_id is None or route.path is None:
             raise self._no_decode_error(frozenset())
         record = self.table.admit(request_id, len(valid.prompt_token_ids), timeout)
-        flight = Flight(record, valid, arrived, client_id)
+        flight = Flight(record, valid, arrived, client_id, path_reason=route.path.reason, itl_target_s=itl)
         self._take_slot(flight, route.decode.engine_id)
         if route.prefill.engine_id is not None:
             self._take_slot(flight, route.prefill.engine_id)
+        prefilling = route.prefill.engine_id or route.decode.engine_id
+        self._add_backlog(flight, prefilling, route.path.num_uncached_tokens)
+        self._register_itl(flight, route.decode.engine_id)
         self.flights[request_id] = flight
         return flight, route
 
+    # -- path costs: backlog, measurements, ITL targets ---------------------------------------
+
+    @property
+    def costs(self) -> PathCosts:
+        return self.router.path.costs
+
+    def _add_backlog(self, flight: Flight, engine_id: str, num_tokens: int) -> None:
+        ahead = self.costs.backlog_tokens[engine_id]
+        self.costs.add_backlog(engine_id, num_tokens)
+        flight.backlog = (engine_id, num_tokens, ahead + num_tokens)
+
+    def _settle_backlog(self, flight: Flight, engine_id: str, seconds: float | None) -> None:
+        """The engine computed (or gave up on) this request's prompt; `seconds` since dispatch
+        of a remote prefill feeds the prefill fit (None: nothing to learn)."""
+        if flight.backlog is None or flight.backlog[0] != engine_id:
+            return
+        _, own, total = flight.backlog
+        flight.backlog = None
+        self.costs.remove_backlog(engine_id, own)
+        if seconds is not None:
+            self.costs.observe_prefill(total, seconds)
+
+    def _register_itl(self, flight: Flight, engine_id: str | None) -> None:
+        """Moves the request's ITL target to the decode engine it runs on (None: removes it)."""
+        if flight.itl_target_s is None:
+            return
+        if flight.itl_engine is not None:
+            self.costs.remove_itl_target(flight.itl_engine, flight.itl_target_s)
+        flight.itl_engine = engine_id
+        if engine_id is not None:
+            self.costs.add_itl_target(engine_id, flight.itl_target_s)
+
     def _views(self, role: Role, exclude: frozenset[str] = frozenset()) -> list[EngineView]:
+        costs = self.costs
         return [EngineView(e.engine_id, e.epoch, str(e.role), num_inflight=self.admission.inflight(e.engine_id),
                            num_running=e.load.num_running, num_waiting=e.load.num_waiting, kv_usage=e.load.kv_usage,
-                           max_inflight=self.admission.max_inflight_per_engine)
+                           max_inflight=self.admission.max_inflight_per_engine,
+                           num_backlog_tokens=costs.backlog_tokens[e.engine_id],
+                           itl_target_s=costs.tightest_itl_target(e.engine_id))
                 for e in self.registry.routable(role)
                 if e.engine_id not in exclude and self.admission.has_room(e.engine_id)]
 
@@ -343,6 +402,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                 return response
             except LegFailed as failure:
                 logger.warning("request %s: prefill on %s failed: %s", record.request_id, engine_id, failure)
+                self._settle_backlog(flight, engine_id, None)
                 self._give_slot(flight, engine_id)
                 self._abort_on(engine_id, record.request_id)
                 record.failed_prefill_engines.add(engine_id)
@@ -376,6 +436,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                 response: eng_pb.PrefillResponse = await call
             finally:
                 flight.outside_s += time.monotonic() - started
+            self._settle_backlog(flight, engine.engine_id, time.monotonic() - started)
         except (asyncio.CancelledError, grpc.aio.AioRpcError) as e:
             raise self._leg_error(flight, e, "prefill") from None
         finally:
@@ -414,12 +475,14 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                     self.table.migrate(record, ref)
                 if descriptor is not None and record.prefill is not None:
                     self.control.tracker.start(record.request_id, record.prefill, ref)
+                self._register_itl(flight, engine.engine_id)
                 async for out in self._stream_decode(flight, engine, descriptor):
                     yield out
                 return
             except LegFailed as failure:
                 logger.warning("request %s: decode on %s failed: %s", record.request_id, engine_id, failure)
                 self.metrics.count_migration("decode_failed")
+                self._settle_backlog(flight, engine_id, None)
                 engine_id = self._migration_target(flight, engine_id)
                 descriptor = None
 
@@ -450,6 +513,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         self._dispatched(flight)
         call = self.channels.stub(engine).Decode(request, timeout=self._remaining(flight))
         flight.call = call
+        flight.leg_started_at, flight.kv_ready_at = time.monotonic(), None
         first = True
         try:
             responses = aiter(call)
@@ -462,8 +526,9 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                 finally:
                     flight.outside_s += time.monotonic() - waiting
                 if first and descriptor is not None:
-                    flight.num_transferred_tokens = response.num_transferred_tokens
+                    self._transferred(flight, engine.engine_id, response.num_transferred_tokens)
                 if first:
+                    self._settle_backlog(flight, engine.engine_id, None)  # see PathCosts: not sampled
                     flight.num_cached_tokens = max(flight.num_cached_tokens, response.num_cached_tokens)
                     first = False
                 if response.token_ids:
@@ -481,6 +546,15 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             flight.call = None
         raise LegFailed("decode stream ended without a finish reason")
 
+    def _transferred(self, flight: Flight, decode_id: str, num_tokens: int) -> None:
+        """The decode engine reported the prompt tokens it pulled; with the KVReady time this is
+        one sample of the pair's transfer cost."""
+        flight.num_transferred_tokens = num_tokens
+        self.metrics.count_transferred_tokens(num_tokens)
+        if flight.kv_ready_at is not None and flight.prefill_engine_id:
+            self.costs.observe_transfer(flight.prefill_engine_id, decode_id, num_tokens,
+                                        flight.kv_ready_at - flight.leg_started_at)
+
     def _chunk(self, flight: Flight, token_ids: list[int], text: str) -> gen_pb.GenerateResponse:
         now = time.monotonic()
         if flight.first_token_at is None:
@@ -488,6 +562,8 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             self.metrics.count_first_tokens(len(token_ids))
         else:
             self.metrics.observe_inter_token_latency(now - flight.last_token_at, len(token_ids))
+            if len(flight.output_ids) >= 2:  # the gap before the second token holds the transfer
+                self.costs.observe_itl((now - flight.last_token_at) / len(token_ids))
         flight.first_token_at = flight.first_token_at or now
         flight.last_token_at = now
         index = self.table.tokens_streamed(flight.record, len(token_ids))
@@ -503,7 +579,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         complete = gen_pb.Complete(finish_reason=finish_reason, usage=usage,  # type: ignore[arg-type]
                                    prefill_engine_id=flight.prefill_engine_id,
                                    decode_engine_id=record.decode.engine_id if record.decode else "",
-                                   num_migrations=record.num_migrations,
+                                   num_migrations=record.num_migrations, path_reason=flight.path_reason,
                                    scheduler_overhead_ms=1000.0 * max(0.0, time.monotonic() - flight.started
                                                                        - flight.outside_s))
         return gen_pb.GenerateResponse(request_id=flight.client_id, complete=complete)
@@ -531,6 +607,9 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         self.control.aggregator.abort(record.request_id)
         for engine_id in list(flight.slots):
             self._give_slot(flight, engine_id)
+        if flight.backlog is not None:
+            self._settle_backlog(flight, flight.backlog[0], None)
+        self._register_itl(flight, None)
         del self.flights[record.request_id]
         self.table.remove(record)
         outcome = {RequestState.FINISHED: "success", RequestState.FAILED: "error"}.get(
@@ -575,6 +654,9 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                 return
         elif outcome.kind == OutcomeKind.KV_READY and record is not None:
             self.table.kv_arrived(record)
+            flight = self.flights.get(outcome.request_id)
+            if flight is not None:
+                flight.kv_ready_at = time.monotonic()
         self.control.deliver(outcome)
 
     def on_engine_down(self, ref: EngineRef, reason: str) -> None:

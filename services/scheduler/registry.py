@@ -71,6 +71,8 @@ class RankHello:
     last_sent_seq: int = 0
     block_size: int | None = None
     hash_seed: str | None = None
+    dtype: str | None = None
+    device_kind: str | None = None
 
     @property
     def rank_id(self) -> RankId:
@@ -190,6 +192,19 @@ class EngineRegistry:
                 return rank.hello.compatibility_hash
         return None
 
+    def _hash_difference(self, h: RankHello) -> str:
+        """What differs, where the Hellos say it in clear (dtype, device kind); else the list."""
+        for engine in self.engines.values():
+            for rank in engine.ranks.values():
+                theirs = rank.hello
+                for name in ("dtype", "device_kind"):
+                    mine, other = getattr(h, name), getattr(theirs, name)
+                    if mine is not None and other is not None and mine != other:
+                        return (f"{name} {mine} != {other} of engine {theirs.engine_id}: every engine of a cluster "
+                                f"must run one {name.replace('_', ' ')} (--dtype / --device)")
+                break
+        return "model, dtype, device kind, KV layout, block size or hash seed differ"
+
     def check(self, h: RankHello) -> None:
         """Raises RegistrationError when `h` would be refused; changes nothing."""
         _check_hello_shape(h)
@@ -209,7 +224,7 @@ class EngineRegistry:
         fencing = current is not None and current.epoch != h.epoch
         if expected is not None and h.compatibility_hash != expected and not (fencing and self._sole_engine(h.engine_id)):
             raise RegistrationError(incompatible, f"compatibility hash {h.compatibility_hash} != cluster's {expected} "
-                                                  "(model, dtype, KV layout, block size or hash seed differ)")
+                                                  f"({self._hash_difference(h)})")
         if current is not None and not fencing:
             if (current.role, current.tp_size, current.pp_size) != (h.role, h.tp_size, h.pp_size):
                 raise RegistrationError(RegistrationErrorKind.INVALID,

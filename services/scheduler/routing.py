@@ -1,9 +1,11 @@
 """Routing: which prefill engine computes a prompt and which decode engine generates.
 
-The prefill choice is pluggable (`RoutingPolicy`); the decode choice is always by load. The
-`Router` wraps a policy with the rules every policy shares: prompts shorter than the
-decode-only threshold, or arriving when no prefill engine can take them, skip prefill. Every
-decision carries a reason (a short constant below) and is counted by reason.
+The prefill choice is pluggable (`RoutingPolicy`); whether the prompt is prefilled there at all
+(remote prefill + KV transfer) or on the decode engine, and which decode engine, is the path
+policy's joint decision (`services.scheduler.path_policy`). The `Router` wraps both with the
+rules every policy shares: prompts shorter than the decode-only threshold, or arriving when no
+prefill engine can take them, skip prefill. Every decision carries a reason (a short constant
+below, or a path reason) and is counted by reason.
 
 Contract for policies: `choose_prefill` receives only engines that are healthy and below their
 admission limit (never an empty list), must not mutate them, and returns a decision naming one
@@ -18,21 +20,34 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from services.scheduler.path_policy import (
+    LOCAL_NO_PREFILL,
+    LOCAL_SHORT_PROMPT,
+    PathConfig,
+    PathDecision,
+    PathPolicy,
+    PathRequest,
+)
+from services.scheduler.prefix_index import PrefixIndex
+
 # Decision reasons (metric label values; keep them low-cardinality).
 REASON_LOAD = "load"
 REASON_ROUND_ROBIN = "round_robin"
 REASON_PREFIX = "prefix"
-REASON_SHORT_PROMPT = "decode_only_short_prompt"
-REASON_NO_PREFILL = "decode_only_no_prefill"
+REASON_SHORT_PROMPT = LOCAL_SHORT_PROMPT
+REASON_NO_PREFILL = LOCAL_NO_PREFILL
 REASON_NO_DECODE = "no_decode_engine"
 
 
 @dataclass(frozen=True, slots=True)
 class RoutingRequest:
-    """What a policy may look at: the prompt's 64-bit block hashes and its length."""
+    """What a policy may look at: the prompt's 64-bit block hashes and its length, and the
+    request's own latency targets (None: not set)."""
 
     block_hashes: list[int]
     num_tokens: int
+    ttft_target_s: float | None = None
+    itl_target_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +62,10 @@ class EngineView:
     num_waiting: int = 0
     kv_usage: float = 0.0
     max_inflight: int | None = None
+    # Prompt tokens the scheduler sent there that are not computed yet (path policy).
+    num_backlog_tokens: int = 0
+    # The tightest ITL target among the requests decoding there (None: no request set one).
+    itl_target_s: float | None = None
 
     @property
     def load_score(self) -> float:
@@ -64,10 +83,12 @@ class RoutingDecision:
 
 @dataclass(frozen=True, slots=True)
 class Route:
-    """A complete decision: prefill (engine_id None = decode-only) and decode."""
+    """A complete decision: prefill (engine_id None = decode-only) and decode, and the path
+    decision behind them (None only when no decode engine was left)."""
 
     prefill: RoutingDecision
     decode: RoutingDecision
+    path: PathDecision | None = None
 
     @property
     def decode_only(self) -> bool:
@@ -113,11 +134,18 @@ class RoundRobinPolicy:
 
 @dataclass(slots=True)
 class Router:
-    """Applies the shared rules around a policy and counts decisions by reason."""
+    """Applies the shared rules around a prefill policy and the path policy, and counts
+    decisions: `decisions` by the prefill reason (a path reason when decode-local), `paths` by
+    path reason. Without an explicit `path` policy every prompt is prefilled remotely (the
+    scheduler service builds one from its configuration, cost mode by default). `index`, when
+    set, tells the path policy which prompt blocks each engine (decode engines too) holds."""
 
     policy: RoutingPolicy
     decode_only_threshold: int = 0
+    path: PathPolicy = field(default_factory=lambda: PathPolicy(PathConfig(mode="remote")))
+    index: PrefixIndex | None = None
     decisions: Counter[str] = field(default_factory=Counter)
+    paths: Counter[str] = field(default_factory=Counter)
 
     def route(self, request: RoutingRequest, prefill_engines: Sequence[EngineView],
               decode_engines: Sequence[EngineView], *, exclude_decode: frozenset[str] = frozenset()) -> Route:
@@ -125,17 +153,37 @@ class Router:
 
         `exclude_decode` removes decode engines a migrating request already failed on. When no
         decode engine is left the decode decision has engine_id None and reason
-        `no_decode_engine`; the caller answers UNAVAILABLE or RESOURCE_EXHAUSTED.
+        `no_decode_engine` (nothing is counted); the caller answers UNAVAILABLE or
+        RESOURCE_EXHAUSTED.
         """
-        decode = self.choose_decode([e for e in decode_engines if e.engine_id not in exclude_decode])
+        decodes = [e for e in decode_engines if e.engine_id not in exclude_decode]
+        if not decodes:
+            none = RoutingDecision(None, REASON_NO_DECODE)
+            return Route(none, none)
+        matched = self._matched_blocks(request, [*prefill_engines, *decodes])
+        want = PathRequest(request.num_tokens, request.ttft_target_s, request.itl_target_s)
+        chosen: RoutingDecision | None = None
         if request.num_tokens < self.decode_only_threshold:
-            prefill = RoutingDecision(None, REASON_SHORT_PROMPT)
-        elif not prefill_engines:
-            prefill = RoutingDecision(None, REASON_NO_PREFILL)
+            path = self.path.local(REASON_SHORT_PROMPT, want, decodes, matched)
         else:
-            prefill = self.policy.choose_prefill(request, prefill_engines)
+            if prefill_engines:
+                chosen = self.policy.choose_prefill(request, prefill_engines)
+            view = next((e for e in prefill_engines if chosen is not None and e.engine_id == chosen.engine_id), None)
+            path = self.path.decide(want, view, decodes, matched)
+        prefill = chosen if chosen is not None and not path.local else RoutingDecision(None, path.reason)
+        decode = RoutingDecision(path.decode_id, REASON_PREFIX if matched.get(path.decode_id) else REASON_LOAD,
+                                 matched.get(path.decode_id, 0))
         self.decisions[prefill.reason] += 1
-        return Route(prefill, decode)
+        self.paths[path.reason] += 1
+        return Route(prefill, decode, path)
+
+    def _matched_blocks(self, request: RoutingRequest, engines: Sequence[EngineView]) -> dict[str, int]:
+        """Engine id -> consecutive prompt blocks it holds, for the engines' live epochs."""
+        if self.index is None or not request.block_hashes:
+            return {}
+        matches = self.index.match(request.block_hashes)
+        return {e.engine_id: m.num_blocks for e in engines
+                if (m := matches.get(e.engine_id)) is not None and m.epoch == e.epoch}
 
     def choose_decode(self, engines: Sequence[EngineView]) -> RoutingDecision:
         if not engines:

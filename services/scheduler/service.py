@@ -38,6 +38,8 @@ from services.scheduler.event_sink import EventSink
 from services.scheduler.generation import GenerationServicer
 from services.scheduler.http_api import HttpApi
 from services.scheduler.lifecycle import ReleaseCause, RequestTable
+from services.scheduler.path_costs import CostPriors, PathCosts
+from services.scheduler.path_policy import PathConfig, PathPolicy
 from services.scheduler.registry import EngineRegistry
 from services.scheduler.routing import Router, RoutingPolicy, make_policy
 from services.scheduler.telemetry import SchedulerTelemetry
@@ -57,6 +59,19 @@ def resolve_model_dir(model: str) -> Path:
     from engine.demo_model import demo_model_dir
 
     return demo_model_dir()
+
+
+def make_path_policy(config: SchedulerConfig) -> PathPolicy:
+    """The path policy of `config.path_*` (remote prefill vs decode-local, per request)."""
+    priors = CostPriors(prefill_per_token_s=config.path_prior_prefill_us_per_token * 1e-6,
+                        transfer_per_token_s=config.path_prior_transfer_us_per_token * 1e-6)
+    path = PathConfig(mode=config.path_policy, threshold_tokens=config.path_threshold_tokens,
+                      max_decode_kv_usage=config.path_max_decode_kv_usage,
+                      decode_stall_budget_s=config.path_decode_stall_budget_ms / 1000.0,
+                      decode_stall_steps=config.path_decode_stall_steps,
+                      decode_load_s=config.path_decode_load_ms / 1000.0,
+                      ttft_target_s=config.path_ttft_target_ms / 1000.0 or None, block_size=config.block_size)
+    return PathPolicy(path, PathCosts(priors))
 
 
 class SchedulerService:
@@ -93,7 +108,8 @@ class SchedulerService:
             self.control.on_registered.append(self.plane.engine_up)
             self.control.on_engine_up.append(self.plane.engine_up)
             self.plane.instrument(EventMetrics(self.telemetry.prometheus))
-        self.router = Router(policy, config.decode_only_threshold)
+        self.router = Router(policy, config.decode_only_threshold, path=make_path_policy(config),
+                             index=self.plane.index if self.plane is not None else None)
         self.admission = Admission(config.max_queue_per_engine)
         self.generation = GenerationServicer(config, facts=facts, tokenizer=self.tokenizer, control=self.control,
                                              router=self.router, admission=self.admission, table=self.table,
@@ -186,6 +202,7 @@ class SchedulerService:
         problems = [f"request {x}" for x in self.table.leaks()]
         problems += [f"transfer {r}" for r in self.control.tracker.transfers]
         problems += [f"flight {r}" for r in self.generation.flights]
+        problems += self.router.path.costs.leaks()
         if self.admission.total():
             problems.append(f"{self.admission.total()} admission slots held")
         if self.guard.streams.total():

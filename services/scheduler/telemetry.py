@@ -15,14 +15,13 @@ from connectors.aggregator import KVOutputAggregator
 from services.common.metrics import RegisteredCount, SchedulerMetrics
 from services.scheduler.lifecycle import ReleaseCause
 from services.scheduler.registry import EngineRegistry
-from services.scheduler.routing import REASON_NO_PREFILL, REASON_SHORT_PROMPT, Route
+from services.scheduler.routing import Route
 
 _LEASE_OUTCOME = {
     ReleaseCause.TRANSFERRED: "released", ReleaseCause.TRANSFER_FAILED: "released",
     ReleaseCause.FINISHED: "released", ReleaseCause.ENGINE_GONE: "released",
     ReleaseCause.ABORT: "aborted", ReleaseCause.LEASE_EXPIRED: "expired",
 }
-_DECODE_ONLY = {REASON_SHORT_PROMPT: "short_prompt", REASON_NO_PREFILL: "no_prefill_engine"}
 
 
 class _AggregatorSource:
@@ -49,8 +48,10 @@ class SchedulerTelemetry:
         m = self.metrics
         if route.prefill.engine_id is not None:
             m.count_routing_decision("prefill", route.prefill.engine_id, policy, route.prefill.reason)
-        elif route.prefill.reason in _DECODE_ONLY:
-            m.count_decode_only(_DECODE_ONLY[route.prefill.reason])
+        if route.path is not None:
+            m.count_path_decision(route.path.path, route.path.reason)
+            if route.path.local:  # decode_only_total keeps its short labels: short_prompt, no_prefill_engine, ...
+                m.count_decode_only(route.path.reason.partition(":")[2])
         if route.decode.engine_id is not None:
             m.count_routing_decision("decode", route.decode.engine_id, "load", route.decode.reason)
 

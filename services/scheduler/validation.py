@@ -108,4 +108,7 @@ def _check_sampling(s: gen_pb.SamplingParams, facts: ModelFacts, limits: Limits)
     bad = next((t for t in s.stop_token_ids if t < 0 or t >= facts.vocab_size), None)
     if bad is not None:
         raise invalid(f"stop token id {bad} outside the vocabulary [0, {facts.vocab_size})")
+    for name in ("ttft_target_ms", "itl_target_ms"):
+        if s.HasField(name) and not (math.isfinite(getattr(s, name)) and getattr(s, name) > 0):
+            raise invalid(f"{name} must be a positive number of milliseconds, got {getattr(s, name)}")
     return max_tokens

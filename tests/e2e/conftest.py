@@ -35,7 +35,7 @@ def reference(demo_model: Path, prompts: list[list[int]]) -> list[list[int]]:
     from engine.request import SamplingParams
 
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    with LLMEngine(demo_model, torch_threads=1) as engine:
+    with LLMEngine(demo_model, torch_threads=1, dtype="float32") as engine:
         return engine.generate(prompts, params)
 
 

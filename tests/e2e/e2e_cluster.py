@@ -34,7 +34,14 @@ PROMPT_TEXTS = [
 
 
 def start_cluster(tmp_path_factory: pytest.TempPathFactory, name: str, **kwargs: object) -> LocalCluster:
+    """A started cluster. The scheduler prefills every prompt remotely (`--path-policy remote`:
+    these tests exercise the disaggregated path) unless `scheduler_args` names a path policy."""
     log_dir = tmp_path_factory.mktemp(name)
+    kwargs.setdefault("dtype", "float32")  # outputs are compared with the in-process engine's, in float32
+    scheduler_args = list(kwargs.pop("scheduler_args", []))  # type: ignore[call-overload]
+    if "--path-policy" not in scheduler_args:
+        scheduler_args += ["--path-policy", "remote"]
+    kwargs["scheduler_args"] = scheduler_args
     spec = ClusterSpec(log_dir=str(log_dir), torch_threads=1, kv_cache_memory="64MiB",
                        env={"PDSERVE_TRANSFER_TIMEOUT_S": "3"}, **kwargs)  # type: ignore[arg-type]
     cluster = LocalCluster(spec)

@@ -130,7 +130,7 @@ def test_tp2_on_both_sides_matches_offline(tmp_path_factory: pytest.TempPathFact
     from engine.llm_engine import LLMEngine
     from engine.request import SamplingParams
 
-    with LLMEngine(tiny_tp_model, torch_threads=1) as engine:
+    with LLMEngine(tiny_tp_model, torch_threads=1, dtype="float32") as engine:
         reference = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     c = start_cluster(tmp_path_factory, "tp2", tp=2, model=str(tiny_tp_model))
     try:
@@ -178,7 +178,7 @@ def test_killed_engines_lose_no_request_and_no_token(tmp_path_factory: pytest.Te
 
     long = 40
     batch = prompts[:8]
-    with LLMEngine(demo_model, torch_threads=1) as engine:
+    with LLMEngine(demo_model, torch_threads=1, dtype="float32") as engine:
         expected = engine.generate(batch, SamplingParams(max_tokens=long, ignore_eos=True))
     c = start_cluster(tmp_path_factory, "chaos", num_decode=2)
     try:

@@ -205,13 +205,15 @@ def test_gpu_count_equals_tp_and_cpu_installs_request_none(values_name: str) -> 
     docs = rendered(values_name)
     configs = config_files(docs)
     gpu = values_of(values_name).get("gpu", {}).get("enabled", True)
+    dra = values_of(values_name).get("gpu", {}).get("mode") == "dra"
     for role in ENGINE_ROLES:
         sts = one(docs, "StatefulSet", role)
         (container,) = containers(sts)
         tp = configs[role]["tp"]
         limits = container["resources"].get("limits", {})
         assert configs[role]["device"] == ("cuda" if gpu else "cpu")
-        if gpu:
+        assert configs[role]["dtype"] == values_of(values_name).get("kv", {}).get("dtype", "auto")
+        if gpu and not dra:
             assert limits["nvidia.com/gpu"] == tp
         else:
             assert "nvidia.com/gpu" not in limits
@@ -283,16 +285,45 @@ def test_rdma_device_plugin_and_dra() -> None:
         (container,) = containers(one(docs, "StatefulSet", role))
         assert container["resources"]["limits"]["rdma/ib"] == 1
     docs = rendered("everything-values.yaml")
-    (claim_template,) = of_kind(docs, "ResourceClaimTemplate")
+    (claim_template,) = [t for t in of_kind(docs, "ResourceClaimTemplate") if t["metadata"]["name"].endswith("-rdma")]
     request = claim_template["spec"]["spec"]["devices"]["requests"][0]
     assert request["exactly"] == {"deviceClassName": "rdma.nvidia.com", "allocationMode": "ExactCount", "count": 2}
     for role in ENGINE_ROLES:
         sts = one(docs, "StatefulSet", role)
         pod = sts["spec"]["template"]["spec"]
-        assert pod["resourceClaims"] == [{"name": "rdma",
-                                          "resourceClaimTemplateName": claim_template["metadata"]["name"]}]
-        assert pod["containers"][0]["resources"]["claims"] == [{"name": "rdma"}]
+        assert [c for c in pod["resourceClaims"] if c["name"] == "rdma"] == [
+            {"name": "rdma", "resourceClaimTemplateName": claim_template["metadata"]["name"]}]
+        assert {"name": "rdma"} in pod["containers"][0]["resources"]["claims"]
     assert not of_kind(rendered("default"), "ResourceClaimTemplate")
+
+
+def test_gpu_dra_claims_per_role_host_ipc_and_staging() -> None:
+    """gpu.mode dra: one ResourceClaimTemplate per role asking for tp GPUs, claimed by its pods
+    beside the RDMA claim; hostIpc and kvStaging reach the pod and the engine config."""
+    docs = rendered("everything-values.yaml")
+    configs = config_files(docs)
+    templates = {t["metadata"]["name"]: t for t in of_kind(docs, "ResourceClaimTemplate")}
+    for role in ENGINE_ROLES:
+        sts = one(docs, "StatefulSet", role)
+        pod = sts["spec"]["template"]["spec"]
+        gpu_claim = next(c for c in pod["resourceClaims"] if c["name"] == "gpu")
+        request = templates[gpu_claim["resourceClaimTemplateName"]]["spec"]["spec"]["devices"]["requests"][0]
+        assert request["exactly"] == {"deviceClassName": "gpu.nvidia.com", "allocationMode": "ExactCount",
+                                      "count": configs[role]["tp"]}
+        assert [c["name"] for c in pod["containers"][0]["resources"]["claims"]] == ["gpu", "rdma"]
+        assert "nvidia.com/gpu" not in pod["containers"][0]["resources"].get("limits", {})
+        assert pod["hostIPC"] is True
+        assert (configs[role]["kv_staging"], configs[role]["dtype"]) == ("host", "float16")
+    default = rendered("default")
+    for role in ENGINE_ROLES:
+        pod = one(default, "StatefulSet", role)["spec"]["template"]["spec"]
+        assert "hostIPC" not in pod and "resourceClaims" not in pod
+        assert config_files(default)[role]["kv_staging"] == "none"
+
+
+def test_role_config_may_not_repeat_the_declared_once_dtype() -> None:
+    with pytest.raises(Exception, match=r"prefill.config.dtype is set by the chart"):
+        render_values({"prefill": {"config": {"dtype": "float32"}}})
 
 
 def test_hpa_per_role_and_pdbs() -> None:

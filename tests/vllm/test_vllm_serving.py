@@ -75,7 +75,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, zmq_endpoint: str) -> Iter
     spec = ClusterSpec(
         log_dir=str(tmp_path_factory.mktemp("vllm")), num_prefill=2, num_decode=2, engine="vllm",
         kv_cache_memory="96MiB", torch_threads=1,
-        scheduler_args=["--block-size", str(BLOCK), "--routing-policy", "prefix", "--zmq-endpoint", zmq_endpoint],
+        scheduler_args=["--block-size", str(BLOCK), "--routing-policy", "prefix", "--zmq-endpoint", zmq_endpoint,
+                        "--path-policy", "remote"],  # these tests check the KV transfer path
         engine_args=["--block-size", str(BLOCK), "--dtype", "float32", "--max-model-len", "1024",
                      "--max-num-seqs", "8", "--transfer-timeout-s", "5"],
         vllm_args=["enforce_eager=true"],

@@ -87,6 +87,8 @@ class Hello(_message.Message):
     LAST_SENT_SEQ_FIELD_NUMBER: _builtins.int
     HASH_SEED_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    DEVICE_KIND_FIELD_NUMBER: _builtins.int
     compatibility_hash: _builtins.str
     """Hex digest over model, dtype, layers, KV heads, head size, block size, KV layout, hash
     seed and protocol version; every engine of a cluster must agree.
@@ -107,6 +109,11 @@ class Hello(_message.Message):
     checks both against its own configuration and refuses a mismatch with that reason.
     """
     block_size: _builtins.int
+    dtype: _builtins.str
+    """The KV dtype ("bfloat16", "float32", ...) and device kind ("cpu", "cuda") of the engine,
+    both inside compatibility_hash too; stated in clear so a mismatch is refused naming them.
+    """
+    device_kind: _builtins.str
     @_builtins.property
     def rank(self) -> Global___RankIdentity: ...
     def __init__(
@@ -120,17 +127,27 @@ class Hello(_message.Message):
         last_sent_seq: _builtins.int = ...,
         hash_seed: _builtins.str | None = ...,
         block_size: _builtins.int | None = ...,
+        dtype: _builtins.str | None = ...,
+        device_kind: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_hash_seed", b"_hash_seed", "block_size", b"block_size", "hash_seed", b"hash_seed", "rank", b"rank"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_device_kind", b"_device_kind", "_dtype", b"_dtype", "_hash_seed", b"_hash_seed", "block_size", b"block_size", "device_kind", b"device_kind", "dtype", b"dtype", "hash_seed", b"hash_seed", "rank", b"rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_hash_seed", b"_hash_seed", "block_size", b"block_size", "compatibility_hash", b"compatibility_hash", "engine_address", b"engine_address", "handshake_metadata", b"handshake_metadata", "hash_seed", b"hash_seed", "last_sent_seq", b"last_sent_seq", "protocol_version", b"protocol_version", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_device_kind", b"_device_kind", "_dtype", b"_dtype", "_hash_seed", b"_hash_seed", "block_size", b"block_size", "compatibility_hash", b"compatibility_hash", "device_kind", b"device_kind", "dtype", b"dtype", "engine_address", b"engine_address", "handshake_metadata", b"handshake_metadata", "hash_seed", b"hash_seed", "last_sent_seq", b"last_sent_seq", "protocol_version", b"protocol_version", "rank", b"rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__block_size: _TypeAlias = _typing.Literal["block_size"]  # noqa: Y015
     _WhichOneofArgType__block_size: _TypeAlias = _typing.Literal["_block_size", b"_block_size"]  # noqa: Y015
+    _WhichOneofReturnType__device_kind: _TypeAlias = _typing.Literal["device_kind"]  # noqa: Y015
+    _WhichOneofArgType__device_kind: _TypeAlias = _typing.Literal["_device_kind", b"_device_kind"]  # noqa: Y015
+    _WhichOneofReturnType__dtype: _TypeAlias = _typing.Literal["dtype"]  # noqa: Y015
+    _WhichOneofArgType__dtype: _TypeAlias = _typing.Literal["_dtype", b"_dtype"]  # noqa: Y015
     _WhichOneofReturnType__hash_seed: _TypeAlias = _typing.Literal["hash_seed"]  # noqa: Y015
     _WhichOneofArgType__hash_seed: _TypeAlias = _typing.Literal["_hash_seed", b"_hash_seed"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__block_size) -> _WhichOneofReturnType__block_size | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__device_kind) -> _WhichOneofReturnType__device_kind | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__dtype) -> _WhichOneofReturnType__dtype | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__hash_seed) -> _WhichOneofReturnType__hash_seed | None: ...
 

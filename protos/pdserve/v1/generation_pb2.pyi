@@ -60,6 +60,8 @@ class SamplingParams(_message.Message):
     STOP_FIELD_NUMBER: _builtins.int
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
+    TTFT_TARGET_MS_FIELD_NUMBER: _builtins.int
+    ITL_TARGET_MS_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
     """Signed so that a negative value reaches validation and is refused with a message."""
     temperature: _builtins.float
@@ -67,6 +69,13 @@ class SamplingParams(_message.Message):
     top_k: _builtins.int
     seed: _builtins.int
     ignore_eos: _builtins.bool
+    ttft_target_ms: _builtins.float
+    """Latency targets of this request (milliseconds; unset: none). The scheduler's path policy
+    uses them: a TTFT target may send the prompt to a decode-local prefill when the prefill
+    engines are too busy to meet it; while the request decodes, no decode-local prefill stalls
+    its decode engine longer than its ITL target. Engines ignore both.
+    """
+    itl_target_ms: _builtins.float
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -82,13 +91,17 @@ class SamplingParams(_message.Message):
         stop: _abc.Iterable[_builtins.str] | None = ...,
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         ignore_eos: _builtins.bool | None = ...,
+        ttft_target_ms: _builtins.float | None = ...,
+        itl_target_ms: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_ignore_eos", b"_ignore_eos", "_max_tokens", b"_max_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_ignore_eos", b"_ignore_eos", "_itl_target_ms", b"_itl_target_ms", "_max_tokens", b"_max_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_ttft_target_ms", b"_ttft_target_ms", "ignore_eos", b"ignore_eos", "itl_target_ms", b"itl_target_ms", "max_tokens", b"max_tokens", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "ttft_target_ms", b"ttft_target_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ignore_eos", b"_ignore_eos", "_max_tokens", b"_max_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ignore_eos", b"_ignore_eos", "_itl_target_ms", b"_itl_target_ms", "_max_tokens", b"_max_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_ttft_target_ms", b"_ttft_target_ms", "ignore_eos", b"ignore_eos", "itl_target_ms", b"itl_target_ms", "max_tokens", b"max_tokens", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "ttft_target_ms", b"ttft_target_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__ignore_eos: _TypeAlias = _typing.Literal["ignore_eos"]  # noqa: Y015
     _WhichOneofArgType__ignore_eos: _TypeAlias = _typing.Literal["_ignore_eos", b"_ignore_eos"]  # noqa: Y015
+    _WhichOneofReturnType__itl_target_ms: _TypeAlias = _typing.Literal["itl_target_ms"]  # noqa: Y015
+    _WhichOneofArgType__itl_target_ms: _TypeAlias = _typing.Literal["_itl_target_ms", b"_itl_target_ms"]  # noqa: Y015
     _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
@@ -99,8 +112,12 @@ class SamplingParams(_message.Message):
     _WhichOneofArgType__top_k: _TypeAlias = _typing.Literal["_top_k", b"_top_k"]  # noqa: Y015
     _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
     _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    _WhichOneofReturnType__ttft_target_ms: _TypeAlias = _typing.Literal["ttft_target_ms"]  # noqa: Y015
+    _WhichOneofArgType__ttft_target_ms: _TypeAlias = _typing.Literal["_ttft_target_ms", b"_ttft_target_ms"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__ignore_eos) -> _WhichOneofReturnType__ignore_eos | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__itl_target_ms) -> _WhichOneofReturnType__itl_target_ms | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_tokens) -> _WhichOneofReturnType__max_tokens | None: ...
     @_typing.overload
@@ -111,6 +128,8 @@ class SamplingParams(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__top_k) -> _WhichOneofReturnType__top_k | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ttft_target_ms) -> _WhichOneofReturnType__ttft_target_ms | None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
 
@@ -259,6 +278,7 @@ class Complete(_message.Message):
     DECODE_ENGINE_ID_FIELD_NUMBER: _builtins.int
     NUM_MIGRATIONS_FIELD_NUMBER: _builtins.int
     SCHEDULER_OVERHEAD_MS_FIELD_NUMBER: _builtins.int
+    PATH_REASON_FIELD_NUMBER: _builtins.int
     finish_reason: Global___FinishReason.ValueType
     prefill_engine_id: _builtins.str
     """Engines that served the request, for debugging and routing tests."""
@@ -268,6 +288,10 @@ class Complete(_message.Message):
     scheduler_overhead_ms: _builtins.float
     """Wall time the scheduler spent on this request outside engine calls and client writes
     (validation, tokenization, hashing, routing, relaying): the control-plane overhead.
+    """
+    path_reason: _builtins.str
+    """Why the scheduler chose this path: "decode_local:<why>" (prefilled on the decode engine)
+    or "remote:<why>" (prefilled on prefill_engine_id, KV pulled); see the path policy.
     """
     @_builtins.property
     def usage(self) -> Global___Usage: ...
@@ -280,10 +304,11 @@ class Complete(_message.Message):
         decode_engine_id: _builtins.str = ...,
         num_migrations: _builtins.int = ...,
         scheduler_overhead_ms: _builtins.float = ...,
+        path_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_engine_id", b"decode_engine_id", "finish_reason", b"finish_reason", "num_migrations", b"num_migrations", "prefill_engine_id", b"prefill_engine_id", "scheduler_overhead_ms", b"scheduler_overhead_ms", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_engine_id", b"decode_engine_id", "finish_reason", b"finish_reason", "num_migrations", b"num_migrations", "path_reason", b"path_reason", "prefill_engine_id", b"prefill_engine_id", "scheduler_overhead_ms", b"scheduler_overhead_ms", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

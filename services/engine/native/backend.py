@@ -118,8 +118,8 @@ class NativeBackend:
         loop.start()
         self.loop = loop  # ready before registering: no window where a routable engine is "starting"
         parts.agent.connect()
-        logger.info("%s engine %s ready (epoch %x, tp %d, %d KV blocks)", cfg.role, cfg.engine_id, self._epoch,
-                    cfg.tp, parts.engine.kv_cache_spec.num_blocks)
+        logger.info("%s engine %s ready (epoch %x, tp %d, %s, %d KV blocks)", cfg.role, cfg.engine_id, self._epoch,
+                    cfg.tp, parts.engine.device_plan.describe(), parts.engine.kv_cache_spec.num_blocks)
 
     def _current_load(self) -> NativeLoad:
         """The load the engine loop last saw (read by the metrics collector on scrape)."""

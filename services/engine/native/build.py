@@ -35,23 +35,26 @@ def build_native_engine(cfg: EngineConfig, epoch: int, engine_address: str) -> N
     (`agent.connect()` registers once the engine loop runs)."""
     model = cfg.model or str(demo_model_dir())
     # The same dtype and KV spec the engine will resolve, so the compatibility hash is its own.
-    dtype = resolve_dtype(cfg.dtype, resolve_device(cfg.device))
+    kind = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, kind)
     model_config = ModelConfig.from_dir(model, dtype=dtype, max_model_len=cfg.max_model_len)
     spec = make_kv_cache_spec(model_config, block_size=cfg.block_size, memory_bytes=cfg.kv_cache_bytes,
-                              tp_size=cfg.tp, num_blocks=None, element_size=DTYPES[dtype].itemsize)
+                              tp_size=cfg.tp, num_blocks=None, element_size=DTYPES[dtype].itemsize,
+                              device_kind=kind)
     factory = RankAgentFactory(
         engine_id=cfg.engine_id, role=cfg.role, epoch=epoch, scheduler=cfg.scheduler,
         engine_address=engine_address, num_kv_heads=model_config.num_kv_heads,
         compat_hash=compatibility_hash(model_config, spec, cfg.hash_seed), hash_seed=cfg.hash_seed,
         block_size=cfg.block_size, transfer_timeout_s=cfg.transfer_timeout_s, lease_s=cfg.lease_s,
         max_inflight=cfg.max_inflight_transfers, ucx_tls=cfg.ucx_tls, ucx_net_devices=cfg.ucx_net_devices,
-        metrics_port=cfg.metrics_port, security=component_channel_security(cfg))
+        kv_staging=cfg.kv_staging, dtype=dtype, device_kind=kind, metrics_port=cfg.metrics_port, security=component_channel_security(cfg))
     connector = UcxSchedulerConnector(cfg.block_size, offload=_offload_tier(cfg, factory, spec.block_nbytes))
     engine = LLMEngine(model, tp=cfg.tp, kv_cache_memory=cfg.kv_cache_memory, block_size=cfg.block_size,
                        max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                        max_model_len=cfg.max_model_len, dtype=cfg.dtype, device=cfg.device,
                        hash_seed=cfg.hash_seed, kv_medium=cfg.kv_medium, torch_threads=cfg.torch_threads,
-                       rank_init=factory, scheduler_connector=connector)
+                       rank_init=factory, scheduler_connector=connector, devices=cfg.devices,
+                       gpu_memory_fraction=cfg.gpu_memory_fraction)
     agent = engine.workers.rank0.connector
     assert isinstance(agent, RankAgent)
     return NativeEngine(engine, agent, connector)

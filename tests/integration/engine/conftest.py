@@ -87,6 +87,7 @@ def make_engine() -> Iterator[Callable[..., Any]]:
     def make(model: str | Path, **kw: Any) -> LLMEngine:
         kw.setdefault("kv_cache_memory", "8MiB")
         kw.setdefault("torch_threads", 2)
+        kw.setdefault("dtype", "float32")  # parity with transformers' float32 reference
         engine = LLMEngine(model, **kw)
         engines.append(engine)
         return engine

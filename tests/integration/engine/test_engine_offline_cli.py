@@ -19,7 +19,7 @@ def test_offline_json_matches_transformers_in_input_order(tiny_model, prompts_of
     prompts = prompts_of([9, 30, 4], seed=31)
     jsonl = tmp_path / "p.jsonl"
     jsonl.write_text(json.dumps({"prompt_ids": prompts[2]}) + "\n")
-    argv = ["--model", str(model.path), "--max-tokens", "12", "--json", "--kv-cache-memory", "4MiB",
+    argv = ["--model", str(model.path), "--max-tokens", "12", "--json", "--kv-cache-memory", "4MiB", "--dtype", "float32",
             "--prompt-ids", ",".join(map(str, prompts[0])), "--prompt-ids", ",".join(map(str, prompts[1])),
             "--jsonl", str(jsonl)]
     rows = _run(capsys, argv)

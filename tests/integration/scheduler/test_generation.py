@@ -27,7 +27,7 @@ FACTS = ModelFacts("scripted", vocab_size=1000, max_model_len=512)
 class Cluster:
     def __init__(self, **overrides: Any) -> None:
         config = load_config(SchedulerConfig, env={}, overrides={
-            "port": 0, "control_port": 0, "events_port": 0, "routing_policy": "load",
+            "port": 0, "control_port": 0, "events_port": 0, "routing_policy": "load", "path_policy": "remote",
             "heartbeat_interval_s": 0.05, "default_max_tokens": 8, **overrides})
         self.prometheus = CollectorRegistry()
         self.service = SchedulerService(config, facts=FACTS, sink=RecordingEventSink(), prometheus=self.prometheus)
@@ -149,7 +149,10 @@ async def test_decode_only_below_threshold_and_without_prefill() -> None:
         assert done.prefill_engine_id == ""
         _, done = await c.generate(list(range(40)), max_tokens=3)
         assert done.prefill_engine_id == "p0"
-        assert c.service.router.decisions == {"decode_only_no_prefill": 1, "decode_only_short_prompt": 1, "load": 1}
+        assert c.service.router.decisions == {"decode_local:no_prefill_engine": 1, "decode_local:short_prompt": 1,
+                                              "load": 1}
+        assert c.service.router.paths == {"decode_local:no_prefill_engine": 1, "decode_local:short_prompt": 1,
+                                          "remote:always": 1}
         await no_leaks(c)
     finally:
         await c.stop()
@@ -394,3 +397,38 @@ async def test_engine_events_reach_event_plane_subscribers() -> None:
     finally:
         await engine.stop()
         await service.stop(0)
+
+
+async def test_path_policy_decides_per_request_and_reports_why() -> None:
+    """Cost path policy through the servicer: a short prompt is prefilled on the decode engine,
+    a long one remotely; the reason reaches Complete and the metrics; the backlog and ITL-target
+    books balance after the requests (no_leaks)."""
+    c = Cluster(path_policy="cost", path_decode_stall_budget_ms=50.0)  # prior 200 us/token: 250 tokens
+    await c.start()
+    try:
+        await c.add("p0", "prefill")
+        d = await c.add("d0", "decode")
+        _, short = await c.generate(list(range(10)), max_tokens=3, itl_target_ms=500.0)
+        assert (short.prefill_engine_id, short.path_reason) == ("", "decode_local:short_prompt")
+        assert not d.decode_requests[0].HasField("descriptor") and short.usage.transferred_tokens == 0
+        _, long = await c.generate(list(range(400)), max_tokens=3, ttft_target_ms=10_000.0)
+        assert (long.prefill_engine_id, long.path_reason) == ("p0", "remote:long_prompt")
+        assert long.usage.transferred_tokens == 400
+        sample = c.prometheus.get_sample_value
+        for path, reason in (("decode_local", "decode_local:short_prompt"), ("remote", "remote:long_prompt")):
+            assert sample("pdserve_scheduler_path_decisions_total", {"path": path, "reason": reason}) == 1
+        assert sample("pdserve_scheduler_transferred_tokens_total") == 400
+        assert sample("pdserve_scheduler_decode_only_total", {"reason": "short_prompt"}) == 1
+        await no_leaks(c)
+    finally:
+        await c.stop()
+
+
+@pytest.mark.parametrize("field", ["ttft_target_ms", "itl_target_ms"])
+async def test_latency_targets_must_be_positive(cluster: Cluster, field: str) -> None:
+    await cluster.add("p0", "prefill")
+    await cluster.add("d0", "decode")
+    with pytest.raises(grpc.aio.AioRpcError, match=f"{field} must be a positive number") as e:
+        await cluster.generate(list(range(10)), max_tokens=3, **{field: -5.0})
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert cluster.service.router.paths == {} and cluster.service.router.path.costs.leaks() == []

@@ -16,6 +16,7 @@ from typing import Any
 SPEC_DEFAULTS: dict[str, Any] = {
     "tp_rank": 0, "tp_size": 1, "num_kv_heads": 2, "num_blocks": 256, "num_layers": 2, "block_size": 4,
     "head_dim": 8, "seed": 0, "timeout_s": 2.0, "lease_s": 30.0, "max_inflight": 64, "hash": "compat-test",
+    "device": "cpu", "kv_staging": "none",
 }
 
 
@@ -73,6 +74,13 @@ def _stats(stats: Any) -> dict[str, Any]:
     return {"pairs": [asdict(p) for p in stats.pairs.values()], "lease_expiries": stats.lease_expiries}
 
 
+def connector_stats_data(connector: Any) -> dict[str, list[float]]:
+    """The host-staging series of the connector's stats since the last call."""
+    stats = connector.get_kv_connector_stats()
+    data = stats.data if stats is not None else {}
+    return {k: list(v) for k, v in data.items() if k.startswith("host_")}
+
+
 def rank_main(conn: Connection, spec: dict[str, Any]) -> None:
     import torch
 
@@ -84,8 +92,9 @@ def rank_main(conn: Connection, spec: dict[str, Any]) -> None:
     kv = torch.zeros(spec["num_blocks"], spec["num_layers"], 2, heads, spec["block_size"], spec["head_dim"])
     if spec["seed"]:
         kv.uniform_(generator=torch.Generator().manual_seed(spec["seed"]))
+    kv = kv.to(spec["device"])
     config = UcxConnectorConfig(transfer_timeout_s=spec["timeout_s"], lease_s=spec["lease_s"],
-                                max_inflight_transfers=spec["max_inflight"])
+                                max_inflight_transfers=spec["max_inflight"], kv_staging=spec["kv_staging"])
     connector = UcxWorkerConnector(engine_id=spec["engine_id"], epoch=spec["epoch"], tp_rank=spec["tp_rank"],
                                    tp_size=spec["tp_size"], num_kv_heads=spec["num_kv_heads"],
                                    compatibility_hash=spec["hash"], kv_cache=kv, config=config)
@@ -123,7 +132,7 @@ def rank_main(conn: Connection, spec: dict[str, Any]) -> None:
         return ids
 
     def digests(ids: list[int]) -> list[str]:
-        return [hashlib.blake2b(kv[b].numpy().tobytes(), digest_size=16).hexdigest() for b in ids]
+        return [hashlib.blake2b(kv[b].cpu().numpy().tobytes(), digest_size=16).hexdigest() for b in ids]
 
     def zero(ids: list[int]) -> None:
         for b in ids:
@@ -142,6 +151,8 @@ def rank_main(conn: Connection, spec: dict[str, Any]) -> None:
         "zero": zero,
         "stats": lambda: _stats(connector.get_kv_connector_stats()),
         "pending": connector.num_pending,
+        "region_memory_type": lambda: connector.handshake_metadata.region.memory_type,
+        "staging": lambda: {k: sum(v) for k, v in connector_stats_data(connector).items()},
     }
     while True:
         try:

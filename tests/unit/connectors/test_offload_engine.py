@@ -57,7 +57,7 @@ def test_tp2_cpu_events_only_after_every_rank_stored(tiny_llama: Path) -> None:
     ctx = mp.get_context("spawn")
     q0, q1 = ctx.Queue(), ctx.Queue()
     sched = OffloadScheduler(BS, num_cpu_blocks=16)
-    engine = LLMEngine(tiny_llama, tp=2, block_size=BS, num_blocks=16, device="cpu", torch_threads=1,
+    engine = LLMEngine(tiny_llama, tp=2, block_size=BS, num_blocks=16, device="cpu", dtype="float32", torch_threads=1,
                        load_tokenizer=False, scheduler_connector=sched,
                        rank_init=OffloadRankInit(16, MEDIUM_CPU_OFFLOAD, (q0.put, q1.put)))
     try:
@@ -91,7 +91,7 @@ def test_tp2_cpu_events_only_after_every_rank_stored(tiny_llama: Path) -> None:
 
 def test_prompt_evicted_from_device_is_served_from_the_tier(tiny_llama: Path) -> None:
     sched = OffloadScheduler(BS, num_cpu_blocks=32)
-    engine = LLMEngine(tiny_llama, tp=1, block_size=BS, num_blocks=8, device="cpu", torch_threads=1,
+    engine = LLMEngine(tiny_llama, tp=1, block_size=BS, num_blocks=8, device="cpu", dtype="float32", torch_threads=1,
                        load_tokenizer=False, scheduler_connector=sched, rank_init=OffloadRankInit(32))
     try:
         params = SamplingParams(max_tokens=4)

@@ -134,3 +134,19 @@ def test_load_and_draining_affect_routability() -> None:
     assert removed is not None and reg.engines == {}
     with pytest.raises(RegistrationError, match="fenced"):
         reg.register(dataclasses.replace(hello(tp_size=1)))
+
+
+@pytest.mark.parametrize("mine, theirs, match", [
+    (dict(dtype="bfloat16", device_kind="cpu"), dict(dtype="float32", device_kind="cpu"),
+     r"dtype bfloat16 != float32 of engine p0: every engine of a cluster must run one dtype"),
+    (dict(dtype="bfloat16", device_kind="cuda"), dict(dtype="bfloat16", device_kind="cpu"),
+     r"device_kind cuda != cpu of engine p0"),
+    (dict(), dict(dtype="float32"), r"model, dtype, device kind, KV layout"),  # an older engine states neither
+])
+def test_a_dtype_or_device_mismatch_is_refused_naming_it(mine: dict, theirs: dict, match: str) -> None:
+    reg = registry()
+    reg.register(hello(engine_id="p0", tp_rank=0, tp_size=1, **theirs))
+    with pytest.raises(RegistrationError, match=match) as e:
+        reg.register(hello(engine_id="d0", role=Role.DECODE, tp_rank=0, tp_size=1, compatibility_hash="other", **mine))
+    assert e.value.kind == RegistrationErrorKind.INCOMPATIBLE
+    assert reg.engine("d0") is None

@@ -1,0 +1,297 @@
+"""`PathPolicy`: per request, remote prefill + KV transfer, or prefill on the decode engine.
+
+Disaggregation pays only when the remote prefill saves more than the transfer and the extra hop
+cost. The policy decides per request, together with the decode engine, from:
+
+- the prompt's uncached tokens on every candidate (the prefix index holds the decode engines'
+  own blocks too: a decode engine holding part of the prompt pulls only the rest — the engine
+  reuses its local prefix and pulls the blocks after it — and computes only the rest when local);
+- the engines' load (`EngineView`: queue, KV usage, the scheduler's own backlog of prompt tokens
+  there, the tightest ITL target of the requests decoding there);
+- the measured prefill and transfer costs (`PathCosts`: prefill time, and transfer time per
+  prefill→decode pair).
+
+Modes (`PathConfig.mode`):
+- `remote`: always remote prefill (the classic disaggregated path; decode-local only when no
+  prefill engine can take the prompt).
+- `threshold`: decode-local when the prompt's uncached tokens on the decode engine are below
+  `threshold_tokens` (llm-d's prefix-based decider).
+- `cost` (default): the option (decode engine x local | remote via the chosen prefill engine)
+  with the lowest predicted time until the request is decoding — local: the compute of the
+  decode engine's backlog plus the uncached tokens; remote: the prefill engine's time for its
+  backlog plus its uncached tokens (with the fixed part of a prefill call), plus the pair's
+  transfer of the tokens the decode engine lacks. Joining the decode batch costs both paths
+  the same and is left out. Plus
+  `decode_load_s` per unit of the decode engine's load. A local prefill stalls the decode
+  engine's running requests for its compute time, so it is an option only while that stall is
+  within the stall budget — `decode_stall_steps` measured inter-token gaps, at least
+  `decode_stall_budget_s` — and within the ITL target of every request decoding there. A
+  request's TTFT target (or `ttft_target_s`) may lift the budget (not the ITL targets) when
+  only a local prefill meets it. The budget in decode steps keeps the short/long boundary
+  where it belongs on any machine: per-token prefill cost and decode step time scale together
+  (a loaded CPU: tens of tokens; a GPU: thousands).
+
+Shared rules: decode engines whose KV usage is at or above `max_decode_kv_usage` are not
+candidates while another is below it (a nearly full engine gets no new request, whatever its
+prefix); ties go to the less loaded decode engine, then the smaller id.
+
+Every decision has a reason, a low-cardinality label (`REASONS`), `<path>:<why>`:
+  decode_local:short_prompt       the prompt is cheap enough to prefill where it decodes
+  decode_local:decode_has_prefix  the decode engine's cached prefix makes it cheap (long prompt)
+  decode_local:prefill_queue      the prefill engines' backlog makes remote slower
+  decode_local:ttft_target        only the local prefill meets the request's TTFT target
+  decode_local:no_prefill_engine  no prefill engine can take the prompt
+  remote:long_prompt              a local prefill would stall the decode engine past the budget
+  remote:itl_target               ... past the ITL target of a request decoding there
+  remote:lower_cost               local was allowed, remote is predicted faster
+  remote:always                   mode remote
+
+Pure: plain data in and out, no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from services.scheduler.path_costs import PathCosts
+
+if TYPE_CHECKING:  # routing imports this module
+    from services.scheduler.routing import EngineView
+
+logger = logging.getLogger(__name__)
+
+PATH_LOCAL = "decode_local"
+PATH_REMOTE = "remote"
+
+LOCAL_SHORT_PROMPT = "decode_local:short_prompt"
+LOCAL_DECODE_HAS_PREFIX = "decode_local:decode_has_prefix"
+LOCAL_PREFILL_QUEUE = "decode_local:prefill_queue"
+LOCAL_TTFT_TARGET = "decode_local:ttft_target"
+LOCAL_NO_PREFILL = "decode_local:no_prefill_engine"
+REMOTE_LONG_PROMPT = "remote:long_prompt"
+REMOTE_ITL_TARGET = "remote:itl_target"
+REMOTE_LOWER_COST = "remote:lower_cost"
+REMOTE_ALWAYS = "remote:always"
+REASONS = (LOCAL_SHORT_PROMPT, LOCAL_DECODE_HAS_PREFIX, LOCAL_PREFILL_QUEUE, LOCAL_TTFT_TARGET, LOCAL_NO_PREFILL,
+           REMOTE_LONG_PROMPT, REMOTE_ITL_TARGET, REMOTE_LOWER_COST, REMOTE_ALWAYS)
+MODES = ("cost", "threshold", "remote")
+
+
+@dataclass(frozen=True, slots=True)
+class PathConfig:
+    """The policy's knobs (SchedulerConfig's path_* fields)."""
+
+    mode: str = "cost"
+    threshold_tokens: int = 256
+    max_decode_kv_usage: float = 0.9
+    decode_stall_budget_s: float = 0.05
+    decode_stall_steps: float = 2.0
+    decode_load_s: float = 0.002
+    ttft_target_s: float | None = None
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"path_policy: must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.threshold_tokens < 0:
+            raise ValueError(f"path_threshold_tokens: must be >= 0, got {self.threshold_tokens}")
+        if not 0 < self.max_decode_kv_usage <= 1:
+            raise ValueError(f"path_max_decode_kv_usage: must be in (0, 1], got {self.max_decode_kv_usage}")
+        for name in ("decode_stall_budget_s", "decode_stall_steps", "decode_load_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"path {name}: must be >= 0, got {getattr(self, name)}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
+
+
+@dataclass(frozen=True, slots=True)
+class PathRequest:
+    """A prompt as the path policy sees it. Targets are the request's own (None: not set)."""
+
+    num_tokens: int
+    ttft_target_s: float | None = None
+    itl_target_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PathDecision:
+    """Where the prompt is prefilled (`prefill_id` None: on the decode engine) and why.
+
+    `num_uncached_tokens` is what the prefilling engine is predicted to compute;
+    `num_pull_tokens` what the decode engine is predicted to pull (0 when local);
+    `predicted_s` the predicted time until the request is decoding (cost mode; else 0)."""
+
+    path: str
+    reason: str
+    decode_id: str
+    prefill_id: str | None
+    num_uncached_tokens: int
+    num_pull_tokens: int = 0
+    predicted_s: float = 0.0
+
+    @property
+    def local(self) -> bool:
+        return self.prefill_id is None
+
+
+@dataclass(frozen=True, slots=True)
+class _Option:
+    cost_s: float
+    decode: EngineView
+    local: bool
+    uncached: int
+    pull: int
+    stretched: bool = False  # local beyond the stall budget, allowed by the TTFT target
+
+
+class PathPolicy:
+    """See the module docstring. `matched_blocks` maps engine id -> consecutive prompt blocks it
+    holds (live epoch only; the caller filters). Never called with no decode engine."""
+
+    def __init__(self, config: PathConfig | None = None, costs: PathCosts | None = None) -> None:
+        self.config = config or PathConfig()
+        self.costs = costs or PathCosts()
+
+    def decide(self, request: PathRequest, prefill: EngineView | None, decodes: Sequence[EngineView],
+               matched_blocks: Mapping[str, int]) -> PathDecision:
+        if not decodes:
+            raise ValueError("decide needs at least one decode engine")
+        candidates = self._candidates(decodes)
+        if prefill is None:
+            d = self._best_local_engine(request, candidates, matched_blocks)
+            return self._local(LOCAL_NO_PREFILL, request, d, matched_blocks)
+        if self.config.mode == "remote":
+            return self._best_remote(REMOTE_ALWAYS, request, prefill, candidates, matched_blocks)
+        if self.config.mode == "threshold":
+            return self._threshold(request, prefill, candidates, matched_blocks)
+        return self._cost(request, prefill, candidates, matched_blocks)
+
+    def local(self, reason: str, request: PathRequest, decodes: Sequence[EngineView],
+              matched_blocks: Mapping[str, int]) -> PathDecision:
+        """A decode-local decision forced by the caller (e.g. a legacy short-prompt rule)."""
+        d = self._best_local_engine(request, self._candidates(decodes), matched_blocks)
+        return self._local(reason, request, d, matched_blocks)
+
+    # -- shared pieces -------------------------------------------------------------------------
+
+    def _candidates(self, decodes: Sequence[EngineView]) -> list[EngineView]:
+        roomy = [d for d in decodes if d.kv_usage < self.config.max_decode_kv_usage]
+        return roomy or [min(decodes, key=lambda d: (d.kv_usage, d.load_score, d.engine_id))]
+
+    def _uncached(self, request: PathRequest, engine_id: str, matched_blocks: Mapping[str, int]) -> int:
+        # The last prompt token is always computed (its logits sample the first token).
+        cached = min(matched_blocks.get(engine_id, 0) * self.config.block_size, request.num_tokens - 1)
+        return request.num_tokens - max(0, cached)
+
+    def _local(self, reason: str, request: PathRequest, d: EngineView, matched_blocks: Mapping[str, int],
+               predicted_s: float = 0.0) -> PathDecision:
+        return PathDecision(PATH_LOCAL, reason, d.engine_id, None, self._uncached(request, d.engine_id, matched_blocks),
+                            0, predicted_s)
+
+    def _best_local_engine(self, request: PathRequest, candidates: Sequence[EngineView],
+                           matched_blocks: Mapping[str, int]) -> EngineView:
+        return min(candidates, key=lambda d: (self._uncached(request, d.engine_id, matched_blocks), d.load_score,
+                                              d.engine_id))
+
+    def _best_remote(self, reason: str, request: PathRequest, prefill: EngineView, candidates: Sequence[EngineView],
+                     matched_blocks: Mapping[str, int]) -> PathDecision:
+        options = [self._remote_option(request, prefill, d, matched_blocks) for d in candidates]
+        best = min(options, key=_order)
+        return self._remote(reason, request, prefill, best, matched_blocks)
+
+    def _remote(self, reason: str, request: PathRequest, prefill: EngineView, option: _Option,
+                matched_blocks: Mapping[str, int]) -> PathDecision:
+        return PathDecision(PATH_REMOTE, reason, option.decode.engine_id, prefill.engine_id,
+                            self._uncached(request, prefill.engine_id, matched_blocks), option.pull, option.cost_s)
+
+    # -- threshold mode ------------------------------------------------------------------------
+
+    def _threshold(self, request: PathRequest, prefill: EngineView, candidates: Sequence[EngineView],
+                   matched_blocks: Mapping[str, int]) -> PathDecision:
+        d = self._best_local_engine(request, candidates, matched_blocks)
+        limit = self.config.threshold_tokens
+        if self._uncached(request, d.engine_id, matched_blocks) < limit:
+            reason = LOCAL_SHORT_PROMPT if request.num_tokens < limit else LOCAL_DECODE_HAS_PREFIX
+            return self._local(reason, request, d, matched_blocks)
+        return self._best_remote(REMOTE_LONG_PROMPT, request, prefill, candidates, matched_blocks)
+
+    # -- cost mode -----------------------------------------------------------------------------
+
+    def _remote_option(self, request: PathRequest, prefill: EngineView, d: EngineView,
+                       matched_blocks: Mapping[str, int], *, with_backlog: bool = True) -> _Option:
+        c = self.costs
+        uncached = self._uncached(request, prefill.engine_id, matched_blocks)
+        backlog = prefill.num_backlog_tokens if with_backlog else 0
+        pull = self._uncached(request, d.engine_id, matched_blocks)
+        cost = (c.prefill_s(backlog + uncached) + c.transfer_s(prefill.engine_id, d.engine_id, pull)
+                + self.config.decode_load_s * d.load_score)
+        return _Option(cost, d, False, uncached, pull)
+
+    def _local_option(self, request: PathRequest, d: EngineView, matched_blocks: Mapping[str, int]) -> _Option:
+        uncached = self._uncached(request, d.engine_id, matched_blocks)
+        cost = self.costs.compute_s(d.num_backlog_tokens + uncached) + self.config.decode_load_s * d.load_score
+        return _Option(cost, d, True, uncached, 0)
+
+    def _stall_limit(self, d: EngineView) -> float | None:
+        """Hard limit on a local prefill's stall there: the tightest ITL target decoding there."""
+        return d.itl_target_s if d.num_running + d.num_inflight > 0 else None
+
+    def stall_budget_s(self) -> float:
+        """How long a local prefill may stall a decode engine (see the module docstring)."""
+        itl = self.costs.itl_s or 0.0
+        return max(self.config.decode_stall_budget_s, self.config.decode_stall_steps * itl)
+
+    def _ttft_target(self, request: PathRequest) -> float | None:
+        return request.ttft_target_s if request.ttft_target_s is not None else self.config.ttft_target_s
+
+    def _cost(self, request: PathRequest, prefill: EngineView, candidates: Sequence[EngineView],
+              matched_blocks: Mapping[str, int]) -> PathDecision:
+        remote = min((self._remote_option(request, prefill, d, matched_blocks) for d in candidates), key=_order)
+        locals_, itl_blocked = self._local_options(request, candidates, matched_blocks, remote)
+        best = min([remote, *locals_], key=_order)
+        if not best.local:
+            reason = REMOTE_LOWER_COST if locals_ else REMOTE_ITL_TARGET if itl_blocked else REMOTE_LONG_PROMPT
+            return self._remote(reason, request, prefill, best, matched_blocks)
+        reason = self._local_reason(request, prefill, best, candidates, matched_blocks)
+        return PathDecision(PATH_LOCAL, reason, best.decode.engine_id, None, best.uncached, 0, best.cost_s)
+
+    def _local_options(self, request: PathRequest, candidates: Sequence[EngineView],
+                       matched_blocks: Mapping[str, int], remote: _Option) -> tuple[list[_Option], bool]:
+        """The local options allowed by the stall budget (or the TTFT target), and whether an
+        ITL target forbade one the budget allowed."""
+        target, budget = self._ttft_target(request), self.stall_budget_s()
+        options, itl_blocked = [], False
+        for d in candidates:
+            option = self._local_option(request, d, matched_blocks)
+            stall = self.costs.compute_s(option.uncached)
+            hard = self._stall_limit(d)
+            logger.debug("local on %s: %d uncached, cost %.3f s, stall %.3f s (budget %.3f s, ITL limit %s); "
+                         "remote %.3f s", d.engine_id, option.uncached, option.cost_s, stall, budget, hard,
+                         remote.cost_s)
+            if hard is not None and stall > hard:
+                itl_blocked = itl_blocked or stall <= budget
+                continue
+            if stall <= budget:
+                options.append(option)
+            elif target is not None and option.cost_s <= target < remote.cost_s:
+                options.append(_Option(option.cost_s, d, True, option.uncached, 0, stretched=True))
+        return options, itl_blocked
+
+    def _local_reason(self, request: PathRequest, prefill: EngineView, best: _Option,
+                      candidates: Sequence[EngineView], matched_blocks: Mapping[str, int]) -> str:
+        if best.stretched:
+            return LOCAL_TTFT_TARGET
+        whole = self.costs.compute_s(request.num_tokens)
+        if best.uncached < request.num_tokens and whole > self.stall_budget_s():
+            return LOCAL_DECODE_HAS_PREFIX
+        idle = min((self._remote_option(request, prefill, d, matched_blocks, with_backlog=False) for d in candidates),
+                   key=_order)
+        return LOCAL_PREFILL_QUEUE if _order(idle) < _order(best) else LOCAL_SHORT_PROMPT
+
+
+def _order(option: _Option) -> tuple[float, float, str, bool]:
+    """Lowest cost first; ties by decode load, then id, then local before remote."""
+    return round(option.cost_s, 9), option.decode.load_score, option.decode.engine_id, not option.local

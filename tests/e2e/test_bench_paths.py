@@ -1,0 +1,31 @@
+"""Smoke test of `pdserve bench serve --workload mixed --compare-paths` at tiny sizes: both
+clusters run (1 prefill + 1 decode each), the JSON has the issue's keys, the policy run's
+decisions add up. Cost: two cluster starts and 6 short requests each, about 60-90 s here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import serve
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_compare_paths_reports_the_issue_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(["--compare-paths", "--num-requests", "6", "--concurrency", "2", "--prompt-len",
+                              "200:220", "--prefix-len", "160", "--num-prefixes", "1", "--short-len", "4:8",
+                              "--output-len", "2:2", "--out", str(tmp_path), "--json"])
+    assert serve.run(args) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["workload"]["workload"] == "mixed"
+    for key in ("short_ttft_p50_speedup", "long_ttft_p50_ratio", "throughput_ratio", "decisions"):
+        assert key in report, key
+    assert sum(report["decisions"].values()) == 6
+    assert set(report["always_remote"]["decisions"]) == {"remote:always"}
+    assert report["throughput_ratio"] > 0 and (tmp_path / "serve.json").exists()

@@ -1,0 +1,186 @@
+"""The path policy on hand-built engine views (no processes): every reason is reachable, the
+thresholds and budgets are honoured, measured costs move the decision, ties go to load."""
+
+import pytest
+
+from connectors.kv_events import BlockStored
+from services.scheduler.path_costs import CostPriors, PathCosts
+from services.scheduler.path_policy import (
+    LOCAL_DECODE_HAS_PREFIX,
+    LOCAL_NO_PREFILL,
+    LOCAL_PREFILL_QUEUE,
+    LOCAL_SHORT_PROMPT,
+    LOCAL_TTFT_TARGET,
+    REASONS,
+    REMOTE_ALWAYS,
+    REMOTE_ITL_TARGET,
+    REMOTE_LONG_PROMPT,
+    REMOTE_LOWER_COST,
+    PathConfig,
+    PathPolicy,
+    PathRequest,
+)
+from services.scheduler.prefix_index import InMemoryPrefixIndex
+from services.scheduler.routing import EngineView, LoadBasedPolicy, Router, RoutingRequest
+
+# Priors: 10 ms + 200 us per prefill token, 10 ms + 20 us per transferred token; budget 100 ms,
+# so a local prefill is allowed up to 500 uncached tokens.
+PRIORS = CostPriors(prefill_fixed_s=0.01, prefill_per_token_s=0.0002, transfer_fixed_s=0.01,
+                    transfer_per_token_s=0.00002)
+
+
+def view(engine_id: str, role: str = "decode", **kw: float) -> EngineView:
+    return EngineView(engine_id=engine_id, epoch=1, role=role, **kw)  # type: ignore[arg-type]
+
+
+def policy(**kw: object) -> PathPolicy:
+    kw.setdefault("decode_stall_budget_s", 0.1)
+    return PathPolicy(PathConfig(**kw), PathCosts(PRIORS))  # type: ignore[arg-type]
+
+
+P = view("p", "prefill")
+D = [view("d0"), view("d1")]
+
+
+def test_short_prompt_goes_decode_local_long_prompt_remote() -> None:
+    pol = policy()
+    short = pol.decide(PathRequest(32), P, D, {})
+    assert (short.path, short.reason, short.prefill_id, short.decode_id) == ("decode_local", LOCAL_SHORT_PROMPT,
+                                                                              None, "d0")
+    assert short.num_uncached_tokens == 32 and short.num_pull_tokens == 0
+    long = pol.decide(PathRequest(4096), P, D, {})
+    assert (long.path, long.reason, long.prefill_id) == ("remote", REMOTE_LONG_PROMPT, "p")
+    assert long.num_pull_tokens == 4096 and long.predicted_s == pytest.approx(0.01 + 0.8192 + 0.01 + 0.08192)
+
+
+def test_stall_budget_is_the_cost_mode_boundary() -> None:
+    pol = policy(decode_stall_budget_s=0.05)  # 250 tokens at 200 us
+    assert pol.decide(PathRequest(250), P, D, {}).reason == LOCAL_SHORT_PROMPT
+    assert pol.decide(PathRequest(251), P, D, {}).reason == REMOTE_LONG_PROMPT
+
+
+def test_stall_budget_grows_with_the_measured_inter_token_gap() -> None:
+    pol = policy(decode_stall_steps=2.0)
+    assert pol.decide(PathRequest(1500), P, D, {}).reason == REMOTE_LONG_PROMPT  # 300 ms > 100 ms floor
+    for _ in range(200):
+        pol.costs.observe_itl(0.2)  # a slow machine: 200 ms per decode step, budget 400 ms
+    assert pol.stall_budget_s() == pytest.approx(0.4)
+    assert pol.decide(PathRequest(1500), P, D, {}).reason == LOCAL_SHORT_PROMPT
+    assert pol.decide(PathRequest(2001), P, D, {}).reason == REMOTE_LONG_PROMPT
+
+
+def test_decode_has_prefix_goes_local_and_picks_that_engine() -> None:
+    decision = policy().decide(PathRequest(2048), P, D, {"d1": 127})  # 2032 cached, 16 to compute
+    assert (decision.reason, decision.decode_id, decision.num_uncached_tokens) == (LOCAL_DECODE_HAS_PREFIX, "d1", 16)
+
+
+def test_remote_pull_covers_only_the_blocks_the_decode_engine_lacks() -> None:
+    decision = policy().decide(PathRequest(4096), P, D, {"d1": 100})
+    assert (decision.reason, decision.decode_id) == (REMOTE_LONG_PROMPT, "d1")
+    assert decision.num_pull_tokens == 4096 - 1600 and decision.num_uncached_tokens == 4096
+
+
+def test_prefill_prefix_makes_remote_cheaper_and_a_prefill_queue_turns_it_local() -> None:
+    pol = policy()
+    matched = {"p": 24}  # 384 of 400 tokens cached on the prefill engine
+    assert pol.decide(PathRequest(400), P, D, matched).reason == REMOTE_LOWER_COST
+    busy = view("p", "prefill", num_backlog_tokens=2000)
+    assert pol.decide(PathRequest(400), busy, D, matched).reason == LOCAL_PREFILL_QUEUE
+
+
+def test_ttft_target_lifts_the_stall_budget_only_when_remote_misses_it() -> None:
+    pol = policy()
+    busy = view("p", "prefill", num_backlog_tokens=5000)
+    assert pol.decide(PathRequest(1000), busy, D, {}).reason == REMOTE_LONG_PROMPT
+    assert pol.decide(PathRequest(1000, ttft_target_s=0.5), busy, D, {}).reason == LOCAL_TTFT_TARGET
+    # Remote meets the target: no reason to stall a decode engine.
+    assert pol.decide(PathRequest(1000, ttft_target_s=0.5), P, D, {}).reason == REMOTE_LONG_PROMPT
+    # The configured default target applies to requests without one.
+    assert policy(ttft_target_s=0.5).decide(PathRequest(1000), busy, D, {}).reason == LOCAL_TTFT_TARGET
+
+
+def test_itl_target_of_requests_decoding_there_forbids_a_local_stall() -> None:
+    guarded = [view("d0", num_running=2, itl_target_s=0.02)]
+    assert policy().decide(PathRequest(200), P, guarded, {}).reason == REMOTE_ITL_TARGET  # 40 ms stall
+    assert policy().decide(PathRequest(50), P, guarded, {}).reason == LOCAL_SHORT_PROMPT  # 10 ms stall
+    # Another decode engine without such a request takes the local prefill.
+    d = policy().decide(PathRequest(200), P, [*guarded, view("d9", num_running=2)], {})
+    assert (d.reason, d.decode_id) == (LOCAL_SHORT_PROMPT, "d9")
+
+
+def test_remote_mode_and_no_prefill_engine() -> None:
+    assert policy(mode="remote").decide(PathRequest(8), P, D, {}).reason == REMOTE_ALWAYS
+    none = policy(mode="remote").decide(PathRequest(4096), None, D, {})
+    assert (none.reason, none.prefill_id) == (LOCAL_NO_PREFILL, None)
+
+
+def test_threshold_mode_counts_uncached_tokens_on_the_decode_engine() -> None:
+    pol = policy(mode="threshold", threshold_tokens=64)
+    assert pol.decide(PathRequest(63), P, D, {}).reason == LOCAL_SHORT_PROMPT
+    assert pol.decide(PathRequest(64), P, D, {}).reason == REMOTE_LONG_PROMPT
+    hit = pol.decide(PathRequest(1000), P, D, {"d1": 60})  # 40 uncached on d1
+    assert (hit.reason, hit.decode_id, hit.num_uncached_tokens) == (LOCAL_DECODE_HAS_PREFIX, "d1", 40)
+
+
+def test_ties_go_to_the_less_loaded_decode_engine_then_the_smaller_id() -> None:
+    for mode in ("cost", "threshold", "remote"):
+        for n in (16, 4096):
+            pol = policy(mode=mode, decode_load_s=0.0)
+            loaded = [view("d0", num_running=3), view("d1")]
+            assert pol.decide(PathRequest(n), P, loaded, {}).decode_id == "d1", (mode, n)
+            assert pol.decide(PathRequest(n), P, [view("d1"), view("d0")], {}).decode_id == "d0", (mode, n)
+
+
+def test_a_nearly_full_decode_engine_gets_nothing_despite_its_prefix() -> None:
+    full = [view("d0", kv_usage=0.95), view("d1", kv_usage=0.5)]
+    for mode in ("cost", "threshold", "remote"):
+        assert policy(mode=mode).decide(PathRequest(2048), P, full, {"d0": 127}).decode_id == "d1", mode
+    # Every engine near full: the emptiest one still serves.
+    all_full = [view("d0", kv_usage=0.97), view("d1", kv_usage=0.95)]
+    assert policy().decide(PathRequest(32), P, all_full, {}).decode_id == "d1"
+
+
+def test_decode_load_outweighs_a_small_prefix() -> None:
+    busy_with_prefix = [view("d0", num_running=40), view("d1")]
+    assert policy().decide(PathRequest(64), P, busy_with_prefix, {"d0": 1}).decode_id == "d1"
+
+
+def test_measured_costs_move_the_boundary_and_pick_the_faster_pair() -> None:
+    costs = PathCosts(PRIORS)
+    for n in (100, 1000, 2000, 4000):  # fast engines: 20 us per token
+        costs.observe_prefill(n, 0.005 + 0.00002 * n)
+    pol = PathPolicy(PathConfig(decode_stall_budget_s=0.1), costs)
+    assert pol.decide(PathRequest(4000), P, [view("d0")], {}).reason == LOCAL_SHORT_PROMPT
+    for n in (100, 2000):
+        costs.observe_transfer("p", "d0", n, 0.5 + 0.001 * n)  # a slow pair
+        costs.observe_transfer("p", "d1", n, 0.001 + 0.00001 * n)
+    assert policy(mode="remote", decode_load_s=0.0).decide(PathRequest(4000), P, D, {}).decode_id == "d0"
+    assert PathPolicy(PathConfig(mode="remote"), costs).decide(PathRequest(4000), P, D, {}).decode_id == "d1"
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="path_policy: must be one of"):
+        PathConfig(mode="sometimes")
+    with pytest.raises(ValueError, match="path_max_decode_kv_usage"):
+        PathConfig(max_decode_kv_usage=0)
+    with pytest.raises(ValueError, match="decode_stall_budget_s"):
+        PathConfig(decode_stall_budget_s=-1)
+    with pytest.raises(ValueError, match="at least one decode engine"):
+        policy().decide(PathRequest(8), P, [], {})
+
+
+def test_router_reads_decode_engines_prefix_from_the_index_and_counts_reasons() -> None:
+    index = InMemoryPrefixIndex()
+    hashes = list(range(1000, 1128))  # 128 blocks of 16
+    index.apply("d1", 1, [BlockStored(block_hashes=tuple(hashes[:127]), parent_block_hash=None, token_ids=(),
+                                      block_size=16, lora_id=None, medium="CPU")])
+    index.apply("d0", 7, [BlockStored(block_hashes=tuple(hashes), parent_block_hash=None, token_ids=(),
+                                      block_size=16, lora_id=None, medium="CPU")])  # a dead epoch: views say 1
+    router = Router(LoadBasedPolicy(), path=policy(), index=index)
+    route = router.route(RoutingRequest(hashes, 2048), [P], D)
+    assert route.path is not None and route.path.reason == LOCAL_DECODE_HAS_PREFIX
+    assert route.decode_only and route.decode.engine_id == "d1" and route.decode.matched_blocks == 127
+    route = router.route(RoutingRequest([1], 4096), [P], D)
+    assert route.prefill.engine_id == "p" and route.path is not None and route.path.reason == REMOTE_LONG_PROMPT
+    assert router.paths == {LOCAL_DECODE_HAS_PREFIX: 1, REMOTE_LONG_PROMPT: 1}
+    assert set(router.paths) <= set(REASONS)
