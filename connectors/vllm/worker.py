@@ -73,6 +73,7 @@ class ModelShape:
 class _KVSpec:
     block_size: int
     layout: str
+    device_kind: str = "cpu"  # the transfer region lives in host memory (vLLM's CPU backend)
 
 
 class _TeeRankAgent(RankAgent):

@@ -2,8 +2,9 @@
 prefill and two vLLM decode engines (`--engine vllm`, `PdserveConnector`) as processes, KV over
 pdserve's UCX data plane, the demo model in fp32.
 
-One cluster for the module (the start dominates: about 60-90 s for four vLLM engines on two
-cores, several minutes on a loaded machine); the tests then take about 60 s together. Run under
+One cluster for the module. Measured on the shared 2-core host: cluster start 130 s (load ~10)
+to 435 s (load ~25); the tests 48 s (identity), 160 s (routing + events, loaded), 3 s (cancel),
+55-141 s (kill -9), so about 4-12 minutes for the module depending on the host's load. Run under
 `flock /tmp/pdserve-vllm.lock` beside other vLLM users. The reference is vLLM colocated: a decode
 engine answering `Engine.Decode` without a descriptor computes the prompt itself, greedily.
 """

@@ -185,7 +185,7 @@ def test_rank_ports() -> None:
     assert metrics_port_for_rank(0, 3) is None
     assert metrics_port_for_rank(9400, 0) == 9400
     assert metrics_port_for_rank(9400, 3) == 9403
-    with pytest.raises(ValueError, match=r'metrics port 65535 \\+ rank 1 is not a TCP port'):
+    with pytest.raises(ValueError, match=r'metrics port 65535 \+ rank 1 is not a TCP port'):
         metrics_port_for_rank(65535, 1)
 
 
