@@ -15,7 +15,9 @@ Modes (`PathConfig.mode`):
 - `remote`: always remote prefill (the classic disaggregated path; decode-local only when no
   prefill engine can take the prompt).
 - `threshold`: decode-local when the prompt's uncached tokens on the decode engine are below
-  `threshold_tokens` (llm-d's prefix-based decider).
+  `threshold_tokens` (llm-d's prefix-based decider); otherwise remote, to the decode engine
+  holding the most of the prompt (fewest blocks to pull), ties to the less loaded. No measured
+  cost enters this mode, so its choices are the same on any machine.
 - `cost` (default): the option (decode engine x local | remote via the chosen prefill engine)
   with the lowest predicted time until the request is decoding — local: the compute of the
   decode engine's backlog plus the uncached tokens; remote: the prefill engine's time for its
@@ -216,7 +218,10 @@ class PathPolicy:
         if self._uncached(request, d.engine_id, matched_blocks) < limit:
             reason = LOCAL_SHORT_PROMPT if request.num_tokens < limit else LOCAL_DECODE_HAS_PREFIX
             return self._local(reason, request, d, matched_blocks)
-        return self._best_remote(REMOTE_LONG_PROMPT, request, prefill, candidates, matched_blocks)
+        # The simple mode uses no measured costs: the pull goes to the engine holding the most of
+        # the prompt (the fewest blocks to pull), ties to the less loaded.
+        option = self._remote_option(request, prefill, d, matched_blocks)
+        return self._remote(REMOTE_LONG_PROMPT, request, prefill, option, matched_blocks)
 
     # -- cost mode -----------------------------------------------------------------------------
 
