@@ -39,7 +39,7 @@ def _reference(demo_model: Path, prompts: list[list[int]]) -> list[list[int]]:
     from engine.llm_engine import LLMEngine
     from engine.request import SamplingParams
 
-    with LLMEngine(demo_model, torch_threads=1) as engine:
+    with LLMEngine(demo_model, torch_threads=1, dtype="float32") as engine:
         return engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
 
 
