@@ -126,7 +126,8 @@ def test_one_generate_is_one_trace_across_scheduler_prefill_decode_and_every_ran
         tmp_path: Path, receiver: TraceReceiver, tiny_tp_model: Path) -> None:
     tp = 2  # the demo model's 3 KV heads do not split over 2 ranks; the tiny model's 2 do
     spec = ClusterSpec(model=str(tiny_tp_model), tp=tp, torch_threads=1, kv_cache_memory="16MiB",
-                       log_dir=str(tmp_path), env=_otel_env(receiver, 100))
+                       log_dir=str(tmp_path), env=_otel_env(receiver, 100),
+                       scheduler_args=["--path-policy", "remote"])  # the trace of the remote path
     with LocalCluster(spec) as cluster, Client(cluster.target) as client:
         result = client.generate(PROMPT_TEXTS[4], request_id="traced-1", max_tokens=4, temperature=0.0,
                                  ignore_eos=True, timeout=60)
