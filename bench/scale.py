@@ -479,7 +479,9 @@ def _point(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
                     str(events), "--metrics-port", "0", "--routing-policy", "prefix", "--log-level", "WARNING",
                     "--heartbeat-interval-s", str(args.heartbeat_interval),
                     "--heartbeat-timeout-s", str(args.heartbeat_timeout),
-                    "--max-queue-per-engine", "4096"], stdin=False)
+                    "--max-queue-per-engine", "4096",
+                    # every request takes the disaggregated path: its transfer is control-plane work
+                    "--path-policy", "remote"], stdin=False)
     procs: list[subprocess.Popen[str]] = [sched]
     try:
         _wait_serving(control, sched)
