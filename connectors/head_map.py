@@ -38,10 +38,15 @@ class HeadRead:
         return self.head_end - self.head_start
 
 
+MAX_TP_SIZE = 1024  # ranks of one engine; the plans here are linear in tp
+
+
 def partition_problem(num_kv_heads: int, tp: int) -> str | None:
     """Why `num_kv_heads` heads cannot be partitioned over `tp` ranks (None when they can)."""
     if num_kv_heads < 1 or tp < 1:
         return f"num_kv_heads ({num_kv_heads}) and tp ({tp}) must be >= 1"
+    if tp > MAX_TP_SIZE:
+        return f"tp={tp} is over the largest supported tensor-parallel size ({MAX_TP_SIZE})"
     if num_kv_heads >= tp and num_kv_heads % tp:
         return f"tp={tp} does not divide num_key_value_heads={num_kv_heads}"
     if num_kv_heads < tp and tp % num_kv_heads:

@@ -30,6 +30,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from connectors.head_map import mapping_problem
 from connectors.kv_verdicts import KVVerdict, PrefillLeases, RemoteKVWaits
 from connectors.ucx.handshake import KVTransferDescriptor
 from engine.batch_scheduler import NoFreeBlocksError
@@ -228,6 +229,7 @@ class NativeBackend:
 
     async def prefill(self, request: PrefillInput) -> PrefillResult:
         rid, prompt, params = request.request_id, request.prompt_token_ids, request.sampling
+        self._check_reader_tp(request.decode_tp_size)
         self._connector().set_reader_tp(rid, request.decode_tp_size)
         pending = await self._add(rid, lambda e: e.add_request(rid, prompt, params, mode=RequestMode.PREFILL_ONLY))
         try:
@@ -245,6 +247,15 @@ class NativeBackend:
         reason = out.finish_reason if params.max_tokens == 1 or out.finish_reason == "stop" else None
         return PrefillResult(out.new_token_ids[0], out.text_delta, reason, out.num_cached_tokens + tier_tokens,
                              self._descriptor(rid, len(prompt), delivery.block_ids))
+
+    def _check_reader_tp(self, decode_tp_size: int) -> None:
+        """A decode TP whose heads this engine's ranks cannot serve is refused before any state."""
+        if decode_tp_size == 0:
+            return
+        assert self.parts is not None
+        problem = mapping_problem(self.config.tp, decode_tp_size, self.parts.engine.model_config.num_kv_heads)
+        if problem is not None:
+            raise InvalidRequest(f"decode_tp_size {decode_tp_size}: {problem}")
 
     def _descriptor(self, request_id: str, num_tokens: int, block_ids: list[int]) -> KVTransferDescriptor:
         cfg = self.config

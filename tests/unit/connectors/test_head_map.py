@@ -72,3 +72,11 @@ def test_every_decode_head_is_read_exactly_once_from_a_holder(heads: int, p: int
         assert covered == list(range(start, end))
         total_readers += len(source_ranks(rank, d, p, heads))
     assert sum(readers_of(r, p, d, heads) for r in range(p)) == total_readers
+
+
+def test_tp_over_the_supported_size_is_a_problem_not_a_long_loop() -> None:
+    from connectors.head_map import MAX_TP_SIZE, mapping_problem, partition_problem
+
+    assert partition_problem(3, MAX_TP_SIZE + 1) is not None
+    assert "largest supported" in (mapping_problem(1, 2**32 - 1, 3) or "")
+    assert partition_problem(1, MAX_TP_SIZE) is None
