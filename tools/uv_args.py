@@ -31,8 +31,9 @@ def pip_config(python: str) -> dict[str, str]:
     """`section.key` -> value, as `pip config list` prints it ({} where pip cannot say)."""
     try:
         out = subprocess.run([python, "-m", "pip", "config", "list"], capture_output=True, text=True,
-                             timeout=60, check=False).stdout
-    except (OSError, subprocess.TimeoutExpired):
+                             check=False).stdout
+    except OSError as e:
+        print(f"uv_args: cannot ask {python}'s pip for its settings ({e}); uv uses PyPI", file=sys.stderr)
         return {}
     config: dict[str, str] = {}
     for line in out.splitlines():
