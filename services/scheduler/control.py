@@ -47,6 +47,7 @@ from pdserve.v1 import control_pb2 as pb
 from pdserve.v1 import control_pb2_grpc, kv_events_pb2
 from services.scheduler.event_sink import EventSink, NullEventSink, ProtoBackedBatch
 from services.scheduler.lifecycle import EngineRef
+from services.scheduler.loop_stalls import LoopStalls
 from services.scheduler.registry import (
     PROTOCOL_VERSION,
     EngineRegistry,
@@ -256,6 +257,11 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self._announced = 0
         self._pending_joins: dict[Role, list[tuple[int, pb.PeerInfo]]] = {}
         self._flush_scheduled = False
+        # The loop's own stalls, measured by the monitor on the registry's clock, discounted
+        # from ranks' silence.
+        self._tick_due: float | None = None
+        self.stalls = LoopStalls(horizon_s=4 * registry.heartbeat_timeout_s,
+                                 tolerance_s=min(0.05, registry.heartbeat_timeout_s / 10))
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -274,18 +280,34 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             conn.queue.put_nowait(_Close(grpc.StatusCode.UNAVAILABLE, "scheduler shutting down"))
 
     async def _monitor(self) -> None:
-        period = max(0.02, min(self.heartbeat_interval_s, self.registry.heartbeat_timeout_s) / 4)
+        """The heartbeat sweep; it also measures the loop's lag (how late its own wake-ups
+        are), so that time the loop could not read its streams is not counted as silence."""
+        period = self.monitor_period_s
         while True:
+            self._tick_due = self.registry.clock() + period
             await asyncio.sleep(period)
             self.check_heartbeats()
 
+    @property
+    def monitor_period_s(self) -> float:
+        return max(0.02, min(self.heartbeat_interval_s, self.registry.heartbeat_timeout_s) / 4)
+
     def check_heartbeats(self) -> None:
-        for rank_id in self.registry.expire():
+        """Takes down the engines of ranks silent past the timeout, not counting loop stalls:
+        when this runs later than the monitor's tick was due, the loop was stalled since then."""
+        now, due = self.registry.clock(), self._tick_due
+        if due is not None and now >= due:
+            self._tick_due = None
+            self.stalls.observe(due, now)
+        for rank_id in self.registry.expire(self._stalled_since):
             engine = self.registry.engine(rank_id.engine_id)
             if engine is not None:
                 self.engine_down(EngineRef(engine.engine_id, engine.epoch),
                                  f"rank tp={rank_id.tp_rank} pp={rank_id.pp_rank} silent for more than "
                                  f"{self.registry.heartbeat_timeout_s} s")
+
+    def _stalled_since(self, t: float) -> float:
+        return self.stalls.stalled_since(t)
 
     # -- sending ------------------------------------------------------------------------------
 
