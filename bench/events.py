@@ -87,9 +87,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def scrambled_base(n: int) -> int:
+    """A block hash for `n` < 2^57 with entropy in every bit and bits 0..6 clear (base + i, i <
+    128, are distinct hashes); `n` is recovered by `unscramble`."""
+    return ((n * _MIX) & _MASK57) << STAMP_BITS
+
+
+def unscramble(block_hash: int) -> int:
+    return ((block_hash >> STAMP_BITS) * _UNMIX) & _MASK57
+
+
 def step_base(now: float) -> int:
     """The first block hash of a step sent at `now` (see STAMP_BITS)."""
-    return ((int(now * 1e6) * _MIX) & _MASK57) << STAMP_BITS
+    return scrambled_base(int(now * 1e6))
 
 
 def stamp_events(now: float, n: int) -> list[KVCacheEvent]:
@@ -99,7 +109,7 @@ def stamp_events(now: float, n: int) -> list[KVCacheEvent]:
 
 def sent_at(block_hash: int) -> float:
     """The send time stamped into the first hash of a step."""
-    return (((block_hash >> STAMP_BITS) * _UNMIX) & _MASK57) / 1e6
+    return unscramble(block_hash) / 1e6
 
 
 def percentile(values: list[float], q: float) -> float:

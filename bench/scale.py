@@ -48,7 +48,6 @@ from typing import Any
 _MODULE = "bench.scale"
 _COMPAT = "bench-scale"
 _BLOCK = 16
-EVENT_STAMP = 1 << 20  # worker-event hash = (engine index * 2^32 + step) * STAMP + i
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -190,13 +189,15 @@ class SimEngine:
         self.stats["reports"] += 1
 
     async def _steps(self, end: float) -> None:
+        from bench.events import scrambled_base
         from connectors.kv_events import MEDIUM_CPU_OFFLOAD, BlockStored, event_to_proto
 
         period = 1.0 / self.args.step_hz
         await asyncio.sleep(random.random() * period)
         n = self.args.events_per_step
         while time.monotonic() < end:
-            base = ((self.index * 2 + (self.role == "decode")) * (1 << 32) + self.steps) * EVENT_STAMP
+            # distinct per (engine, step, i), with entropy in every bit like real block hashes
+            base = scrambled_base((self.index * 2 + (self.role == "decode")) * (1 << 32) + self.steps)
             worker = [event_to_proto(BlockStored((base + i,), None, (), _BLOCK, medium=MEDIUM_CPU_OFFLOAD))
                       for i in range(n)]
             hashes, self.engine_events = self.engine_events, []
@@ -509,11 +510,14 @@ def _point(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
         _readline(client, "client")
         time.sleep(1.0)  # a first round of heartbeats
         rss0 = _proc_rss_mib(sched.pid)
+        load = [*sims, client]
         cpu0, w0 = _proc_cpu_s(sched.pid), time.monotonic()
-        for p in [*sims, client]:
+        load_cpu0 = sum(_proc_cpu_s(p.pid) for p in load)
+        for p in load:
             _tell(p)
         time.sleep(args.duration)
         cpu1, w1 = _proc_cpu_s(sched.pid), time.monotonic()
+        load_cpu1 = sum(_proc_cpu_s(p.pid) for p in load)
         rss1 = _proc_rss_mib(sched.pid)
         got = json.loads(_readline(client, "client"))  # after its last request ended
         for sim in sims:
@@ -548,6 +552,8 @@ def _point(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
             "rank_reports_per_s": sum(s["reports"] for s in sim_out) / seconds,
             "unacked_reports_at_end": sum(s["unacked_reports"] for s in sim_out),
             "scheduler_cpu_share": (cpu1 - cpu0) / seconds,
+            # the engine simulators and the client on the same cores, for the CPU split
+            "load_generator_cpu_share": (load_cpu1 - load_cpu0) / seconds,
             "cpu_ms_per_rank_s": (cpu1 - cpu0) / seconds / ranks * 1e3,
             "rss_mib": rss1, "rss_start_mib": rss0,
             "false_down": len(left) + len(ended), "left": sorted(left)[:10], "streams_ended": ended[:10]}
@@ -593,6 +599,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--ranks: every value must be >= 2, got {args.ranks!r}")
     if args.tp < 1 or args.duration <= 0 or args.step_hz <= 0 or args.sim_procs < 1:
         raise ValueError("--tp and --sim-procs must be >= 1, --duration and --step-hz > 0")
+    if not 0 <= args.events_per_step <= 128:
+        raise ValueError(f"--events-per-step must be in 0..128, got {args.events_per_step}")
     points = []
     for n in sizes:
         print(f"bench scale: {n} ranks (a fresh scheduler; registration, then {args.duration:g} s measured) ...",
@@ -625,11 +633,13 @@ def _report(args: argparse.Namespace, points: list[dict[str, Any]], config: dict
           f"{config.get('events_per_step')} events per rank report, {config.get('request_rate')} req/s per engine "
           f"(load average at the end {load[0] if load else float('nan'):.1f})")
     print(f"  {'ranks':>6} {'req/s':>7} {'ovh p50':>8} {'ovh p99':>8} {'events/s':>9} {'reports/s':>10} "
-          f"{'CPU ms/rank/s':>14} {'RSS MiB':>8} {'false down':>10} {'errors':>7}")
+          f"{'CPU ms/rank/s':>14} {'sched/gen CPU':>13} {'RSS MiB':>8} {'false down':>10} {'errors':>7}")
     for p in points:
         print(f"  {p['ranks']:>6} {p['routing_decisions_per_s']:>7.1f} {p['overhead_p50_ms']:>8.2f} "
               f"{p['overhead_p99_ms']:>8.2f} {p['events_per_s']:>9.0f} {p['rank_reports_per_s']:>10.0f} "
-              f"{p['cpu_ms_per_rank_s']:>14.3f} {p['rss_mib']:>8.0f} {p['false_down']:>10} "
+              f"{p['cpu_ms_per_rank_s']:>14.3f} "
+              f"{p['scheduler_cpu_share']:>6.2f}/{p.get('load_generator_cpu_share', float('nan')):<6.2f} "
+              f"{p['rss_mib']:>8.0f} {p['false_down']:>10} "
               f"{sum(p['request_errors'].values()):>7}")
     print("  growth first -> last point: " + ", ".join(f"{k} {v:.2f}x" for k, v in growth.items() if v))
     if args.plot:
