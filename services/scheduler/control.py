@@ -76,7 +76,7 @@ _ROLE_TO_PB = {v: k for k, v in _ROLE_FROM_PB.items()}
 HELLO_TIMEOUT_S = 10.0
 MAX_HELD_MESSAGES = 10_000
 MAX_REPORTS_PER_MESSAGE = 256
-ACK_INTERVAL_S = 0.1
+MAX_ACK_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,7 +254,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
     def __init__(self, registry: EngineRegistry, *, aggregator: KVOutputAggregator | None = None,
                  tracker: TransferTracker | None = None, sink: EventSink | None = None,
                  heartbeat_interval_s: float = 1.0, scheduler_id: str = "",
-                 telemetry: SchedulerTelemetry | None = None, ack_interval_s: float = ACK_INTERVAL_S) -> None:
+                 telemetry: SchedulerTelemetry | None = None, ack_interval_s: float | None = None) -> None:
         self.registry = registry
         self.aggregator = aggregator or KVOutputAggregator(clock=registry.clock)
         self.tracker = tracker or TransferTracker(clock=registry.clock)
@@ -263,7 +263,11 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         # Reports a rank may send in one ReportBatch (told in Welcome).
         self.max_reports_per_message = MAX_REPORTS_PER_MESSAGE
         # At most one Ack per stream per this interval (the first at once, later ones at the
-        # interval's end, cumulative): a rank stepping faster than that gets fewer messages back.
+        # interval's end, cumulative): a rank reporting more often gets fewer messages back.
+        # Default: the heartbeat interval, at most MAX_ACK_INTERVAL_S (a rank then buffers about
+        # one interval of reports, which it does anyway while a stream reconnects).
+        if ack_interval_s is None:
+            ack_interval_s = min(heartbeat_interval_s, MAX_ACK_INTERVAL_S)
         if ack_interval_s < 0:
             raise ValueError(f"ack_interval_s must be >= 0, got {ack_interval_s}")
         self.ack_interval_s = ack_interval_s
