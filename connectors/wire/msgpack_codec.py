@@ -132,12 +132,12 @@ def _stored_map_fast(e: BlockStored) -> dict[str, Any]:
                 "type": "BlockStored", "block_hashes": None, "parent_block_hash": None, "token_ids": None,
                 "block_size": e.block_size, "lora_id": e.lora_id, "medium": e.medium, "lora_name": e.lora_name}
         hashes = e.block_hashes
-        out = template.copy()
-        out["block_hashes"] = list(hashes) if _int_hashes(hashes) else _hashes_out(hashes)
+        copied = template.copy()
+        copied["block_hashes"] = list(hashes) if _int_hashes(hashes) else _hashes_out(hashes)
         if e.parent_block_hash is not None:
-            out["parent_block_hash"] = _hash_out(e.parent_block_hash)
-        out["token_ids"] = list(e.token_ids)
-        return out
+            copied["parent_block_hash"] = _hash_out(e.parent_block_hash)
+        copied["token_ids"] = list(e.token_ids)
+        return copied
     parent = e.parent_block_hash
     out: dict[str, Any] = {
         "type": "BlockStored",
