@@ -442,6 +442,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             hook(ref, reason)
 
     def _engine_up(self, engine: EngineState) -> None:
+        if not self.down:
+            return  # the common case, checked on every message
         ref = EngineRef(engine.engine_id, engine.epoch)
         if ref in self.down and engine.healthy:
             self.down.discard(ref)
