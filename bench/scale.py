@@ -9,7 +9,8 @@ demo model's tokenizer facts) and:
   reports coalesced into a ReportBatch, Acks, heartbeats at the scheduler's interval: rank 0
   always, with the engine load; other ranks only when they sent nothing since). Each engine steps at `--step-hz`; every rank reports each
   step with `--events-per-step` worker-side BlockStored events (medium CPU_OFFLOAD, the same on
-  every rank: the aggregator publishes them once all ranks reported) plus the step's transfer
+  every rank, encoded once per step into `packed_worker_events`: the aggregator publishes them
+  once all ranks reported) plus the step's transfer
   results. Rank 0 of each engine serves a real Engine gRPC service with no model: Prefill
   answers a transfer descriptor with the prompt's leading blocks it already holds as cached
   tokens, and publishes the new ones (GPU BlockStored, on rank 0's next report) so prefix
@@ -171,7 +172,7 @@ class SimEngine:
         if not self.stats.get("stopping"):
             self.stats["streams_ended"].append(f"{self.engine_id}/{rank.index}: EOF")
 
-    def _report(self, rank: _Rank, worker: list[Any] | None = None, engine_hashes: list[int] | None = None) -> None:
+    def _report(self, rank: _Rank, worker: bytes = b"", engine_hashes: list[int] | None = None) -> None:
         rank.last_sent = time.monotonic()
         from connectors.kv_events import BlockStored, event_to_proto
         from pdserve.v1 import control_pb2 as cpb
@@ -180,8 +181,8 @@ class SimEngine:
         rank.seq += 1
         report = cpb.StepReport(seq=rank.seq, finished_sending=rank.sending, finished_recving=rank.recving)
         rank.sending, rank.recving = [], []
-        if worker:
-            report.worker_events.extend(worker)
+        if worker:  # encoded once per step, as ControlClient does for a scheduler that accepts it
+            report.packed_worker_events = worker
         if engine_hashes:
             stored = BlockStored(tuple(engine_hashes), None, (), _BLOCK)
             report.engine_events.CopyFrom(kv_events_pb2.EventBatch(ts=time.time(), events=[event_to_proto(stored)]))
@@ -191,6 +192,7 @@ class SimEngine:
     async def _steps(self, end: float) -> None:
         from bench.events import scrambled_base
         from connectors.kv_events import MEDIUM_CPU_OFFLOAD, BlockStored, event_to_proto
+        from pdserve.v1 import kv_events_pb2
 
         period = 1.0 / self.args.step_hz
         await asyncio.sleep(random.random() * period)
@@ -198,8 +200,9 @@ class SimEngine:
         while time.monotonic() < end:
             # distinct per (engine, step, i), with entropy in every bit like real block hashes
             base = scrambled_base((self.index * 2 + (self.role == "decode")) * (1 << 32) + self.steps)
-            worker = [event_to_proto(BlockStored((base + i,), None, (), _BLOCK, medium=MEDIUM_CPU_OFFLOAD))
-                      for i in range(n)]
+            worker = kv_events_pb2.EventBatch(events=[
+                event_to_proto(BlockStored((base + i,), None, (), _BLOCK, medium=MEDIUM_CPU_OFFLOAD))
+                for i in range(n)]).SerializeToString()
             hashes, self.engine_events = self.engine_events, []
             for rank in self.ranks:
                 self._report(rank, worker, hashes if rank.index == 0 else None)
