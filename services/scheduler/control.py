@@ -271,6 +271,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         if ack_interval_s < 0:
             raise ValueError(f"ack_interval_s must be >= 0, got {ack_interval_s}")
         self.ack_interval_s = ack_interval_s
+        # Told in Welcome: ranks may send StepReport.packed_worker_events.
+        self.accepts_packed_worker_events = True
         # How long a closed rank stream may take to come back before its engine is down.
         self.reconnect_grace_s = min(heartbeat_interval_s, registry.heartbeat_timeout_s)
         self.telemetry = telemetry or SchedulerTelemetry()
@@ -549,7 +551,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                              heartbeat_interval_ms=int(self.heartbeat_interval_s * 1000),
                              scheduler_id=self.scheduler_id,
                              max_reports_per_message=self.max_reports_per_message,
-                             accepts_packed_worker_events=True,
+                             accepts_packed_worker_events=self.accepts_packed_worker_events,
                              ack_interval_ms=int(self.ack_interval_s * 1000))
         return pb.SchedulerMessage(welcome=welcome)
 

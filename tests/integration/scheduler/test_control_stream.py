@@ -298,3 +298,31 @@ async def test_a_stalled_scheduler_loop_does_not_take_down_ranks_that_kept_beati
     finally:
         await asyncio.to_thread(p.close)
         await h.stop()
+
+
+async def test_packed_reports_buffered_for_a_new_scheduler_reach_an_older_one_unpacked() -> None:
+    """A rank packs worker events for a scheduler that accepts them; reports buffered while it
+    restarts as one that does not (an older version) are resent as plain `worker_events`."""
+    h = ControlHarness()
+    await h.start()
+    client = await h.connect(hello("p0", "prefill", epoch=808))
+    try:
+        assert client.welcome is not None and client.welcome.accepts_packed_worker_events
+        port = h.port
+        await h.stop()
+        event = BlockStored((77,), None, (), 16, medium="CPU_OFFLOAD")
+        last = client.report(StepReport(worker_events=[event]))  # packed: the last Welcome allowed it
+        await h.start(port)
+        old = h.servicer
+        assert old is not None
+        old.accepts_packed_worker_events = False
+        seen: list[bool] = []
+        apply = old.apply_report
+        old.apply_report = lambda engine, rank_id, report: (  # type: ignore[method-assign]
+            seen.append(bool(report.packed_worker_events)), apply(engine, rank_id, report))[-1]
+        assert await asyncio.to_thread(client.wait_acked, last, 15.0)
+        assert seen == [False]
+        assert [b.events for _, _, b in h.sink.batches if b.events != [AllBlocksCleared()]] == [[event]]
+    finally:
+        await asyncio.to_thread(client.close)
+        await h.stop()
