@@ -581,6 +581,9 @@ def _plot(points: list[dict[str, Any]], path: str) -> None:
         ax.set_title(title, fontsize=9)
         if series[0][1].startswith("overhead"):
             ax.set_yscale("log")
+            for goal, label in ((2.0, "goal p50"), (20.0, "goal p99")):  # issue 18's goals at 1,024 ranks
+                ax.axhline(goal, color="grey", linestyle=":", linewidth=1)
+                ax.annotate(label, (xs[0], goal), fontsize=6, color="grey", va="bottom")
         ax.set_xlabel("ranks")
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [str(x) for x in xs])
