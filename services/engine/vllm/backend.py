@@ -17,7 +17,10 @@ same.
   a failed pull's blocks are recomputed by vLLM (kv_load_failure_policy "recompute").
 - load: vLLM's scheduler stats (running, waiting, KV usage) as of its last step, rank 0's pinned
   prefills and pulls (worker extension, which also hands the load to rank 0's heartbeat every
-  `LOAD_INTERVAL_S`).
+  `LOAD_INTERVAL_S`). While the engine is idle (no request in flight, no pin or pull, the same
+  load as last reported) the report goes out only every `IDLE_LOAD_INTERVAL_S`: every report is a
+  `collective_rpc`, and vLLM's workers busy-poll their shared-memory RPC queue for 1 s after each
+  one (`SpinCondition.busy_loop_s`), so a 0.5 s report kept every idle worker spinning.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from services.engine.backend import (
 logger = logging.getLogger(__name__)
 
 LOAD_INTERVAL_S = 0.5
+IDLE_LOAD_INTERVAL_S = 5.0  # > vLLM's 1 s busy-poll window, so idle workers park on their socket
 FINISH_REASONS = (None, "stop", "length", "abort")
 
 
@@ -69,6 +73,8 @@ class VllmBackend:
         self._live: dict[str, str] = {}  # request id -> "prefill" / "decode", while vLLM runs it
         self._worker_counts = [0, 0]  # pinned prefills, pulls vLLM waits on (rank 0's view)
         self._load_task: asyncio.Task[None] | None = None
+        self._reported: tuple[Any, ...] = ()  # the load of the last report (`_load_key`)
+        self._reported_at = 0.0  # the event loop's time of the last report
 
     @property
     def epoch(self) -> int:
@@ -106,13 +112,24 @@ class VllmBackend:
         self._load_task = asyncio.create_task(self._report_load_forever())
 
     async def _report_load_forever(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(LOAD_INTERVAL_S)
             try:
-                await self._refresh_load()
+                if not await self._idle_since_last_report() or loop.time() - self._reported_at >= IDLE_LOAD_INTERVAL_S:
+                    await self._refresh_load()
             except Exception:  # the engine died: `failed` says so, the process exits
                 logger.exception("reporting the vLLM engine's load failed")
                 return
+
+    async def _idle_since_last_report(self) -> bool:
+        """No request in flight, no pin or pull at the last report, and the same load as then."""
+        if self._live or any(self._worker_counts):
+            return False
+        return self._load_key(await self.load()) == self._reported
+
+    def _load_key(self, load: BackendLoad) -> tuple[Any, ...]:
+        return load.num_running, load.num_waiting, load.kv_usage, load.num_free_blocks, self._draining
 
     async def _refresh_load(self) -> None:
         assert self.engine is not None
@@ -121,6 +138,8 @@ class VllmBackend:
                                         load.num_free_blocks, self._draining)
         if answers:
             self._worker_counts = list(answers[0])
+        self._reported = self._load_key(load)
+        self._reported_at = asyncio.get_running_loop().time()
 
     def _require(self) -> VllmEngine:
         if self.engine is None or not self._ready:
