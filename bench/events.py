@@ -40,7 +40,6 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import msgpack
@@ -51,7 +50,15 @@ from connectors.kv_events import MEDIUM_CPU_OFFLOAD, BlockStored, KVCacheEvent, 
 from connectors.wire import encode_batch
 
 SECTIONS = ("pdserve", "decode_per_rank", "direct", "vllm", "overload")
-STAMP = 1 << 12  # hash = send time in µs * STAMP + index within the step
+# Block hash of the i-th event of a step: step_base(send time) + i. The send time (µs) is
+# scrambled by an invertible multiplication into bits 7..63 and i (< 128) fills bits 0..6, so
+# the hashes spread over every bit as real (sha256) block hashes do: hashes with constant low
+# bits (the earlier `µs * 4096 + i`) collide in Python's sets and dicts and made the scheduler's
+# index and aggregator pay for long probe chains that no real cluster produces.
+STAMP_BITS = 7
+_MASK57 = (1 << 57) - 1
+_MIX = 0x9E3779B97F4A7C15 & _MASK57 | 1
+_UNMIX = pow(_MIX, -1, 1 << 57)
 _MODULE = "bench.events"
 
 
@@ -64,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--direct-rate", type=float, default=64000.0,
                         help="events/s for the event plane alone (republisher fed directly)")
     parser.add_argument("--duration", type=float, default=5.0, help="seconds of paced load per section")
+    parser.add_argument("--report-encoding", choices=["packed", "proto"], default="packed",
+                        help="simulated stream ranks send worker events pre-encoded (packed_worker_events) "
+                             "or as protobuf worker_events")
     parser.add_argument("--rank-client", choices=["stream", "control-client"], default="stream",
                         help="simulated ranks as raw Control streams on one loop, or one ControlClient "
                              "(thread + loop) per rank")
@@ -77,13 +87,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def scrambled_base(n: int) -> int:
+    """A block hash for `n` < 2^57 with entropy in every bit and bits 0..6 clear (base + i, i <
+    128, are distinct hashes); `n` is recovered by `unscramble`."""
+    return ((n * _MIX) & _MASK57) << STAMP_BITS
+
+
+def unscramble(block_hash: int) -> int:
+    return ((block_hash >> STAMP_BITS) * _UNMIX) & _MASK57
+
+
+def step_base(now: float) -> int:
+    """The first block hash of a step sent at `now` (see STAMP_BITS)."""
+    return scrambled_base(int(now * 1e6))
+
+
 def stamp_events(now: float, n: int) -> list[KVCacheEvent]:
-    base = int(now * 1e6) * STAMP
+    base = step_base(now)
     return [BlockStored((base + i,), None, (), 0, medium=MEDIUM_CPU_OFFLOAD) for i in range(n)]
 
 
 def sent_at(block_hash: int) -> float:
-    return (block_hash // STAMP) / 1e6
+    """The send time stamped into the first hash of a step."""
+    return unscramble(block_hash) / 1e6
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -196,13 +222,16 @@ async def _subscribers_main(grpc_target: str, zmq_endpoint: str, n_grpc: int, n_
     tasks += [asyncio.ensure_future(_zmq_subscriber(ctx, zmq_endpoint, s, zmq_lat, stop)) for s in stats[n_grpc:]]
     await asyncio.sleep(1.0)
     print("ready", flush=True)
+    cpu0, wall0 = time.process_time(), time.monotonic()
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    cpu_share = (time.process_time() - cpu0) / max(1e-9, time.monotonic() - wall0)
     stop.set()
     await asyncio.gather(*tasks, return_exceptions=True)
     ctx.destroy(linger=0)
     latencies = grpc_lat + zmq_lat
     by_transport = {t: [x * 1e3 for x in lat] for t, lat in (("grpc", grpc_lat), ("zmq", zmq_lat))}
-    print(json.dumps({"subscribers": [vars(s) for s in stats], "p50_ms": percentile(latencies, 50) * 1e3,
+    print(json.dumps({"subscribers": [vars(s) for s in stats], "cpu_share": cpu_share,
+                      "p50_ms": percentile(latencies, 50) * 1e3,
                       "p99_ms_by_transport": {t: percentile(v, 99) for t, v in by_transport.items() if v},
                       "p99_ms": percentile(latencies, 99) * 1e3, "max_ms": max(latencies, default=0.0) * 1e3}),
           flush=True)
@@ -241,16 +270,53 @@ def _ranks_main(target: str, engines: int, tp: int, batch_events: int, rate: flo
             client.close(1.0)
 
 
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _field(number: int, data: bytes) -> bytes:
+    """A length-delimited protobuf field."""
+    return _varint(number << 3 | 2) + _varint(len(data)) + data
+
+
+_MEDIUM_FIELD = _field(6, MEDIUM_CPU_OFFLOAD.encode())  # BlockStored.medium
+_LOW_BYTES = [bytes([0x80 | i]) for i in range(128)]
+
+
+def stamped_events_wire(now: float, n: int, field_number: int = 6) -> bytes:
+    """`stamp_events(now, n)` serialized as repeated KVEvent field `field_number`: with 6 the
+    bytes `EventBatch(events=[event_to_proto(e) ...]).SerializeToString()` gives (what a rank
+    puts in `packed_worker_events`), with 7 a StepReport's `worker_events`. Built without a
+    protobuf object per event: the hashes base + i (base a multiple of 2^7) share every varint
+    byte but the first while i < 128."""
+    base = step_base(now)
+    if n > 128:
+        return b"".join(_field(field_number, _field(1, _field(1, _varint(base + i)) + _MEDIUM_FIELD))
+                        for i in range(n))
+    tail = _varint(base >> STAMP_BITS)
+    size = 1 + len(tail)
+    head = _varint(field_number << 3 | 2) + _varint(size + 4 + len(_MEDIUM_FIELD)) + b"\x0a" \
+        + _varint(size + 2 + len(_MEDIUM_FIELD)) + b"\x0a" + _varint(size)
+    rest = tail + _MEDIUM_FIELD
+    return b"".join(head + _LOW_BYTES[i] + rest for i in range(n))
+
+
 async def _stream_ranks_main(target: str, engines: int, tp: int, batch_events: int, rate: float,
-                             duration: float) -> None:
+                             duration: float, packed: bool = True) -> None:
     """All ranks as raw Control streams on one event loop (one channel per engine): the same
     protocol as ControlClient (Hello, Welcome, numbered StepReports, Acks) without a thread per
-    rank, so one process can stand in for hundreds of ranks."""
+    rank, so one process can stand in for hundreds of ranks. The load generator is kept cheap so
+    the scheduler gets the CPU it would have in production: a step's events are encoded once
+    (`packed`: into `packed_worker_events`, else as `worker_events`), and every rank's message
+    is written as bytes around them (no protobuf object per report)."""
     import grpc
 
-    from connectors.kv_events import event_to_proto
     from pdserve.v1 import control_pb2 as cpb
-    from pdserve.v1 import control_pb2_grpc
     from services.common.grpc_server import insecure_channel
 
     channels = [insecure_channel(target) for _ in range(engines)]
@@ -264,7 +330,8 @@ async def _stream_ranks_main(target: str, engines: int, tp: int, batch_events: i
                 acked[key] = msg.ack.seq
 
     for e in range(engines):
-        stub = control_pb2_grpc.ControlStub(channels[e])
+        connect = channels[e].stream_stream("/pdserve.v1.Control/Connect", request_serializer=None,
+                                            response_deserializer=cpb.SchedulerMessage.FromString)
         boxes: list[asyncio.Queue[Any]] = []
         for r in range(tp):
             box: asyncio.Queue[Any] = asyncio.Queue()
@@ -272,11 +339,8 @@ async def _stream_ranks_main(target: str, engines: int, tp: int, batch_events: i
                                         tp_rank=r, tp_size=tp, pp_size=1)
             box.put_nowait(cpb.RankMessage(hello=cpb.Hello(
                 rank=identity, compatibility_hash="bench", protocol_version=1, engine_address="127.0.0.1:1",
-                hash_seed="0", block_size=16)))
-
-            gen = partial(rank_messages, box)
-
-            call = stub.Connect(gen())
+                hash_seed="0", block_size=16)).SerializeToString())
+            call = connect(rank_message_bytes(box))
             await call.read()  # Welcome
             calls.append(asyncio.ensure_future(drain(call, (e, r))))
             boxes.append(box)
@@ -284,6 +348,7 @@ async def _stream_ranks_main(target: str, engines: int, tp: int, batch_events: i
     print("ready", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     pacer = Pacer(rate / batch_events)
+    cpu0 = time.process_time()
     end = time.monotonic() + duration
     steps = 0
     seqs = [[0] * tp for _ in range(engines)]
@@ -294,19 +359,23 @@ async def _stream_ranks_main(target: str, engines: int, tp: int, batch_events: i
             continue
         for _ in range(min(due, 64)):
             e = steps % engines
-            protos = [event_to_proto(ev) for ev in stamp_events(time.time(), batch_events)]
+            if packed:  # StepReport.packed_worker_events (field 10)
+                body = _field(10, stamped_events_wire(time.time(), batch_events))
+            else:  # StepReport.worker_events (repeated field 7)
+                body = stamped_events_wire(time.time(), batch_events, field_number=7)
             for r, box in enumerate(outboxes[e]):
                 seqs[e][r] += 1
-                box.put_nowait(cpb.RankMessage(report=cpb.StepReport(seq=seqs[e][r], worker_events=protos)))
+                box.put_nowait(b"\x08" + _varint(seqs[e][r]) + body)
             steps += 1
             pacer.done += 1
         await asyncio.sleep(0)
     send_s = time.monotonic() - pacer.start
+    send_cpu = time.process_time() - cpu0
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and any(acked.get((e, r), 0) < seqs[e][r]
                                               for e in range(engines) for r in range(tp)):
         await asyncio.sleep(0.01)
-    print(json.dumps({"steps": steps, "rank_reports": steps * tp, "send_s": send_s,
+    print(json.dumps({"steps": steps, "rank_reports": steps * tp, "send_s": send_s, "send_cpu_s": send_cpu,
                       "ack_wait_s": time.monotonic() - pacer.start - send_s}), flush=True)
     for boxes in outboxes:
         for box in boxes:
@@ -315,6 +384,31 @@ async def _stream_ranks_main(target: str, engines: int, tp: int, batch_events: i
         task.cancel()
     for channel in channels:
         await channel.close()
+
+
+async def rank_message_bytes(box: asyncio.Queue[Any], max_batch: int = 64) -> AsyncIterator[bytes]:
+    """`rank_messages` for serialized messages: `box` holds the Hello's RankMessage bytes, then
+    serialized StepReports (None ends the stream); reports that queued up go out together in
+    one ReportBatch (up to `max_batch`), as ControlClient sends them."""
+    yield await box.get()
+    while True:
+        m = await box.get()
+        if m is None:
+            return
+        if box.empty():
+            yield _field(2, m)  # RankMessage.report
+            continue
+        reports = [m]
+        done = False
+        while len(reports) < max_batch and not box.empty():
+            nxt = box.get_nowait()
+            if nxt is None:
+                done = True
+                break
+            reports.append(nxt)
+        yield _field(4, b"".join(_field(1, r) for r in reports))  # RankMessage.reports
+        if done:
+            return
 
 
 async def rank_messages(box: asyncio.Queue[Any], max_batch: int = 64) -> AsyncIterator[Any]:
@@ -401,9 +495,10 @@ async def _pdserve_section(args: argparse.Namespace, decode_per_rank: bool = Fal
     n_grpc, n_zmq = _split(args.subscribers)
     subs = _spawn("--role", "subscribers", "--grpc", f"127.0.0.1:{port}", "--zmq", plane.zmq.bound_endpoint,
                   "--n-grpc", str(n_grpc), "--n-zmq", str(n_zmq))
-    ranks = _spawn("--role", "ranks" if args.rank_client == "control-client" else "stream-ranks", "--grpc", f"127.0.0.1:{port}", "--engines", str(args.engines),
+    ranks = _spawn("--role", "ranks" if args.rank_client == "control-client" else "stream-ranks",
+                   "--grpc", f"127.0.0.1:{port}", "--engines", str(args.engines),
                    "--tp", str(args.tp), "--batch-events", str(args.batch_events), "--rate", str(args.rate),
-                   "--duration", str(args.duration))
+                   "--duration", str(args.duration), "--report-encoding", args.report_encoding)
     try:
         await _readline(subs)
         t0 = time.monotonic()
@@ -437,6 +532,13 @@ async def _pdserve_section(args: argparse.Namespace, decode_per_rank: bool = Fal
             # published event: robust to other load on the machine, unlike latency.
             "scheduler_cpu_us_per_event": cpu_s / published * 1e6 if published else None,
             "scheduler_cpu_share": cpu_s / elapsed,
+            # The other processes on the same cores: the simulated ranks while sending (all of
+            # them on one loop) and the subscribers' process (4 subscribers).
+            "generator_cpu_share": (sent["send_cpu_s"] / sent["send_s"]
+                                    if sent.get("send_cpu_s") is not None and sent.get("send_s") else None),
+            "subscribers_cpu_share": got.get("cpu_share"),
+            "report_encoding": args.report_encoding,
+            "scheduler_loop_max_lag_ms": control.stalls.max_lag_s * 1e3,
             "decode": {"hits": control.worker_events.hits, "misses": control.worker_events.misses}}
 
 
@@ -593,7 +695,7 @@ def _drive_hashes(publish: Callable[[float, list[int]], Any], rate: float, batch
                   duration: float) -> int:
     def step() -> None:
         now = time.time()
-        base = int(now * 1e6) * STAMP
+        base = step_base(now)
         publish(now, [base + i for i in range(batch_events)])
 
     return Pacer(rate / batch_events).run(duration, step) * batch_events
@@ -728,11 +830,13 @@ def _main() -> None:
     p.add_argument("--batch-events", type=int, default=64)
     p.add_argument("--rate", type=float, default=1000.0)
     p.add_argument("--duration", type=float, default=1.0)
+    p.add_argument("--report-encoding", choices=["packed", "proto"], default="packed")
     a = p.parse_args()
     if a.role == "subscribers":
         asyncio.run(_subscribers_main(a.grpc, a.zmq, a.n_grpc, a.n_zmq))
     elif a.role == "stream-ranks":
-        asyncio.run(_stream_ranks_main(a.grpc, a.engines, a.tp, a.batch_events, a.rate, a.duration))
+        asyncio.run(_stream_ranks_main(a.grpc, a.engines, a.tp, a.batch_events, a.rate, a.duration,
+                                       packed=a.report_encoding == "packed"))
     else:
         _ranks_main(a.grpc, a.engines, a.tp, a.batch_events, a.rate, a.duration)
 

@@ -101,6 +101,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and pdserve with vLLM engines where available")
     parser.add_argument("--systems", default="vllm_colocated,vllm_pd_nixl,pdserve,pdserve_vllm",
                         help="--compare vllm: which systems to run (comma-separated)")
+    parser.add_argument("--phases", action="store_true",
+                        help="--compare vllm: also time the workload's prefill-only and decode-only passes "
+                             "on one vLLM engine's share of the cores (what bounds a 1P1D split)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--engine", choices=["native", "vllm"], default="native",
                         help="engine backend of every engine of the --up clusters (vllm: run from .venv-vllm)")

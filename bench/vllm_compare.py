@@ -44,6 +44,8 @@ from services.local_cluster import free_port
 
 SYSTEMS = ("vllm_colocated", "vllm_pd_nixl", "pdserve", "pdserve_vllm")
 METRICS = ("wall_s", "tok_s", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p99_ms", "threads")
+# Beside the issue's METRICS: the first inter-token gap (prefill -> decode hand-off) and the rest.
+EXTRA_METRICS = ("itl_first_p50_ms", "itl_first_p99_ms", "itl_rest_p99_ms")
 START_TIMEOUT_S = 1200.0  # ~26 s on a quiet 2-core machine; over 10 min at load average 20+
 
 
@@ -58,12 +60,19 @@ class Timing:
 def summarize(timings: list[Timing], wall_s: float, threads: int) -> dict[str, Any]:
     """The issue's per-system figures from client-side timings."""
     ttft = [(t.token_times[0] - t.start) * 1000 for t in timings if t.token_times]
-    itl = [(b - a) * 1000 for t in timings for a, b in zip(t.token_times, t.token_times[1:], strict=False)]
+    gaps = [[(b - a) * 1000 for a, b in zip(t.token_times, t.token_times[1:], strict=False)] for t in timings]
+    itl = [g for request in gaps for g in request]
     tokens = sum(len(t.token_times) for t in timings)
     p_ttft, p_itl = percentiles(ttft), percentiles(itl)
+    # The first gap is where a disaggregated system hands the request from prefill to decode
+    # (pdserve streams the prefill engine's first token at once); the rest are decode steps.
+    p_first = percentiles([request[0] for request in gaps if request])
+    p_rest = percentiles([g for request in gaps for g in request[1:]])
     return {"wall_s": round(wall_s, 2), "tok_s": round(tokens / wall_s, 2) if wall_s > 0 else 0.0,
             "ttft_p50_ms": p_ttft["p50"], "ttft_p90_ms": p_ttft["p90"],
-            "itl_p50_ms": p_itl["p50"], "itl_p99_ms": p_itl["p99"], "threads": threads}
+            "itl_p50_ms": p_itl["p50"], "itl_p99_ms": p_itl["p99"], "threads": threads,
+            "itl_first_p50_ms": p_first["p50"], "itl_first_p99_ms": p_first["p99"],
+            "itl_rest_p99_ms": p_rest["p99"]}
 
 
 # -- the vLLM OpenAI server -------------------------------------------------------------------
@@ -239,6 +248,47 @@ def run_vllm_pd(args: argparse.Namespace, wl: Workload, share: CpuShare, log_dir
     return summarize(timings, wall, share.total_threads)
 
 
+def _prefix_cache_counts(url: str) -> tuple[float, float]:
+    """vLLM's cumulative prefix-cache (hits, queries) in tokens, from its /metrics."""
+    hits = queries = 0.0
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        for line in resp.read().decode().splitlines():
+            name, _, value = line.partition(" ")
+            if name.startswith("vllm:prefix_cache_hits_total"):
+                hits += float(value)
+            elif name.startswith("vllm:prefix_cache_queries_total"):
+                queries += float(value)
+    return hits, queries
+
+
+def run_vllm_phases(args: argparse.Namespace, wl: Workload, share: CpuShare, log_dir: Path) -> dict[str, Any]:
+    """The workload's prefill-only and decode-only times on one 1P1D engine's share of the cores.
+
+    One vLLM server on half the cores (what each side of a 1P1D split gets) runs the workload
+    twice at the same concurrency: once with `max_tokens` 1 (prefill only: every prompt computed,
+    cold cache), then in full, when vLLM's prefix cache holds every prompt's full blocks (decode
+    only, less each prompt's last partial block; the measured cache hit share says how much).
+    With perfect pipelining a 1P1D split of the cores takes at best max(prefill, decode), and
+    colocated on all the cores at best (prefill + decode) / 2 (perfect scaling over twice the
+    cores), so `disagg_vs_colocated_bound` = (prefill + decode) / (2 max(prefill, decode)) bounds
+    a disaggregated system's throughput relative to a colocated one on these cores.
+    """
+    cores = list(share.cpus[:max(1, len(share.cpus) // 2)])
+    server = start_vllm("vllm_phases", args, cores, None, log_dir)
+    try:
+        server.wait_ready()
+        _warm_up(None, server.url)
+        _, prefill_s = drive_vllm(Workload(wl.prompts, [1] * len(wl.prompts)), args.concurrency, None, server.url)
+        hits0, queries0 = _prefix_cache_counts(server.url)
+        _, decode_s = drive_vllm(wl, args.concurrency, None, server.url)
+        hits1, queries1 = _prefix_cache_counts(server.url)
+    finally:
+        server.stop()
+    return {"cores": len(cores), "prefill_only_s": round(prefill_s, 2), "decode_only_s": round(decode_s, 2),
+            "decode_pass_prefix_hit_rate": round((hits1 - hits0) / max(queries1 - queries0, 1.0), 3),
+            "disagg_vs_colocated_bound": round((prefill_s + decode_s) / (2 * max(prefill_s, decode_s)), 3)}
+
+
 # -- pdserve ------------------------------------------------------------------------------------
 
 def pdserve_vllm_engine_available() -> str:
@@ -302,6 +352,14 @@ def run_compare(args: argparse.Namespace) -> int:
         report["threads"][name] = share.describe()
         print(f"[{name}] {report['systems'][name]}", file=sys.stderr)
         (out / "serve_compare.json").write_text(json.dumps(report, indent=2))  # long runs keep what they have
+    if args.phases and not no_vllm:
+        try:
+            report["phases"] = run_vllm_phases(args, wl, disaggregated, out / "logs")
+            print(f"[vllm_phases] {report['phases']}", file=sys.stderr)
+        except Exception as e:  # noqa: BLE001 - the systems' figures stand without it
+            traceback.print_exc()
+            report["absent"]["vllm_phases"] = f"failed: {type(e).__name__}: {e}"
+            report["failed"] = True
     (out / "serve_compare.json").write_text(json.dumps(report, indent=2))
     if report["systems"]:
         plot(report, out / "serve_compare.png")
@@ -310,11 +368,16 @@ def run_compare(args: argparse.Namespace) -> int:
 
 
 def table(report: dict[str, Any]) -> str:
-    head = f"{'system':<16}" + "".join(f"{m:>13}" for m in METRICS)
-    rows = [f"{name:<16}" + "".join(f"{r[m]:>13}" for m in METRICS) for name, r in report["systems"].items()]
+    columns = METRICS + EXTRA_METRICS
+    head = f"{'system':<16}" + "".join(f"{m:>17}" for m in columns)
+    rows = [f"{name:<16}" + "".join(f"{r.get(m, ''):>17}" for m in columns) for name, r in report["systems"].items()]
     absent = [f"{name:<16} absent: {why}" for name, why in report["absent"].items()]
     threads = [f"  {name}: {desc}" for name, desc in report["threads"].items()]
-    return "\n".join([head, *rows, *absent, "threads (same pinned cores for every system):", *threads])
+    phases = [f"phases (vLLM on {p['cores']} core(s)): prefill only {p['prefill_only_s']} s, decode only "
+              f"{p['decode_only_s']} s (prefix hit rate {p['decode_pass_prefix_hit_rate']}); a 1P1D split's "
+              f"throughput is at most {p['disagg_vs_colocated_bound']}x colocated's"
+              for p in [report["phases"]] if "phases" in report]
+    return "\n".join([head, *rows, *absent, "threads (same pinned cores for every system):", *threads, *phases])
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -324,18 +387,21 @@ def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(report["systems"])
-    panels = [("TTFT (ms)", ("ttft_p50_ms", "ttft_p90_ms")), ("ITL (ms)", ("itl_p50_ms", "itl_p99_ms")),
-              ("throughput (tok/s)", ("tok_s",)), ("wall time (s)", ("wall_s",))]
-    fig, axes = plt.subplots(1, len(panels), figsize=(14, 3.6))
+    panels = [("TTFT (ms, log)", {"ttft_p50_ms": "p50", "ttft_p90_ms": "p90"}),
+              ("ITL (ms, log)", {"itl_p50_ms": "p50", "itl_p99_ms": "p99", "itl_rest_p99_ms": "p99 after 1st gap"}),
+              ("throughput (tok/s)", {"tok_s": ""}), ("wall time (s, log)", {"wall_s": ""})]
+    fig, axes = plt.subplots(1, len(panels), figsize=(15, 3.8))
     for ax, (title, keys) in zip(axes, panels, strict=True):
         width = 0.8 / len(keys)
-        for j, key in enumerate(keys):
-            ax.bar([i + j * width for i in range(len(names))], [report["systems"][n][key] for n in names],
-                   width, label=key.rsplit("_", 2)[-2] if len(keys) > 1 else None)
+        for j, (key, label) in enumerate(keys.items()):
+            ax.bar([i + j * width for i in range(len(names))], [report["systems"][n].get(key, 0) for n in names],
+                   width, label=label or None)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, rotation=20, fontsize=8)
         ax.set_title(title)
+        if "log" in title:
+            ax.set_yscale("log")
         if len(keys) > 1:
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=7)
     w = report["workload"]
     fig.suptitle(f"bench serve --compare vllm: {w['num_requests']} requests, prompts {w['prompt_len']}, "
                  f"outputs {w['output_len']}, concurrency {w['concurrency']}, {w['dtype']}")

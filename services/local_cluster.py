@@ -236,6 +236,10 @@ class LocalCluster:
 
     def _launch(self, comp: Component) -> None:
         env = {**os.environ, **self.spec.env, "PYTHONUNBUFFERED": "1"}
+        if self.spec.engine == "vllm":
+            # vLLM's CPU worker binds its threads to cores itself ("auto"): every engine of one
+            # host would bind to the same ones. Unbound, each takes --torch-threads threads.
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         if self.spec.auth_tokens:
             env["PDSERVE_AUTH_TOKENS"] = ",".join(self.spec.auth_tokens)
         if self._log_dir is not None:

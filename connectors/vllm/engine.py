@@ -55,6 +55,10 @@ class VllmEngineSettings:
     max_model_len: int  # 0: the model's
     connector: PdserveConnectorConfig
     vllm_args: dict[str, Any]
+    # Compute threads of each vLLM worker process (pdserve's --torch-threads); 0: vLLM's choice.
+    # vLLM's CPU worker forbids torch.set_num_threads, so this is OMP_NUM_THREADS of its workers
+    # unless the environment sets that already.
+    torch_threads: int = 0
 
 
 @dataclass(slots=True)
@@ -150,6 +154,8 @@ class VllmEngine:
                              f"{CPU_BLOCK_MULTIPLE}; run the whole cluster (scheduler and engines) with "
                              f"--block-size {CPU_BLOCK_MULTIPLE}")
         os.environ["PYTHONHASHSEED"] = self.settings.connector.hash_seed  # vLLM's NONE_HASH, in its processes
+        if self.settings.torch_threads > 0:
+            os.environ.setdefault("OMP_NUM_THREADS", str(self.settings.torch_threads))
         args = engine_args(self.settings)
         self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger(self.view)])
         await self.llm.collective_rpc("pdserve_connect")

@@ -41,7 +41,7 @@ from connectors.vllm.staging import KVStaging
 from services.common.metrics import EngineMetrics
 from services.common.security import ChannelSecurity
 from services.engine.control_client import ControlMessage, EngineLoad, KVFailed, ReleaseBlocks, StepReport
-from services.engine.rank_agent import RankAgent, RankAgentFactory, _stats, compatibility_hash
+from services.engine.rank_agent import RankAgent, RankAgentFactory, compatibility_hash
 
 logger = logging.getLogger(__name__)
 
@@ -83,25 +83,8 @@ class _TeeRankAgent(RankAgent):
         super().__init__(factory, rank, tp_size)
         self._tee = tee
 
-    def _drain_once(self) -> None:
-        results = self.ucx.get_transfer_results()
-        invalid = self.ucx.get_block_ids_with_load_errors()
-        stats = self.ucx.get_kv_connector_stats()
-        self._record_metrics(stats)
-        if results.finished_sending or results.finished_recving or results.failed_recving:
-            self._tee(results, invalid)
-        for request_id in results.finished_recving:
-            self._end_span(request_id)
-        for request_id in results.failed_recving:
-            self._end_span(request_id, "KV pull failed")
-        if not (results.finished_sending or results.finished_recving or results.failed_recving) and (
-                stats is None or stats.is_empty()):
-            return
-
-        self._report(StepReport(finished_sending=sorted(results.finished_sending),
-                                finished_recving=sorted(results.finished_recving),
-                                failed_recving=sorted(results.failed_recving),
-                                invalid_block_ids=sorted(invalid), transfer_stats=_stats(stats)))
+    def _on_results(self, results: TransferResults, invalid: set[int]) -> None:
+        self._tee(results, invalid)
 
 
 class VllmWorkerHalf:

@@ -106,11 +106,38 @@ def _as_map(tag: str, values: dict[str, Any], required: tuple[str, ...],
 
 def _int_hashes(hashes: tuple[ExternalBlockHash, ...]) -> bool:
     """Whether every hash is a plain int in [0, 2**64) (the common case, checked in bulk)."""
+    if len(hashes) == 1:
+        h = hashes[0]
+        return type(h) is int and 0 <= h < _U64
     return all(type(h) is int and 0 <= h < _U64 for h in hashes)
+
+
+# Map-mode BlockStored whose optional fields are all None: a copy of a template per
+# (block_size, lora_id, medium, lora_name) with the per-event values put in (a dict copy keeps
+# the key order), cheaper than building the map key by key; bounded (cleared when full).
+_STORED_TEMPLATES: dict[tuple[Any, ...], dict[str, Any]] = {}
+_MAX_TEMPLATES = 256
 
 
 def _stored_map_fast(e: BlockStored) -> dict[str, Any]:
     """`_as_map` of a BlockStored without the intermediate dicts: same keys, same order."""
+    if (e.extra_keys is None and e.group_idx is None and e.kv_cache_spec_kind is None
+            and e.kv_cache_spec_sliding_window is None and e.locality is None):
+        shape = (e.block_size, e.lora_id, e.medium, e.lora_name)
+        template = _STORED_TEMPLATES.get(shape)
+        if template is None:
+            if len(_STORED_TEMPLATES) >= _MAX_TEMPLATES:
+                _STORED_TEMPLATES.clear()
+            template = _STORED_TEMPLATES[shape] = {
+                "type": "BlockStored", "block_hashes": None, "parent_block_hash": None, "token_ids": None,
+                "block_size": e.block_size, "lora_id": e.lora_id, "medium": e.medium, "lora_name": e.lora_name}
+        hashes = e.block_hashes
+        copied = template.copy()
+        copied["block_hashes"] = list(hashes) if _int_hashes(hashes) else _hashes_out(hashes)
+        if e.parent_block_hash is not None:
+            copied["parent_block_hash"] = _hash_out(e.parent_block_hash)
+        copied["token_ids"] = list(e.token_ids)
+        return copied
     parent = e.parent_block_hash
     out: dict[str, Any] = {
         "type": "BlockStored",

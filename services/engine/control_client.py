@@ -19,7 +19,10 @@ Contracts:
   applied) counts nothing twice. At most `max_unacked` reports are buffered; beyond that the
   oldest are dropped and counted in `num_dropped`. Reports that queued up while the stream was
   busy go out together, up to `max_reports_per_message` (and the scheduler's limit from
-  Welcome) per ReportBatch message, acknowledged once per message.
+  Welcome) per ReportBatch message, acknowledged once per message (or less often: the
+  scheduler may throttle Acks; they are cumulative). Worker events are encoded once into
+  `packed_worker_events` when the scheduler's Welcome accepts that (else, and for a report
+  resent to a scheduler that does not, as `worker_events`).
 - Heartbeats go every Welcome `heartbeat_interval`; a rank other than rank 0 skips a beat when
   it sent reports since its last one (every message counts as liveness for the scheduler; rank
   0's beats also carry the engine's load and draining flag, so it always beats).
@@ -123,6 +126,8 @@ class Welcome:
     scheduler_id: str
     # Reports the scheduler accepts in one message (1: one report per message).
     max_reports_per_message: int = 1
+    # Whether the scheduler takes worker events pre-encoded (StepReport.packed_worker_events).
+    accepts_packed_worker_events: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +204,7 @@ def message_from_proto(m: pb.SchedulerMessage) -> ControlMessage | None:
         w = m.welcome
         return Welcome([RankIdentity.from_proto(r) for r in w.expected_ranks], [_peer(p) for p in w.peers],
                        w.last_acked_seq, w.heartbeat_interval_ms / 1000.0, w.scheduler_id,
-                       max(1, w.max_reports_per_message))
+                       max(1, w.max_reports_per_message), w.accepts_packed_worker_events)
     if kind == "peer_update":
         return PeerUpdate([_peer(p) for p in m.peer_update.joined],
                           [RankIdentity.from_proto(r) for r in m.peer_update.left])
@@ -212,11 +217,17 @@ def message_from_proto(m: pb.SchedulerMessage) -> ControlMessage | None:
     return None
 
 
-def report_to_proto(seq: int, r: StepReport, identity: RankIdentity) -> pb.StepReport:
+def report_to_proto(seq: int, r: StepReport, identity: RankIdentity, *, packed: bool = False) -> pb.StepReport:
+    """The report as protobuf; `packed` encodes the worker events once into
+    `packed_worker_events` (for a scheduler that accepts it) instead of `worker_events`."""
+    events = [event_to_proto(e) for e in r.worker_events]
     msg = pb.StepReport(seq=seq, finished_sending=r.finished_sending, finished_recving=r.finished_recving,
                         failed_recving=r.failed_recving, invalid_block_ids=r.invalid_block_ids,
-                        worker_events=[event_to_proto(e) for e in r.worker_events],
                         worker_metadata=r.worker_metadata)
+    if packed and events:
+        msg.packed_worker_events = kv_events_pb2.EventBatch(events=events).SerializeToString()
+    else:
+        msg.worker_events.extend(events)
     for s in r.transfer_stats:
         msg.transfer_stats.append(pb.TransferStat(
             src_engine_id=s.src_engine_id, dst_engine_id=s.dst_engine_id, num_bytes=s.num_bytes,
@@ -288,7 +299,8 @@ class ControlClient:
         with self._lock:
             self._seq += 1
             seq = self._seq
-            self._unacked[seq] = report_to_proto(seq, report, self.hello.identity)
+            packed = self.welcome is not None and self.welcome.accepts_packed_worker_events
+            self._unacked[seq] = report_to_proto(seq, report, self.hello.identity, packed=packed)
             while len(self._unacked) > self.max_unacked:
                 del self._unacked[next(iter(self._unacked))]
                 self.num_dropped += 1
@@ -463,6 +475,11 @@ class ControlClient:
         while not self._closed:
             with self._lock:
                 pending = [m for s, m in self._unacked.items() if s > sent_upto]
+            if self.welcome is not None and not self.welcome.accepts_packed_worker_events:
+                for m in pending:  # packed for a scheduler that was replaced by an older one
+                    if m.packed_worker_events:
+                        m.worker_events.extend(kv_events_pb2.EventBatch.FromString(m.packed_worker_events).events)
+                        m.ClearField("packed_worker_events")
             limit = min(self.max_reports_per_message, self.welcome.max_reports_per_message if self.welcome else 1)
             for i in range(0, len(pending), max(1, limit)):
                 chunk = pending[i:i + max(1, limit)]

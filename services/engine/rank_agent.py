@@ -320,18 +320,24 @@ class RankAgent(WorkerConnector):
         invalid = self.ucx.get_block_ids_with_load_errors()
         stats = self.ucx.get_kv_connector_stats()
         self._record_metrics(stats)
+        has_results = bool(results.finished_sending or results.finished_recving or results.failed_recving)
+        if has_results:
+            self._on_results(results, invalid)
         if self._tracer is not None:
             for request_id in results.finished_recving:
                 self._end_span(request_id)
             for request_id in results.failed_recving:
                 self._end_span(request_id, "KV pull failed")
-        if not (results.finished_sending or results.finished_recving or results.failed_recving) and (
-                stats is None or stats.is_empty()):
+        if not has_results and (stats is None or stats.is_empty()):
             return
         self._report(StepReport(finished_sending=sorted(results.finished_sending),
                                 finished_recving=sorted(results.finished_recving),
                                 failed_recving=sorted(results.failed_recving),
                                 invalid_block_ids=sorted(invalid), transfer_stats=_stats(stats)))
+
+    def _on_results(self, results: TransferResults, invalid: set[int]) -> None:
+        """Called on the drain thread with each non-empty batch of transfer results, before they
+        are reported to the scheduler; a subclass that must see them overrides it."""
 
     def _record_metrics(self, stats: UcxTransferStats | None) -> None:
         if self.metrics is None:

@@ -19,7 +19,12 @@ Contracts (see control.proto):
   acknowledged with Ack(last applied seq). A ReportBatch (at most the Welcome's
   `max_reports_per_message` reports of one rank) is applied report by report, in order, and
   acknowledged once, after its last report. A report the scheduler cannot parse is acknowledged,
-  dropped and counted (resending it would not help).
+  dropped and counted (resending it would not help). Acks are throttled per stream to one per
+  `ack_interval_s` (told in Welcome): a message on a stream whose last Ack is that old is acked
+  at once, the others by one cumulative Ack at the interval's end, so none goes unacknowledged.
+- Worker events come as `worker_events` or pre-encoded as `packed_worker_events` (an EventBatch
+  with only `events` set); either is decoded once per (engine, epoch, bytes), and a batch the
+  aggregator publishes unchanged keeps the rank's encoding for gRPC subscribers.
 - A rank silent for `heartbeat_timeout_s`, or whose stream closed and did not reopen within
   one heartbeat interval, is dead: its engine is down (transfers touching it
   fail over, an AllBlocksCleared for its epoch goes to the event sink, `on_engine_down` hooks
@@ -39,6 +44,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from connectors.aggregator import KVOutputAggregator
 from connectors.kv_events import AllBlocksCleared, KVCacheEvent, KVEventBatch, event_from_proto
@@ -47,6 +53,7 @@ from pdserve.v1 import control_pb2 as pb
 from pdserve.v1 import control_pb2_grpc, kv_events_pb2
 from services.scheduler.event_sink import EventSink, NullEventSink, ProtoBackedBatch
 from services.scheduler.lifecycle import EngineRef
+from services.scheduler.loop_stalls import LoopStalls
 from services.scheduler.registry import (
     PROTOCOL_VERSION,
     EngineRegistry,
@@ -69,6 +76,7 @@ _ROLE_TO_PB = {v: k for k, v in _ROLE_FROM_PB.items()}
 HELLO_TIMEOUT_S = 10.0
 MAX_HELD_MESSAGES = 10_000
 MAX_REPORTS_PER_MESSAGE = 256
+MAX_ACK_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +95,10 @@ class RankConnection:
     # The announcement counter when this stream was welcomed: joins announced before it were
     # in its Welcome, later ones reach it in a (coalesced) PeerUpdate.
     welcomed_at: int = 0
+    # Acks at most once per ack interval: when the last one went (loop time), whether a
+    # trailing one is scheduled.
+    acked_at: float = float("-inf")
+    ack_scheduled: bool = False
 
 
 def hello_from_proto(m: pb.Hello) -> RankHello:
@@ -151,6 +163,19 @@ def worker_events_key(report: pb.StepReport) -> bytes:
     return only.SerializeToString()
 
 
+def unpack_worker_events(packed: bytes) -> tuple[KVCacheEvent, ...]:
+    """The events of a `packed_worker_events` (ValueError when it is not an EventBatch holding
+    only events, or an event is malformed)."""
+    try:
+        batch = kv_events_pb2.EventBatch.FromString(packed)
+    except DecodeError as e:
+        raise ValueError(f"packed_worker_events: not an EventBatch ({e})") from None
+    extra = [f.name for f, _ in batch.ListFields() if f.name != "events"]
+    if extra:
+        raise ValueError(f"packed_worker_events: only `events` may be set, not {', '.join(extra)}")
+    return tuple(event_from_proto(e) for e in batch.events)
+
+
 @dataclass(slots=True)
 class _Decoded:
     events: tuple[KVCacheEvent, ...]
@@ -183,7 +208,13 @@ class WorkerEventDecoder:
 
     def decode(self, engine_id: str, epoch: int, uses: int, report: pb.StepReport) -> tuple[KVCacheEvent, ...]:
         """The report's worker events (ValueError when one is malformed; nothing is cached)."""
-        raw = worker_events_key(report)
+        packed = report.packed_worker_events
+        if packed:
+            if report.worker_events:
+                raise ValueError("a report carries both worker_events and packed_worker_events")
+            raw = packed
+        else:
+            raw = worker_events_key(report)
         if not raw:
             return ()
         key = (engine_id, epoch, raw)
@@ -196,7 +227,7 @@ class WorkerEventDecoder:
                 self._bytes -= len(raw)
             return entry.events
         self.misses += 1
-        events = tuple(event_from_proto(e) for e in report.worker_events)
+        events = unpack_worker_events(packed) if packed else tuple(event_from_proto(e) for e in report.worker_events)
         if uses > 1 and self.max_entries and len(raw) <= self.max_bytes:
             self._entries[key] = _Decoded(events, uses - 1)
             self._bytes += len(raw)
@@ -223,7 +254,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
     def __init__(self, registry: EngineRegistry, *, aggregator: KVOutputAggregator | None = None,
                  tracker: TransferTracker | None = None, sink: EventSink | None = None,
                  heartbeat_interval_s: float = 1.0, scheduler_id: str = "",
-                 telemetry: SchedulerTelemetry | None = None) -> None:
+                 telemetry: SchedulerTelemetry | None = None, ack_interval_s: float | None = None) -> None:
         self.registry = registry
         self.aggregator = aggregator or KVOutputAggregator(clock=registry.clock)
         self.tracker = tracker or TransferTracker(clock=registry.clock)
@@ -231,6 +262,17 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self.heartbeat_interval_s = heartbeat_interval_s
         # Reports a rank may send in one ReportBatch (told in Welcome).
         self.max_reports_per_message = MAX_REPORTS_PER_MESSAGE
+        # At most one Ack per stream per this interval (the first at once, later ones at the
+        # interval's end, cumulative): a rank reporting more often gets fewer messages back.
+        # Default: the heartbeat interval, at most MAX_ACK_INTERVAL_S (a rank then buffers about
+        # one interval of reports, which it does anyway while a stream reconnects).
+        if ack_interval_s is None:
+            ack_interval_s = min(heartbeat_interval_s, MAX_ACK_INTERVAL_S)
+        if ack_interval_s < 0:
+            raise ValueError(f"ack_interval_s must be >= 0, got {ack_interval_s}")
+        self.ack_interval_s = ack_interval_s
+        # Told in Welcome: ranks may send StepReport.packed_worker_events.
+        self.accepts_packed_worker_events = True
         # How long a closed rank stream may take to come back before its engine is down.
         self.reconnect_grace_s = min(heartbeat_interval_s, registry.heartbeat_timeout_s)
         self.telemetry = telemetry or SchedulerTelemetry()
@@ -256,6 +298,11 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self._announced = 0
         self._pending_joins: dict[Role, list[tuple[int, pb.PeerInfo]]] = {}
         self._flush_scheduled = False
+        # The loop's own stalls, measured by the monitor on the registry's clock, discounted
+        # from ranks' silence.
+        self._tick_due: float | None = None
+        self.stalls = LoopStalls(horizon_s=4 * registry.heartbeat_timeout_s,
+                                 tolerance_s=min(0.05, registry.heartbeat_timeout_s / 10))
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -274,18 +321,34 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             conn.queue.put_nowait(_Close(grpc.StatusCode.UNAVAILABLE, "scheduler shutting down"))
 
     async def _monitor(self) -> None:
-        period = max(0.02, min(self.heartbeat_interval_s, self.registry.heartbeat_timeout_s) / 4)
+        """The heartbeat sweep; it also measures the loop's lag (how late its own wake-ups
+        are), so that time the loop could not read its streams is not counted as silence."""
+        period = self.monitor_period_s
         while True:
+            self._tick_due = self.registry.clock() + period
             await asyncio.sleep(period)
             self.check_heartbeats()
 
+    @property
+    def monitor_period_s(self) -> float:
+        return max(0.02, min(self.heartbeat_interval_s, self.registry.heartbeat_timeout_s) / 4)
+
     def check_heartbeats(self) -> None:
-        for rank_id in self.registry.expire():
+        """Takes down the engines of ranks silent past the timeout, not counting loop stalls:
+        when this runs later than the monitor's tick was due, the loop was stalled since then."""
+        now, due = self.registry.clock(), self._tick_due
+        if due is not None and now >= due:
+            self._tick_due = None
+            self.stalls.observe(due, now)
+        for rank_id in self.registry.expire(self._stalled_since):
             engine = self.registry.engine(rank_id.engine_id)
             if engine is not None:
                 self.engine_down(EngineRef(engine.engine_id, engine.epoch),
                                  f"rank tp={rank_id.tp_rank} pp={rank_id.pp_rank} silent for more than "
                                  f"{self.registry.heartbeat_timeout_s} s")
+
+    def _stalled_since(self, t: float) -> float:
+        return self.stalls.stalled_since(t)
 
     # -- sending ------------------------------------------------------------------------------
 
@@ -381,6 +444,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             hook(ref, reason)
 
     def _engine_up(self, engine: EngineState) -> None:
+        if not self.down:
+            return  # the common case, checked on every message
         ref = EngineRef(engine.engine_id, engine.epoch)
         if ref in self.down and engine.healthy:
             self.down.discard(ref)
@@ -485,7 +550,9 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                              last_acked_seq=rank.last_applied_seq,
                              heartbeat_interval_ms=int(self.heartbeat_interval_s * 1000),
                              scheduler_id=self.scheduler_id,
-                             max_reports_per_message=self.max_reports_per_message)
+                             max_reports_per_message=self.max_reports_per_message,
+                             accepts_packed_worker_events=self.accepts_packed_worker_events,
+                             ack_interval_ms=int(self.ack_interval_s * 1000))
         return pb.SchedulerMessage(welcome=welcome)
 
     async def _read(self, conn: RankConnection, request_iterator: AsyncIterator[pb.RankMessage]) -> None:
@@ -553,9 +620,27 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             self.counters["reports_duplicate"] += 1
 
     def _ack(self, conn: RankConnection, seq: int) -> None:
-        """Acknowledges the rank's last applied seq (`seq` when the rank is gone)."""
+        """Acknowledges the rank's last applied seq (`seq` when the rank is gone): at once when
+        the stream's last Ack is an ack interval old, else once at the interval's end."""
+        if conn.ack_scheduled:
+            return
+        loop = asyncio.get_running_loop()
+        due = conn.acked_at + self.ack_interval_s
+        if loop.time() >= due:
+            self._send_ack(conn, seq)
+        else:
+            conn.ack_scheduled = True
+            loop.call_at(due, self._trailing_ack, conn, seq)
+
+    def _trailing_ack(self, conn: RankConnection, seq: int) -> None:
+        conn.ack_scheduled = False
+        if self.connections.get(conn.rank_id) is conn:
+            self._send_ack(conn, seq)
+
+    def _send_ack(self, conn: RankConnection, seq: int) -> None:
         rank = self.registry.rank(conn.rank_id)
         acked = rank.last_applied_seq if rank is not None else seq
+        conn.acked_at = asyncio.get_running_loop().time()
         conn.queue.put_nowait(pb.SchedulerMessage(ack=pb.Ack(seq=acked)))
 
     def apply_report(self, engine: EngineState, rank_id: RankId, report: pb.StepReport) -> None:
@@ -583,8 +668,11 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             batch: KVEventBatch
             if _same_events(result.events, events):
                 # Every decoded event of this report, in order: the report's own protobuf
-                # events describe the batch, so the gRPC encoding copies them.
-                batch = ProtoBackedBatch(ts=time.time(), events=result.events, proto_events=report.worker_events)
+                # events (or their packed bytes) describe the batch, so the gRPC encoding
+                # copies them.
+                packed = report.packed_worker_events
+                batch = (ProtoBackedBatch(ts=time.time(), events=result.events, events_wire=packed) if packed else
+                         ProtoBackedBatch(ts=time.time(), events=result.events, proto_events=report.worker_events))
             else:
                 batch = KVEventBatch(ts=time.time(), events=result.events)
             self.sink.publish(engine.engine_id, engine.epoch, batch)

@@ -21,11 +21,14 @@ from connectors.kv_events import KVEventBatch
 @dataclass(slots=True)
 class ProtoBackedBatch(KVEventBatch):
     """A batch whose events are exactly `proto_events` (a sequence of `pdserve.v1.KVEvent`, e.g.
-    the `worker_events` of the StepReport they were decoded from), in order. Consumers that
-    speak protobuf copy those messages instead of converting every event again; everyone else
-    sees a plain `KVEventBatch`. Whoever builds one guarantees the equality."""
+    the `worker_events` of the StepReport they were decoded from), in order, or exactly
+    `events_wire` (a serialized `pdserve.v1.EventBatch` with only `events` set, e.g. a report's
+    `packed_worker_events`). Consumers that speak protobuf copy those messages or bytes instead
+    of converting every event again; everyone else sees a plain `KVEventBatch`. Whoever builds
+    one guarantees the equality."""
 
     proto_events: Any = None
+    events_wire: bytes | None = None
 
 
 @runtime_checkable

@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import or_
 from typing import Protocol, runtime_checkable
 
 from connectors.kv_events import (
@@ -138,6 +140,20 @@ class IntLru:
         if len(self._keys) > 2 * len(self._stamp) + self._slack:
             self._compact()
 
+    def touch_many(self, keys: Sequence[int]) -> None:
+        """`touch(key)` for each key, in order."""
+        start = self._tick + 1
+        self._tick += len(keys)
+        ticks = range(start, self._tick + 1)
+        self._stamp.update(zip(keys, ticks, strict=True))
+        self._keys.extend(keys)
+        self._ticks.extend(ticks)
+        if len(self._keys) > 2 * len(self._stamp) + self._slack:
+            self._compact()
+
+    def holds_any(self, keys: Sequence[int]) -> bool:
+        return not self._stamp.keys().isdisjoint(keys)
+
     def discard(self, key: int) -> None:
         self._stamp.pop(key, None)
 
@@ -250,7 +266,23 @@ class InMemoryPrefixIndex:
             self._stats.num_stale_events += len(events)
             return False
         self.begin_epoch(engine_id, epoch)
-        for event in events:
+        i, n = 0, len(events)
+        while i < n:
+            event = events[i]
+            if type(event) is BlockStored:
+                # A run of BlockStored of one medium whose blocks are all new to the index is
+                # stored at once (the same result as one by one, see `_store_new`).
+                medium = event.medium or DEFAULT_MEDIUM
+                j = i + 1
+                while j < n and type(e := events[j]) is BlockStored and (e.medium or DEFAULT_MEDIUM) == medium:
+                    j += 1
+                run: Sequence[BlockStored] = events[i:j]  # type: ignore[assignment]
+                if j - i == 1 or not self._store_new([h for e in run for h in e.block_hashes], engine_id, medium):
+                    for e in run:
+                        self._store(e.block_hashes, engine_id, medium)
+                i = j
+                continue
+            i += 1
             if isinstance(event, BlockStored):
                 self._store(event.block_hashes, engine_id, event.medium or DEFAULT_MEDIUM)
             elif isinstance(event, BlockRemoved):
@@ -338,6 +370,30 @@ class InMemoryPrefixIndex:
             old_key = lru.pop_oldest()
             self._unlink(old_key & _MASK64, old_key >> 64)
             self._stats.num_evicted += 1
+
+    def _store_new(self, hashes: Sequence[ExternalBlockHash], engine_id: str, medium: str) -> bool:
+        """Stores `hashes` in bulk when none is held by (engine, medium) yet and they fit the
+        bound (False, nothing changed, otherwise). Then storing them one by one, evicting after
+        each, would only ever evict entries older than all of them, the same ones evicted here
+        at the end (a block stored again, by contrast, may be evicted and re-added in between)."""
+        hs = [raw if type(raw) is int else block_key(raw) for raw in hashes]
+        slot = self._slot(engine_id, medium)
+        high, lru, blocks = slot << 64, self._lru, self._blocks
+        keys = [high | h for h in hs]
+        if len(keys) > self._max_entries or lru.holds_any(keys):
+            return False
+        bit = 1 << slot
+        blocks.update(zip(hs, map(or_, map(blocks.get, hs, repeat(0)), repeat(bit)), strict=True))
+        owned = self._slot_hashes.get(slot)
+        if owned is None:
+            owned = self._slot_hashes[slot] = set()
+        owned.update(hs)
+        lru.touch_many(keys)
+        while len(lru) > self._max_entries:
+            old_key = lru.pop_oldest()
+            self._unlink(old_key & _MASK64, old_key >> 64)
+            self._stats.num_evicted += 1
+        return True
 
     def _remove(self, h: int, slot: int) -> None:
         key = slot << 64 | h

@@ -297,15 +297,23 @@ class EngineRegistry:
             engine.load = load
             engine.draining = draining
 
-    def expire(self) -> list[RankId]:
-        """Declares dead every live rank silent for longer than the heartbeat timeout."""
+    def expire(self, stalled_since: Callable[[float], float] | None = None) -> list[RankId]:
+        """Declares dead every live rank silent for longer than the heartbeat timeout.
+
+        `stalled_since(t)`, when given, is how long the scheduler itself could not read its
+        streams after `t` (its loop stalled, see `LoopStalls`): that time is not the rank's
+        silence, so a rank whose beats waited unread is not declared dead for it."""
         now = self.clock()
+        timeout = self.heartbeat_timeout_s
         newly_dead: list[RankId] = []
         for engine in self.engines.values():
             for rank_id, rank in engine.ranks.items():
-                if not rank.dead and now - rank.last_seen > self.heartbeat_timeout_s:
-                    rank.dead = True
-                    newly_dead.append(rank_id)
+                if rank.dead or now - rank.last_seen <= timeout:
+                    continue
+                if stalled_since is not None and now - rank.last_seen - stalled_since(rank.last_seen) <= timeout:
+                    continue
+                rank.dead = True
+                newly_dead.append(rank_id)
         return newly_dead
 
     # -- sequence numbers ----------------------------------------------------------------------

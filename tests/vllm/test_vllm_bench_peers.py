@@ -38,7 +38,8 @@ def test_bench_serve_compare_vllm_tiny(tmp_path: Path, capsys: pytest.CaptureFix
     report = run_json(capsys, ["bench", "serve", "--compare", "vllm", "--model", str(demo_model_dir()), "--out", str(tmp_path),
                                "--num-requests", "2", "--concurrency", "2", "--prompt-len", "16:32",
                                "--output-len", "3:4", "--kv-cache-memory", "64MiB"])
-    keys = {"wall_s", "tok_s", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p99_ms", "threads"}
+    keys = {"wall_s", "tok_s", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p99_ms", "threads",
+            "itl_first_p50_ms", "itl_first_p99_ms", "itl_rest_p99_ms"}
     for name in ("vllm_colocated", "vllm_pd_nixl", "pdserve"):
         assert set(report["systems"][name]) == keys, name
         assert report["systems"][name]["tok_s"] > 0, name

@@ -228,10 +228,18 @@ class StepReport(_message.Message):
     WORKER_EVENTS_FIELD_NUMBER: _builtins.int
     ENGINE_EVENTS_FIELD_NUMBER: _builtins.int
     WORKER_METADATA_FIELD_NUMBER: _builtins.int
+    PACKED_WORKER_EVENTS_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """Per-rank sequence number, starting at 1, strictly increasing within an epoch."""
     worker_metadata: _builtins.bytes
     """Opaque connector metadata, aggregated by the connector's own rule."""
+    packed_worker_events: _builtins.bytes
+    """The worker events pre-encoded: a serialized EventBatch with only `events` set (what
+    `EventBatch(events=...).SerializeToString()` gives), instead of `worker_events` (setting
+    both, or any other EventBatch field, makes the report malformed). The scheduler decodes one
+    copy per engine step, keyed by these bytes, and republishes them to gRPC subscribers as
+    they are. Sent only to a scheduler whose Welcome sets accepts_packed_worker_events.
+    """
     @_builtins.property
     def finished_sending(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -262,10 +270,11 @@ class StepReport(_message.Message):
         worker_events: _abc.Iterable[_kv_events_pb2.KVEvent] | None = ...,
         engine_events: _kv_events_pb2.EventBatch | None = ...,
         worker_metadata: _builtins.bytes = ...,
+        packed_worker_events: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["engine_events", b"engine_events"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_events", b"engine_events", "failed_recving", b"failed_recving", "finished_recving", b"finished_recving", "finished_sending", b"finished_sending", "invalid_block_ids", b"invalid_block_ids", "seq", b"seq", "transfer_stats", b"transfer_stats", "worker_events", b"worker_events", "worker_metadata", b"worker_metadata"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_events", b"engine_events", "failed_recving", b"failed_recving", "finished_recving", b"finished_recving", "finished_sending", b"finished_sending", "invalid_block_ids", b"invalid_block_ids", "packed_worker_events", b"packed_worker_events", "seq", b"seq", "transfer_stats", b"transfer_stats", "worker_events", b"worker_events", "worker_metadata", b"worker_metadata"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -425,6 +434,8 @@ class Welcome(_message.Message):
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _builtins.int
     SCHEDULER_ID_FIELD_NUMBER: _builtins.int
     MAX_REPORTS_PER_MESSAGE_FIELD_NUMBER: _builtins.int
+    ACCEPTS_PACKED_WORKER_EVENTS_FIELD_NUMBER: _builtins.int
+    ACK_INTERVAL_MS_FIELD_NUMBER: _builtins.int
     last_acked_seq: _builtins.int
     """Highest StepReport seq of this rank (this epoch) the scheduler has applied."""
     heartbeat_interval_ms: _builtins.int
@@ -432,6 +443,12 @@ class Welcome(_message.Message):
     max_reports_per_message: _builtins.int
     """Most StepReports the scheduler accepts in one ReportBatch; 0 (an older scheduler) or 1:
     send each report in its own message.
+    """
+    accepts_packed_worker_events: _builtins.bool
+    """Whether StepReport.packed_worker_events is understood (false: an older scheduler)."""
+    ack_interval_ms: _builtins.int
+    """The scheduler acknowledges at most once per this many ms per stream (the Ack is cumulative;
+    0: after every message). A rank keeps reports buffered until acknowledged, as always.
     """
     @_builtins.property
     def expected_ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankIdentity]:
@@ -452,10 +469,12 @@ class Welcome(_message.Message):
         heartbeat_interval_ms: _builtins.int = ...,
         scheduler_id: _builtins.str = ...,
         max_reports_per_message: _builtins.int = ...,
+        accepts_packed_worker_events: _builtins.bool = ...,
+        ack_interval_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_ranks", b"expected_ranks", "heartbeat_interval_ms", b"heartbeat_interval_ms", "last_acked_seq", b"last_acked_seq", "max_reports_per_message", b"max_reports_per_message", "peers", b"peers", "scheduler_id", b"scheduler_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_packed_worker_events", b"accepts_packed_worker_events", "ack_interval_ms", b"ack_interval_ms", "expected_ranks", b"expected_ranks", "heartbeat_interval_ms", b"heartbeat_interval_ms", "last_acked_seq", b"last_acked_seq", "max_reports_per_message", b"max_reports_per_message", "peers", b"peers", "scheduler_id", b"scheduler_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -35,7 +35,7 @@ import enum
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -397,9 +397,9 @@ class EventRepublisher:
         s = self._stats
         s.num_batches += 1
         s.num_events += len(batch.events)
-        for e in batch.events:
-            name = type(e).__name__
-            s.events_by_type[name] = s.events_by_type.get(name, 0) + 1
+        by_type = s.events_by_type
+        for kind, count in Counter(map(type, batch.events)).items():
+            by_type[kind.__name__] = by_type.get(kind.__name__, 0) + count
         for sub in self._subscribers:
             sub._offer(sb)
         for listener in self._listeners:

@@ -64,10 +64,14 @@ def request_to_filter(request: pb.SubscribeRequest) -> tuple[int | None, EventFi
 
 
 def batch_to_proto(seq: int, engine_id: str, epoch: int, batch: KVEventBatch) -> pb.EventBatch:
-    """The batch as protobuf; a `ProtoBackedBatch` has its events copied from its messages (in
-    C), any other batch converts event by event."""
+    """The batch as protobuf; a `ProtoBackedBatch` has its events copied from its messages or
+    bytes (in C), any other batch converts event by event."""
     proto_events = getattr(batch, "proto_events", None)
-    if proto_events is not None:
+    events_wire = getattr(batch, "events_wire", None)
+    if events_wire is not None:
+        msg = pb.EventBatch(seq=seq, ts=batch.ts, engine_id=engine_id, epoch=epoch)
+        msg.MergeFromString(events_wire)
+    elif proto_events is not None:
         msg = pb.EventBatch(seq=seq, ts=batch.ts, engine_id=engine_id, epoch=epoch)
         msg.events.extend(proto_events)
     else:
@@ -78,13 +82,37 @@ def batch_to_proto(seq: int, engine_id: str, epoch: int, batch: KVEventBatch) ->
     return msg
 
 
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def batch_message_wire(seq: int, engine_id: str, epoch: int, batch: KVEventBatch, events_wire: bytes) -> bytes:
+    """The serialized EventStreamMessage of a batch whose events are `events_wire` (an
+    EventBatch with only `events` set): the header fields serialized, the events appended as
+    they are (a message's fields may come in any order; parsing gives the same message)."""
+    head = pb.EventBatch(seq=seq, ts=batch.ts, engine_id=engine_id, epoch=epoch)
+    if batch.data_parallel_rank is not None:
+        head.data_parallel_rank = batch.data_parallel_rank
+    body = head.SerializeToString() + events_wire
+    return b"\x0a" + _varint(len(body)) + body  # EventStreamMessage.batch (field 1, bytes)
+
+
 def encode_item(item: StreamItem) -> bytes:
     """The serialised EventStreamMessage of one stream item (cached for republished batches)."""
     if isinstance(item, SequencedBatch):
         wire = item.wire.get(_WIRE_KEY)
         if wire is None:
-            proto = batch_to_proto(item.seq, item.engine_id, item.epoch, item.batch)
-            wire = pb.EventStreamMessage(batch=proto).SerializeToString()
+            events_wire = getattr(item.batch, "events_wire", None)
+            if events_wire is not None:
+                wire = batch_message_wire(item.seq, item.engine_id, item.epoch, item.batch, events_wire)
+            else:
+                proto = batch_to_proto(item.seq, item.engine_id, item.epoch, item.batch)
+                wire = pb.EventStreamMessage(batch=proto).SerializeToString()
             item.wire[_WIRE_KEY] = wire
         return wire
     if isinstance(item, SnapshotBatch):

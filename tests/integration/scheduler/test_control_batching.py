@@ -1,5 +1,6 @@
 """Control stream at scale: several reports per message (ReportBatch, one Ack) and coalesced
-PeerUpdate joins. Real Control server and clients over loopback; about 3 s in all."""
+PeerUpdate joins, throttled Acks, packed worker events. Real Control server and clients over
+loopback; about 5 s in all."""
 
 from __future__ import annotations
 
@@ -102,3 +103,58 @@ async def test_every_decode_rank_learns_each_prefill_rank_exactly_once(harness: 
         complete()
         assert sorted(seen) == sorted(f"p{i}" for i in range(12))
     await asyncio.gather(*tasks)
+
+
+async def test_acks_are_throttled_per_stream_and_cumulative(harness: ControlHarness) -> None:
+    harness.servicer.ack_interval_s = 0.5  # type: ignore[union-attr]
+    reports = [pb.RankMessage(report=pb.StepReport(seq=s, finished_sending=[f"r{s}"])) for s in range(1, 41)]
+    got = await _exchange(harness.port, [_hello_msg(), *reports], hold=1.2)
+    assert got[0].welcome.ack_interval_ms == 500
+    acks = [m.ack.seq for m in got if m.WhichOneof("payload") == "ack"]
+    assert acks[0] == 1  # a stream's first report is acknowledged at once
+    assert acks[-1] == 40 and acks == sorted(acks) and len(acks) < 10  # then once per interval
+    assert harness.servicer.counters["reports_applied"] == 40  # type: ignore[union-attr]
+
+
+def _packed(seq: int, hashes: list[int], **batch_fields: object) -> pb.RankMessage:
+    from connectors.kv_events import MEDIUM_CPU_OFFLOAD, BlockStored, event_to_proto
+    from pdserve.v1 import kv_events_pb2
+
+    events = [event_to_proto(BlockStored((h,), None, (), 16, medium=MEDIUM_CPU_OFFLOAD)) for h in hashes]
+    packed = kv_events_pb2.EventBatch(events=events, **batch_fields).SerializeToString()  # type: ignore[arg-type]
+    return pb.RankMessage(report=pb.StepReport(seq=seq, packed_worker_events=packed))
+
+
+async def test_packed_worker_events_are_decoded_once_and_republished_as_sent(harness: ControlHarness) -> None:
+    from connectors.kv_events import MEDIUM_CPU_OFFLOAD, BlockStored, KVEventBatch
+    from pdserve.v1 import kv_events_pb2
+    from services.scheduler.event_sink import ProtoBackedBatch
+    from services.scheduler.events.republisher import SequencedBatch
+    from services.scheduler.events.servicer import batch_to_proto, encode_item
+
+    ranks = [await harness.connect(hello("p0", "prefill", tp_rank=r, tp_size=2, epoch=77)) for r in range(2)]
+    assert all(c.welcome is not None and c.welcome.accepts_packed_worker_events for c in ranks)
+    events = [BlockStored((h,), None, (), 16, medium=MEDIUM_CPU_OFFLOAD) for h in (11, 12, 13)]
+    for c in ranks:  # ControlClient packs for a scheduler that accepts it
+        c.report(StepReport(worker_events=events))
+    await eventually(lambda: len(harness.sink.batches) == 1)
+    servicer = harness.servicer
+    assert servicer is not None
+    assert (servicer.worker_events.misses, servicer.worker_events.hits) == (1, 1)
+    engine_id, epoch, batch = harness.sink.batches[0]
+    assert isinstance(batch, ProtoBackedBatch) and batch.events_wire and list(batch.events) == events
+    wire = encode_item(SequencedBatch(5, engine_id, epoch, batch))
+    expected = batch_to_proto(5, engine_id, epoch, KVEventBatch(batch.ts, list(events)))
+    assert kv_events_pb2.EventStreamMessage.FromString(wire).batch == expected
+
+
+async def test_malformed_packed_worker_events_are_dropped_and_acked(harness: ControlHarness) -> None:
+    both = _packed(2, [2])
+    both.report.worker_events.add().all_blocks_cleared.SetInParent()
+    garbage = pb.RankMessage(report=pb.StepReport(seq=3, packed_worker_events=b"\xff\xff\xff"))
+    got = await _exchange(harness.port, [_hello_msg(), _packed(1, [1], ts=2.5), both, garbage, _packed(4, [4])],
+                          hold=0.4)
+    assert [m.ack.seq for m in got if m.WhichOneof("payload") == "ack"][-1] == 4
+    counters = harness.servicer.counters  # type: ignore[union-attr]
+    assert counters["reports_malformed"] == 3 and counters["reports_applied"] == 1
+    assert [b.events[0].block_hashes for _, _, b in harness.sink.batches] == [(4,)]

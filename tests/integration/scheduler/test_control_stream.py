@@ -269,3 +269,60 @@ async def test_closed_rank_stream_takes_its_engine_down_quickly(harness: Control
     back = await harness.connect(hello("p0", "prefill", epoch=606))  # the same process reconnecting
     await eventually(lambda: EngineRef("p0", 606) not in servicer.down)
     assert back.welcome is not None
+
+
+async def test_a_stalled_scheduler_loop_does_not_take_down_ranks_that_kept_beating() -> None:
+    """The scheduler's loop blocks past the heartbeat timeout while a rank (its own thread) keeps
+    beating into the socket: the sweep that runs right after the stall must not call it silent
+    (it would on wall time alone), and a rank that really goes silent is still found."""
+    h = ControlHarness(timeout_s=0.3)
+    await h.start()
+    servicer = h.servicer
+    assert servicer is not None
+    down: list[tuple[EngineRef, str]] = []
+    servicer.on_engine_down.append(lambda ref, reason: down.append((ref, reason)))
+    try:
+        p = await h.connect(hello("p0", "prefill", epoch=707))
+        await asyncio.sleep(0.2)  # a few beats (every 0.05 s) and monitor ticks
+        import time
+
+        time.sleep(1.0)  # the loop stalls: no stream is read, no timer runs
+        servicer.check_heartbeats()  # the sweep runs first, before the beats that waited are read
+        assert down == [] and servicer.stalls.total_s >= 0.9
+        await asyncio.sleep(0.6)  # two timeouts of a live loop: the beats count again
+        assert down == [] and servicer.registry.engines["p0"].routable
+        stream = asyncio.ensure_future(_raw_stream(h.port, [_raw_hello("psilent", epoch=32)], hold=3.0))
+        await eventually(lambda: bool(down), timeout=5.0)  # silence on a live loop still counts
+        assert down[0][0] == EngineRef("psilent", 32) and "silent" in down[0][1]
+        stream.cancel()
+    finally:
+        await asyncio.to_thread(p.close)
+        await h.stop()
+
+
+async def test_packed_reports_buffered_for_a_new_scheduler_reach_an_older_one_unpacked() -> None:
+    """A rank packs worker events for a scheduler that accepts them; reports buffered while it
+    restarts as one that does not (an older version) are resent as plain `worker_events`."""
+    h = ControlHarness()
+    await h.start()
+    client = await h.connect(hello("p0", "prefill", epoch=808))
+    try:
+        assert client.welcome is not None and client.welcome.accepts_packed_worker_events
+        port = h.port
+        await h.stop()
+        event = BlockStored((77,), None, (), 16, medium="CPU_OFFLOAD")
+        last = client.report(StepReport(worker_events=[event]))  # packed: the last Welcome allowed it
+        await h.start(port)
+        old = h.servicer
+        assert old is not None
+        old.accepts_packed_worker_events = False
+        seen: list[bool] = []
+        apply = old.apply_report
+        old.apply_report = lambda engine, rank_id, report: (  # type: ignore[method-assign]
+            seen.append(bool(report.packed_worker_events)), apply(engine, rank_id, report))[-1]
+        assert await asyncio.to_thread(client.wait_acked, last, 15.0)
+        assert seen == [False]
+        assert [b.events for _, _, b in h.sink.batches if b.events != [AllBlocksCleared()]] == [[event]]
+    finally:
+        await asyncio.to_thread(client.close)
+        await h.stop()

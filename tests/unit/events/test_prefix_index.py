@@ -137,3 +137,21 @@ def test_int_lru_matches_ordered_dict(ops: list[tuple[str, int]], slack: int) ->
                 lru.pop_oldest()
         assert len(lru) == len(ref) and list(lru) == list(ref)
         assert all(k in lru for k in ref)
+
+
+@given(st.lists(st.lists(st.tuples(st.lists(st.integers(0, 30), min_size=1, max_size=3),
+                                   st.sampled_from([None, "CPU"])), min_size=1, max_size=8), max_size=30),
+       st.integers(1, 12))
+@settings(max_examples=200, deadline=None)
+def test_a_batch_of_stored_runs_equals_its_events_one_by_one(batches: list[list[tuple[list[int], str | None]]],
+                                                             bound: int) -> None:
+    """Runs of BlockStored go into the index in bulk when new to it; the entries and their LRU
+    order (so every later eviction) equal applying the same events one batch each."""
+    bulk, single = InMemoryPrefixIndex(max_entries=bound), InMemoryPrefixIndex(max_entries=bound)
+    for batch in batches:
+        events = [BlockStored(tuple(hs), None, (), 16, medium=m) for hs, m in batch]
+        bulk.apply("e", 1, events)
+        for event in events:
+            single.apply("e", 1, [event])
+        assert list(bulk.entries()) == list(single.entries())
+        assert bulk.stats().num_evicted == single.stats().num_evicted
