@@ -1,11 +1,20 @@
 """The vLLM suite: runs in `.venv-vllm` (`make install-vllm`; `make test` runs
 `.venv-vllm/bin/python -m pytest tests/vllm` after the main suite). In an environment without
 vLLM (the main `.venv`) every test here is skipped, and nothing here imports vLLM at
-collection time."""
+collection time.
+
+Every vLLM process these tests start (servers, engines, through `os.environ`) runs with
+`VLLM_CPU_CI_ENV=1`, vLLM's own switch for its CPU CI: the model is still traced by dynamo, but
+run eagerly instead of compiled by inductor, and the warm-up passes are skipped. Engine starts
+drop from minutes to seconds on two cores; what the tests check (tokens, transfers, events,
+harnesses) does not depend on the compiler. Benchmarks run outside the suite keep vLLM's default.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,3 +31,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if HERE in Path(item.path).resolve().parents:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def vllm_ci_mode() -> Iterator[None]:
+    """`VLLM_CPU_CI_ENV=1` for every process started under tests/vllm (see the module docstring)."""
+    before = os.environ.get("VLLM_CPU_CI_ENV")
+    os.environ["VLLM_CPU_CI_ENV"] = "1"
+    yield
+    if before is None:
+        os.environ.pop("VLLM_CPU_CI_ENV", None)
+    else:
+        os.environ["VLLM_CPU_CI_ENV"] = before

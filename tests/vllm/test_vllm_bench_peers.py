@@ -1,6 +1,8 @@
 """The benchmarks whose baseline is vLLM's own code, run from .venv-vllm at tiny sizes:
 `bench aggregator` against vLLM's KVOutputAggregator (seconds), and `bench serve --compare vllm`
-with vLLM colocated and vLLM's 1P1D NixlConnector (~2 minutes: three vLLM server starts). Run
+with vLLM colocated, vLLM's 1P1D NixlConnector and pdserve with both engines (five vLLM
+engine starts in three rounds; 317 s on the loaded 2-core host in vLLM's CPU CI mode, see
+conftest.py, 468 s before). Run
 under `flock /tmp/pdserve-vllm.lock` like every vLLM test, so one vLLM cluster runs at a time."""
 
 from __future__ import annotations
