@@ -437,7 +437,7 @@ def _kv_tensor(device: str, shape: KVShape, seed: int = 0) -> Any:
     import torch
 
     dtype = getattr(torch, shape.dtype)
-    kv = torch.zeros(shape.num_blocks, shape.num_layers, 2, shape.kv_heads, shape.block_size, shape.head_dim,
+    kv = torch.zeros(shape.num_blocks, shape.kv_heads, shape.num_layers, 2, shape.block_size, shape.head_dim,
                      dtype=dtype, device=device)
     if seed:
         kv.uniform_(generator=torch.Generator(device=device).manual_seed(seed))

@@ -84,7 +84,7 @@ class Shape:
     def tensor(self, seed: int = 0) -> Any:
         import torch
 
-        kv = torch.empty(self.num_blocks, self.num_layers, 2, self.kv_heads, self.block_size, self.head_dim)
+        kv = torch.empty(self.num_blocks, self.kv_heads, self.num_layers, 2, self.block_size, self.head_dim)
         if seed:
             kv.uniform_(generator=torch.Generator().manual_seed(seed))
         else:

@@ -4,8 +4,8 @@ Two pairings of the same model and blocks, side by side in one run, samples inte
 
 - `hetero` — a prefill engine of P rank processes and a decode engine of D: every decode rank
   pulls its KV heads from the prefill ranks holding them (`connectors.head_map`), through the
-  UCX worker connector, straight into its blocks (head ranges move as one message per block,
-  layer and K/V; whole blocks when the ranks' heads coincide);
+  UCX worker connector, straight into its blocks (a head range moves as one message per block,
+  the NHL2BD layout keeping a block's heads contiguous; whole runs when the ranks' heads coincide);
 - `equal` — the equal-TP pull of the same bytes: a prefill engine of D ranks and a decode
   engine of D, rank to rank, whole blocks (what the connector does without heterogeneity).
 
@@ -233,7 +233,7 @@ def _rank_main(conn: Connection, spec: RankSpec) -> None:
     from connectors.ucx.worker import UcxConnectorConfig, UcxWorkerConnector
 
     s = spec.shape
-    kv = torch.empty(s.num_blocks, s.num_layers, 2, num_local_heads(spec.tp_size, s.kv_heads), s.block_size,
+    kv = torch.empty(s.num_blocks, num_local_heads(spec.tp_size, s.kv_heads), s.num_layers, 2, s.block_size,
                      s.head_dim)
     kv.uniform_(generator=torch.Generator().manual_seed(1 + spec.tp_rank)) if spec.role == "prefill" else kv.zero_()
     # A generous timeout: the benchmark measures slow pulls instead of failing them.

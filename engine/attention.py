@@ -1,6 +1,8 @@
 """Paged attention in plain torch: write new K/V into the block cache, attend over the blocks.
 
-The KV cache is one tensor [num_blocks, num_layers, 2, kv_heads, block_size, head_dim]. For a
+The KV cache is one tensor [num_blocks, kv_heads, num_layers, 2, block_size, head_dim] (NHL2BD:
+heads outermost in a block, so a head range of a block is contiguous for the KV transfer); a
+layer's cache is the strided view [num_blocks, kv_heads, 2, block_size, head_dim]. For a
 step, `AttentionMetadata` says where each new token's K/V goes (block id, offset) and how the
 step's tokens group into requests: decode requests (one new token) are attended together in one
 padded SDPA call; prefill chunks one SDPA call each, causal with the chunk's offset.
@@ -34,19 +36,19 @@ class AttentionMetadata:
 
 
 def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-    """layer_cache: [num_blocks, 2, H, bs, D]; k, v: [T, H, D]."""
-    layer_cache[meta.slot_block, 0, :, meta.slot_offset] = k
-    layer_cache[meta.slot_block, 1, :, meta.slot_offset] = v
+    """layer_cache: [num_blocks, H, 2, bs, D]; k, v: [T, H, D]."""
+    layer_cache[:, :, 0][meta.slot_block, :, meta.slot_offset] = k
+    layer_cache[:, :, 1][meta.slot_block, :, meta.slot_offset] = v
 
 
 def _gather(layer_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., n] block ids -> K, V of shape [..., H, n * bs, D]."""
-    g = layer_cache[block_ids]  # [..., n, 2, H, bs, D]
+    g = layer_cache[block_ids]  # [..., n, H, 2, bs, D]
     lead = g.shape[:-5]
-    n, _, h, bs, d = g.shape[-5:]
-    g = g.movedim(-5, -3)  # [..., 2, H, n, bs, D]
-    g = g.reshape(*lead, 2, h, n * bs, d)
-    return g.select(-4, 0), g.select(-4, 1)
+    n, h, _, bs, d = g.shape[-5:]
+    g = g.movedim(-5, -3)  # [..., H, 2, n, bs, D]
+    g = g.reshape(*lead, h, 2, n * bs, d)
+    return g.select(-3, 0), g.select(-3, 1)
 
 
 def paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata,
@@ -67,7 +69,7 @@ def paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionM
 def _paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata,
                      scale: float) -> torch.Tensor:
     out = torch.empty_like(q) if not meta.all_decode else None
-    gqa = q.shape[1] != layer_cache.shape[2]
+    gqa = q.shape[1] != layer_cache.shape[1]
     if meta.decode_rows is not None:
         assert meta.decode_block_table is not None
         k, v = _gather(layer_cache, meta.decode_block_table)  # [B, H, L, D]

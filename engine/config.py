@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-KV_LAYOUT = "NLKHBD"  # [num_blocks, num_layers, K/V, kv_heads, block_size, head_dim]
+KV_LAYOUT = "NHL2BD"  # [num_blocks, kv_heads, num_layers, K/V, block_size, head_dim]
 
 
 class ModelLoadError(ValueError):
@@ -139,7 +139,7 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class KVCacheSpec:
-    """Shape facts of one rank's KV cache tensor (see contracts: layout NLKHBD)."""
+    """Shape facts of one rank's KV cache tensor (layout NHL2BD: heads outermost in a block)."""
 
     num_blocks: int
     block_size: int
@@ -159,7 +159,7 @@ class KVCacheSpec:
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
-        return (self.num_blocks, self.num_layers, 2, self.num_kv_heads_local, self.block_size, self.head_dim)
+        return (self.num_blocks, self.num_kv_heads_local, self.num_layers, 2, self.block_size, self.head_dim)
 
 
 def _architecture(raw: dict[str, Any], source: str) -> str:

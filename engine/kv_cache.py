@@ -1,4 +1,4 @@
-"""Allocation of one rank's KV cache tensor (layout NLKHBD, see docs/architecture.md)."""
+"""Allocation of one rank's KV cache tensor (layout NHL2BD, see docs/architecture.md)."""
 
 from __future__ import annotations
 

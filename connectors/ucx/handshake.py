@@ -8,8 +8,10 @@ vLLM's NIXL payload the receiver checks the version and the compatibility hash *
 decodes the rest, so an incompatible peer is refused with a clear reason.
 
 Layout contract (cross-area): the KV tensor of a rank has shape
-`[num_blocks, num_layers, 2, num_kv_heads_local, block_size, head_dim]` ("NL2HBD"); block `b`
-is the contiguous byte range `[b * block_nbytes, (b + 1) * block_nbytes)` of the region, and rank
+`[num_blocks, num_kv_heads_local, num_layers, 2, block_size, head_dim]` ("NHL2BD"); block `b`
+is the contiguous byte range `[b * block_nbytes, (b + 1) * block_nbytes)` of the region, local
+head `h` of it the contiguous range `[b * block_nbytes + h * head_block_nbytes, ...)` (heads
+outermost, so any head range of a block is one piece), and rank
 `r` of a `tp_size` engine holds KV heads `[head_start, head_end)` = `connectors.head_map.rank_heads`
 (`[r*H/T, (r+1)*H/T)`, or one replicated head when H < T). Every rank's metadata carries its
 head range, so a reader of another TP size addresses exactly the heads it needs.
@@ -25,7 +27,7 @@ import msgpack
 from connectors.head_map import partition_problem, rank_heads
 
 HANDSHAKE_VERSION = 1
-KV_LAYOUT = "NL2HBD"
+KV_LAYOUT = "NHL2BD"
 MEMORY_TYPES = ("cpu", "cuda")
 # The largest metadata blob accepted from a peer (a worker address is a few hundred bytes).
 MAX_METADATA_BYTES = 64 * 1024
@@ -65,6 +67,11 @@ class KVRegionLayout:
         """Bytes of one head's K (or V) for one layer and one block."""
         return self.block_nbytes // (self.num_layers * 2 * self.num_local_heads)
 
+    @property
+    def head_block_nbytes(self) -> int:
+        """Bytes of one head's K and V for every layer of one block: one contiguous piece."""
+        return self.block_nbytes // self.num_local_heads
+
     def validate(self) -> None:
         """Raises ValueError naming the first inconsistent field."""
         for name in ("num_blocks", "block_nbytes", "num_layers", "block_size", "head_dim", "num_kv_heads"):
@@ -81,7 +88,7 @@ class KVRegionLayout:
                                * self.block_size * self.head_dim)
         if rem or per_elem not in (1, 2, 4, 8):
             raise ValueError(f"handshake: block_nbytes {self.block_nbytes} does not match the layout "
-                             f"{self.num_layers}x2x{self.num_local_heads}x{self.block_size}x{self.head_dim}")
+                             f"{self.num_local_heads}x{self.num_layers}x2x{self.block_size}x{self.head_dim}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,7 @@ off so UCX may pick shared memory / CMA on one host and RDMA across hosts):
 - Tags are 64 bits: kind (4) | xfer id (40) | piece index (20). CTRL messages (kind 1) are
   small msgpack maps; DATA messages (kind 2) carry one piece's bytes: a segment of whole
   blocks is one piece; a segment of a head range (ranks of different TP sizes) is one piece
-  per (block, layer, K/V) (`transport.pieces`), numbered in segment order.
+  per block (`transport.pieces`: heads are outermost in a block), numbered in segment order.
 - Reader → writer CTRL `pull` {x, rid, eid, ep, segs, addr, reader}: the writer validates it
   (listener), then sends piece i as DATA (x, i) straight from its region (zero copy,
   rendezvous), or answers CTRL `refuse` {x, why} without touching memory.
@@ -131,7 +131,7 @@ class UcxTagTransport(KVTransport):
         self._block_nbytes = block_nbytes
         if geometry is not None and geometry.block_nbytes != block_nbytes:
             raise ValueError(f"geometry {geometry} does not make blocks of {block_nbytes} bytes")
-        self._geometry = geometry or HeadGeometry(1, 1, 0)
+        self._geometry = geometry or HeadGeometry(1, 0)
         self._ctx = ucx_api.UCXContext(config_dict=dict(ucx_config or {}),
                                        feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
         self._registration = _register_device_region(self._ctx, region, ucx_config or {})
@@ -543,7 +543,7 @@ class UcxTagTransport(KVTransport):
                 if (self._geometry.head_nbytes == 0 or seg.num_heads < 0 or head < 0
                         or head + seg.num_heads > self._geometry.num_local_heads):
                     return "bad_segments"
-            total += num_pieces(seg, self._geometry.num_layers)
+            total += num_pieces(seg)
         return None if total <= MAX_SEGMENTS else "bad_segments"
 
     def _refusal(self, request: PullRequest) -> str | None:

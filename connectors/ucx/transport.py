@@ -26,8 +26,8 @@ class Segment:
 
     With `num_heads` > 0 only KV heads [remote_head, remote_head + num_heads) of the remote
     rank's local heads are read, into local heads [local_head, local_head + num_heads) (ranks
-    of different TP sizes): in the NL2HBD layout that range is one strided piece per (block,
-    layer, K/V), so the segment moves as `num_blocks * 2 * num_layers` messages (see
+    of different TP sizes): in the NHL2BD layout that range is one contiguous piece per block
+    (heads outermost in a block), so the segment moves as `num_blocks` messages (see
     `pieces`). `num_heads` == 0 moves whole blocks (the heads of both ranks are the same)."""
 
     remote_block: int
@@ -40,37 +40,36 @@ class Segment:
 
 @dataclass(frozen=True, slots=True)
 class HeadGeometry:
-    """One rank's block layout as far as head ranges go (NL2HBD): blocks of `num_layers` x K/V
-    slabs, each `num_local_heads` heads of `head_nbytes` bytes."""
+    """One rank's block layout as far as head ranges go (NHL2BD): blocks of `num_local_heads`
+    contiguous heads, each `head_nbytes` bytes (its K and V of every layer)."""
 
-    num_layers: int
     num_local_heads: int
     head_nbytes: int
 
     @property
     def block_nbytes(self) -> int:
-        return self.num_layers * 2 * self.num_local_heads * self.head_nbytes
+        return self.num_local_heads * self.head_nbytes
 
 
 def pieces(seg: Segment, geometry: HeadGeometry, *, remote: bool) -> list[tuple[int, int]]:
     """(byte offset, byte length) of the messages `seg` moves, in wire order, on one side:
     the remote side's offsets (`remote=True`, the writer) or the local side's. Both sides list
-    the same number of pieces of the same lengths (their layers and head sizes are equal)."""
+    the same number of pieces of the same lengths (their per-head block sizes are equal): one
+    for whole blocks, else one per block (the head range of a block is contiguous; consecutive
+    blocks' ranges are not, unless the range is the whole block on both sides)."""
     block_nbytes = geometry.block_nbytes
     first = seg.remote_block if remote else seg.local_block
     if seg.num_heads == 0:
         return [(first * block_nbytes, seg.num_blocks * block_nbytes)]
     head = seg.remote_head if remote else seg.local_head
-    slab = geometry.num_local_heads * geometry.head_nbytes
     length = seg.num_heads * geometry.head_nbytes
     skip = head * geometry.head_nbytes
-    return [((first + b) * block_nbytes + j * slab + skip, length)
-            for b in range(seg.num_blocks) for j in range(2 * geometry.num_layers)]
+    return [((first + b) * block_nbytes + skip, length) for b in range(seg.num_blocks)]
 
 
-def num_pieces(seg: Segment, num_layers: int) -> int:
+def num_pieces(seg: Segment) -> int:
     """How many messages `seg` moves (see `pieces`)."""
-    return 1 if seg.num_heads == 0 else seg.num_blocks * 2 * num_layers
+    return 1 if seg.num_heads == 0 else seg.num_blocks
 
 
 def coalesce(remote_block_ids: list[int], local_block_ids: list[int]) -> list[Segment]:

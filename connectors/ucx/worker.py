@@ -248,8 +248,8 @@ class UcxWorkerConnector(WorkerConnector):
     def register_kv_caches(self, kv_cache: Any, spec: Any = None, *, transport: KVTransport | None = None) -> None:
         """Registers the rank's KV tensor (or a one-entry {name: tensor} dict) and starts UCX.
 
-        The tensor must be contiguous with shape [num_blocks, num_layers, 2, heads_local,
-        block_size, head_dim], on the CPU or on a GPU; everything the handshake needs is read
+        The tensor must be contiguous with shape [num_blocks, heads_local, num_layers, 2,
+        block_size, head_dim] (NHL2BD), on the CPU or on a GPU; everything the handshake needs is read
         from it (`spec` is accepted for the base API and not needed). A GPU tensor is
         registered with UCX's CUDA transports (start-up fails naming what is missing), or with
         `kv_staging="host"` mirrored in pinned host memory. `transport` overrides the UCX tag
@@ -267,7 +267,7 @@ class UcxWorkerConnector(WorkerConnector):
         if transport is None:
             from connectors.ucx.tag_transport import UcxTagTransport
 
-            geometry = HeadGeometry(layout.num_layers, layout.num_local_heads, layout.head_nbytes)
+            geometry = HeadGeometry(layout.num_local_heads, layout.head_block_nbytes)
             transport = UcxTagTransport(region, layout.block_nbytes, self.key, ucx_config=self.config.ucx_options(),
                                         serve_timeout_s=self.config.lease_s,
                                         name=f"ucx-{self.key.engine_id}-{self.key.tp_rank}", geometry=geometry)
@@ -283,13 +283,13 @@ class UcxWorkerConnector(WorkerConnector):
         """The region UCX moves (a flat uint8 view: numpy for host memory, the CUDA tensor
         itself for GPU memory) and its layout for the handshake."""
         if tensor.dim() != 6 or not tensor.is_contiguous() or tensor.device.type not in ("cpu", "cuda"):
-            raise ValueError("kv_cache must be a contiguous CPU or CUDA tensor [blocks, layers, 2, heads, block_size, "
+            raise ValueError("kv_cache must be a contiguous CPU or CUDA tensor [blocks, heads, layers, 2, block_size, "
                              f"head_dim], got shape {tuple(tensor.shape)} on {tensor.device}")
-        num_blocks, num_layers, two, heads, block_size, head_dim = (int(d) for d in tensor.shape)
+        num_blocks, heads, num_layers, two, block_size, head_dim = (int(d) for d in tensor.shape)
         head_start, head_end = rank_heads(self.key.tp_rank, self.tp_size, self.num_kv_heads)
         per_rank = head_end - head_start
         if two != 2 or heads != per_rank:
-            raise ValueError(f"kv_cache dims 2 and 3 must be 2 and {per_rank} (heads of this rank), got {two}, {heads}")
+            raise ValueError(f"kv_cache dims 1 and 3 must be {per_rank} (heads of this rank) and 2, got {heads}, {two}")
         region = _cuda_region(tensor) if tensor.device.type == "cuda" else _host_region(tensor)
         nbytes = tensor.numel() * tensor.element_size()
         layout = KVRegionLayout(num_blocks=num_blocks, block_nbytes=nbytes // num_blocks, num_layers=num_layers,
@@ -406,7 +406,7 @@ class UcxWorkerConnector(WorkerConnector):
             meta = self._peers.get(PeerKey(d.engine_id, d.epoch, read.src_rank))
             if meta is None or meta.tp_size != d.tp_size:
                 return (), "peer_unknown"
-            if meta.region.head_nbytes != mine.head_nbytes:
+            if meta.region.head_block_nbytes != mine.head_block_nbytes:
                 return (), "incompatible"
             if any(not 0 <= b < meta.region.num_blocks for b in d.block_ids):
                 return (), "out_of_range"
@@ -415,7 +415,7 @@ class UcxWorkerConnector(WorkerConnector):
     def _segments(self, read: HeadRead, prefill_tp: int, remote: list[int],
                   local: tuple[int, ...]) -> tuple[Segment, ...]:
         """Block runs of one head read: whole blocks when both ranks hold exactly these heads,
-        else head-range segments (one message per block, layer and K/V)."""
+        else head-range segments (one message per block)."""
         runs = coalesce(remote, list(local))
         src_start, src_end = rank_heads(read.src_rank, prefill_tp, self.num_kv_heads)
         if read.num_heads == self.handshake_metadata.region.num_local_heads == src_end - src_start:

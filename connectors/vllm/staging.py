@@ -5,9 +5,11 @@ vLLM's CPU attention keeps one tensor per layer, `[num_blocks, num_kv_heads, blo
 as `[num_blocks, heads, 2 * block_size, head_size]` and chunks dim 2). A run of blocks is
 therefore one contiguous range *per layer* — 30 ranges for the demo model — which is what makes
 vLLM's own NIXL path send ~60 descriptors per request. pdserve's data plane moves one run as one
-message, so each rank registers a region in pdserve's layout instead, `[num_blocks, num_layers, 2,
-heads, block_size, head_dim]` ("NL2HBD", every block's KV for all layers contiguous, heads
-outermost inside a layer), indexed by vLLM's own block ids:
+message, so each rank registers a region in pdserve's layout instead, `[num_blocks, heads,
+num_layers, 2, block_size, head_dim]` ("NHL2BD", every block's KV for all layers contiguous,
+heads outermost inside a block, so a head range of a block is one piece for heterogeneous TP;
+a (head, layer) of a block is vLLM's `[2, block_size, head_size]` head block as it is, no
+transpose), indexed by vLLM's own block ids:
 
 - prefill: `gather(block_ids)` copies a finished prompt's blocks in, before they are pinned;
 - decode: pulls land in the region; `scatter(block_ids)` copies them out into vLLM's tensors
@@ -25,7 +27,7 @@ from typing import Any
 
 import torch
 
-LAYOUT = "NL2HBD"
+LAYOUT = "NHL2BD"
 
 
 class KVStaging:
@@ -45,7 +47,7 @@ class KVStaging:
         num_blocks, heads, block_size, two_d = (int(d) for d in first.shape)
         self.layers = layers
         self.num_blocks, self.num_heads, self.block_size, self.head_dim = num_blocks, heads, block_size, two_d // 2
-        self.region = torch.empty((num_blocks, len(layers), 2, heads, block_size, self.head_dim), dtype=first.dtype)
+        self.region = torch.empty((num_blocks, heads, len(layers), 2, block_size, self.head_dim), dtype=first.dtype)
 
     @property
     def num_layers(self) -> int:
@@ -59,7 +61,7 @@ class KVStaging:
         n = len(block_ids)
         for layer, t in enumerate(self.layers):
             blocks = t.index_select(0, idx).view(n, self.num_heads, 2, self.block_size, self.head_dim)
-            self.region[idx, layer] = blocks.transpose(1, 2)
+            self.region[idx, :, layer] = blocks
 
     def scatter(self, block_ids: Sequence[int]) -> None:
         """The region -> vLLM's tensors, for `block_ids`."""
@@ -68,8 +70,7 @@ class KVStaging:
         idx = torch.tensor(list(block_ids), dtype=torch.long)
         n = len(block_ids)
         for layer, t in enumerate(self.layers):
-            blocks = self.region[idx, layer].transpose(1, 2).reshape(n, self.num_heads, self.block_size,
-                                                                      2 * self.head_dim)
+            blocks = self.region[idx, :, layer].reshape(n, self.num_heads, self.block_size, 2 * self.head_dim)
             t.index_copy_(0, idx, blocks)
 
 

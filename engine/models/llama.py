@@ -140,7 +140,7 @@ class LlamaModel:
             q = rotate(qkv[:, :nq].view(t, -1, hd), cos, sin)
             k = rotate(qkv[:, nq:nq + nkv].view(t, -1, hd), cos, sin)
             v = qkv[:, nq + nkv:].view(t, -1, hd)
-            layer_cache = kv_cache[:, i]
+            layer_cache = kv_cache[:, :, i]  # [num_blocks, H, 2, bs, D], a strided view
             write_kv(layer_cache, k, v, meta)
             attn = paged_attention(q, layer_cache, meta, self.scale)
             o = F.linear(attn.reshape(t, nq), layer.o_proj)

@@ -91,7 +91,7 @@ def rank_main(conn: Connection, spec: dict[str, Any]) -> None:
 
     heads = num_local_heads(spec["tp_size"], spec["num_kv_heads"])
     head_start = rank_heads(spec["tp_rank"], spec["tp_size"], spec["num_kv_heads"])[0]
-    kv = torch.zeros(spec["num_blocks"], spec["num_layers"], 2, heads, spec["block_size"], spec["head_dim"])
+    kv = torch.zeros(spec["num_blocks"], heads, spec["num_layers"], 2, spec["block_size"], spec["head_dim"])
     if spec["seed"]:
         kv.uniform_(generator=torch.Generator().manual_seed(spec["seed"]))
     kv = kv.to(spec["device"])
@@ -138,7 +138,7 @@ def rank_main(conn: Connection, spec: dict[str, Any]) -> None:
 
     def head_digests(ids: list[int]) -> dict[int, list[str]]:
         """Per global KV head this rank holds: a digest of that head's K and V (every layer) per block."""
-        return {head_start + h: [hashlib.blake2b(kv[b, :, :, h].contiguous().numpy().tobytes(),
+        return {head_start + h: [hashlib.blake2b(kv[b, h].contiguous().numpy().tobytes(),
                                                  digest_size=16).hexdigest() for b in ids] for h in range(heads)}
 
     def zero(ids: list[int]) -> None:

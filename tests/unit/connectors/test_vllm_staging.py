@@ -1,4 +1,4 @@
-"""KVStaging: vLLM's per-layer CPU KV tensors <-> pdserve's block-major NL2HBD region."""
+"""KVStaging: vLLM's per-layer CPU KV tensors <-> pdserve's block-major NHL2BD region."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def vllm_caches() -> dict[str, torch.Tensor]:
     return {f"model.layers.{i}.self_attn.attn": torch.randn(N, H, B, 2 * D) for i in range(L)}
 
 
-def test_gather_writes_the_nl2hbd_layout_and_scatter_inverts_it() -> None:
+def test_gather_writes_the_nhl2bd_layout_and_scatter_inverts_it() -> None:
     caches = vllm_caches()
     staging = KVStaging(caches)
     staging.gather([4, 1])
@@ -22,8 +22,8 @@ def test_gather_writes_the_nl2hbd_layout_and_scatter_inverts_it() -> None:
         for b in (4, 1):
             # vLLM's CPU backend: each head's block is K rows then V rows ([2 * B, D] per head)
             k, v = t[b].view(H, 2 * B, D).chunk(2, dim=1)
-            assert torch.equal(staging.region[b, layer, 0], k)
-            assert torch.equal(staging.region[b, layer, 1], v)
+            assert torch.equal(staging.region[b, :, layer, 0], k)
+            assert torch.equal(staging.region[b, :, layer, 1], v)
     before = {name: t.clone() for name, t in caches.items()}
     for t in caches.values():
         t.zero_()

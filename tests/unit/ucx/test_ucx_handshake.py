@@ -206,3 +206,27 @@ def test_shutdown_ends_every_pull_once_and_later_calls_are_harmless() -> None:
     finally:
         decode.shutdown()
         prefill.shutdown()
+
+
+def test_engines_of_different_kv_layouts_never_pair(connector: UcxWorkerConnector) -> None:
+    # The layout is in the compatibility hash (engines of another layout are refused before their
+    # metadata is read) and in the metadata itself (refused even under an equal hash).
+    from engine.config import KV_LAYOUT, ModelConfig
+    from engine.kv_cache import make_kv_cache_spec
+    from services.engine.rank_agent import compatibility_hash
+
+    raw = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 10000.0}
+    config = ModelConfig.from_dict(raw, dtype="float32")
+    spec = make_kv_cache_spec(config, block_size=16, memory_bytes=1 << 20)
+    assert spec.layout == KV_LAYOUT == connector.handshake_metadata.region.layout == "NHL2BD"
+    old = dataclasses.replace(spec, layout="NL2HBD")
+    assert compatibility_hash(config, spec, "s") != compatibility_hash(config, old, "s")
+    with pytest.raises(ValueError, match="unsupported KV layout 'NL2HBD' \\(expected 'NHL2BD'\\)"):
+        connector.add_peer(metadata(region=region(layout="NL2HBD")))
+    with pytest.raises(ValueError, match="unsupported KV layout 'NL2HBD'"):
+        connector.add_peer(metadata(region=region(layout="NL2HBD")).encode())
+    desc = KVTransferDescriptor("prefill-a", 2**63 + 5, "r", (1, 2), 8, 2, 4, 4)
+    connector.start_pull("r", desc, [3, 4])  # no peer was added
+    assert connector.get_transfer_results().failed_recving == {"r"}
+    assert connector.take_failure_reasons() == {"r": "peer_unknown"}
