@@ -59,7 +59,10 @@ def test_bench_serve_compare_vllm_runs_pdserve_and_reports_absent_systems(
                                "--dtype", "float32", *SERVE_TINY])
     assert set(report["systems"]) == {"pdserve"}
     assert set(report["systems"]["pdserve"]) == {"wall_s", "tok_s", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms",
-                                                 "itl_p99_ms", "threads"}
+                                                 "itl_p99_ms", "threads", "itl_first_p50_ms", "itl_first_p99_ms",
+                                                 "itl_rest_p99_ms"}
+    pdserve = report["systems"]["pdserve"]
+    assert pdserve["itl_first_p50_ms"] <= pdserve["itl_first_p99_ms"], pdserve
     assert report["systems"]["pdserve"]["tok_s"] > 0 and report["systems"]["pdserve"]["threads"] >= 1
     assert set(report["absent"]) == {"vllm_colocated", "vllm_pd_nixl", "pdserve_vllm"}
     assert "vLLM not importable" in report["absent"]["vllm_colocated"] and \
