@@ -48,6 +48,7 @@ import zmq.asyncio
 
 from connectors.kv_events import MEDIUM_CPU_OFFLOAD, BlockStored, KVCacheEvent, KVEventBatch
 from connectors.wire import encode_batch
+from connectors.wire.protobuf_bytes import length_delimited, varint
 
 SECTIONS = ("pdserve", "decode_per_rank", "direct", "vllm", "overload")
 # Block hash of the i-th event of a step: step_base(send time) + i. The send time (µs) is
@@ -270,21 +271,7 @@ def _ranks_main(target: str, engines: int, tp: int, batch_events: int, rate: flo
             client.close(1.0)
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _field(number: int, data: bytes) -> bytes:
-    """A length-delimited protobuf field."""
-    return _varint(number << 3 | 2) + _varint(len(data)) + data
-
-
-_MEDIUM_FIELD = _field(6, MEDIUM_CPU_OFFLOAD.encode())  # BlockStored.medium
+_MEDIUM_FIELD = length_delimited(6, MEDIUM_CPU_OFFLOAD.encode())  # BlockStored.medium
 _LOW_BYTES = [bytes([0x80 | i]) for i in range(128)]
 
 
@@ -296,12 +283,12 @@ def stamped_events_wire(now: float, n: int, field_number: int = 6) -> bytes:
     byte but the first while i < 128."""
     base = step_base(now)
     if n > 128:
-        return b"".join(_field(field_number, _field(1, _field(1, _varint(base + i)) + _MEDIUM_FIELD))
+        return b"".join(length_delimited(field_number, length_delimited(1, length_delimited(1, varint(base + i)) + _MEDIUM_FIELD))
                         for i in range(n))
-    tail = _varint(base >> STAMP_BITS)
+    tail = varint(base >> STAMP_BITS)
     size = 1 + len(tail)
-    head = _varint(field_number << 3 | 2) + _varint(size + 4 + len(_MEDIUM_FIELD)) + b"\x0a" \
-        + _varint(size + 2 + len(_MEDIUM_FIELD)) + b"\x0a" + _varint(size)
+    head = varint(field_number << 3 | 2) + varint(size + 4 + len(_MEDIUM_FIELD)) + b"\x0a" \
+        + varint(size + 2 + len(_MEDIUM_FIELD)) + b"\x0a" + varint(size)
     rest = tail + _MEDIUM_FIELD
     return b"".join(head + _LOW_BYTES[i] + rest for i in range(n))
 
@@ -360,12 +347,12 @@ async def _stream_ranks_main(target: str, engines: int, tp: int, batch_events: i
         for _ in range(min(due, 64)):
             e = steps % engines
             if packed:  # StepReport.packed_worker_events (field 10)
-                body = _field(10, stamped_events_wire(time.time(), batch_events))
+                body = length_delimited(10, stamped_events_wire(time.time(), batch_events))
             else:  # StepReport.worker_events (repeated field 7)
                 body = stamped_events_wire(time.time(), batch_events, field_number=7)
             for r, box in enumerate(outboxes[e]):
                 seqs[e][r] += 1
-                box.put_nowait(b"\x08" + _varint(seqs[e][r]) + body)
+                box.put_nowait(b"\x08" + varint(seqs[e][r]) + body)
             steps += 1
             pacer.done += 1
         await asyncio.sleep(0)
@@ -396,7 +383,7 @@ async def rank_message_bytes(box: asyncio.Queue[Any], max_batch: int = 64) -> As
         if m is None:
             return
         if box.empty():
-            yield _field(2, m)  # RankMessage.report
+            yield length_delimited(2, m)  # RankMessage.report
             continue
         reports = [m]
         done = False
@@ -406,7 +393,7 @@ async def rank_message_bytes(box: asyncio.Queue[Any], max_batch: int = 64) -> As
                 done = True
                 break
             reports.append(nxt)
-        yield _field(4, b"".join(_field(1, r) for r in reports))  # RankMessage.reports
+        yield length_delimited(4, b"".join(length_delimited(1, r) for r in reports))  # RankMessage.reports
         if done:
             return
 

@@ -22,6 +22,7 @@ from connectors.kv_events import (
     event_from_proto,
     event_to_proto,
 )
+from connectors.wire.protobuf_bytes import varint
 from pdserve.v1 import kv_events_pb2 as pb
 from services.scheduler.events.republisher import (
     EventFilter,
@@ -82,15 +83,6 @@ def batch_to_proto(seq: int, engine_id: str, epoch: int, batch: KVEventBatch) ->
     return msg
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 def batch_message_wire(seq: int, engine_id: str, epoch: int, batch: KVEventBatch, events_wire: bytes) -> bytes:
     """The serialized EventStreamMessage of a batch whose events are `events_wire` (an
     EventBatch with only `events` set): the header fields serialized, the events appended as
@@ -99,7 +91,7 @@ def batch_message_wire(seq: int, engine_id: str, epoch: int, batch: KVEventBatch
     if batch.data_parallel_rank is not None:
         head.data_parallel_rank = batch.data_parallel_rank
     body = head.SerializeToString() + events_wire
-    return b"\x0a" + _varint(len(body)) + body  # EventStreamMessage.batch (field 1, bytes)
+    return b"\x0a" + varint(len(body)) + body  # EventStreamMessage.batch (field 1, bytes)
 
 
 def encode_item(item: StreamItem) -> bytes:
