@@ -63,6 +63,11 @@ def nixl_importable() -> bool:
     return True
 
 
+def require_nixl() -> None:
+    """Raises NixlUnavailable, naming the package to install, unless NIXL imports."""
+    _nixl_api()
+
+
 def _nixl_api() -> Any:
     try:
         import nixl_cu12._api as api
