@@ -12,9 +12,17 @@ validation, refusal, renewal and release are the tag transport's, message for me
 - reader → writer `pull` {x, rid, eid, ep, segs, ...} (as before); the writer validates it
   (epoch, lease, every block pinned for the request, range) and answers `go` {x} instead of
   sending DATA, or `refuse` {x, why} as before. The blocks stay pinned from `go` until the
-  reader's `done` (or the serve timeout), so the reader never reads a block that is not pinned.
-- On `go` the reader posts the READ; when NIXL reports it DONE, `done` {ok: true} goes back
-  (the writer then reports `finished_sending` as before) and the pull succeeds. A READ that
+  reader's `done` (or the serve timeout).
+- Read ahead of `go`: the reader posts the READ right after sending `pull`, not after `go`, so
+  the writer's wake-up and validation overlap the copy. The bytes count only when BOTH the READ
+  is DONE and `go` arrived: `go` means the lease was live and every block pinned for the
+  request at validation, and a pin, once dropped, never comes back for the same request (a
+  lease that ended is gone: `unknown_request`), so the blocks were pinned, hence unchanged,
+  from before the reader learned of the request until its `done`: also while an early READ
+  ran. On `refuse` the READ is cancelled and the blocks are invalid, as with the tag
+  transport. Reading is side-effect free for the writer.
+- When the READ is DONE and `go` arrived, `done` {ok: true} goes back (the writer then reports
+  `finished_sending` as before) and the pull succeeds. A READ that
   fails (the writer died: NIXL reports ERR or refuses to post with a disconnect) fails the pull
   with `read_error` / `peer_gone` and every block of the op invalid: NIXL does not say which
   pieces of a failed READ arrived. A pull that ends early (timeout, `remove_peer`, abandon)
@@ -42,7 +50,7 @@ import numpy as np
 from connectors.ucx.device_memory import is_device_region, region_nbytes
 from connectors.ucx.handshake import PeerKey
 from connectors.ucx.tag_transport import UcxTagTransport, _Pull, _Serve
-from connectors.ucx.transport import HeadGeometry, PullRequest, Segment, pieces
+from connectors.ucx.transport import HeadGeometry, PullOp, PullRequest, Segment, pieces
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +163,8 @@ class NixlTransport(UcxTagTransport):
         self._regions: dict[PeerKey, PeerRegion] = {}
         self._reads: dict[int, Any] = {}  # xfer id -> live NIXL transfer handle
         self._cancelled: list[Any] = []  # handles NIXL could not release yet (retried)
+        self._accepted: set[int] = set()  # pulls the writer said `go` to, their READ still running
+        self._read_done: set[int] = set()  # pulls whose READ completed before the writer's `go`
 
     @property
     def worker_address(self) -> bytes:
@@ -190,13 +200,18 @@ class NixlTransport(UcxTagTransport):
             pull = self._pulls.get(xfer_id)
             if pull is None or pull.finished:
                 continue
-            if state == "DONE":
-                pull.done.update(range(len(pull.pieces)))
-                pull.seg_left = [0] * len(pull.seg_left)
-                self._finish(pull, None, notify_peer=True)
-            else:
+            if state != "DONE":
                 self._finish(pull, "read_error", notify_peer=True)
+            elif xfer_id in self._accepted:
+                self._complete(pull)
+            else:
+                self._read_done.add(xfer_id)  # the writer's `go` is still to come
         return busy
+
+    def _complete(self, pull: _Pull) -> None:
+        pull.done.update(range(len(pull.pieces)))
+        pull.seg_left = [0] * len(pull.seg_left)
+        self._finish(pull, None, notify_peer=True)
 
     # -- reader side ---------------------------------------------------------------------------
 
@@ -218,16 +233,31 @@ class NixlTransport(UcxTagTransport):
             except Exception as e:
                 logger.debug("%s: remove_remote_agent(%s): %s", self._name, region.agent, e)
 
+    def _do_pull(self, op: PullOp) -> None:
+        super()._do_pull(op)  # validates locally, lays out the pieces, sends `pull`
+        pull = self._pulls.get(op.xfer_id)
+        if pull is not None and not pull.finished:
+            self._post_read(pull)
+
     def _on_go_msg(self, message: dict[str, Any]) -> None:
-        pull = self._pulls.get(int(message["x"]))
-        if pull is None or pull.finished or pull.op.xfer_id in self._reads:
+        xfer_id = int(message["x"])
+        pull = self._pulls.get(xfer_id)
+        if pull is None or pull.finished:
             return
+        if xfer_id in self._read_done:
+            self._complete(pull)
+        else:
+            self._accepted.add(xfer_id)
+
+    def _post_read(self, pull: _Pull) -> None:
+        """Posts the pull's READ at once, before the writer's answer: see the module docstring
+        ("read ahead of `go`") for why the bytes count only once `go` has also arrived."""
         region = self._regions.get(pull.op.peer)
         if region is None:
-            self._finish(pull, "peer_gone", notify_peer=True)
+            self._finish(pull, "peer_unknown", notify_peer=False)
             return
         remote = descriptor_rows(pull.op.segments, region.geometry, region.base, remote=True)
-        if len(remote) and int((remote[:, 0] + remote[:, 1]).max()) > region.base + region.nbytes:
+        if int((remote[:, 0] + remote[:, 1]).max()) > region.base + region.nbytes:
             self._finish(pull, "out_of_range", notify_peer=True)
             return
         local = descriptor_rows(pull.op.segments, self._geometry, self._base, remote=False)
@@ -246,10 +276,14 @@ class NixlTransport(UcxTagTransport):
 
     def _finish(self, pull: _Pull, reason: str | None, *, notify_peer: bool) -> None:
         self._cancel_read(pull.op.xfer_id)
+        self._accepted.discard(pull.op.xfer_id)
+        self._read_done.discard(pull.op.xfer_id)
         super()._finish(pull, reason, notify_peer=notify_peer)
 
     def _do_abandon(self, xfer_id: int) -> None:
         self._cancel_read(xfer_id)
+        self._accepted.discard(xfer_id)
+        self._read_done.discard(xfer_id)
         super()._do_abandon(xfer_id)
 
     def _cancel_read(self, xfer_id: int) -> None:
