@@ -98,39 +98,45 @@ def descriptor_rows(segments: tuple[Segment, ...], geometry: HeadGeometry, base:
 
 
 @dataclass(frozen=True, slots=True)
-class PeerRegion:
-    """What a reader needs of a writer's region: its NIXL agent (its name once added), address,
-    size and head geometry (the writer's blocks may hold other heads than the reader's)."""
+class NixlAddress:
+    """A rank's worker-address blob (see the module docstring): how to reach its control path
+    and read its region. `geometry` is the region's (its blocks may hold other heads than the
+    reader's)."""
 
-    agent: str
+    ucx: bytes
+    agent_metadata: bytes
     base: int
     nbytes: int
     geometry: HeadGeometry
 
+    def encode(self) -> bytes:
+        return bytes(msgpack.packb({"ucx": self.ucx, "nixl": self.agent_metadata, "base": self.base,
+                                    "nbytes": self.nbytes, "heads": self.geometry.num_local_heads,
+                                    "head_nbytes": self.geometry.head_nbytes}, use_bin_type=True))
 
-def encode_address(ucx_address: bytes, agent_metadata: bytes, base: int, nbytes: int, geometry: HeadGeometry) -> bytes:
-    """This rank's worker-address blob (see the module docstring)."""
-    return bytes(msgpack.packb({"ucx": ucx_address, "nixl": agent_metadata, "base": base, "nbytes": nbytes,
-                                "heads": geometry.num_local_heads, "head_nbytes": geometry.head_nbytes},
-                               use_bin_type=True))
+    @classmethod
+    def decode(cls, data: bytes) -> NixlAddress:
+        """ValueError (never another exception) when `data` is not a nixl transport address."""
+        if len(data) > _MAX_ADDRESS_BYTES:
+            raise ValueError(f"nixl address of {len(data)} bytes")
+        try:
+            raw = msgpack.unpackb(data, raw=False)
+            ucx, meta = raw["ucx"], raw["nixl"]
+            ints = [raw[k] for k in ("base", "nbytes", "heads", "head_nbytes")]
+        except Exception as e:
+            raise ValueError(f"not a nixl transport address ({type(e).__name__}: {e}); is the peer on "
+                             "--kv-transport ucx-tag?") from None
+        if not (isinstance(ucx, bytes) and isinstance(meta, bytes)
+                and all(isinstance(v, int) and v >= 0 for v in ints)):
+            raise ValueError("malformed nixl transport address")
+        base, nbytes, heads, head_nbytes = ints
+        return cls(ucx, meta, base, nbytes, HeadGeometry(heads, head_nbytes))
 
 
-def decode_address(data: bytes) -> tuple[bytes, PeerRegion]:
-    """(UCX address, region with the NIXL agent *metadata* as `agent`) of a peer's worker-address
-    blob; ValueError (never another exception) when it is not one."""
-    if len(data) > _MAX_ADDRESS_BYTES:
-        raise ValueError(f"nixl address of {len(data)} bytes")
-    try:
-        raw = msgpack.unpackb(data, raw=False)
-        ucx, meta = raw["ucx"], raw["nixl"]
-        ints = [raw[k] for k in ("base", "nbytes", "heads", "head_nbytes")]
-    except Exception as e:
-        raise ValueError(f"not a nixl transport address ({type(e).__name__}: {e}); is the peer on "
-                         "--kv-transport ucx-tag?") from None
-    if not (isinstance(ucx, bytes) and isinstance(meta, bytes) and all(isinstance(v, int) and v >= 0 for v in ints)):
-        raise ValueError("malformed nixl transport address")
-    base, nbytes, heads, head_nbytes = ints
-    return ucx, PeerRegion(meta.hex(), base, nbytes, HeadGeometry(heads, head_nbytes))
+@dataclass(frozen=True, slots=True)
+class _PeerRegion:
+    agent: str  # the writer's NIXL agent name, once added
+    address: NixlAddress
 
 
 class NixlTransport(UcxTagTransport):
@@ -158,9 +164,9 @@ class NixlTransport(UcxTagTransport):
         self._base = int(region.ctypes.data)
         self._nbytes = region_nbytes(region)
         self._reg = self._agent.register_memory([(self._base, self._nbytes, 0, "")], "DRAM")
-        self._blob = encode_address(self._address, self._agent.get_agent_metadata(), self._base, self._nbytes,
-                                    self._geometry)
-        self._regions: dict[PeerKey, PeerRegion] = {}
+        self._blob = NixlAddress(self._address, self._agent.get_agent_metadata(), self._base, self._nbytes,
+                                 self._geometry).encode()
+        self._regions: dict[PeerKey, _PeerRegion] = {}
         self._reads: dict[int, Any] = {}  # xfer id -> live NIXL transfer handle
         self._cancelled: list[Any] = []  # handles NIXL could not release yet (retried)
         self._accepted: set[int] = set()  # pulls the writer said `go` to, their READ still running
@@ -218,11 +224,11 @@ class NixlTransport(UcxTagTransport):
     def _do_add_peer(self, key: PeerKey, address: bytes) -> None:
         if key in self._peers:
             return
-        ucx, region = decode_address(address)
-        agent = self._agent.add_remote_agent(bytes.fromhex(region.agent))
+        peer = NixlAddress.decode(address)
+        agent = self._agent.add_remote_agent(peer.agent_metadata)
         agent = agent.decode() if isinstance(agent, bytes) else str(agent)
-        super()._do_add_peer(key, ucx)
-        self._regions[key] = PeerRegion(agent, region.base, region.nbytes, region.geometry)
+        super()._do_add_peer(key, peer.ucx)
+        self._regions[key] = _PeerRegion(agent, peer)
 
     def _do_remove_peer(self, key: PeerKey) -> None:
         super()._do_remove_peer(key)
@@ -256,8 +262,9 @@ class NixlTransport(UcxTagTransport):
         if region is None:
             self._finish(pull, "peer_unknown", notify_peer=False)
             return
-        remote = descriptor_rows(pull.op.segments, region.geometry, region.base, remote=True)
-        if int((remote[:, 0] + remote[:, 1]).max()) > region.base + region.nbytes:
+        peer = region.address
+        remote = descriptor_rows(pull.op.segments, peer.geometry, peer.base, remote=True)
+        if int((remote[:, 0] + remote[:, 1]).max()) > peer.base + peer.nbytes:
             self._finish(pull, "out_of_range", notify_peer=True)
             return
         local = descriptor_rows(pull.op.segments, self._geometry, self._base, remote=False)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from connectors.ucx.handshake import UcxHandshakeMetadata
-from connectors.ucx.nixl_transport import decode_address, descriptor_rows, encode_address, nixl_importable
+from connectors.ucx.nixl_transport import NixlAddress, descriptor_rows, nixl_importable
 from connectors.ucx.transport import HeadGeometry, Segment
 from connectors.ucx.worker import UcxConnectorConfig, UcxWorkerConnector
 from services.common.config import EngineConfig
@@ -44,12 +44,13 @@ def test_whole_block_runs_are_one_descriptor_each_in_segment_order() -> None:
 
 
 def test_the_address_blob_round_trips_and_a_tag_address_is_refused_with_the_reason() -> None:
-    blob = encode_address(b"ucx-address", b"nixl-metadata", 4096, 1 << 20, HeadGeometry(2, 640))
-    ucx, region = decode_address(blob)
-    assert ucx == b"ucx-address" and bytes.fromhex(region.agent) == b"nixl-metadata"
-    assert (region.base, region.nbytes, region.geometry) == (4096, 1 << 20, HeadGeometry(2, 640))
+    address = NixlAddress(b"ucx-address", b"nixl-metadata", 4096, 1 << 20, HeadGeometry(2, 640))
+    assert NixlAddress.decode(address.encode()) == address
     with pytest.raises(ValueError, match="not a nixl transport address .* --kv-transport ucx-tag"):
-        decode_address(b"\x01" * 200)  # a UCX worker address, as a ucx-tag peer publishes
+        NixlAddress.decode(b"\x01" * 200)  # a UCX worker address, as a ucx-tag peer publishes
+    with pytest.raises(ValueError, match="malformed nixl transport address"):
+        NixlAddress.decode(msgpack.packb({"ucx": b"a", "nixl": b"m", "base": -1, "nbytes": 1, "heads": 1,
+                                          "head_nbytes": 1}))
 
 
 def test_the_kv_transport_is_a_config_choice_with_a_reason() -> None:
