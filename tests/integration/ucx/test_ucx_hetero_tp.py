@@ -129,3 +129,17 @@ def test_a_dead_prefill_rank_fails_exactly_the_blocks_it_owed(transport: str) ->
         assert decode.call("pending") == 0
     finally:
         engines.close()
+
+
+@NEEDS_NIXL
+def test_ranks_on_different_kv_transports_refuse_to_pair_with_the_reason() -> None:
+    nixl = RankProc("decode-mixed", 22, kv_transport="nixl")
+    tag = RankProc("prefill-mixed", 11, seed=5)
+    try:
+        with pytest.raises(RuntimeError, match="peer moves KV with --kv-transport ucx-tag, this engine with nixl"):
+            nixl.call("add_peer", tag.call("meta"))
+        with pytest.raises(RuntimeError, match="peer moves KV with --kv-transport nixl, this engine with ucx-tag"):
+            tag.call("add_peer", nixl.call("meta"))
+    finally:
+        nixl.close()
+        tag.close()
