@@ -681,12 +681,12 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                 ts=m.ts, events=[event_from_proto(e) for e in m.events], proto_events=m.events,
                 data_parallel_rank=m.data_parallel_rank if m.HasField("data_parallel_rank") else None)
         if merged:
-            # The listed ranks' reports of this step, as far as events go: validated together,
-            # applied in rank order (§3's per-rank counting, unchanged).
-            theirs = KVConnectorOutput(kv_cache_events=events)
-            outputs = dict.fromkeys(merged, theirs)
-            outputs[own] = output
-            result = self.aggregator.add_reports(engine.engine_id, engine.epoch, outputs)
+            # The events count once for each listed rank and the sender (§3's per-rank counting,
+            # applied with the ranks' joint mask: the same state as rank by rank), then the
+            # sender's own transfer results. Everything is validated before anything applies.
+            result = self.aggregator.add_shared_events(engine.engine_id, engine.epoch, (own, *merged), events)
+            result.merge(self.aggregator.add_report(engine.engine_id, engine.epoch, own,
+                                                    output_from_proto(report, ())))
         else:
             result = self.aggregator.add_report(engine.engine_id, engine.epoch, own, output)
         ref = EngineRef(engine.engine_id, engine.epoch)
