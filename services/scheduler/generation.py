@@ -608,7 +608,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                 self._abort_on(record.prefill.engine_id, record.request_id)
         cause = ReleaseCause.FINISHED if record.state == RequestState.FINISHED else ReleaseCause.ABORT
         self._drop_transfer(record, cause)
-        self.control.aggregator.abort(record.request_id)
+        self._abort_counters(record)
         for engine_id in list(flight.slots):
             self._give_slot(flight, engine_id)
         if flight.backlog is not None:
@@ -619,6 +619,19 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         outcome = {RequestState.FINISHED: "success", RequestState.FAILED: "error"}.get(
             record.state, "deadline" if reason == "deadline" else "cancelled")
         self.metrics.request_finished(outcome, time.monotonic() - flight.started, self._path(flight))
+
+    def _abort_counters(self, record: RequestRecord) -> None:
+        """Drops the request's pending transfer counters (late reports of it are absorbed) on
+        every engine it was sent to — its prefill and decode engines and those it left — not
+        on every engine: per request that was O(engines) work and as many remembered ids."""
+        aggregator = self.control.aggregator
+        engines = record.failed_prefill_engines | record.failed_decode_engines
+        for ref in (record.prefill, record.decode):
+            if ref is not None:
+                engines.add(ref.engine_id)
+        for engine_id in engines:
+            if aggregator.engine_epoch(engine_id) is not None:
+                aggregator.abort(record.request_id, engine_id)
 
     @staticmethod
     def _path(flight: Flight) -> str:
