@@ -3,9 +3,11 @@
 pdserve (section "pdserve"): a scheduler in this process (real Control servicer with its
 registry and per-rank aggregator, the republisher, the KVEvents gRPC service and the ZMQ PUB);
 a second process runs `--engines` x `--tp` simulated ranks, each a real `ControlClient` with its
-own control stream. Every engine step, each rank of the engine reports the same
-`--batch-events` worker-side BlockStored events (medium CPU_OFFLOAD, one hash each: its shard);
-the aggregator publishes them once every rank reported. A third process holds `--subscribers`
+own control stream. Every engine step has `--batch-events` worker-side BlockStored events
+(medium CPU_OFFLOAD, one hash each: every rank holds its shard); with `--report-per engine` (the
+default) rank 0 reports them once for all its ranks (`StepReport.merged_event_ranks`), with
+`--report-per rank` each rank reports them itself; the aggregator publishes them once every rank
+is counted. A third process holds `--subscribers`
 subscribers, half gRPC `Subscribe`, half ZMQ SUB decoding vLLM's msgpack. The rank stamps its
 send time into the block hashes, so latency is from the rank's send (the engine step's first
 report) to the subscriber's receipt. Steps are paced to `--rate` published events/s.
