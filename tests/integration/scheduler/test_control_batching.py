@@ -221,3 +221,14 @@ async def test_control_client_refuses_merged_events_the_scheduler_does_not_accep
     with pytest.raises(ValueError, match="merged_event_ranks without worker events"):
         client.report(StepReport(merged_event_ranks=(1,)))
     assert client.last_seq == 0
+
+
+async def test_a_merged_report_still_counts_the_senders_own_transfer_results(harness: ControlHarness) -> None:
+    ranks = [await harness.connect(hello("p2", "prefill", tp_rank=r, tp_size=2, epoch=80)) for r in range(2)]
+    servicer = harness.servicer
+    assert servicer is not None
+    ranks[0].report(StepReport(finished_sending=["rq"], worker_events=_stored(31), merged_event_ranks=(1,)))
+    await eventually(lambda: len(harness.sink.batches) == 1)
+    assert servicer.aggregator.pending_reports()["p2"].sending == 1  # rank 0's share of "rq", not rank 1's
+    ranks[1].report(StepReport(finished_sending=["rq"]))
+    await eventually(lambda: servicer.aggregator.pending_reports()["p2"].sending == 0)
