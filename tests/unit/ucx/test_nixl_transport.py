@@ -101,3 +101,22 @@ def test_a_pair_on_different_kv_transports_is_refused_with_the_reason() -> None:
         assert tag.get_transfer_results().failed_recving == set()  # nothing changed
     finally:
         tag.shutdown()
+
+
+def test_nixl_asked_for_and_missing_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from connectors.ucx.nixl_transport import NixlUnavailable, require_nixl
+
+    monkeypatch.setitem(sys.modules, "nixl_cu12", None)  # None in sys.modules: import fails
+    monkeypatch.setitem(sys.modules, "nixl", None)
+    with pytest.raises(NixlUnavailable, match=r"--kv-transport nixl needs the nixl-cu12 package \(pip install "):
+        require_nixl()
+    with pytest.raises(NixlUnavailable, match="nixl-cu12"):
+        _connector_on_nixl()
+
+
+def _connector_on_nixl() -> UcxWorkerConnector:
+    return UcxWorkerConnector(engine_id="decode-n", epoch=1, tp_rank=0, tp_size=1, num_kv_heads=2,
+                              compatibility_hash="h", kv_cache=torch.zeros(8, 2, 2, 2, 4, 8),
+                              config=UcxConnectorConfig(kv_transport="nixl"))
