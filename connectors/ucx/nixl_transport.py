@@ -176,13 +176,6 @@ class NixlTransport(UcxTagTransport):
     def worker_address(self) -> bytes:
         return self._blob
 
-    def expect_activity(self, seconds: float) -> None:
-        """Ignored: a writer has nothing to poll for. The tag transport spins (yielding) for a
-        while after blocks are pinned so that the reader's pull is served at once; here the
-        reader's READ does not wait for the writer (read ahead of `go`), and the `pull` message
-        wakes the writer through UCX's event fd. Spinning writers took the reader's CPU: a P→1
-        gather ran P spinning writers beside one copying reader."""
-
     def shutdown(self) -> None:
         super().shutdown()
         for handle in [*self._reads.values(), *self._cancelled]:
