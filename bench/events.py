@@ -3,9 +3,11 @@
 pdserve (section "pdserve"): a scheduler in this process (real Control servicer with its
 registry and per-rank aggregator, the republisher, the KVEvents gRPC service and the ZMQ PUB);
 a second process runs `--engines` x `--tp` simulated ranks, each a real `ControlClient` with its
-own control stream. Every engine step, each rank of the engine reports the same
-`--batch-events` worker-side BlockStored events (medium CPU_OFFLOAD, one hash each: its shard);
-the aggregator publishes them once every rank reported. A third process holds `--subscribers`
+own control stream. Every engine step has `--batch-events` worker-side BlockStored events
+(medium CPU_OFFLOAD, one hash each: every rank holds its shard); with `--report-per engine` (the
+default) rank 0 reports them once for all its ranks (`StepReport.merged_event_ranks`), with
+`--report-per rank` each rank reports them itself; the aggregator publishes them once every rank
+is counted. A third process holds `--subscribers`
 subscribers, half gRPC `Subscribe`, half ZMQ SUB decoding vLLM's msgpack. The rank stamps its
 send time into the block hashes, so latency is from the rank's send (the engine step's first
 report) to the subscriber's receipt. Steps are paced to `--rate` published events/s.
@@ -75,6 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report-encoding", choices=["packed", "proto"], default="packed",
                         help="simulated stream ranks send worker events pre-encoded (packed_worker_events) "
                              "or as protobuf worker_events")
+    parser.add_argument("--report-per", choices=["engine", "rank"], default="engine",
+                        help="one report per engine step (rank 0 carries every rank's identical worker "
+                             "events: StepReport.merged_event_ranks) or one per rank and step (the "
+                             "pre-issue-18 protocol)")
     parser.add_argument("--rank-client", choices=["stream", "control-client"], default="stream",
                         help="simulated ranks as raw Control streams on one loop, or one ControlClient "
                              "(thread + loop) per rank")
@@ -240,7 +246,8 @@ async def _subscribers_main(grpc_target: str, zmq_endpoint: str, n_grpc: int, n_
 
 # -- rank process ----------------------------------------------------------------------------------
 
-def _ranks_main(target: str, engines: int, tp: int, batch_events: int, rate: float, duration: float) -> None:
+def _ranks_main(target: str, engines: int, tp: int, batch_events: int, rate: float, duration: float,
+                merged: bool = False) -> None:
     from services.engine.control_client import ControlClient, ControlHello, RankIdentity, StepReport
 
     clients: list[list[ControlClient]] = []
@@ -255,8 +262,13 @@ def _ranks_main(target: str, engines: int, tp: int, batch_events: int, rate: flo
         clients.append(ranks)
     print("ready", flush=True)
     sys.stdin.readline()
+    others = tuple(range(1, tp))
+
     def step() -> None:
         events = stamp_events(time.time(), batch_events)
+        if merged:
+            clients[pacer.done % engines][0].report(StepReport(worker_events=events, merged_event_ranks=others))
+            return
         for client in clients[pacer.done % engines]:
             client.report(StepReport(worker_events=events))
 
@@ -265,7 +277,8 @@ def _ranks_main(target: str, engines: int, tp: int, batch_events: int, rate: flo
     for ranks in clients:
         for client in ranks:
             client.wait_acked(client.last_seq, 30.0)
-    print(json.dumps({"steps": steps, "rank_reports": steps * tp}), flush=True)
+    print(json.dumps({"steps": steps, "rank_reports": steps * tp, "messages": steps * (1 if merged else tp)}),
+          flush=True)
     for ranks in clients:
         for client in ranks:
             client.close(1.0)
@@ -294,13 +307,15 @@ def stamped_events_wire(now: float, n: int, field_number: int = 6) -> bytes:
 
 
 async def _stream_ranks_main(target: str, engines: int, tp: int, batch_events: int, rate: float,
-                             duration: float, packed: bool = True) -> None:
+                             duration: float, packed: bool = True, merged: bool = False) -> None:
     """All ranks as raw Control streams on one event loop (one channel per engine): the same
     protocol as ControlClient (Hello, Welcome, numbered StepReports, Acks) without a thread per
     rank, so one process can stand in for hundreds of ranks. The load generator is kept cheap so
     the scheduler gets the CPU it would have in production: a step's events are encoded once
     (`packed`: into `packed_worker_events`, else as `worker_events`), and every rank's message
-    is written as bytes around them (no protobuf object per report)."""
+    is written as bytes around them (no protobuf object per report). `merged`: one report per
+    engine step, from rank 0, naming ranks 1..tp-1 in `merged_event_ranks` (the other ranks send
+    nothing for the step)."""
     import grpc
 
     from pdserve.v1 import control_pb2 as cpb
@@ -339,6 +354,8 @@ async def _stream_ranks_main(target: str, engines: int, tp: int, batch_events: i
     end = time.monotonic() + duration
     steps = 0
     seqs = [[0] * tp for _ in range(engines)]
+    # StepReport.merged_event_ranks (field 11, packed varints): every rank but rank 0.
+    merged_field = length_delimited(11, b"".join(varint(r) for r in range(1, tp))) if merged and tp > 1 else b""
     while time.monotonic() < end:
         due = pacer.due()
         if due <= 0:
@@ -350,9 +367,9 @@ async def _stream_ranks_main(target: str, engines: int, tp: int, batch_events: i
                 body = length_delimited(10, stamped_events_wire(time.time(), batch_events))
             else:  # StepReport.worker_events (repeated field 7)
                 body = stamped_events_wire(time.time(), batch_events, field_number=7)
-            for r, box in enumerate(outboxes[e]):
+            for r, box in enumerate(outboxes[e][:1] if merged else outboxes[e]):
                 seqs[e][r] += 1
-                box.put_nowait(b"\x08" + varint(seqs[e][r]) + body)
+                box.put_nowait(b"\x08" + varint(seqs[e][r]) + body + merged_field)
             steps += 1
             pacer.done += 1
         await asyncio.sleep(0)
@@ -362,7 +379,8 @@ async def _stream_ranks_main(target: str, engines: int, tp: int, batch_events: i
     while time.monotonic() < deadline and any(acked.get((e, r), 0) < seqs[e][r]
                                               for e in range(engines) for r in range(tp)):
         await asyncio.sleep(0.01)
-    print(json.dumps({"steps": steps, "rank_reports": steps * tp, "send_s": send_s, "send_cpu_s": send_cpu,
+    print(json.dumps({"steps": steps, "rank_reports": steps * tp, "messages": steps * (1 if merged else tp),
+                      "send_s": send_s, "send_cpu_s": send_cpu,
                       "ack_wait_s": time.monotonic() - pacer.start - send_s}), flush=True)
     for boxes in outboxes:
         for box in boxes:
@@ -485,7 +503,8 @@ async def _pdserve_section(args: argparse.Namespace, decode_per_rank: bool = Fal
     ranks = _spawn("--role", "ranks" if args.rank_client == "control-client" else "stream-ranks",
                    "--grpc", f"127.0.0.1:{port}", "--engines", str(args.engines),
                    "--tp", str(args.tp), "--batch-events", str(args.batch_events), "--rate", str(args.rate),
-                   "--duration", str(args.duration), "--report-encoding", args.report_encoding)
+                   "--duration", str(args.duration), "--report-encoding", args.report_encoding,
+                   "--report-per", args.report_per)
     try:
         await _readline(subs)
         t0 = time.monotonic()
@@ -524,7 +543,8 @@ async def _pdserve_section(args: argparse.Namespace, decode_per_rank: bool = Fal
             "generator_cpu_share": (sent["send_cpu_s"] / sent["send_s"]
                                     if sent.get("send_cpu_s") is not None and sent.get("send_s") else None),
             "subscribers_cpu_share": got.get("cpu_share"),
-            "report_encoding": args.report_encoding,
+            "report_encoding": args.report_encoding, "report_per": args.report_per,
+            "report_messages_per_s": sent.get("messages", sent["rank_reports"]) / elapsed,
             "scheduler_loop_max_lag_ms": control.stalls.max_lag_s * 1e3,
             "decode": {"hits": control.worker_events.hits, "misses": control.worker_events.misses}}
 
@@ -818,14 +838,16 @@ def _main() -> None:
     p.add_argument("--rate", type=float, default=1000.0)
     p.add_argument("--duration", type=float, default=1.0)
     p.add_argument("--report-encoding", choices=["packed", "proto"], default="packed")
+    p.add_argument("--report-per", choices=["engine", "rank"], default="rank")
     a = p.parse_args()
+    merged = a.report_per == "engine"
     if a.role == "subscribers":
         asyncio.run(_subscribers_main(a.grpc, a.zmq, a.n_grpc, a.n_zmq))
     elif a.role == "stream-ranks":
         asyncio.run(_stream_ranks_main(a.grpc, a.engines, a.tp, a.batch_events, a.rate, a.duration,
-                                       packed=a.report_encoding == "packed"))
+                                       packed=a.report_encoding == "packed", merged=merged))
     else:
-        _ranks_main(a.grpc, a.engines, a.tp, a.batch_events, a.rate, a.duration)
+        _ranks_main(a.grpc, a.engines, a.tp, a.batch_events, a.rate, a.duration, merged=merged)
 
 
 if __name__ == "__main__":

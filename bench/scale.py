@@ -7,10 +7,12 @@ demo model's tokenizer facts) and:
 - `--sim-procs` engine-simulator processes. Every simulated rank holds its own real Control
   stream and speaks it as `ControlClient` does (Hello, Welcome, numbered StepReports, queued
   reports coalesced into a ReportBatch, Acks, heartbeats at the scheduler's interval: rank 0
-  always, with the engine load; other ranks only when they sent nothing since). Each engine steps at `--step-hz`; every rank reports each
-  step with `--events-per-step` worker-side BlockStored events (medium CPU_OFFLOAD, the same on
-  every rank, encoded once per step into `packed_worker_events`: the aggregator publishes them
-  once all ranks reported) plus the step's transfer
+  always, with the engine load; other ranks only when they sent nothing since). Each engine steps at `--step-hz`; each step has `--events-per-step` worker-side BlockStored events
+  (medium CPU_OFFLOAD, the same on every rank, encoded once per step into
+  `packed_worker_events`: the aggregator publishes them once all ranks counted). With
+  `--report-per engine` (default) rank 0 reports every step, carrying the events for all its
+  ranks (`merged_event_ranks`), and the other ranks report a step only when it has transfer
+  results; with `--report-per rank` every rank reports every step, events and transfer
   results. Rank 0 of each engine serves a real Engine gRPC service with no model: Prefill
   answers a transfer descriptor with the prompt's leading blocks it already holds as cached
   tokens, and publishes the new ones (GPU BlockStored, on rank 0's next report) so prefix
@@ -59,6 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-hz", type=float, default=2.0, help="engine steps per second (each rank reports)")
     parser.add_argument("--events-per-step", type=int, default=16,
                         help="worker-side BlockStored events per rank report")
+    parser.add_argument("--report-per", choices=["engine", "rank"], default="engine",
+                        help="worker events once per engine step from rank 0 (StepReport.merged_event_ranks; "
+                             "other ranks report only transfer results) or from every rank (the "
+                             "pre-issue-18 protocol)")
     parser.add_argument("--request-rate", type=float, default=0.25,
                         help="Generate requests per second per engine")
     parser.add_argument("--prompt-blocks", type=int, default=8, help="prompt length in KV blocks of 16 tokens")
@@ -172,7 +178,8 @@ class SimEngine:
         if not self.stats.get("stopping"):
             self.stats["streams_ended"].append(f"{self.engine_id}/{rank.index}: EOF")
 
-    def _report(self, rank: _Rank, worker: bytes = b"", engine_hashes: list[int] | None = None) -> None:
+    def _report(self, rank: _Rank, worker: bytes = b"", engine_hashes: list[int] | None = None,
+                merged: range | None = None) -> None:
         rank.last_sent = time.monotonic()
         from connectors.kv_events import BlockStored, event_to_proto
         from pdserve.v1 import control_pb2 as cpb
@@ -183,6 +190,8 @@ class SimEngine:
         rank.sending, rank.recving = [], []
         if worker:  # encoded once per step, as ControlClient does for a scheduler that accepts it
             report.packed_worker_events = worker
+            if merged:
+                report.merged_event_ranks.extend(merged)
         if engine_hashes:
             stored = BlockStored(tuple(engine_hashes), None, (), _BLOCK)
             report.engine_events.CopyFrom(kv_events_pb2.EventBatch(ts=time.time(), events=[event_to_proto(stored)]))
@@ -204,8 +213,16 @@ class SimEngine:
                 event_to_proto(BlockStored((base + i,), None, (), _BLOCK, medium=MEDIUM_CPU_OFFLOAD))
                 for i in range(n)]).SerializeToString()
             hashes, self.engine_events = self.engine_events, []
-            for rank in self.ranks:
-                self._report(rank, worker, hashes if rank.index == 0 else None)
+            if self.args.report_per == "engine":
+                # rank 0 carries the step's worker events for every rank; the others report
+                # only when they have transfer results (and beat when idle)
+                self._report(self.ranks[0], worker, hashes, merged=range(1, self.tp))
+                for rank in self.ranks[1:]:
+                    if rank.sending or rank.recving:
+                        self._report(rank)
+            else:
+                for rank in self.ranks:
+                    self._report(rank, worker, hashes if rank.index == 0 else None)
             self.steps += 1
             await asyncio.sleep(period)
 
@@ -497,7 +514,8 @@ def _point(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
             sims.append(_spawn([sys.executable, "-m", _MODULE, "--role", "engines", "--control",
                                 f"127.0.0.1:{control}", "--first", str(first), "--count", str(count), "--tp",
                                 str(args.tp), "--step-hz", str(args.step_hz), "--events-per-step",
-                                str(args.events_per_step), "--duration", str(args.duration), "--heartbeat-interval",
+                                str(args.events_per_step), "--report-per", args.report_per,
+                                "--duration", str(args.duration), "--heartbeat-interval",
                                 str(args.heartbeat_interval), "--hash-seed", hash_seed]))
         procs += sims
         t0 = time.monotonic()
@@ -615,7 +633,7 @@ def run(args: argparse.Namespace) -> int:
         p = points[-1]
         print(f"bench scale: {p['ranks']} ranks done: setup {p['setup_s']:.0f} s, overhead p50 "
               f"{p['overhead_p50_ms']:.2f} ms, false down {p['false_down']}", file=sys.stderr, flush=True)
-    config = {k: getattr(args, k) for k in ("tp", "duration", "step_hz", "events_per_step", "request_rate",
+    config = {k: getattr(args, k) for k in ("tp", "duration", "step_hz", "events_per_step", "report_per", "request_rate",
                                             "prompt_blocks", "output_tokens", "sim_procs", "heartbeat_interval",
                                             "heartbeat_timeout")}
     return _report(args, points, config, list(os.getloadavg()))
@@ -664,6 +682,7 @@ def _main() -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--step-hz", type=float, default=2.0)
     p.add_argument("--events-per-step", type=int, default=16)
+    p.add_argument("--report-per", choices=["engine", "rank"], default="rank")
     p.add_argument("--duration", type=float, default=1.0)
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
     p.add_argument("--hash-seed", default="")

@@ -329,6 +329,41 @@ class KVOutputAggregator:
                                                     output.kv_connector_worker_meta)
         return result
 
+    def add_shared_events(self, engine_id: str, epoch: int, ranks: Collection[int],
+                          events: tuple[KVCacheEvent, ...]) -> AggregatedResult:
+        """Applies the same worker events as reported by each of `ranks` in one step (an engine
+        whose ranks agree, e.g. gathered by its rank 0) and returns what they released.
+
+        The state afterwards equals `add_report` of each rank with only these events, in rank
+        order, and so do the published events as a multiset. A run of BlockStored of one
+        (medium, group) (the common case) is applied once with the ranks' joint mask, so the
+        events it completes come out in event order (one by one, an event completed by an
+        earlier rank of the group would come out first). Every rank is validated before
+        anything is applied (ValueError: unknown or repeated rank, stale epoch, not an event).
+        """
+        order = sorted(set(ranks))
+        if len(order) != len(ranks):
+            raise ValueError(f"engine {engine_id!r}: ranks repeat in {sorted(ranks)}")
+        output = KVConnectorOutput(kv_cache_events=events)
+        state = self._state(engine_id)
+        for rank in order:
+            state = self._checked(engine_id, epoch, rank, output)
+        result = AggregatedResult()
+        if not order or not events:
+            return result
+        now = self._clock()
+        plan = self._stored_plan(events)
+        if plan is None:
+            for rank in order:
+                self._apply(state, rank, output, result, now)
+            return result
+        mask = 0
+        for rank in order:
+            mask |= state.rank_bits[rank]
+        key, hashes = plan
+        self._stored_run(state, mask, key, events, result, now, hashes)  # type: ignore[arg-type]
+        return result
+
     # -- metrics ------------------------------------------------------------------------
 
     def pending_reports(self) -> dict[str, PendingCounts]:
@@ -402,16 +437,9 @@ class KVOutputAggregator:
         events = output.kv_cache_events
         if not events:
             return
-        if events is not self._plan_events:
-            self._plan = None
-            if _ONLY_STORED == set(map(type, events)):
-                keys = set(map(_MEDIUM_KEY_OF, events))
-                if len(keys) == 1:
-                    self._plan = (keys.pop(), list(chain.from_iterable(map(_HASHES, events))))
-            if type(events) is tuple:
-                self._plan_events = events
-        if self._plan is not None:
-            key, hashes = self._plan
+        plan = self._stored_plan(events)
+        if plan is not None:
+            key, hashes = plan
             self._stored_run(state, bit, key, events, result, now, hashes)  # type: ignore[arg-type]
             return
         i, n = 0, len(events)
@@ -432,6 +460,19 @@ class KVOutputAggregator:
             else:
                 self._cleared(state, bit, event, result, now)  # type: ignore[arg-type]
             i += 1
+
+    def _stored_plan(self, events: Collection[KVCacheEvent]) -> tuple[_MediumKey, list[object]] | None:
+        """(key, hashes) when `events` are BlockStored of one (medium, group), else None;
+        memoized for the last tuple (every rank of a step usually hands over the same one)."""
+        if events is not self._plan_events:
+            self._plan = None
+            if _ONLY_STORED == set(map(type, events)):
+                keys = set(map(_MEDIUM_KEY_OF, events))
+                if len(keys) == 1:
+                    self._plan = (keys.pop(), list(chain.from_iterable(map(_HASHES, events))))
+            # only an immutable tuple may be remembered by identity
+            self._plan_events = events if type(events) is tuple else ()  # type: ignore[assignment]
+        return self._plan
 
     def _count_recving(self, state: _EngineState, rank: int, bit: int, output: KVConnectorOutput,
                        result: AggregatedResult, now: float) -> None:

@@ -22,7 +22,12 @@ Contracts:
   Welcome) per ReportBatch message, acknowledged once per message (or less often: the
   scheduler may throttle Acks; they are cumulative). Worker events are encoded once into
   `packed_worker_events` when the scheduler's Welcome accepts that (else, and for a report
-  resent to a scheduler that does not, as `worker_events`).
+  resent to a scheduler that does not, as `worker_events`). A report may carry the identical
+  worker events of other ranks of its engine (`StepReport.merged_event_ranks`, global ranks),
+  gathered by the caller over the engine's own collective, only while the Welcome's
+  `accepts_merged_worker_events` is true (else `report` raises ValueError); resent to a
+  scheduler that no longer accepts them, their blocks are never whole there (under-reported,
+  never wrong).
 - Heartbeats go every Welcome `heartbeat_interval`; a rank other than rank 0 skips a beat when
   it sent reports since its last one (every message counts as liveness for the scheduler; rank
   0's beats also carry the engine's load and draining flag, so it always beats).
@@ -128,6 +133,8 @@ class Welcome:
     max_reports_per_message: int = 1
     # Whether the scheduler takes worker events pre-encoded (StepReport.packed_worker_events).
     accepts_packed_worker_events: bool = False
+    # Whether a report may carry other ranks' worker events (StepReport.merged_event_ranks).
+    accepts_merged_worker_events: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +189,9 @@ class StepReport:
     # Rank 0 only: the engine's block-pool events of this step.
     engine_events: KVEventBatch | None = None
     worker_metadata: bytes = b""
+    # Other ranks of this engine (pp_rank * tp_size + tp_rank) whose worker events of this step
+    # are exactly `worker_events` (see the module docstring).
+    merged_event_ranks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +214,8 @@ def message_from_proto(m: pb.SchedulerMessage) -> ControlMessage | None:
         w = m.welcome
         return Welcome([RankIdentity.from_proto(r) for r in w.expected_ranks], [_peer(p) for p in w.peers],
                        w.last_acked_seq, w.heartbeat_interval_ms / 1000.0, w.scheduler_id,
-                       max(1, w.max_reports_per_message), w.accepts_packed_worker_events)
+                       max(1, w.max_reports_per_message), w.accepts_packed_worker_events,
+                       w.accepts_merged_worker_events)
     if kind == "peer_update":
         return PeerUpdate([_peer(p) for p in m.peer_update.joined],
                           [RankIdentity.from_proto(r) for r in m.peer_update.left])
@@ -223,7 +234,7 @@ def report_to_proto(seq: int, r: StepReport, identity: RankIdentity, *, packed: 
     events = [event_to_proto(e) for e in r.worker_events]
     msg = pb.StepReport(seq=seq, finished_sending=r.finished_sending, finished_recving=r.finished_recving,
                         failed_recving=r.failed_recving, invalid_block_ids=r.invalid_block_ids,
-                        worker_metadata=r.worker_metadata)
+                        worker_metadata=r.worker_metadata, merged_event_ranks=r.merged_event_ranks)
     if packed and events:
         msg.packed_worker_events = kv_events_pb2.EventBatch(events=events).SerializeToString()
     else:
@@ -295,7 +306,15 @@ class ControlClient:
         return self.welcome
 
     def report(self, report: StepReport) -> int:
-        """Queues a report (thread-safe) and returns its seq."""
+        """Queues a report (thread-safe) and returns its seq. ValueError (nothing queued): the
+        report merges other ranks' events (`merged_event_ranks`) without worker events, or the
+        scheduler's Welcome does not accept merged events."""
+        if report.merged_event_ranks:
+            if not report.worker_events:
+                raise ValueError("merged_event_ranks without worker events")
+            if self.welcome is None or not self.welcome.accepts_merged_worker_events:
+                raise ValueError("the scheduler does not accept merged worker events "
+                                 "(Welcome.accepts_merged_worker_events)")
         with self._lock:
             self._seq += 1
             seq = self._seq

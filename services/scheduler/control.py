@@ -238,6 +238,22 @@ class WorkerEventDecoder:
         return events
 
 
+def merged_event_ranks(report: pb.StepReport, own: int, num_ranks: int) -> tuple[int, ...]:
+    """The other ranks whose worker events `report` carries (StepReport.merged_event_ranks);
+    ValueError for a rank outside the engine, a repeat, or the sender itself."""
+    ranks = tuple(report.merged_event_ranks)
+    if not ranks:
+        return ()
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"merged_event_ranks repeats a rank: {list(ranks)}")
+    for r in ranks:
+        if r >= num_ranks:
+            raise ValueError(f"merged_event_ranks: rank {r} is not one of the engine's {num_ranks} ranks")
+        if r == own:
+            raise ValueError(f"merged_event_ranks names the sender's own rank {own}")
+    return ranks
+
+
 def _same_events(published: list[KVCacheEvent], decoded: tuple[KVCacheEvent, ...]) -> bool:
     """Whether `published` is `decoded`, object for object."""
     return len(published) == len(decoded) and all(map(operator.is_, published, decoded))
@@ -273,6 +289,9 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self.ack_interval_s = ack_interval_s
         # Told in Welcome: ranks may send StepReport.packed_worker_events.
         self.accepts_packed_worker_events = True
+        # Told in Welcome: a report may carry its engine's other ranks' identical worker events
+        # (StepReport.merged_event_ranks): one message per engine step instead of one per rank.
+        self.accepts_merged_worker_events = True
         # How long a closed rank stream may take to come back before its engine is down.
         self.reconnect_grace_s = min(heartbeat_interval_s, registry.heartbeat_timeout_s)
         self.telemetry = telemetry or SchedulerTelemetry()
@@ -552,7 +571,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                              scheduler_id=self.scheduler_id,
                              max_reports_per_message=self.max_reports_per_message,
                              accepts_packed_worker_events=self.accepts_packed_worker_events,
-                             ack_interval_ms=int(self.ack_interval_s * 1000))
+                             ack_interval_ms=int(self.ack_interval_s * 1000),
+                             accepts_merged_worker_events=self.accepts_merged_worker_events)
         return pb.SchedulerMessage(welcome=welcome)
 
     async def _read(self, conn: RankConnection, request_iterator: AsyncIterator[pb.RankMessage]) -> None:
@@ -646,7 +666,13 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
     def apply_report(self, engine: EngineState, rank_id: RankId, report: pb.StepReport) -> None:
         """Feeds one new report to the aggregator, tracker and event sink (ValueError: malformed,
         nothing applied)."""
-        events = self.worker_events.decode(engine.engine_id, engine.epoch, engine.tp_size * engine.pp_size, report)
+        own = _global_rank(engine, rank_id)
+        merged = merged_event_ranks(report, own, engine.tp_size * engine.pp_size)
+        # Copies of these events still to come from other ranks (none when this report merges them).
+        uses = engine.tp_size * engine.pp_size - len(merged)
+        events = self.worker_events.decode(engine.engine_id, engine.epoch, uses, report)
+        if merged and not events:
+            raise ValueError("merged_event_ranks without worker events")
         output = output_from_proto(report, events)
         engine_batch = None
         if report.HasField("engine_events") and rank_id == engine.leader and report.engine_events.events:
@@ -654,7 +680,15 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             engine_batch = ProtoBackedBatch(
                 ts=m.ts, events=[event_from_proto(e) for e in m.events], proto_events=m.events,
                 data_parallel_rank=m.data_parallel_rank if m.HasField("data_parallel_rank") else None)
-        result = self.aggregator.add_report(engine.engine_id, engine.epoch, _global_rank(engine, rank_id), output)
+        if merged:
+            # The events count once for each listed rank and the sender (§3's per-rank counting,
+            # applied with the ranks' joint mask: the same state as rank by rank), then the
+            # sender's own transfer results. Everything is validated before anything applies.
+            result = self.aggregator.add_shared_events(engine.engine_id, engine.epoch, (own, *merged), events)
+            result.merge(self.aggregator.add_report(engine.engine_id, engine.epoch, own,
+                                                    output_from_proto(report, ())))
+        else:
+            result = self.aggregator.add_report(engine.engine_id, engine.epoch, own, output)
         ref = EngineRef(engine.engine_id, engine.epoch)
         outcomes: list[TransferOutcome] = []
         for request_id in result.finished_recving:

@@ -167,6 +167,8 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         self.tokenizer = tokenizer
         self.control = control
         self.registry = control.registry
+        # engine id -> (the inputs of its last view, that view): see `_views`
+        self._view_cache: dict[str, tuple[tuple[Any, ...], EngineView]] = {}
         self.router = router
         self.admission = admission
         self.table = table
@@ -327,15 +329,33 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             self.costs.add_itl_target(engine_id, flight.itl_target_s)
 
     def _views(self, role: Role, exclude: frozenset[str] = frozenset()) -> list[EngineView]:
-        costs = self.costs
-        return [EngineView(e.engine_id, e.epoch, str(e.role), num_inflight=self.admission.inflight(e.engine_id),
-                           num_running=e.load.num_running, num_waiting=e.load.num_waiting, kv_usage=e.load.kv_usage,
-                           max_inflight=self.admission.max_inflight_per_engine, tp_size=e.tp_size,
-                           num_kv_heads=e.num_kv_heads,
-                           num_backlog_tokens=costs.backlog_tokens[e.engine_id],
-                           itl_target_s=costs.tightest_itl_target(e.engine_id))
-                for e in self.registry.routable(role)
-                if e.engine_id not in exclude and self.admission.has_room(e.engine_id)]
+        """The routable engines of `role` with room, as views. A view is rebuilt only when what
+        it shows changed (its inputs are the cache key): building one costs more than
+        comparing, and most engines did not change between two requests."""
+        costs, admission, cache = self.costs, self.admission, self._view_cache
+        backlog, max_inflight = costs.backlog_tokens, admission.max_inflight_per_engine
+        views = []
+        for e in self.registry.routable(role):
+            engine_id = e.engine_id
+            if engine_id in exclude or not admission.has_room(engine_id):
+                continue
+            key = (e.epoch, e.role, e.load, admission.inflight(engine_id), max_inflight, e.tp_size, e.num_kv_heads,
+                   backlog[engine_id], costs.tightest_itl_target(engine_id))
+            hit = cache.get(engine_id)
+            if hit is not None and hit[0] == key:
+                views.append(hit[1])
+                continue
+            load = e.load
+            view = EngineView(engine_id, e.epoch, str(e.role), num_inflight=key[3], num_running=load.num_running,
+                              num_waiting=load.num_waiting, kv_usage=load.kv_usage, max_inflight=max_inflight,
+                              tp_size=e.tp_size, num_kv_heads=e.num_kv_heads, num_backlog_tokens=key[7],
+                              itl_target_s=key[8])
+            cache[engine_id] = (key, view)
+            views.append(view)
+        if len(cache) > 2 * len(self.registry.engines) + 64:  # engines that left
+            for gone in [i for i in cache if i not in self.registry.engines]:
+                del cache[gone]
+        return views
 
     def _no_decode_error(self, exclude: frozenset[str]) -> RequestError:
         if any(e.engine_id not in exclude for e in self.registry.routable(Role.DECODE)):
@@ -608,7 +628,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                 self._abort_on(record.prefill.engine_id, record.request_id)
         cause = ReleaseCause.FINISHED if record.state == RequestState.FINISHED else ReleaseCause.ABORT
         self._drop_transfer(record, cause)
-        self.control.aggregator.abort(record.request_id)
+        self._abort_counters(record)
         for engine_id in list(flight.slots):
             self._give_slot(flight, engine_id)
         if flight.backlog is not None:
@@ -619,6 +639,19 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         outcome = {RequestState.FINISHED: "success", RequestState.FAILED: "error"}.get(
             record.state, "deadline" if reason == "deadline" else "cancelled")
         self.metrics.request_finished(outcome, time.monotonic() - flight.started, self._path(flight))
+
+    def _abort_counters(self, record: RequestRecord) -> None:
+        """Drops the request's pending transfer counters (late reports of it are absorbed) on
+        every engine it was sent to — its prefill and decode engines and those it left — not
+        on every engine: per request that was O(engines) work and as many remembered ids."""
+        aggregator = self.control.aggregator
+        engines = record.failed_prefill_engines | record.failed_decode_engines
+        for ref in (record.prefill, record.decode):
+            if ref is not None:
+                engines.add(ref.engine_id)
+        for engine_id in engines:
+            if aggregator.engine_epoch(engine_id) is not None:
+                aggregator.abort(record.request_id, engine_id)
 
     @staticmethod
     def _path(flight: Flight) -> str:

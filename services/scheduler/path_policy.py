@@ -200,9 +200,33 @@ class PathPolicy:
 
     def _best_remote(self, reason: str, request: PathRequest, prefill: EngineView, candidates: Sequence[EngineView],
                      matched_blocks: Mapping[str, int]) -> PathDecision:
-        options = [self._remote_option(request, prefill, d, matched_blocks) for d in candidates]
-        best = min(options, key=_order)
+        best = self._best_remote_option(request, prefill, candidates, matched_blocks)
         return self._remote(reason, request, prefill, best, matched_blocks)
+
+    def _best_remote_option(self, request: PathRequest, prefill: EngineView, candidates: Sequence[EngineView],
+                            matched_blocks: Mapping[str, int], *, with_backlog: bool = True) -> _Option:
+        """`min(_remote_option(d) for d in candidates, key=_order)`, costing only the candidates
+        that can differ: a decode engine holding none of the prompt and without a measured
+        transfer fit from this prefill engine pulls the whole prompt at the shared fit, so those
+        differ only by `decode_load_s` (>= 0) x load, and the order among them is (load, id): only
+        the least loaded of them is costed, beside every engine with a prefix or a fit of its own.
+        Exactly the full scan's choice; per request O(candidates) cheap tests instead of a cost
+        model evaluation per decode engine."""
+        fits = self.costs.transfer
+        src = prefill.engine_id
+        special: list[EngineView] = []
+        plain: EngineView | None = None
+        plain_key: tuple[float, str] | None = None
+        for d in candidates:
+            if d.engine_id in matched_blocks or (src, d.engine_id) in fits:
+                special.append(d)
+                continue
+            key = (d.load_score, d.engine_id)
+            if plain_key is None or key < plain_key:
+                plain, plain_key = d, key
+        costed = special if plain is None else [plain, *special]
+        return min((self._remote_option(request, prefill, d, matched_blocks, with_backlog=with_backlog)
+                    for d in costed), key=_order)
 
     def _remote(self, reason: str, request: PathRequest, prefill: EngineView, option: _Option,
                 matched_blocks: Mapping[str, int]) -> PathDecision:
@@ -254,7 +278,7 @@ class PathPolicy:
 
     def _cost(self, request: PathRequest, prefill: EngineView, candidates: Sequence[EngineView],
               matched_blocks: Mapping[str, int]) -> PathDecision:
-        remote = min((self._remote_option(request, prefill, d, matched_blocks) for d in candidates), key=_order)
+        remote = self._best_remote_option(request, prefill, candidates, matched_blocks)
         locals_, itl_blocked = self._local_options(request, candidates, matched_blocks, remote)
         best = min([remote, *locals_], key=_order)
         if not best.local:
@@ -292,8 +316,7 @@ class PathPolicy:
         whole = self.costs.compute_s(request.num_tokens)
         if best.uncached < request.num_tokens and whole > self.stall_budget_s():
             return LOCAL_DECODE_HAS_PREFIX
-        idle = min((self._remote_option(request, prefill, d, matched_blocks, with_backlog=False) for d in candidates),
-                   key=_order)
+        idle = self._best_remote_option(request, prefill, candidates, matched_blocks, with_backlog=False)
         return LOCAL_PREFILL_QUEUE if _order(idle) < _order(best) else LOCAL_SHORT_PROMPT
 
 

@@ -173,7 +173,7 @@ class Router:
         if request.num_tokens < self.decode_only_threshold:
             path = self.path.local(REASON_SHORT_PROMPT, want, decodes, matched)
         else:
-            mappable = [e for e in prefill_engines if any(pair_problem(e, d) is None for d in decodes)]
+            mappable = _readable_prefills(prefill_engines, decodes)
             if mappable:
                 chosen = self.policy.choose_prefill(request, mappable)
             view = next((e for e in mappable if chosen is not None and e.engine_id == chosen.engine_id), None)
@@ -204,6 +204,23 @@ class Router:
         if not engines:
             return RoutingDecision(None, REASON_NO_DECODE)
         return RoutingDecision(least_loaded(engines).engine_id, REASON_LOAD)
+
+
+def _readable_prefills(prefills: Sequence[EngineView], decodes: Sequence[EngineView]) -> list[EngineView]:
+    """The prefill engines some decode engine can read (`pair_problem` None), in order.
+    `pair_problem` depends only on the two engines' (tp_size, num_kv_heads), so each distinct
+    prefill shape is tested once against one decode engine per distinct shape."""
+    decode_shapes = list({(d.tp_size, d.num_kv_heads): d for d in decodes}.values())
+    readable: dict[tuple[int, int], bool] = {}
+    out = []
+    for e in prefills:
+        shape = (e.tp_size, e.num_kv_heads)
+        ok = readable.get(shape)
+        if ok is None:
+            ok = readable[shape] = any(pair_problem(e, d) is None for d in decode_shapes)
+        if ok:
+            out.append(e)
+    return out
 
 
 def pair_problem(prefill: EngineView, decode: EngineView) -> str | None:

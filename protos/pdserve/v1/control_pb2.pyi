@@ -229,6 +229,7 @@ class StepReport(_message.Message):
     ENGINE_EVENTS_FIELD_NUMBER: _builtins.int
     WORKER_METADATA_FIELD_NUMBER: _builtins.int
     PACKED_WORKER_EVENTS_FIELD_NUMBER: _builtins.int
+    MERGED_EVENT_RANKS_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """Per-rank sequence number, starting at 1, strictly increasing within an epoch."""
     worker_metadata: _builtins.bytes
@@ -258,6 +259,18 @@ class StepReport(_message.Message):
     def engine_events(self) -> _kv_events_pb2.EventBatch:
         """Engine-level KV events from the block pool; only rank 0 sends them."""
 
+    @_builtins.property
+    def merged_event_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Other ranks of the sender's engine (global ranks: pp_rank * tp_size + tp_rank) whose worker
+        events of this step are exactly this report's: the sender gathered them over the engine's
+        own collective (as vLLM's in-process KVOutputAggregator does), so one message per engine
+        step carries what tp_size messages would. The scheduler counts the events once for each
+        listed rank and the sender (§3's aggregation unchanged); the listed ranks' own reports of
+        that step carry transfer results only. Needs worker events; an unknown, repeated or own
+        rank makes the report malformed. Sent only to a scheduler whose Welcome sets
+        accepts_merged_worker_events.
+        """
+
     def __init__(
         self,
         *,
@@ -271,10 +284,11 @@ class StepReport(_message.Message):
         engine_events: _kv_events_pb2.EventBatch | None = ...,
         worker_metadata: _builtins.bytes = ...,
         packed_worker_events: _builtins.bytes = ...,
+        merged_event_ranks: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["engine_events", b"engine_events"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_events", b"engine_events", "failed_recving", b"failed_recving", "finished_recving", b"finished_recving", "finished_sending", b"finished_sending", "invalid_block_ids", b"invalid_block_ids", "packed_worker_events", b"packed_worker_events", "seq", b"seq", "transfer_stats", b"transfer_stats", "worker_events", b"worker_events", "worker_metadata", b"worker_metadata"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_events", b"engine_events", "failed_recving", b"failed_recving", "finished_recving", b"finished_recving", "finished_sending", b"finished_sending", "invalid_block_ids", b"invalid_block_ids", "merged_event_ranks", b"merged_event_ranks", "packed_worker_events", b"packed_worker_events", "seq", b"seq", "transfer_stats", b"transfer_stats", "worker_events", b"worker_events", "worker_metadata", b"worker_metadata"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -436,6 +450,7 @@ class Welcome(_message.Message):
     MAX_REPORTS_PER_MESSAGE_FIELD_NUMBER: _builtins.int
     ACCEPTS_PACKED_WORKER_EVENTS_FIELD_NUMBER: _builtins.int
     ACK_INTERVAL_MS_FIELD_NUMBER: _builtins.int
+    ACCEPTS_MERGED_WORKER_EVENTS_FIELD_NUMBER: _builtins.int
     last_acked_seq: _builtins.int
     """Highest StepReport seq of this rank (this epoch) the scheduler has applied."""
     heartbeat_interval_ms: _builtins.int
@@ -449,6 +464,10 @@ class Welcome(_message.Message):
     ack_interval_ms: _builtins.int
     """The scheduler acknowledges at most once per this many ms per stream (the Ack is cumulative;
     0: after every message). A rank keeps reports buffered until acknowledged, as always.
+    """
+    accepts_merged_worker_events: _builtins.bool
+    """Whether StepReport.merged_event_ranks is understood (false: an older scheduler, which
+    would count such a report's events for the sender only).
     """
     @_builtins.property
     def expected_ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankIdentity]:
@@ -471,10 +490,11 @@ class Welcome(_message.Message):
         max_reports_per_message: _builtins.int = ...,
         accepts_packed_worker_events: _builtins.bool = ...,
         ack_interval_ms: _builtins.int = ...,
+        accepts_merged_worker_events: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_packed_worker_events", b"accepts_packed_worker_events", "ack_interval_ms", b"ack_interval_ms", "expected_ranks", b"expected_ranks", "heartbeat_interval_ms", b"heartbeat_interval_ms", "last_acked_seq", b"last_acked_seq", "max_reports_per_message", b"max_reports_per_message", "peers", b"peers", "scheduler_id", b"scheduler_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_merged_worker_events", b"accepts_merged_worker_events", "accepts_packed_worker_events", b"accepts_packed_worker_events", "ack_interval_ms", b"ack_interval_ms", "expected_ranks", b"expected_ranks", "heartbeat_interval_ms", b"heartbeat_interval_ms", "last_acked_seq", b"last_acked_seq", "max_reports_per_message", b"max_reports_per_message", "peers", b"peers", "scheduler_id", b"scheduler_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

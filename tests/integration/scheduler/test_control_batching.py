@@ -158,3 +158,77 @@ async def test_malformed_packed_worker_events_are_dropped_and_acked(harness: Con
     counters = harness.servicer.counters  # type: ignore[union-attr]
     assert counters["reports_malformed"] == 3 and counters["reports_applied"] == 1
     assert [b.events[0].block_hashes for _, _, b in harness.sink.batches] == [(4,)]
+
+
+def _stored(*hashes: int) -> list:  # type: ignore[type-arg]
+    from connectors.kv_events import MEDIUM_CPU_OFFLOAD, BlockStored
+
+    return [BlockStored((h,), None, (), 16, medium=MEDIUM_CPU_OFFLOAD) for h in hashes]
+
+
+async def test_one_report_per_engine_step_counts_the_events_for_every_merged_rank(harness: ControlHarness) -> None:
+    ranks = [await harness.connect(hello("p0", "prefill", tp_rank=r, tp_size=4, epoch=78)) for r in range(4)]
+    assert all(c.welcome is not None and c.welcome.accepts_merged_worker_events for c in ranks)
+    servicer = harness.servicer
+    assert servicer is not None
+    # Ranks 0, 1, 2 in one message: the blocks are not whole until rank 3 holds them too (§3).
+    seq = ranks[0].report(StepReport(worker_events=_stored(21, 22), merged_event_ranks=(1, 2)))
+    assert await asyncio.to_thread(ranks[0].wait_acked, seq)
+    assert harness.sink.batches == []
+    ranks[3].report(StepReport(worker_events=_stored(21, 22)))
+    await eventually(lambda: len(harness.sink.batches) == 1)
+    assert list(harness.sink.batches[0][2].events) == _stored(21, 22)
+    # A whole step from rank 0 alone: published at once; the others' reports carry transfers only.
+    ranks[0].report(StepReport(worker_events=_stored(23), merged_event_ranks=(3, 1, 2)))
+    await eventually(lambda: len(harness.sink.batches) == 2)
+    assert list(harness.sink.batches[1][2].events) == _stored(23)
+    for c in ranks[1:]:
+        c.report(StepReport(finished_sending=["req-1"]))
+    await eventually(lambda: servicer.counters["reports_applied"] == 6)
+    assert len(harness.sink.batches) == 2 and len(servicer.worker_events) == 0  # nothing cached for copies to come
+    # A repeat of a merged step by a listed rank itself is absorbed (a rank counts once per event).
+    ranks[2].report(StepReport(worker_events=_stored(23)))
+    await eventually(lambda: servicer.counters["reports_applied"] == 7)
+    assert len(harness.sink.batches) == 2
+
+
+async def test_malformed_merged_event_ranks_are_dropped_and_acked(harness: ControlHarness) -> None:
+    def merged(seq: int, ranks: list[int], hashes: list[int]) -> pb.RankMessage:
+        m = _packed(seq, hashes) if hashes else pb.RankMessage(report=pb.StepReport(seq=seq))
+        m.report.merged_event_ranks.extend(ranks)
+        return m
+
+    hello_msg = _hello_msg("x", 9)
+    hello_msg.hello.rank.tp_size = 2
+    bad = [merged(1, [2], [1]), merged(2, [1, 1], [2]), merged(3, [0], [3]), merged(4, [1], [])]
+    got = await _exchange(harness.port, [hello_msg, *bad, merged(5, [1], [5])], hold=0.4)
+    assert got[0].welcome.accepts_merged_worker_events
+    assert [m.ack.seq for m in got if m.WhichOneof("payload") == "ack"][-1] == 5
+    counters = harness.servicer.counters  # type: ignore[union-attr]
+    assert counters["reports_malformed"] == 4 and counters["reports_applied"] == 1
+    assert [b.events[0].block_hashes for _, _, b in harness.sink.batches] == [(5,)]
+
+
+async def test_control_client_refuses_merged_events_the_scheduler_does_not_accept(harness: ControlHarness) -> None:
+    import pytest
+
+    servicer = harness.servicer
+    assert servicer is not None
+    servicer.accepts_merged_worker_events = False
+    client = await harness.connect(hello("p1", "prefill", tp_rank=0, tp_size=2, epoch=79))
+    with pytest.raises(ValueError, match="does not accept merged worker events"):
+        client.report(StepReport(worker_events=_stored(1), merged_event_ranks=(1,)))
+    with pytest.raises(ValueError, match="merged_event_ranks without worker events"):
+        client.report(StepReport(merged_event_ranks=(1,)))
+    assert client.last_seq == 0
+
+
+async def test_a_merged_report_still_counts_the_senders_own_transfer_results(harness: ControlHarness) -> None:
+    ranks = [await harness.connect(hello("p2", "prefill", tp_rank=r, tp_size=2, epoch=80)) for r in range(2)]
+    servicer = harness.servicer
+    assert servicer is not None
+    ranks[0].report(StepReport(finished_sending=["rq"], worker_events=_stored(31), merged_event_ranks=(1,)))
+    await eventually(lambda: len(harness.sink.batches) == 1)
+    assert servicer.aggregator.pending_reports()["p2"].sending == 1  # rank 0's share of "rq", not rank 1's
+    ranks[1].report(StepReport(finished_sending=["rq"]))
+    await eventually(lambda: servicer.aggregator.pending_reports()["p2"].sending == 0)

@@ -434,3 +434,16 @@ async def test_latency_targets_must_be_positive(cluster: Cluster, field: str) ->
         await cluster.generate(list(range(10)), max_tokens=3, **{field: -5.0})
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert cluster.service.router.paths == {} and cluster.service.router.path.costs.leaks() == []
+
+
+async def test_request_end_drops_transfer_counters_only_on_its_engines(cluster: Cluster) -> None:
+    await cluster.add("p0", "prefill")
+    d0 = await cluster.add("d0", "decode")
+    await cluster.add("d9", "decode")  # idle: the tie goes to d0
+    _, done = await cluster.generate(list(range(40)), max_tokens=2)
+    assert done.decode_engine_id == "d0"
+    await no_leaks(cluster)
+    rid = d0.decode_requests[0].request_id
+    states = cluster.service.control.aggregator._engines
+    assert rid in states["p0"].sending.done and rid in states["d0"].recving.done  # late reports absorbed
+    assert all(rid not in c.done for c in (states["d9"].sending, states["d9"].recving))  # O(its engines), not O(all)

@@ -433,3 +433,45 @@ def test_one_events_tuple_shared_by_every_rank_equals_separate_copies() -> None:
     with pytest.raises(ValueError, match="not a KV cache event"):
         shared.add_report("e", 7, 0, out(events=(*step, "bogus")))  # type: ignore[arg-type]
     assert shared.add_report("e", 7, 1, out(events=step)).events == []
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_shared_events_equal_each_rank_reporting_them(data: st.DataObject) -> None:
+    """`add_shared_events` (one engine step's events for a group of ranks, as a merged report
+    carries them) leaves exactly the state that reporting them rank by rank leaves, and
+    publishes the same events (as a multiset; in event order), after any history."""
+    num_ranks = data.draw(st.integers(1, 4), label="num_ranks")
+    history = data.draw(st.lists(_report(num_ranks), max_size=12), label="history")
+    steps = data.draw(st.lists(st.tuples(
+        st.sets(st.integers(0, num_ranks - 1), min_size=1),
+        st.one_of(st.lists(EVENTS, min_size=1, max_size=4).map(tuple), RUNS)), min_size=1, max_size=4),
+        label="steps")
+    clock = FakeClock()
+    shared, one_by_one = KVOutputAggregator(clock=clock), KVOutputAggregator(clock=clock)
+    for a in (shared, one_by_one):
+        a.register_engine("e", 0, range(num_ranks))
+    for _, rank, output in history:
+        clock.now += 1
+        assert shared.add_report("e", 0, rank, output).events == one_by_one.add_report("e", 0, rank, output).events
+    for ranks, events in steps:
+        clock.now += 1
+        got = shared.add_shared_events("e", 0, ranks, events).events
+        want = [e for r in sorted(ranks) for e in one_by_one.add_report("e", 0, r, out(events=events)).events]
+        assert sorted(map(repr, got)) == sorted(map(repr, want))
+        a, b = shared._engines["e"], one_by_one._engines["e"]
+        assert (a.blocks, a.live, a.pending_blocks, a.clears) == (b.blocks, b.live, b.pending_blocks, b.clears)
+        assert shared.pending_reports() == one_by_one.pending_reports()
+        assert shared.oldest_pending_age() == one_by_one.oldest_pending_age()
+
+
+def test_shared_events_validate_every_rank_first() -> None:
+    a = agg2()
+    with pytest.raises(ValueError, match="not one of the expected ranks"):
+        a.add_shared_events("e", 7, [0, 5], (stored(1),))
+    with pytest.raises(ValueError, match="ranks repeat"):
+        a.add_shared_events("e", 7, [0, 0], (stored(1),))
+    with pytest.raises(StaleEpochError, match="current epoch is 7"):
+        a.add_shared_events("e", 6, [0, 1], (stored(1),))
+    assert a.pending_reports()["e"] == PendingCounts(0, 0, 0, 0)
+    assert a.add_shared_events("e", 7, [1, 0], (stored(1), stored(2))).events == [stored(1), stored(2)]

@@ -184,3 +184,38 @@ def test_router_reads_decode_engines_prefix_from_the_index_and_counts_reasons() 
     assert route.prefill.engine_id == "p" and route.path is not None and route.path.reason == REMOTE_LONG_PROMPT
     assert router.paths == {LOCAL_DECODE_HAS_PREFIX: 1, REMOTE_LONG_PROMPT: 1}
     assert set(router.paths) <= set(REASONS)
+
+
+def test_remote_choice_costs_only_engines_that_can_differ_and_equals_the_full_scan() -> None:
+    """Property (random clusters, 300 cases): `_best_remote_option` skips decode engines with
+    no prefix and no fit of their own except the least loaded, and still picks exactly what
+    costing every candidate picks (the pre-issue-18 scan), backlog or not; the router's
+    readable-prefill filter equals testing every pair."""
+    import random
+
+    from services.scheduler.path_policy import _order
+    from services.scheduler.routing import _readable_prefills, pair_problem
+
+    rng = random.Random(18)
+    for case in range(300):
+        p = policy(mode=rng.choice(["remote", "cost"]), decode_load_s=rng.choice([0.0, 0.002, 0.05]))
+        n = rng.randint(1, 12)
+        decodes = [view(f"d{i}", num_inflight=rng.randint(0, 3), num_waiting=rng.randint(0, 2),
+                        kv_usage=rng.choice([0.0, 0.25, 0.5]), num_backlog_tokens=rng.choice([0, 100]),
+                        tp_size=rng.choice([1, 2, 4]), num_kv_heads=rng.choice([0, 4, 8]))
+                   for i in rng.sample(range(40), n)]
+        prefill = view("p", "prefill", num_backlog_tokens=rng.choice([0, 300]), tp_size=rng.choice([1, 2, 8]),
+                       num_kv_heads=rng.choice([0, 4, 8]))
+        for d in rng.sample(decodes, rng.randint(0, n)):
+            p.costs.observe_transfer("p", d.engine_id, 256, rng.uniform(0.001, 0.2))
+        matched = {d.engine_id: rng.randint(1, 8) for d in rng.sample(decodes, rng.randint(0, n))}
+        request = PathRequest(rng.choice([1, 64, 200, 900]))
+        for backlog in (True, False):
+            fast = p._best_remote_option(request, prefill, decodes, matched, with_backlog=backlog)
+            full = min((p._remote_option(request, prefill, d, matched, with_backlog=backlog) for d in decodes),
+                       key=_order)
+            assert fast == full, case
+        prefills = [view(f"p{i}", "prefill", tp_size=rng.choice([1, 2, 3, 8]), num_kv_heads=rng.choice([0, 4, 6]))
+                    for i in range(6)]
+        assert _readable_prefills(prefills, decodes) == [
+            e for e in prefills if any(pair_problem(e, d) is None for d in decodes)]
