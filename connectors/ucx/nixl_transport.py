@@ -169,21 +169,12 @@ class NixlTransport(UcxTagTransport):
         self._regions: dict[PeerKey, _PeerRegion] = {}
         self._reads: dict[int, Any] = {}  # xfer id -> live NIXL transfer handle
         self._cancelled: list[Any] = []  # handles NIXL could not release yet (retried)
-        self._expected_pulls = 0  # pulls hinted by expect_activity (caller threads add)
-        self._answered_pulls = 0  # pulls answered, go or refuse (the progress thread adds)
         self._accepted: set[int] = set()  # pulls the writer said `go` to, their READ still running
         self._read_done: set[int] = set()  # pulls whose READ completed before the writer's `go`
 
     @property
     def worker_address(self) -> bytes:
         return self._blob
-
-    def expect_activity(self, seconds: float, pulls: int = 1) -> None:
-        """Polls (as the tag transport) until the expected `pulls` were answered, then stops
-        early: the READ does not need the writer, only the answer does, and polling writers
-        took the reader's CPU (a P→1 gather ran P of them beside one copying reader)."""
-        self._expected_pulls += pulls
-        super().expect_activity(seconds, pulls)
 
     def shutdown(self) -> None:
         super().shutdown()
@@ -308,13 +299,6 @@ class NixlTransport(UcxTagTransport):
             self._cancelled.append(handle)
 
     # -- writer side ---------------------------------------------------------------------------
-
-    def _on_pull_msg(self, message: dict[str, Any]) -> None:
-        super()._on_pull_msg(message)
-        # Clamped: a pull nobody announced (a retry, a hint lost) earns no credit for later ones.
-        self._answered_pulls = min(self._answered_pulls + 1, self._expected_pulls)
-        if self._answered_pulls >= self._expected_pulls:
-            self._expect_until = 0.0  # every expected reader has its answer: stop polling
 
     def _accept_pull(self, ep: Any, request: PullRequest) -> None:
         """Answers `go`: the reader reads; the serve (its blocks pinned) waits for its `done` only."""

@@ -188,7 +188,7 @@ class UcxTagTransport(KVTransport):
     def abandon(self, xfer_id: int) -> None:
         self._submit(lambda: self._do_abandon(xfer_id))
 
-    def expect_activity(self, seconds: float, pulls: int = 1) -> None:
+    def expect_activity(self, seconds: float) -> None:
         # A float store is atomic: no command round trip needed for a hint.
         self._expect_until = max(self._expect_until, time.monotonic() + seconds)
 

@@ -166,9 +166,9 @@ class KVTransport(ABC):
     def abandon(self, xfer_id: int) -> None:
         """Stops a pull without a result: later data for it is drained, never written."""
 
-    def expect_activity(self, seconds: float, pulls: int = 1) -> None:  # noqa: B027
-        """Hint: a peer will probably contact us within `seconds` (e.g. `pulls` readers of blocks
-        just pinned); a polling transport may poll instead of sleeping until then."""
+    def expect_activity(self, seconds: float) -> None:  # noqa: B027
+        """Hint: a peer will probably contact us within `seconds` (e.g. a reader of blocks just
+        pinned); a polling transport may poll instead of sleeping until then."""
 
     @abstractmethod
     def renew(self, peer: PeerKey, request_ids: list[str]) -> None:

@@ -556,7 +556,7 @@ class UcxWorkerConnector(WorkerConnector):
         if self._transport is not None:
             # The reader's pull usually follows within milliseconds: poll briefly for it
             # instead of paying a wake-up on a busy host.
-            self._transport.expect_activity(_EXPECT_PULL_S, num_readers)
+            self._transport.expect_activity(_EXPECT_PULL_S)
 
     def on_pull_request(self, request: PullRequest) -> str | None:
         """Transport callback: validates a reader's pull against our epoch and leases."""
