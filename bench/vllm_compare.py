@@ -15,6 +15,10 @@ the same total of compute threads):
   reported under `absent` with the reason. A system that fails is reported under `absent` as
   `failed: …` (the others' figures are kept) and the command exits 1.
 
+`--vllm-arg KEY=VALUE` goes to every vLLM engine of every system: the servers get it as the
+flag `--key-with-dashes VALUE` (`true` alone as `--key`, `false` as `--no-key`), pdserve's vLLM
+engines as their `--vllm-arg`, so every vLLM system runs with the same engine settings.
+
 Workload: bench serve's (token-id prompts, lengths, concurrency, greedy, `ignore_eos`). vLLM is
 driven through its streaming `/v1/completions`; token times are the arrival times of the
 streamed chunks (with `return_token_ids` a chunk's token count is exact).
@@ -146,6 +150,7 @@ def start_vllm(name: str, args: argparse.Namespace, cores: list[int], kv_transfe
             "--max-model-len", str(_max_model_len(args)), "--served-model-name", "bench"]
     if kv_transfer is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer)]
+    argv += server_flags(getattr(args, "vllm_arg", []))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
            "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port("127.0.0.1")), "VLLM_LOGGING_LEVEL": "WARNING"}
@@ -155,6 +160,27 @@ def start_vllm(name: str, args: argparse.Namespace, cores: list[int], kv_transfe
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     print(f"[{name}] vLLM server on port {port}, cores {cores} (log {log_path})", file=sys.stderr)
     return VllmServer(name, port, proc, log_path)
+
+
+def server_flags(vllm_arg: list[str]) -> list[str]:
+    """`--vllm-arg KEY=VALUE` items as the vLLM server's command-line flags (module docstring).
+
+    Raises ValueError for a malformed item or a name the benchmark sets itself (model, dtype...).
+    """
+    from services.common.config import check_vllm_args, parse_vllm_args
+
+    args = parse_vllm_args(list(vllm_arg))
+    check_vllm_args(args)
+    flags: list[str] = []
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is False:
+            flags.append("--no-" + flag[2:])
+        else:
+            flags += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
+    return flags
 
 
 def _max_model_len(args: argparse.Namespace) -> int:
@@ -316,6 +342,7 @@ def run_pdserve(args: argparse.Namespace, wl: Workload, share: CpuShare, engine:
 def run_compare(args: argparse.Namespace) -> int:
     if args.target:
         raise ValueError("--compare vllm starts its own systems; it takes no --target")
+    server_flags(args.vllm_arg)  # a bad --vllm-arg fails here, before any system starts
     from bench.serve import _vocab
 
     out = Path(args.out)

@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "divided by the engine ranks sharing the GPU")
     parser.add_argument("--kv-staging", default="none", choices=("none", "host"),
                         help="host: GPU KV moves through pinned host memory (when UCX has no CUDA transport)")
+    parser.add_argument("--kv-transport", default="ucx-tag", choices=("ucx-tag", "nixl"),
+                        help="how decode ranks pull KV from prefill ranks: ucx-tag (tagged messages) or nixl "
+                             "(one NIXL READ per pull; needs nixl-cu12); every engine uses it")
     parser.add_argument("--metrics", action="store_true", help="serve /metrics on a free port per process")
     parser.add_argument("--zmq-endpoint", default="", help="ZMQ PUB endpoint for vLLM-format KV events")
     parser.add_argument("--zmq-replay-endpoint", default="", help="ZMQ ROUTER replay endpoint (vLLM format)")
@@ -97,6 +100,8 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         engine_args += ["--dtype", args.dtype]
     if args.kv_staging != "none":
         engine_args += ["--kv-staging", args.kv_staging]
+    if args.kv_transport != "ucx-tag":
+        engine_args += ["--kv-transport", args.kv_transport]
     if placement.kind == "cuda":
         engine_args += ["--gpu-memory-fraction", f"{placement.memory_fraction:.4f}"]
     block_size = args.block_size or (VLLM_BLOCK_SIZE if args.engine == "vllm" else 0)

@@ -29,6 +29,8 @@ from connectors.head_map import partition_problem, rank_heads
 HANDSHAKE_VERSION = 1
 KV_LAYOUT = "NHL2BD"
 MEMORY_TYPES = ("cpu", "cuda")
+KV_TRANSPORTS = ("ucx-tag", "nixl")
+DEFAULT_KV_TRANSPORT = "ucx-tag"
 # The largest metadata blob accepted from a peer (a worker address is a few hundred bytes).
 MAX_METADATA_BYTES = 64 * 1024
 
@@ -103,6 +105,9 @@ class UcxHandshakeMetadata:
     worker_address: bytes
     region: KVRegionLayout
     protocol_version: int = HANDSHAKE_VERSION
+    # How peers move this rank's blocks (`UcxConnectorConfig.kv_transport`); the worker address
+    # is that transport's (an absent field reads as the tag transport of older builds).
+    kv_transport: str = DEFAULT_KV_TRANSPORT
 
     @property
     def key(self) -> PeerKey:
@@ -118,6 +123,9 @@ class UcxHandshakeMetadata:
             raise ValueError(f"handshake: tp_rank {self.tp_rank} not in [0, tp_size={self.tp_size})")
         if not self.worker_address:
             raise ValueError("handshake: worker_address is empty")
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ValueError(f"handshake: unknown KV transport {self.kv_transport!r} (this build knows "
+                             f"{', '.join(KV_TRANSPORTS)})")
         self.region.validate()
         problem = partition_problem(self.region.num_kv_heads, self.tp_size)
         if problem is not None:
@@ -130,15 +138,18 @@ class UcxHandshakeMetadata:
         """The versioned wire form (see the module docstring)."""
         body = asdict(self)
         inner = msgpack.packb(body, use_bin_type=True)
-        return bytes(msgpack.packb({"v": HANDSHAKE_VERSION, "hash": self.compatibility_hash, "meta": inner},
-                                   use_bin_type=True))
+        return bytes(msgpack.packb({"v": HANDSHAKE_VERSION, "hash": self.compatibility_hash,
+                                    "transport": self.kv_transport, "meta": inner}, use_bin_type=True))
 
     @classmethod
-    def decode(cls, data: bytes, *, expected_hash: str | None = None) -> UcxHandshakeMetadata:
+    def decode(cls, data: bytes, *, expected_hash: str | None = None,
+               expected_transport: str | None = None) -> UcxHandshakeMetadata:
         """Parses and validates a peer's metadata.
 
-        Raises ValueError (never another exception) on a wrong version, a compatibility hash
-        different from `expected_hash`, a malformed or oversized blob, or inconsistent fields.
+        Raises ValueError (never another exception) on a wrong version, a KV transport other
+        than `expected_transport` (checked before the hash, which covers it too, so the reason
+        names it), a compatibility hash different from `expected_hash`, a malformed or
+        oversized blob, or inconsistent fields.
         """
         if len(data) > MAX_METADATA_BYTES:
             raise ValueError(f"handshake: metadata of {len(data)} bytes exceeds {MAX_METADATA_BYTES}")
@@ -150,6 +161,10 @@ class UcxHandshakeMetadata:
             version = outer.get("v") if isinstance(outer, dict) else None
             raise ValueError(f"handshake: unsupported metadata version {version!r} "
                              f"(this build speaks {HANDSHAKE_VERSION})")
+        transport = outer.get("transport", DEFAULT_KV_TRANSPORT)
+        if expected_transport is not None and transport != expected_transport:
+            raise ValueError(f"handshake: peer moves KV with --kv-transport {transport}, this engine with "
+                             f"{expected_transport}: both engines of a pair must use the same KV transport")
         if expected_hash is not None and outer.get("hash") != expected_hash:
             raise ValueError(f"handshake: compatibility hash {outer.get('hash')!r} differs from ours "
                              f"{expected_hash!r} (model, dtype, layers, heads, block size or layout differ)")
@@ -160,6 +175,8 @@ class UcxHandshakeMetadata:
             raise ValueError(f"handshake: malformed metadata: {e}") from None
         if meta.compatibility_hash != outer.get("hash"):
             raise ValueError("handshake: envelope and body compatibility hashes differ")
+        if meta.kv_transport != transport:
+            raise ValueError("handshake: envelope and body KV transports differ")
         meta.validate()
         return meta
 
@@ -180,7 +197,8 @@ def _from_dict(body: Any) -> UcxHandshakeMetadata:
 
 def _check_types(meta: UcxHandshakeMetadata) -> None:
     expect: dict[str, type] = {"engine_id": str, "epoch": int, "tp_rank": int, "tp_size": int,
-                               "compatibility_hash": str, "worker_address": bytes, "protocol_version": int}
+                               "compatibility_hash": str, "worker_address": bytes, "protocol_version": int,
+                               "kv_transport": str}
     for name, typ in expect.items():
         if not isinstance(getattr(meta, name), typ):
             raise TypeError(f"{name} must be {typ.__name__}")

@@ -332,11 +332,15 @@ class UcxTagTransport(KVTransport):
         try:
             message = msgpack.unpackb(buf.tobytes(), raw=False)
             kind = message["k"]
-            handler = {"pull": self._on_pull_msg, "refuse": self._on_refuse_msg,
-                       "done": self._on_done_msg, "renew": self._on_renew_msg}[kind]
+            handler = self._ctrl_handlers()[kind]
             handler(message)
         except Exception as e:
             logger.warning("%s: dropped a malformed control message: %s", self._name, e)
+
+    def _ctrl_handlers(self) -> dict[str, Callable[[dict[str, Any]], None]]:
+        """CTRL message kinds this transport understands (a subclass may add its own)."""
+        return {"pull": self._on_pull_msg, "refuse": self._on_refuse_msg,
+                "done": self._on_done_msg, "renew": self._on_renew_msg}
 
     # -- reader side ---------------------------------------------------------------------------
 
@@ -513,9 +517,13 @@ class UcxTagTransport(KVTransport):
         if why is not None:
             self._send_ctrl(ep, {"k": "refuse", "x": request.xfer_id, "why": why})
             return
-        key = (reader, request.xfer_id)
-        send_pieces = [p for seg in segments for p in self._pieces(seg, remote=True)]
-        self._serves[key] = _Serve(request.request_id, reader, len(send_pieces),
+        self._accept_pull(ep, request)
+
+    def _accept_pull(self, ep: Any, request: PullRequest) -> None:
+        """Serves a validated pull: sends its pieces as DATA and waits for the reader's `done`."""
+        key = (request.reader, request.xfer_id)
+        send_pieces = [p for seg in request.segments for p in self._pieces(seg, remote=True)]
+        self._serves[key] = _Serve(request.request_id, request.reader, len(send_pieces),
                                    time.monotonic() + self._serve_timeout_s)
         on_sent = functools.partial(self._on_sent, key=key)
         for index, (start, length) in enumerate(send_pieces):

@@ -46,7 +46,9 @@ from connectors.head_map import HeadRead, mapping_problem, rank_heads, read_plan
 from connectors.kv_events import KVCacheEvent
 from connectors.outputs import KVConnectorStats, TransferResults
 from connectors.ucx.handshake import (
+    DEFAULT_KV_TRANSPORT,
     KV_LAYOUT,
+    KV_TRANSPORTS,
     KVRegionLayout,
     KVTransferDescriptor,
     PeerKey,
@@ -80,6 +82,8 @@ class UcxConnectorConfig:
     `ucx_tls` empty means UCX_TLS from the environment if set, else `DEFAULT_UCX_TLS`.
     `kv_staging` "host" moves GPU KV through a pinned host mirror (connectors/ucx/host_staging.py)
     instead of UCX's CUDA transports; "none" registers the GPU tensor itself.
+    `kv_transport` "ucx-tag" (`UcxTagTransport`: the writer sends tagged messages) or "nixl"
+    (`NixlTransport`: the reader posts one NIXL READ per pull; needs nixl-cu12).
     """
 
     transfer_timeout_s: float = 5.0
@@ -88,6 +92,7 @@ class UcxConnectorConfig:
     ucx_tls: str = ""
     ucx_net_devices: str = ""
     kv_staging: str = "none"
+    kv_transport: str = DEFAULT_KV_TRANSPORT
 
     def validate(self) -> None:
         if self.transfer_timeout_s <= 0:
@@ -98,6 +103,8 @@ class UcxConnectorConfig:
             raise ValueError("max_inflight_transfers: must be >= 1")
         if self.kv_staging not in ("none", "host"):
             raise ValueError(f"kv_staging: must be none or host, got {self.kv_staging!r}")
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ValueError(f"kv_transport: must be one of {', '.join(KV_TRANSPORTS)}, got {self.kv_transport!r}")
 
     def ucx_options(self) -> dict[str, str]:
         """UCX context options (UCX_ names without the prefix)."""
@@ -265,19 +272,28 @@ class UcxWorkerConnector(WorkerConnector):
             tensor = self._staging.mirror
         region, layout = self._describe(tensor)
         if transport is None:
-            from connectors.ucx.tag_transport import UcxTagTransport
-
-            geometry = HeadGeometry(layout.num_local_heads, layout.head_block_nbytes)
-            transport = UcxTagTransport(region, layout.block_nbytes, self.key, ucx_config=self.config.ucx_options(),
-                                        serve_timeout_s=self.config.lease_s,
-                                        name=f"ucx-{self.key.engine_id}-{self.key.tp_rank}", geometry=geometry)
+            transport = self._make_transport(region, layout)
         self._metadata = UcxHandshakeMetadata(self.key.engine_id, self.key.epoch, self.key.tp_rank, self.tp_size,
-                                              self.compatibility_hash, transport.worker_address, layout)
+                                              self.compatibility_hash, transport.worker_address, layout,
+                                              kv_transport=self.config.kv_transport)
         self._metadata.validate()
         self._region = region
         self._tensor = tensor  # keeps the memory alive while UCX may touch it
         transport.start(self)
         self._transport = transport
+
+    def _make_transport(self, region: Any, layout: KVRegionLayout) -> KVTransport:
+        """The configured transport (`kv_transport`); NixlUnavailable when nixl is asked for and
+        not installed."""
+        geometry = HeadGeometry(layout.num_local_heads, layout.head_block_nbytes)
+        kind: type[KVTransport]
+        if self.config.kv_transport == "nixl":
+            from connectors.ucx.nixl_transport import NixlTransport as kind
+        else:
+            from connectors.ucx.tag_transport import UcxTagTransport as kind
+        return kind(region, layout.block_nbytes, self.key, ucx_config=self.config.ucx_options(),  # type: ignore[call-arg]
+                    serve_timeout_s=self.config.lease_s, name=f"{self.config.kv_transport}-{self.key.engine_id}-"
+                    f"{self.key.tp_rank}", geometry=geometry)
 
     def _describe(self, tensor: Any) -> tuple[Any, KVRegionLayout]:
         """The region UCX moves (a flat uint8 view: numpy for host memory, the CUDA tensor
@@ -316,7 +332,11 @@ class UcxWorkerConnector(WorkerConnector):
         the old one (its pulls fail with peer_gone). Raises ValueError, changing nothing, on
         malformed or incompatible metadata."""
         meta = (metadata if isinstance(metadata, UcxHandshakeMetadata)
-                else UcxHandshakeMetadata.decode(metadata, expected_hash=self.compatibility_hash))
+                else UcxHandshakeMetadata.decode(metadata, expected_hash=self.compatibility_hash,
+                                                 expected_transport=self.config.kv_transport))
+        if meta.kv_transport != self.config.kv_transport:
+            raise ValueError(f"peer {meta.engine_id}: moves KV with --kv-transport {meta.kv_transport}, this engine "
+                             f"with {self.config.kv_transport}: both engines of a pair must use the same KV transport")
         if meta.compatibility_hash != self.compatibility_hash:
             raise ValueError(f"peer {meta.engine_id}: compatibility hash differs from ours")
         meta.validate()

@@ -185,6 +185,10 @@ class EngineConfig:
     kv_offload_memory: str = opt("0", "host-memory budget per rank of the CPU offload tier (e.g. 1GiB): "
                                       "finished blocks are copied there and loaded back on a prefix hit; "
                                       "0 turns the tier off")
+    kv_transport: str = opt("ucx-tag", "how decode ranks pull KV: ucx-tag (the prefill rank sends tagged "
+                                       "messages) or nixl (the decode rank posts one NIXL READ per pull, the "
+                                       "prefill rank passive; needs nixl-cu12; host KV only); every engine of "
+                                       "a cluster must use the same")
     ucx_tls: str = opt("", "UCX_TLS for the KV data plane (empty: UCX's choice)")
     ucx_net_devices: str = opt("", "UCX_NET_DEVICES for the KV data plane")
     transfer_timeout_s: float = opt(5.0, "a KV pull not finished in this time fails")
@@ -216,6 +220,10 @@ class EngineConfig:
         _require(self.device in ("auto", "cpu", "cuda"), "device", f"must be auto, cpu or cuda, got {self.device!r}")
         _require(0.0 <= self.gpu_memory_fraction < 1.0, "gpu_memory_fraction", "must be in [0, 1)")
         _require(self.kv_staging in ("none", "host"), "kv_staging", f"must be none or host, got {self.kv_staging!r}")
+        _require(self.kv_transport in ("ucx-tag", "nixl"), "kv_transport",
+                 f"must be ucx-tag or nixl, got {self.kv_transport!r}")
+        _require(self.kv_transport == "ucx-tag" or self.engine == "native", "kv_transport",
+                 f"{self.kv_transport} is wired up for the native engine only; use ucx-tag with --engine vllm")
         try:
             from engine.device import parse_devices
 

@@ -66,8 +66,9 @@ DRAIN_INTERVAL_S = 0.002
 PROTOCOL_VERSION = 1
 
 
-def compatibility_hash(model_config: Any, kv_spec: Any, hash_seed: str) -> str:
-    """Digest of everything two engines must agree on to exchange KV blocks."""
+def compatibility_hash(model_config: Any, kv_spec: Any, hash_seed: str, kv_transport: str = "ucx-tag") -> str:
+    """Digest of everything two engines must agree on to exchange KV blocks. The KV transport
+    is a part only when it is not the default, so tag-transport hashes stay what they were."""
     parts = [
         f"proto={PROTOCOL_VERSION}", f"arch={model_config.architecture}", f"vocab={model_config.vocab_size}",
         f"hidden={model_config.hidden_size}", f"layers={model_config.num_layers}",
@@ -76,6 +77,8 @@ def compatibility_hash(model_config: Any, kv_spec: Any, hash_seed: str) -> str:
         f"layout={kv_spec.layout}",
         f"hash=sha256_cbor:{hash_seed}",
     ]
+    if kv_transport != "ucx-tag":
+        parts.append(f"kv_transport={kv_transport}")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
 
 
@@ -99,6 +102,7 @@ class RankAgentFactory:
     ucx_net_devices: str = ""
     dtype: str = ""  # stated in Hello beside the compatibility hash (which covers it too)
     device_kind: str = ""
+    kv_transport: str = "ucx-tag"  # or "nixl" (connectors/ucx/nixl_transport.py)
     kv_staging: str = "none"  # "host": GPU KV bounces through pinned host memory (connectors/ucx/host_staging.py)
     metrics_port: int = 0  # rank r serves /metrics on metrics_port + r; 0 disables
     security: ChannelSecurity | None = None  # TLS to the scheduler, the engine's certificate as identity
@@ -116,7 +120,8 @@ class RankAgent(WorkerConnector):
         self.identity = RankIdentity(factory.engine_id, factory.role, factory.epoch, rank, tp_size)
         config = UcxConnectorConfig(transfer_timeout_s=factory.transfer_timeout_s, lease_s=factory.lease_s,
                                     max_inflight_transfers=factory.max_inflight, ucx_tls=factory.ucx_tls,
-                                    ucx_net_devices=factory.ucx_net_devices, kv_staging=factory.kv_staging)
+                                    ucx_net_devices=factory.ucx_net_devices, kv_staging=factory.kv_staging,
+                                    kv_transport=factory.kv_transport)
         self.ucx = UcxWorkerConnector(engine_id=factory.engine_id, epoch=factory.epoch, tp_rank=rank,
                                       tp_size=tp_size, num_kv_heads=factory.num_kv_heads,
                                       compatibility_hash=factory.compat_hash, config=config)

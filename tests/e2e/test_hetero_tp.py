@@ -3,7 +3,8 @@
 Each case starts a cluster (scheduler, one prefill and one decode engine: 3 rank processes) on
 a tiny random Llama with 2 KV heads or an MQA variant (1 KV head, replicated over TP ranks),
 runs 16 prompts 4 at a time and compares every token with the in-process engine. About 20-40 s
-per case on the 2-core reference machine; the rank-kill case about 40 s.
+per case on the 2-core reference machine; the rank-kill case about 40 s. The 2-head cases run on
+both KV transports (ucx-tag, and nixl: one NIXL READ per pull).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 from e2e_cluster import start_cluster
 
 from bench.chaos import ChaosConfig, run_chaos
+from connectors.ucx.nixl_transport import nixl_importable
 from services.client import AsyncClient, GenerationResult
 
 MAX_TOKENS = 8
@@ -61,16 +63,24 @@ async def _run(target: str, prompts: list[list[int]]) -> list[GenerationResult]:
         return list(await asyncio.gather(*(one(client, p) for p in prompts)))
 
 
-@pytest.mark.parametrize("model_name", ["tiny_tp_model", "tiny_mqa_model"])
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+NEEDS_NIXL = pytest.mark.skipif(not nixl_importable(), reason="nixl-cu12 not installed")
+
+
+@pytest.mark.parametrize(("model_name", "prefill_tp", "decode_tp", "transport"), [
+    *((m, p, d, "ucx-tag") for m in ("tiny_tp_model", "tiny_mqa_model") for p, d in ((2, 1), (1, 2))),
+    # The RMA transport (one NIXL READ per pull): both directions, the 2-head model.
+    pytest.param("tiny_tp_model", 2, 1, "nixl", marks=NEEDS_NIXL),
+    pytest.param("tiny_tp_model", 1, 2, "nixl", marks=NEEDS_NIXL),
+])
 def test_tokens_match_the_in_process_engine_across_tp_sizes(
         request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, prompts: list[list[int]],
-        model_name: str, prefill_tp: int, decode_tp: int) -> None:
+        model_name: str, prefill_tp: int, decode_tp: int, transport: str) -> None:
     model: Path = request.getfixturevalue(model_name)
     batch = [prompts[i % len(prompts)] + [100 + i] for i in range(NUM_PROMPTS)]  # 16 distinct prompts
     want = _reference(model, batch)
-    cluster = start_cluster(tmp_path_factory, f"hetero-{model_name}-{prefill_tp}{decode_tp}", model=str(model),
-                            prefill_tp=prefill_tp, decode_tp=decode_tp)
+    cluster = start_cluster(tmp_path_factory, f"hetero-{model_name}-{prefill_tp}{decode_tp}-{transport}",
+                            model=str(model), prefill_tp=prefill_tp, decode_tp=decode_tp,
+                            engine_args=["--kv-transport", transport] if transport != "ucx-tag" else [])
     try:
         results = asyncio.run(_run(cluster.target, batch))
         assert [r.token_ids for r in results] == want

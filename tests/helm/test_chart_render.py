@@ -321,6 +321,18 @@ def test_gpu_dra_claims_per_role_host_ipc_and_staging() -> None:
         assert config_files(default)[role]["kv_staging"] == "none"
 
 
+def test_kv_transport_reaches_both_roles_config() -> None:
+    """ucx.kvTransport (one value: both engines of a pair must agree) becomes each role's
+    kv_transport, which the engine config accepts."""
+    from services.common.config import EngineConfig
+
+    for values, want in (({}, "ucx-tag"), ({"ucx": {"kvTransport": "nixl"}}, "nixl")):
+        configs = config_files(render_values(values))
+        for role in ENGINE_ROLES:
+            assert configs[role]["kv_transport"] == want
+            EngineConfig(kv_transport=configs[role]["kv_transport"]).validate()
+
+
 def test_role_config_may_not_repeat_the_declared_once_dtype() -> None:
     with pytest.raises(Exception, match=r"prefill.config.dtype is set by the chart"):
         render_values({"prefill": {"config": {"dtype": "float32"}}})

@@ -8,6 +8,13 @@ Every vLLM process these tests start (servers, engines, through `os.environ`) ru
 run eagerly instead of compiled by inductor, and the warm-up passes are skipped. Engine starts
 drop from minutes to seconds on two cores; what the tests check (tokens, transfers, events,
 harnesses) does not depend on the compiler. Benchmarks run outside the suite keep vLLM's default.
+
+They also run with `VLLM_ENABLE_V1_MULTIPROCESSING=0`, which on vLLM's CPU platform lets a
+tensor-parallel-1 engine keep its default "uni" executor: the worker runs inside the engine-core
+process instead of a third process of its own, one vLLM import (~25 s of CPU on two cores) less
+per engine. Tensor parallel 2 (test_vllm_tp.py) still gets vLLM's multiprocessing executor, one
+worker process per rank. vLLM's engine core stays a process of its own either way (`AsyncLLM`
+and the OpenAI server always run it out of process).
 """
 
 from __future__ import annotations
@@ -33,13 +40,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+CI_ENV = {"VLLM_CPU_CI_ENV": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
 @pytest.fixture(scope="session", autouse=True)
 def vllm_ci_mode() -> Iterator[None]:
-    """`VLLM_CPU_CI_ENV=1` for every process started under tests/vllm (see the module docstring)."""
-    before = os.environ.get("VLLM_CPU_CI_ENV")
-    os.environ["VLLM_CPU_CI_ENV"] = "1"
+    """`CI_ENV` for every process started under tests/vllm (see the module docstring)."""
+    before = {name: os.environ.get(name) for name in CI_ENV}
+    os.environ.update(CI_ENV)
     yield
-    if before is None:
-        os.environ.pop("VLLM_CPU_CI_ENV", None)
-    else:
-        os.environ["VLLM_CPU_CI_ENV"] = before
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

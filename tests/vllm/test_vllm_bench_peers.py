@@ -1,9 +1,10 @@
 """The benchmarks whose baseline is vLLM's own code, run from .venv-vllm at tiny sizes:
 `bench aggregator` against vLLM's KVOutputAggregator (seconds), and `bench serve --compare vllm`
-with vLLM colocated, vLLM's 1P1D NixlConnector and pdserve with both engines (five vLLM
-engine starts in three rounds; 317 s on the loaded 2-core host in vLLM's CPU CI mode, see
-conftest.py, 468 s before). Run
-under `flock /tmp/pdserve-vllm.lock` like every vLLM test, so one vLLM cluster runs at a time."""
+with its three vLLM systems: vLLM colocated, vLLM's 1P1D NixlConnector and pdserve with vLLM
+engines (five vLLM engine starts in three rounds, every one `--vllm-arg enforce_eager=true`).
+The compare's native `pdserve` system is left out here: the main suite's
+tests/e2e/test_bench_smoke.py runs it through the same harness (`run_pdserve`, which the
+`pdserve_vllm` system here also runs). Run under the heavy lock like every vLLM test."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from typing import Any
 import pytest
 
 from services.common.cli import main
+
+VLLM_SYSTEMS = ("vllm_colocated", "vllm_pd_nixl", "pdserve_vllm")
 
 
 def run_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str, Any]:
@@ -39,12 +42,12 @@ def test_bench_serve_compare_vllm_tiny(tmp_path: Path, capsys: pytest.CaptureFix
 
     report = run_json(capsys, ["bench", "serve", "--compare", "vllm", "--model", str(demo_model_dir()), "--out", str(tmp_path),
                                "--num-requests", "2", "--concurrency", "2", "--prompt-len", "16:32",
-                               "--output-len", "3:4", "--kv-cache-memory", "64MiB"])
+                               "--output-len", "3:4", "--kv-cache-memory", "64MiB",
+                               "--systems", ",".join(VLLM_SYSTEMS), "--vllm-arg", "enforce_eager=true"])
     keys = {"wall_s", "tok_s", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p99_ms", "threads",
             "itl_first_p50_ms", "itl_first_p99_ms", "itl_rest_p99_ms"}
-    for name in ("vllm_colocated", "vllm_pd_nixl", "pdserve"):
+    assert report["absent"] == {} and set(report["systems"]) == set(VLLM_SYSTEMS), report["absent"]
+    for name in VLLM_SYSTEMS:
         assert set(report["systems"][name]) == keys, name
         assert report["systems"][name]["tok_s"] > 0, name
-    assert set(report["systems"]) | set(report["absent"]) == {"vllm_colocated", "vllm_pd_nixl", "pdserve",
-                                                              "pdserve_vllm"}
     assert len({report["systems"][n]["threads"] for n in report["systems"]}) == 1, "every system gets the same CPU"

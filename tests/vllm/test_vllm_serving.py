@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -24,16 +23,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
+from vllm_cluster import BLOCK, colocated, generate_greedy, vllm_cluster
 
-from pdserve.v1 import engine_pb2, engine_pb2_grpc, generation_pb2
 from services.client import AsyncClient, GenerationResult, _ResultBuilder, build_request
-from services.local_cluster import ClusterSpec, LocalCluster
+from services.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(1500)
 
-BLOCK = 32
 MAX_TOKENS = 12
 TEXTS = [
     "The capital of France is", "Once upon a time, in a land far away,", "def fibonacci(n):",
@@ -74,57 +71,21 @@ def zmq_endpoint() -> str:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, zmq_endpoint: str) -> Iterator[LocalCluster]:
-    spec = ClusterSpec(
-        log_dir=str(tmp_path_factory.mktemp("vllm")), num_prefill=2, num_decode=2, engine="vllm",
-        kv_cache_memory="96MiB", torch_threads=1,
-        scheduler_args=["--block-size", str(BLOCK), "--routing-policy", "prefix", "--zmq-endpoint", zmq_endpoint,
-                        "--path-policy", "remote"],  # these tests check the KV transfer path
-        engine_args=["--block-size", str(BLOCK), "--dtype", "float32", "--max-model-len", "1024",
-                     "--max-num-seqs", "8", "--transfer-timeout-s", "5"],
-        vllm_args=["enforce_eager=true"],
-        env={"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"})
-    c = LocalCluster(spec)
-    try:
-        c.start(timeout=float(os.environ.get("PDSERVE_VLLM_START_TIMEOUT", "900")))
+    with vllm_cluster(tmp_path_factory, "vllm", num_prefill=2, num_decode=2, kv_cache_memory="96MiB",
+                      scheduler_args=["--routing-policy", "prefix", "--zmq-endpoint", zmq_endpoint,
+                                      "--path-policy", "remote"],  # these tests check the KV transfer path
+                      max_model_len=1024, max_num_seqs=8) as c:
         yield c
-    finally:
-        c.stop()
-
-
-def _engine_stub(c: LocalCluster, name: str) -> engine_pb2_grpc.EngineStub:
-    address = c.components[name].address
-    assert address
-    return engine_pb2_grpc.EngineStub(grpc.insecure_channel(address))
-
-
-def _colocated(c: LocalCluster, prompt: list[int], max_tokens: int, name: str = "decode-0") -> list[int]:
-    """vLLM colocated greedy: the decode engine computes the prompt itself (no descriptor)."""
-    stub = _engine_stub(c, name)
-    sampling = generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    request = engine_pb2.DecodeRequest(request_id=f"ref-{time.monotonic_ns()}", prompt_token_ids=prompt,
-                                       sampling=sampling)
-    return [t for response in stub.Decode(request, timeout=300) for t in response.token_ids]
 
 
 @pytest.fixture(scope="module")
 def reference(cluster: LocalCluster, prompts: list[list[int]]) -> list[list[int]]:
-    return [_colocated(cluster, p, MAX_TOKENS) for p in prompts]
-
-
-async def _four_at_a_time(target: str, prompts: list[list[int]], max_tokens: int) -> list[GenerationResult]:
-    gate = asyncio.Semaphore(4)
-    async with AsyncClient(target) as client:
-        async def one(prompt: list[int]) -> GenerationResult:
-            async with gate:
-                return await client.generate(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                             timeout=300)
-
-        return list(await asyncio.gather(*(one(p) for p in prompts)))
+    return [colocated(cluster, p, MAX_TOKENS) for p in prompts]
 
 
 def test_disaggregated_vllm_matches_vllm_colocated_greedy(cluster: LocalCluster, prompts: list[list[int]],
                                                           reference: list[list[int]]) -> None:
-    results = asyncio.run(_four_at_a_time(cluster.target, prompts, MAX_TOKENS))
+    results = generate_greedy(cluster.target, prompts, MAX_TOKENS, concurrency=4)
     for i, (result, expected) in enumerate(zip(results, reference, strict=True)):
         assert result.token_ids == expected, f"prompt {i}: {result.token_ids} != {expected}"
         assert result.prefill_engine_id in ("prefill-0", "prefill-1"), result
@@ -133,7 +94,7 @@ def test_disaggregated_vllm_matches_vllm_colocated_greedy(cluster: LocalCluster,
 
 
 def _generate(target: str, prompt: list[int], max_tokens: int = 4) -> GenerationResult:
-    return asyncio.run(_four_at_a_time(target, [prompt], max_tokens))[0]
+    return generate_greedy(target, [prompt], max_tokens, concurrency=1)[0]
 
 
 def test_prefix_routing_follows_vllm_block_pool_events(cluster: LocalCluster, zmq_endpoint: str) -> None:
@@ -218,7 +179,7 @@ def test_kill_9_vllm_decode_migrates_and_kill_9_vllm_prefill_recomputes(cluster:
     greedy tokens, streamed without a repeated or skipped index."""
     long = 32
     batch = prompts[:4]
-    expected = [_colocated(cluster, p, long, "decode-1") for p in batch]
+    expected = [colocated(cluster, p, long, "decode-1") for p in batch]
 
     async def burst(victim: str, kill_after_s: float) -> list[tuple[GenerationResult, list[tuple[int, int]]]]:
         async with AsyncClient(cluster.target) as client:

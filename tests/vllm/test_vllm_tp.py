@@ -14,25 +14,19 @@ One cluster for the module: two vLLM engines of two worker ranks each. Measured 
 
 from __future__ import annotations
 
-import asyncio
-import os
 import shutil
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from vllm_cluster import colocated, generate_greedy, vllm_cluster
 
-from pdserve.v1 import engine_pb2, engine_pb2_grpc, generation_pb2
-from services.client import AsyncClient, GenerationResult
-from services.local_cluster import ClusterSpec, LocalCluster
+from services.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(1200)
 
-BLOCK = 32
 TP = 2
 MAX_TOKENS = 8
 
@@ -67,41 +61,11 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_tp_model: Path) -> Iterator[LocalCluster]:
-    spec = ClusterSpec(
-        log_dir=str(tmp_path_factory.mktemp("vllm-tp2")), model=str(tiny_tp_model), num_prefill=1, num_decode=1,
-        tp=TP, engine="vllm", kv_cache_memory="32MiB", torch_threads=1, metrics=True,
-        scheduler_args=["--block-size", str(BLOCK), "--path-policy", "remote"],  # every prompt crosses UCX
-        engine_args=["--block-size", str(BLOCK), "--dtype", "float32", "--max-model-len", "512",
-                     "--max-num-seqs", "4", "--transfer-timeout-s", "5"],
-        vllm_args=["enforce_eager=true"],
-        env={"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"})
-    c = LocalCluster(spec)
-    try:
-        c.start(timeout=float(os.environ.get("PDSERVE_VLLM_START_TIMEOUT", "900")))
+    with vllm_cluster(tmp_path_factory, "vllm-tp2", model=str(tiny_tp_model), num_prefill=1, num_decode=1, tp=TP,
+                      kv_cache_memory="32MiB", metrics=True,
+                      scheduler_args=["--path-policy", "remote"],  # every prompt crosses UCX
+                      max_model_len=512, max_num_seqs=4) as c:
         yield c
-    finally:
-        c.stop()
-
-
-def _colocated(c: LocalCluster, prompt: list[int]) -> list[int]:
-    """vLLM colocated greedy at tp 2: the decode engine computes the prompt itself."""
-    address = c.components["decode-0"].address
-    stub = engine_pb2_grpc.EngineStub(grpc.insecure_channel(address))
-    sampling = generation_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    request = engine_pb2.DecodeRequest(request_id=f"ref-{time.monotonic_ns()}", prompt_token_ids=prompt,
-                                       sampling=sampling)
-    return [t for response in stub.Decode(request, timeout=300) for t in response.token_ids]
-
-
-async def _two_at_a_time(target: str, prompts: list[list[int]]) -> list[GenerationResult]:
-    gate = asyncio.Semaphore(2)
-    async with AsyncClient(target) as client:
-        async def one(prompt: list[int]) -> GenerationResult:
-            async with gate:
-                return await client.generate(prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
-                                             timeout=300)
-
-        return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
 def _registered_ranks(c: LocalCluster) -> dict[str, float]:
@@ -120,10 +84,10 @@ def _registered_ranks(c: LocalCluster) -> dict[str, float]:
 def test_tp2_prefill_to_tp2_decode_matches_vllm_colocated_tp2(cluster: LocalCluster,
                                                               prompts: list[list[int]]) -> None:
     assert _registered_ranks(cluster) == {"prefill": TP, "decode": TP}, "every vLLM worker rank says Hello"
-    reference = [_colocated(cluster, p) for p in prompts]
+    reference = [colocated(cluster, p, MAX_TOKENS) for p in prompts]
     assert all(len(r) == MAX_TOKENS for r in reference)
     assert len({tuple(r) for r in reference}) > 1, "a random model that answers every prompt alike proves nothing"
-    results = asyncio.run(_two_at_a_time(cluster.target, prompts))
+    results = generate_greedy(cluster.target, prompts, MAX_TOKENS, concurrency=2)
     for i, (result, expected) in enumerate(zip(results, reference, strict=True)):
         assert result.token_ids == expected, f"prompt {i}: {result.token_ids} != {expected}"
         assert result.prefill_engine_id == "prefill-0", result

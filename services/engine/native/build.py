@@ -32,7 +32,12 @@ class NativeEngine:
 
 def build_native_engine(cfg: EngineConfig, epoch: int, engine_address: str) -> NativeEngine:
     """Loads the model, allocates KV and starts every rank; nothing is registered yet
-    (`agent.connect()` registers once the engine loop runs)."""
+    (`agent.connect()` registers once the engine loop runs). Raises NixlUnavailable (naming the
+    package) before any rank starts when --kv-transport nixl is set and nixl is not installed."""
+    if cfg.kv_transport == "nixl":
+        from connectors.ucx.nixl_transport import require_nixl
+
+        require_nixl()
     model = cfg.model or str(demo_model_dir())
     # The same dtype and KV spec the engine will resolve, so the compatibility hash is its own.
     kind = resolve_device(cfg.device)
@@ -44,10 +49,10 @@ def build_native_engine(cfg: EngineConfig, epoch: int, engine_address: str) -> N
     factory = RankAgentFactory(
         engine_id=cfg.engine_id, role=cfg.role, epoch=epoch, scheduler=cfg.scheduler,
         engine_address=engine_address, num_kv_heads=model_config.num_kv_heads,
-        compat_hash=compatibility_hash(model_config, spec, cfg.hash_seed), hash_seed=cfg.hash_seed,
+        compat_hash=compatibility_hash(model_config, spec, cfg.hash_seed, cfg.kv_transport), hash_seed=cfg.hash_seed,
         block_size=cfg.block_size, transfer_timeout_s=cfg.transfer_timeout_s, lease_s=cfg.lease_s,
         max_inflight=cfg.max_inflight_transfers, ucx_tls=cfg.ucx_tls, ucx_net_devices=cfg.ucx_net_devices,
-        kv_staging=cfg.kv_staging, dtype=dtype, device_kind=kind, metrics_port=cfg.metrics_port, security=component_channel_security(cfg))
+        kv_staging=cfg.kv_staging, kv_transport=cfg.kv_transport, dtype=dtype, device_kind=kind, metrics_port=cfg.metrics_port, security=component_channel_security(cfg))
     connector = UcxSchedulerConnector(cfg.block_size, offload=_offload_tier(cfg, factory, spec.block_nbytes))
     engine = LLMEngine(model, tp=cfg.tp, kv_cache_memory=cfg.kv_cache_memory, block_size=cfg.block_size,
                        max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,

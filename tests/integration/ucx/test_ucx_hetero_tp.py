@@ -15,6 +15,7 @@ import pytest
 from ucx_rank_proc import RankProc
 
 from connectors.head_map import read_plan, readers_of
+from connectors.ucx.nixl_transport import nixl_importable
 
 TIMEOUT_S = 1.5
 WAIT_S = 20.0
@@ -24,12 +25,12 @@ class Engines:
     """A prefill engine of P rank processes and a decode engine of D, connected as the
     services connect them (each decode rank to the prefill ranks it reads)."""
 
-    def __init__(self, p: int, d: int, heads: int, tag: str) -> None:
+    def __init__(self, p: int, d: int, heads: int, tag: str, transport: str = "ucx-tag") -> None:
         self.p, self.d, self.heads = p, d, heads
-        self.prefill = [RankProc(f"prefill-{tag}", 11, tp_rank=r, tp_size=p, num_kv_heads=heads, seed=100 + r)
-                        for r in range(p)]
+        self.prefill = [RankProc(f"prefill-{tag}", 11, tp_rank=r, tp_size=p, num_kv_heads=heads, seed=100 + r,
+                                 kv_transport=transport) for r in range(p)]
         self.decode = [RankProc(f"decode-{tag}", 22, tp_rank=r, tp_size=d, num_kv_heads=heads,
-                                timeout_s=TIMEOUT_S) for r in range(d)]
+                                timeout_s=TIMEOUT_S, kv_transport=transport) for r in range(d)]
         metas = [rank.call("meta") for rank in self.prefill]
         for r, rank in enumerate(self.decode):
             for read in read_plan(r, d, p, heads):
@@ -62,9 +63,15 @@ def check_heads(engines: Engines, jobs: dict[str, tuple[list[int], list[int]]]) 
                     assert got[head] == want[head], (rid, r, head)
 
 
-@pytest.mark.parametrize(("p", "d", "heads"), [(2, 1, 2), (1, 2, 2), (2, 1, 1), (1, 2, 1), (4, 2, 2)])
-def test_heads_split_or_gathered_arrive_byte_exact(p: int, d: int, heads: int) -> None:
-    engines = Engines(p, d, heads, f"{p}{d}{heads}")
+NEEDS_NIXL = pytest.mark.skipif(not nixl_importable(), reason="nixl-cu12 not installed")
+NIXL = pytest.param("nixl", marks=NEEDS_NIXL)
+
+
+@pytest.mark.parametrize(("p", "d", "heads", "transport"), [
+    (2, 1, 2, "ucx-tag"), (1, 2, 2, "ucx-tag"), (2, 1, 1, "ucx-tag"), (1, 2, 1, "ucx-tag"), (4, 2, 2, "ucx-tag"),
+    pytest.param(2, 1, 2, "nixl", marks=NEEDS_NIXL), pytest.param(1, 2, 1, "nixl", marks=NEEDS_NIXL)])
+def test_heads_split_or_gathered_arrive_byte_exact(p: int, d: int, heads: int, transport: str) -> None:
+    engines = Engines(p, d, heads, f"{p}{d}{heads}{transport}", transport)
     try:
         rng = random.Random(p * 10 + d)
         jobs = {}
@@ -96,8 +103,9 @@ def test_heads_split_or_gathered_arrive_byte_exact(p: int, d: int, heads: int) -
         engines.close()
 
 
-def test_a_dead_prefill_rank_fails_exactly_the_blocks_it_owed() -> None:
-    engines = Engines(2, 1, 2, "kill")
+@pytest.mark.parametrize("transport", ["ucx-tag", NIXL])
+def test_a_dead_prefill_rank_fails_exactly_the_blocks_it_owed(transport: str) -> None:
+    engines = Engines(2, 1, 2, f"kill-{transport}", transport)
     try:
         (decode,) = engines.decode
         whole, broken = ([1, 2, 3], [10, 11, 12]), ([20, 21, 22, 23], [30, 31, 32, 33])
@@ -110,7 +118,9 @@ def test_a_dead_prefill_rank_fails_exactly_the_blocks_it_owed() -> None:
         engines.prefill[1].signal(signal.SIGKILL)
         decode.call("start_pull", "broken", engines.descriptor("broken", broken[0]), broken[1])
         got = decode.call("wait_results", ["broken"], WAIT_S)
-        assert got["failed_recving"] == ["broken"] and got["reasons"]["broken"] == "timeout"
+        # The tag transport waits out its timeout; NIXL refuses the READ to a dead agent at once.
+        assert got["failed_recving"] == ["broken"]
+        assert got["reasons"]["broken"] == {"ucx-tag": "timeout", "nixl": "peer_gone"}[transport]
         # Head 1 of every block of "broken" never arrived: exactly those blocks are invalid.
         assert decode.call("invalid") == broken[1]
         # The live rank's reader finished (with a failure): it released its pin.
@@ -119,3 +129,17 @@ def test_a_dead_prefill_rank_fails_exactly_the_blocks_it_owed() -> None:
         assert decode.call("pending") == 0
     finally:
         engines.close()
+
+
+@NEEDS_NIXL
+def test_ranks_on_different_kv_transports_refuse_to_pair_with_the_reason() -> None:
+    nixl = RankProc("decode-mixed", 22, kv_transport="nixl")
+    tag = RankProc("prefill-mixed", 11, seed=5)
+    try:
+        with pytest.raises(RuntimeError, match="peer moves KV with --kv-transport ucx-tag, this engine with nixl"):
+            nixl.call("add_peer", tag.call("meta"))
+        with pytest.raises(RuntimeError, match="peer moves KV with --kv-transport nixl, this engine with ucx-tag"):
+            tag.call("add_peer", nixl.call("meta"))
+    finally:
+        nixl.close()
+        tag.close()

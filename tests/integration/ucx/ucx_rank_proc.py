@@ -16,7 +16,7 @@ from typing import Any
 SPEC_DEFAULTS: dict[str, Any] = {
     "tp_rank": 0, "tp_size": 1, "num_kv_heads": 2, "num_blocks": 256, "num_layers": 2, "block_size": 4,
     "head_dim": 8, "seed": 0, "timeout_s": 2.0, "lease_s": 30.0, "max_inflight": 64, "hash": "compat-test",
-    "device": "cpu", "kv_staging": "none",
+    "device": "cpu", "kv_staging": "none", "kv_transport": "ucx-tag",
 }
 
 
@@ -96,7 +96,8 @@ def rank_main(conn: Connection, spec: dict[str, Any]) -> None:
         kv.uniform_(generator=torch.Generator().manual_seed(spec["seed"]))
     kv = kv.to(spec["device"])
     config = UcxConnectorConfig(transfer_timeout_s=spec["timeout_s"], lease_s=spec["lease_s"],
-                                max_inflight_transfers=spec["max_inflight"], kv_staging=spec["kv_staging"])
+                                max_inflight_transfers=spec["max_inflight"], kv_staging=spec["kv_staging"],
+                                kv_transport=spec["kv_transport"])
     connector = UcxWorkerConnector(engine_id=spec["engine_id"], epoch=spec["epoch"], tp_rank=spec["tp_rank"],
                                    tp_size=spec["tp_size"], num_kv_heads=spec["num_kv_heads"],
                                    compatibility_hash=spec["hash"], kv_cache=kv, config=config)

@@ -56,3 +56,10 @@ def test_cpu_cluster_states_its_dtype_and_cuda_without_a_gpu_is_refused(monkeypa
     with pytest.raises(ValueError, match="tp 2 needs 2 GPUs per engine; 1 visible"):
         monkeypatch.setattr(up, "probe_host", lambda: ONE_GPU)
         up.spec_from_args(parse("--tp", "2"))
+
+
+def test_kv_transport_passes_to_every_engine_only_when_not_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(up, "probe_host", lambda: NO_GPU)
+    assert "--kv-transport" not in up.spec_from_args(parse()).engine_args
+    args = up.spec_from_args(parse("--kv-transport", "nixl", "--prefill-tp", "2")).engine_args
+    assert args[args.index("--kv-transport") + 1] == "nixl"

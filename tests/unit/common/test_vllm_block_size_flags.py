@@ -4,6 +4,7 @@ takes multiples of 32), from `pdserve up --engine vllm` and `pdserve bench serve
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -46,3 +47,25 @@ def test_bench_serve_engine_vllm_sets_the_backend_block_size_and_dtype() -> None
     assert cluster["scheduler_args"] == ["--routing-policy", "prefix", "--block-size", "32"]
     native = serve._engine_cluster_args(parser.parse_args([]), {"num_prefill": 0})
     assert "engine" not in native and native["engine_args"] == [] and native["scheduler_args"] == []
+
+
+def test_compare_vllm_passes_vllm_args_to_every_vllm_server_as_flags() -> None:
+    from bench.vllm_compare import server_flags
+
+    assert server_flags(["enforce_eager=true", "enable_prefix_caching=false", "swap-space=0.5",
+                         'compilation_config={"mode": 0}']) == [
+        "--enforce-eager", "--no-enable-prefix-caching", "--swap-space", "0.5", "--compilation-config", '{"mode": 0}']
+    assert server_flags([]) == []
+    with pytest.raises(ValueError, match="max_model_len is set by pdserve"):
+        server_flags(["max_model_len=64"])
+    with pytest.raises(ValueError, match="expected KEY=VALUE"):
+        server_flags(["enforce_eager"])
+
+
+def test_compare_vllm_refuses_a_bad_vllm_arg_before_starting_anything(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from services.common.cli import main
+
+    assert main(["bench", "serve", "--compare", "vllm", "--out", str(tmp_path), "--vllm-arg", "dtype=float16"]) == 2
+    assert "dtype is set by pdserve: use --dtype" in capsys.readouterr().err
+    assert not (tmp_path / "serve_compare.json").exists()

@@ -1,0 +1,317 @@
+"""`NixlTransport`: KV pulls as ONE NIXL READ per `PullOp`, the writer passive.
+
+The decode rank (reader) reads the prefill rank's (writer's) blocks itself: every piece of a
+pull (`transport.pieces`: one per coalesced run of whole blocks, or one per block of a head
+range when the TP sizes differ) becomes one row of a NIXL descriptor list, and the whole list
+moves as one READ posted from C over NIXL's UCX backend (CMA on one host, RDMA across hosts).
+The writer does no per-piece work: it validates the pull and waits for the reader's `done`.
+
+Control stays on the tag transport's CTRL messages (`UcxTagTransport`, subclassed here), so
+validation, refusal, renewal and release are the tag transport's, message for message:
+
+- reader → writer `pull` {x, rid, eid, ep, segs, ...} (as before); the writer validates it
+  (epoch, lease, every block pinned for the request, range) and answers `go` {x} instead of
+  sending DATA, or `refuse` {x, why} as before. The blocks stay pinned from `go` until the
+  reader's `done` (or the serve timeout).
+- Read ahead of `go`: the reader posts the READ right after sending `pull`, not after `go`, so
+  the writer's wake-up and validation overlap the copy. The bytes count only when BOTH the READ
+  is DONE and `go` arrived: `go` means the lease was live and every block pinned for the
+  request at validation, and a pin, once dropped, never comes back for the same request (a
+  lease that ended is gone: `unknown_request`), so the blocks were pinned, hence unchanged,
+  from before the reader learned of the request until its `done`: also while an early READ
+  ran. On `refuse` the READ is cancelled and the blocks are invalid, as with the tag
+  transport. Reading is side-effect free for the writer.
+- When the READ is DONE and `go` arrived, `done` {ok: true} goes back (the writer then reports
+  `finished_sending` as before) and the pull succeeds. A READ that
+  fails (the writer died: NIXL reports ERR or refuses to post with a disconnect) fails the pull
+  with `read_error` / `peer_gone` and every block of the op invalid: NIXL does not say which
+  pieces of a failed READ arrived. A pull that ends early (timeout, `remove_peer`, abandon)
+  cancels its READ before the blocks are reported, so no late byte lands in freed blocks.
+
+The handshake's worker-address slot carries a msgpack map {ucx: the UCX worker address of the
+control path, nixl: the NIXL agent metadata (its registered region's remote key), base: the
+region's address, nbytes}. nixl is optional at runtime: `NixlUnavailable` names the package.
+Why NIXL, and what it measured: docs/architecture.md, "RMA transport (NIXL READ)".
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from connectors.ucx.device_memory import is_device_region, region_nbytes
+from connectors.ucx.handshake import PeerKey
+from connectors.ucx.tag_transport import UcxTagTransport, _Pull, _Serve
+from connectors.ucx.transport import HeadGeometry, PullOp, PullRequest, Segment, pieces
+
+logger = logging.getLogger(__name__)
+
+NIXL_PACKAGE = "nixl-cu12"
+_MAX_ADDRESS_BYTES = 1 << 20
+_agent_ids = itertools.count()
+
+
+class NixlUnavailable(RuntimeError):
+    """NIXL is not importable (the `nixl` transport was asked for)."""
+
+
+def nixl_importable() -> bool:
+    """Whether NIXL is installed, without loading it (its bundled native libraries are loaded
+    only where an agent is made: loading them beside grpc_tools' protoc crashed a test run)."""
+    import importlib.util
+
+    return any(importlib.util.find_spec(name) is not None for name in ("nixl_cu12", "nixl"))
+
+
+def require_nixl() -> None:
+    """Raises NixlUnavailable, naming the package to install, unless NIXL imports."""
+    _nixl_api()
+
+
+def _nixl_api() -> Any:
+    try:
+        import nixl_cu12._api as api
+    except ImportError:
+        try:
+            import nixl._api as api  # type: ignore[no-redef]
+        except ImportError as e:
+            raise NixlUnavailable(f"--kv-transport nixl needs the {NIXL_PACKAGE} package (pip install "
+                                  f"{NIXL_PACKAGE}): {e}") from None
+    return api
+
+
+def descriptor_rows(segments: tuple[Segment, ...], geometry: HeadGeometry, base: int, *,
+                    remote: bool) -> np.ndarray:
+    """The NIXL descriptor list (Nx3 uint64: address, length, device 0) of `segments` on one side:
+    the writer's (`remote=True`, its region at `base`) or the reader's. Rows are `pieces` in wire
+    order, so row i of the reader's list receives row i of the writer's."""
+    rows = [(base + offset, length, 0) for seg in segments for offset, length in pieces(seg, geometry, remote=remote)]
+    return np.array(rows, dtype=np.uint64).reshape(-1, 3)
+
+
+@dataclass(frozen=True, slots=True)
+class NixlAddress:
+    """A rank's worker-address blob (see the module docstring): how to reach its control path
+    and read its region. `geometry` is the region's (its blocks may hold other heads than the
+    reader's)."""
+
+    ucx: bytes
+    agent_metadata: bytes
+    base: int
+    nbytes: int
+    geometry: HeadGeometry
+
+    def encode(self) -> bytes:
+        return bytes(msgpack.packb({"ucx": self.ucx, "nixl": self.agent_metadata, "base": self.base,
+                                    "nbytes": self.nbytes, "heads": self.geometry.num_local_heads,
+                                    "head_nbytes": self.geometry.head_nbytes}, use_bin_type=True))
+
+    @classmethod
+    def decode(cls, data: bytes) -> NixlAddress:
+        """ValueError (never another exception) when `data` is not a nixl transport address."""
+        if len(data) > _MAX_ADDRESS_BYTES:
+            raise ValueError(f"nixl address of {len(data)} bytes")
+        try:
+            raw = msgpack.unpackb(data, raw=False)
+            ucx, meta = raw["ucx"], raw["nixl"]
+            ints = [raw[k] for k in ("base", "nbytes", "heads", "head_nbytes")]
+        except Exception as e:
+            raise ValueError(f"not a nixl transport address ({type(e).__name__}: {e}); is the peer on "
+                             "--kv-transport ucx-tag?") from None
+        if not (isinstance(ucx, bytes) and isinstance(meta, bytes)
+                and all(isinstance(v, int) and v >= 0 for v in ints)):
+            raise ValueError("malformed nixl transport address")
+        base, nbytes, heads, head_nbytes = ints
+        return cls(ucx, meta, base, nbytes, HeadGeometry(heads, head_nbytes))
+
+
+@dataclass(frozen=True, slots=True)
+class _PeerRegion:
+    agent: str  # the writer's NIXL agent name, once added
+    address: NixlAddress
+
+
+class NixlTransport(UcxTagTransport):
+    """See the module docstring. Host-memory regions only (a GPU region raises ValueError; NIXL
+    itself reads VRAM, not wired up here). Every NIXL call runs on the progress thread, apart
+    from the agent's creation and the region's registration here."""
+
+    def __init__(self, region: Any, block_nbytes: int, local_key: PeerKey, *,
+                 ucx_config: dict[str, str] | None = None, serve_timeout_s: float = 30.0, name: str = "nixl",
+                 geometry: HeadGeometry | None = None) -> None:
+        api = _nixl_api()
+        if is_device_region(region):
+            raise ValueError("--kv-transport nixl: GPU KV regions are not supported yet; use ucx-tag")
+        super().__init__(region, block_nbytes, local_key, ucx_config=ucx_config, serve_timeout_s=serve_timeout_s,
+                         name=name, geometry=geometry)
+        if geometry is None:
+            self._geometry = HeadGeometry(1, block_nbytes)
+        agent_name = f"{local_key.engine_id}-{local_key.epoch:x}-{local_key.tp_rank}-{os.getpid()}-{next(_agent_ids)}"
+        # No NIXL progress thread: CMA / RDMA reads complete without the writer's CPU, and the
+        # reader polls its own reads on this transport's thread.
+        self._agent = api.nixl_agent(agent_name, api.nixl_agent_config(enable_prog_thread=False, backends=[]))
+        # Error handling off, as the tag transport: a dead writer surfaces as a failed / refused
+        # READ (NIXL's UCX reports it; the reader process survives, checked in tests).
+        self._agent.create_backend("UCX", {"ucx_error_handling_mode": "none"})
+        self._base = int(region.ctypes.data)
+        self._nbytes = region_nbytes(region)
+        self._reg = self._agent.register_memory([(self._base, self._nbytes, 0, "")], "DRAM")
+        self._blob = NixlAddress(self._address, self._agent.get_agent_metadata(), self._base, self._nbytes,
+                                 self._geometry).encode()
+        self._regions: dict[PeerKey, _PeerRegion] = {}
+        self._reads: dict[int, Any] = {}  # xfer id -> live NIXL transfer handle
+        self._cancelled: list[Any] = []  # handles NIXL could not release yet (retried)
+        self._accepted: set[int] = set()  # pulls the writer said `go` to, their READ still running
+        self._read_done: set[int] = set()  # pulls whose READ completed before the writer's `go`
+
+    @property
+    def worker_address(self) -> bytes:
+        return self._blob
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        for handle in [*self._reads.values(), *self._cancelled]:
+            _release(handle)
+        self._reads.clear()
+        self._cancelled.clear()
+
+    # -- progress thread -----------------------------------------------------------------------
+
+    def _ctrl_handlers(self) -> dict[str, Callable[[dict[str, Any]], None]]:
+        return {**super()._ctrl_handlers(), "go": self._on_go_msg}
+
+    def _reap(self) -> bool:
+        busy = super()._reap()
+        if self._cancelled:
+            self._cancelled = [h for h in self._cancelled if not _release(h)]
+        for xfer_id, handle in list(self._reads.items()):
+            try:
+                state = self._agent.check_xfer_state(handle)
+            except Exception as e:
+                logger.warning("%s: READ %d failed: %s", self._name, xfer_id, e)
+                state = "ERR"
+            if state == "PROC":
+                continue
+            busy = True
+            del self._reads[xfer_id]
+            _release(handle)
+            pull = self._pulls.get(xfer_id)
+            if pull is None or pull.finished:
+                continue
+            if state != "DONE":
+                self._finish(pull, "read_error", notify_peer=True)
+            elif xfer_id in self._accepted:
+                self._complete(pull)
+            else:
+                self._read_done.add(xfer_id)  # the writer's `go` is still to come
+        return busy
+
+    def _complete(self, pull: _Pull) -> None:
+        pull.done.update(range(len(pull.pieces)))
+        pull.seg_left = [0] * len(pull.seg_left)
+        self._finish(pull, None, notify_peer=True)
+
+    # -- reader side ---------------------------------------------------------------------------
+
+    def _do_add_peer(self, key: PeerKey, address: bytes) -> None:
+        if key in self._peers:
+            return
+        peer = NixlAddress.decode(address)
+        agent = self._agent.add_remote_agent(peer.agent_metadata)
+        agent = agent.decode() if isinstance(agent, bytes) else str(agent)
+        super()._do_add_peer(key, peer.ucx)
+        self._regions[key] = _PeerRegion(agent, peer)
+
+    def _do_remove_peer(self, key: PeerKey) -> None:
+        super()._do_remove_peer(key)
+        region = self._regions.pop(key, None)
+        if region is not None and region.agent not in {r.agent for r in self._regions.values()}:
+            try:
+                self._agent.remove_remote_agent(region.agent)
+            except Exception as e:
+                logger.debug("%s: remove_remote_agent(%s): %s", self._name, region.agent, e)
+
+    def _do_pull(self, op: PullOp) -> None:
+        super()._do_pull(op)  # validates locally, lays out the pieces, sends `pull`
+        pull = self._pulls.get(op.xfer_id)
+        if pull is not None and not pull.finished:
+            self._post_read(pull)
+
+    def _on_go_msg(self, message: dict[str, Any]) -> None:
+        xfer_id = int(message["x"])
+        pull = self._pulls.get(xfer_id)
+        if pull is None or pull.finished:
+            return
+        if xfer_id in self._read_done:
+            self._complete(pull)
+        else:
+            self._accepted.add(xfer_id)
+
+    def _post_read(self, pull: _Pull) -> None:
+        """Posts the pull's READ at once, before the writer's answer: see the module docstring
+        ("read ahead of `go`") for why the bytes count only once `go` has also arrived."""
+        region = self._regions.get(pull.op.peer)
+        if region is None:
+            self._finish(pull, "peer_unknown", notify_peer=False)
+            return
+        peer = region.address
+        remote = descriptor_rows(pull.op.segments, peer.geometry, peer.base, remote=True)
+        if int((remote[:, 0] + remote[:, 1]).max()) > peer.base + peer.nbytes:
+            self._finish(pull, "out_of_range", notify_peer=True)
+            return
+        local = descriptor_rows(pull.op.segments, self._geometry, self._base, remote=False)
+        try:
+            handle = self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(local, "DRAM"),
+                                                 self._agent.get_xfer_descs(remote, "DRAM"), region.agent)
+            state = self._agent.transfer(handle)
+        except Exception as e:
+            # NIXL refuses to post to a disconnected agent: the writer died.
+            logger.warning("%s: READ %d not posted: %s", self._name, pull.op.xfer_id, e)
+            self._finish(pull, "peer_gone" if "DISCONNECT" in str(e).upper() else "read_error", notify_peer=True)
+            return
+        self._reads[pull.op.xfer_id] = handle
+        if state == "ERR":
+            self._reap()
+
+    def _finish(self, pull: _Pull, reason: str | None, *, notify_peer: bool) -> None:
+        self._cancel_read(pull.op.xfer_id)
+        self._accepted.discard(pull.op.xfer_id)
+        self._read_done.discard(pull.op.xfer_id)
+        super()._finish(pull, reason, notify_peer=notify_peer)
+
+    def _do_abandon(self, xfer_id: int) -> None:
+        self._cancel_read(xfer_id)
+        self._accepted.discard(xfer_id)
+        self._read_done.discard(xfer_id)
+        super()._do_abandon(xfer_id)
+
+    def _cancel_read(self, xfer_id: int) -> None:
+        handle = self._reads.pop(xfer_id, None)
+        if handle is not None and not _release(handle):
+            self._cancelled.append(handle)
+
+    # -- writer side ---------------------------------------------------------------------------
+
+    def _accept_pull(self, ep: Any, request: PullRequest) -> None:
+        """Answers `go`: the reader reads; the serve (its blocks pinned) waits for its `done` only."""
+        self._serves[(request.reader, request.xfer_id)] = _Serve(request.request_id, request.reader, 0,
+                                                                 time.monotonic() + self._serve_timeout_s)
+        self._send_ctrl(ep, {"k": "go", "x": request.xfer_id})
+
+
+def _release(handle: Any) -> bool:
+    """Releases (cancelling if active) a NIXL transfer handle; False when NIXL could not yet."""
+    try:
+        handle.release()
+    except Exception as e:
+        logger.debug("NIXL handle release deferred: %s", e)
+        return False
+    return True

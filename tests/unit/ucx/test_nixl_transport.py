@@ -1,0 +1,122 @@
+"""The NIXL transport's descriptor lists and address blob, and the refusal of a pair of engines
+on different KV transports (pure, plus one in-process tag connector: about 2 s). NIXL itself is
+never loaded here (see `nixl_importable`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from connectors.ucx.handshake import UcxHandshakeMetadata
+from connectors.ucx.nixl_transport import NixlAddress, descriptor_rows
+from connectors.ucx.transport import HeadGeometry, Segment
+from connectors.ucx.worker import UcxConnectorConfig, UcxWorkerConnector
+from services.common.config import EngineConfig
+
+
+def test_a_head_range_of_n_blocks_is_one_descriptor_per_block_at_the_right_addresses() -> None:
+    # 2 -> 1 with 4 KV heads: the writer (prefill rank 1 of 2) holds heads 2-3, blocks of 2 heads
+    # x 100 bytes; the reader (tp 1) holds all 4 (blocks of 400 bytes) and receives the writer's
+    # local heads 0-1 as its heads 2-3.
+    writer, reader = HeadGeometry(2, 100), HeadGeometry(4, 100)
+    seg = Segment(remote_block=7, local_block=3, num_blocks=5, remote_head=0, local_head=2, num_heads=2)
+    remote = descriptor_rows((seg,), writer, 10_000, remote=True)
+    local = descriptor_rows((seg,), reader, 50_000, remote=False)
+    assert remote.dtype == local.dtype == np.uint64 and remote.shape == local.shape == (5, 3)
+    assert remote.tolist() == [[10_000 + (7 + b) * 200, 200, 0] for b in range(5)]  # whole writer blocks
+    assert local.tolist() == [[50_000 + (3 + b) * 400 + 200, 200, 0] for b in range(5)]  # heads 2-3 of each
+    # A sub-range of the writer's heads (1 -> 2 split: reader rank 1 takes heads 2-3 of 4).
+    split = Segment(remote_block=0, local_block=9, num_blocks=3, remote_head=2, local_head=0, num_heads=2)
+    assert descriptor_rows((split,), reader, 0, remote=True).tolist() == [[b * 400 + 200, 200, 0] for b in range(3)]
+    assert descriptor_rows((split,), writer, 0, remote=False).tolist() == [[(9 + b) * 200, 200, 0] for b in range(3)]
+
+
+def test_whole_block_runs_are_one_descriptor_each_in_segment_order() -> None:
+    geometry = HeadGeometry(2, 100)
+    segs = (Segment(4, 0, 3), Segment(20, 3, 1))
+    assert descriptor_rows(segs, geometry, 1000, remote=True).tolist() == [[1000 + 800, 600, 0], [1000 + 4000, 200, 0]]
+    assert descriptor_rows(segs, geometry, 0, remote=False).tolist() == [[0, 600, 0], [600, 200, 0]]
+
+
+def test_the_address_blob_round_trips_and_a_tag_address_is_refused_with_the_reason() -> None:
+    address = NixlAddress(b"ucx-address", b"nixl-metadata", 4096, 1 << 20, HeadGeometry(2, 640))
+    assert NixlAddress.decode(address.encode()) == address
+    with pytest.raises(ValueError, match="not a nixl transport address .* --kv-transport ucx-tag"):
+        NixlAddress.decode(b"\x01" * 200)  # a UCX worker address, as a ucx-tag peer publishes
+    with pytest.raises(ValueError, match="malformed nixl transport address"):
+        NixlAddress.decode(msgpack.packb({"ucx": b"a", "nixl": b"m", "base": -1, "nbytes": 1, "heads": 1,
+                                          "head_nbytes": 1}))
+
+
+def test_the_kv_transport_is_a_config_choice_with_a_reason() -> None:
+    with pytest.raises(ValueError, match="kv_transport: must be one of ucx-tag, nixl, got 'rdma'"):
+        UcxConnectorConfig(kv_transport="rdma").validate()
+    with pytest.raises(ValueError, match="kv_transport: must be ucx-tag or nixl, got 'rdma'"):
+        EngineConfig(kv_transport="rdma").validate()
+    with pytest.raises(ValueError, match="kv_transport: nixl is wired up for the native engine only"):
+        EngineConfig(engine="vllm", kv_transport="nixl").validate()
+
+
+def test_the_kv_transport_is_in_the_compatibility_hash() -> None:
+    from engine.config import ModelConfig
+    from engine.kv_cache import make_kv_cache_spec
+    from services.engine.rank_agent import compatibility_hash
+
+    raw = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 10000.0}
+    config = ModelConfig.from_dict(raw, dtype="float32")
+    spec = make_kv_cache_spec(config, block_size=16, memory_bytes=1 << 20)
+    tag = compatibility_hash(config, spec, "s")
+    assert compatibility_hash(config, spec, "s", "ucx-tag") == tag != compatibility_hash(config, spec, "s", "nixl")
+
+
+def test_a_pair_on_different_kv_transports_is_refused_with_the_reason() -> None:
+    # Pure: the real pair (one rank process on each transport) is in tests/integration/ucx/
+    # test_ucx_hetero_tp.py; NIXL is not loaded into the test process.
+    kv = torch.zeros(8, 2, 2, 2, 4, 8)
+    tag = UcxWorkerConnector(engine_id="decode-tag", epoch=1, tp_rank=0, tp_size=1, num_kv_heads=2,
+                             compatibility_hash="h", kv_cache=kv)
+    try:
+        mine = tag.handshake_metadata
+        assert mine.kv_transport == "ucx-tag"
+        nixl_peer = dataclasses.replace(mine, engine_id="prefill-nixl", kv_transport="nixl")
+        reason = ("moves KV with --kv-transport nixl, this engine with ucx-tag: both engines of a pair "
+                  "must use the same KV transport")
+        with pytest.raises(ValueError, match=reason):
+            tag.add_peer(nixl_peer.encode())
+        with pytest.raises(ValueError, match=reason):
+            tag.add_peer(nixl_peer)  # decoded already: checked again
+        with pytest.raises(ValueError, match="--kv-transport ucx-tag, this engine with nixl"):
+            UcxHandshakeMetadata.decode(mine.encode(), expected_hash="h", expected_transport="nixl")
+        assert UcxHandshakeMetadata.decode(nixl_peer.encode(), expected_transport="nixl") == nixl_peer
+        # A metadata body claiming another transport than its envelope is malformed.
+        outer = msgpack.unpackb(nixl_peer.encode(), raw=False)
+        outer["transport"] = "ucx-tag"
+        with pytest.raises(ValueError, match="envelope and body KV transports differ"):
+            UcxHandshakeMetadata.decode(msgpack.packb(outer, use_bin_type=True), expected_transport="ucx-tag")
+        assert tag.get_transfer_results().failed_recving == set()  # nothing changed
+    finally:
+        tag.shutdown()
+
+
+def test_nixl_asked_for_and_missing_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from connectors.ucx.nixl_transport import NixlUnavailable, require_nixl
+
+    monkeypatch.setitem(sys.modules, "nixl_cu12", None)  # None in sys.modules: import fails
+    monkeypatch.setitem(sys.modules, "nixl", None)
+    with pytest.raises(NixlUnavailable, match=r"--kv-transport nixl needs the nixl-cu12 package \(pip install "):
+        require_nixl()
+    with pytest.raises(NixlUnavailable, match="nixl-cu12"):
+        _connector_on_nixl()
+
+
+def _connector_on_nixl() -> UcxWorkerConnector:
+    return UcxWorkerConnector(engine_id="decode-n", epoch=1, tp_rank=0, tp_size=1, num_kv_heads=2,
+                              compatibility_hash="h", kv_cache=torch.zeros(8, 2, 2, 2, 4, 8),
+                              config=UcxConnectorConfig(kv_transport="nixl"))

@@ -1,0 +1,69 @@
+"""Shared pieces of the vLLM cluster tests (test_vllm_serving.py, test_vllm_tp.py): the cluster
+starter, the colocated greedy reference and a greedy client."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import grpc
+import pytest
+
+from pdserve.v1 import engine_pb2, engine_pb2_grpc, generation_pb2
+from services.client import AsyncClient, GenerationResult
+from services.local_cluster import ClusterSpec, LocalCluster
+
+BLOCK = 32  # vLLM's CPU attention takes multiples of 32, on the scheduler as on the engines
+
+
+@contextmanager
+def vllm_cluster(tmp_path_factory: pytest.TempPathFactory, name: str, *, kv_cache_memory: str,
+                 scheduler_args: list[str], max_model_len: int, max_num_seqs: int,
+                 **spec: object) -> Iterator[LocalCluster]:
+    """A started cluster of vLLM engines (fp32, eager, block size `BLOCK`, one torch thread, a 5 s
+    transfer timeout), stopped at exit; `spec` is the rest of the `ClusterSpec`."""
+    cluster_spec = ClusterSpec(
+        log_dir=str(tmp_path_factory.mktemp(name)), engine="vllm", kv_cache_memory=kv_cache_memory,
+        torch_threads=1, scheduler_args=["--block-size", str(BLOCK), *scheduler_args],
+        engine_args=["--block-size", str(BLOCK), "--dtype", "float32", "--max-model-len", str(max_model_len),
+                     "--max-num-seqs", str(max_num_seqs), "--transfer-timeout-s", "5"],
+        vllm_args=["enforce_eager=true"],
+        env={"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"},
+        **spec)  # type: ignore[arg-type]
+    c = LocalCluster(cluster_spec)
+    try:
+        c.start(timeout=float(os.environ.get("PDSERVE_VLLM_START_TIMEOUT", "900")))
+        yield c
+    finally:
+        c.stop()
+
+
+def colocated(c: LocalCluster, prompt: list[int], max_tokens: int, name: str = "decode-0") -> list[int]:
+    """vLLM colocated greedy: the decode engine `name` computes the prompt itself (an
+    `Engine.Decode` without a descriptor)."""
+    address = c.components[name].address
+    assert address
+    stub = engine_pb2_grpc.EngineStub(grpc.insecure_channel(address))
+    sampling = generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    request = engine_pb2.DecodeRequest(request_id=f"ref-{time.monotonic_ns()}", prompt_token_ids=prompt,
+                                       sampling=sampling)
+    return [t for response in stub.Decode(request, timeout=300) for t in response.token_ids]
+
+
+def generate_greedy(target: str, prompts: list[list[int]], max_tokens: int, *, concurrency: int) -> list[GenerationResult]:
+    """Every prompt through the scheduler at `target`, greedy to `max_tokens` (`ignore_eos`),
+    `concurrency` at a time; results in prompt order."""
+    async def run() -> list[GenerationResult]:
+        gate = asyncio.Semaphore(concurrency)
+        async with AsyncClient(target) as client:
+            async def one(prompt: list[int]) -> GenerationResult:
+                async with gate:
+                    return await client.generate(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                                 timeout=300)
+
+            return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    return asyncio.run(run())
