@@ -139,7 +139,8 @@ def plot(summary: dict[str, Any], path: Path) -> None:
                label=label)
     ax.set_xticks([j + 0.2 for j in range(len(rows))], [f"{r['blocks']} blk" for r in rows])
     ax.set_ylabel("GB/s per decode rank")
-    ax.set_title(f"KV pull across TP sizes ({summary['kv_heads']} KV heads)")
+    ax.set_title(f"KV pull across TP sizes on {summary.get('kv_transport', 'ucx-tag')} "
+                 f"({summary['kv_heads']} KV heads)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
