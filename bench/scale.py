@@ -18,14 +18,17 @@ demo model's tokenizer facts) and:
   tokens, and publishes the new ones (GPU BlockStored, on rank 0's next report) so prefix
   routing sees them (`prefix_hit_rate`: requests that found cached blocks); every prefill rank reports
   `finished_sending` at its next step. Decode reports `finished_recving` on every rank at once,
-  waits for KVReady (timed: the control-plane round trip of a transfer), then streams
-  `--output-tokens` tokens.
+  waits for KVReady, then streams `--output-tokens` tokens. The KVReady round trip is timed from
+  the moment the last rank's report was handed to its stream: a real engine's ranks are separate
+  processes that write at once, while here one event loop writes the engine's reports one
+  after another; that spread is the simulator's own time and is reported apart
+  (`sim_rank_spread_p50_ms`/`_p99_ms`), not charged to the control plane.
 - one client process sending Generate requests (token-id prompts sharing `--prefixes` prefixes,
   `--request-rate` requests/s per engine) and one KVEvents gRPC subscriber counting events.
 
 Measured over `--duration` s: routing decisions/s (completed Generate requests), control-plane
 overhead per request (the scheduler's own `scheduler_overhead_ms` from Complete, plus the
-KVReady round trip the decode engine waited) p50/p99, events/s received by the subscriber,
+KVReady round trip from the last decode rank's report) p50/p99, events/s received by the subscriber,
 scheduler CPU (utime+stime of its process) per rank per second, scheduler RSS (current VmRSS
 at the end) and `false_down`: ranks of engines the scheduler announced as left (PeerUpdate) or
 whose control stream it ended, while every simulated rank was alive and reporting.
@@ -118,6 +121,8 @@ class SimEngine:
         self.stats = stats
         self.ranks = [_Rank(r, asyncio.Queue()) for r in range(tp)]
         self.kv_waiters: dict[str, asyncio.Future[bool]] = {}
+        # request id -> when each decode rank's finished_recving report was handed to its stream
+        self.recv_handed: dict[str, list[float]] = {}
         self.engine_events: list[int] = []
         self.stored: set[int] = set()  # prompt blocks this engine holds (never evicted here)
         self.steps = 0
@@ -145,12 +150,27 @@ class SimEngine:
             rank.outbox.put_nowait(cpb.RankMessage(hello=cpb.Hello(
                 rank=identity, compatibility_hash=_COMPAT, protocol_version=1, engine_address=self.address,
                 hash_seed=self.args.hash_seed, block_size=_BLOCK)))
-            call = stub.Connect(rank_messages(rank.outbox))
+            call = stub.Connect(self._noting_handed(rank_messages(rank.outbox)))
             first = await call.read()
             if first.WhichOneof("payload") != "welcome":
                 raise RuntimeError(f"{self.engine_id} rank {rank.index}: no Welcome ({first})")
             self.tasks.append(asyncio.ensure_future(self._read(rank, call)))
         self.tasks.append(asyncio.ensure_future(self._beats(self.args.heartbeat_interval)))
+
+    async def _noting_handed(self, messages: Any) -> Any:
+        """`messages` as they are handed to the stream, noting when each rank's report of a
+        finished receive went out (the KVReady round trip is timed from the last rank's)."""
+        async for m in messages:
+            kind = m.WhichOneof("payload")
+            if kind in ("report", "reports"):
+                reports = [m.report] if kind == "report" else m.reports.reports
+                now = time.monotonic()
+                for report in reports:
+                    for rid in report.finished_recving:
+                        handed = self.recv_handed.get(rid)
+                        if handed is not None:
+                            handed.append(now)
+            yield m
 
     def run(self, end: float) -> None:
         self.tasks.append(asyncio.ensure_future(self._steps(end)))
@@ -298,11 +318,23 @@ class _EngineApi:
                 waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
                 e.kv_waiters[request.request_id] = waiter
                 t0 = time.monotonic()
+                handed = e.recv_handed[request.request_id] = []
                 for rank in e.ranks:
                     rank.recving.append(request.request_id)
                     e._report(rank)
-                ok = await waiter
-                e.stats["kv_wait_ms"][request.request_id.rsplit(".", 1)[0]] = (time.monotonic() - t0) * 1e3
+                try:
+                    ok = await waiter
+                finally:
+                    del e.recv_handed[request.request_id]
+                done = time.monotonic()
+                client_id = request.request_id.rsplit(".", 1)[0]
+                # The control-plane round trip starts when the last rank's report left (a real
+                # engine's ranks are processes writing at once; here one loop writes all of them
+                # one after another, which is the simulator's time, reported apart).
+                last = max(handed) if len(handed) == e.tp else t0
+                e.stats["kv_untimed_ranks"] += len(handed) != e.tp  # not every rank's report seen
+                e.stats["kv_wait_ms"][client_id] = (done - last) * 1e3
+                e.stats["kv_spread_ms"][client_id] = (last - t0) * 1e3
                 if not ok:
                     e.stats["kv_failed"] += 1
             start = len(request.output_token_ids)
@@ -342,7 +374,8 @@ async def _sim_main(a: argparse.Namespace) -> None:
 
     logging.getLogger("services").setLevel(logging.ERROR)  # one plaintext warning per Engine server
 
-    stats: dict[str, Any] = {"left": set(), "streams_ended": [], "reports": 0, "kv_wait_ms": {}, "kv_failed": 0}
+    stats: dict[str, Any] = {"left": set(), "streams_ended": [], "reports": 0, "kv_wait_ms": {}, "kv_spread_ms": {},
+                             "kv_untimed_ranks": 0, "kv_failed": 0}
     engines = []
     for i in range(a.first, a.first + a.count):
         engines.append(SimEngine(i // 2, "prefill" if i % 2 == 0 else "decode", a.tp, a, stats))
@@ -361,6 +394,7 @@ async def _sim_main(a: argparse.Namespace) -> None:
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     print(json.dumps({"reports": stats["reports"], "left": sorted(stats["left"]),
                       "streams_ended": stats["streams_ended"], "kv_wait_ms": stats["kv_wait_ms"],
+                      "kv_spread_ms": stats["kv_spread_ms"], "kv_untimed_ranks": stats["kv_untimed_ranks"],
                       "kv_failed": stats["kv_failed"], "unacked_reports": unacked,
                       "steps": sum(e.steps for e in engines)}), flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
@@ -554,8 +588,10 @@ def _point(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
                 p.kill()
                 p.wait(10)
     kv_wait: dict[str, float] = {}
+    kv_spread: dict[str, float] = {}
     for s in sim_out:
         kv_wait.update(s["kv_wait_ms"])
+        kv_spread.update(s["kv_spread_ms"])
     overheads = [r["overhead_ms"] + kv_wait.get(r["id"], 0.0) for r in got["results"]]
     left = {x for s in sim_out for x in s["left"]}
     ended = [x for s in sim_out for x in s["streams_ended"]]
@@ -567,6 +603,9 @@ def _point(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
             "scheduler_only_overhead_p50_ms": percentile([r["overhead_ms"] for r in got["results"]], 50),
             "kv_ready_p50_ms": percentile(list(kv_wait.values()), 50),
             "kv_ready_p99_ms": percentile(list(kv_wait.values()), 99),
+            "sim_rank_spread_p50_ms": percentile(list(kv_spread.values()), 50),
+            "sim_rank_spread_p99_ms": percentile(list(kv_spread.values()), 99),
+            "kv_ready_from_first_report": sum(s["kv_untimed_ranks"] for s in sim_out),
             "prefix_hit_rate": (sum(1 for r in got["results"] if r["cached"]) / len(got["results"])
                                 if got["results"] else 0.0),
             "events_per_s": got["events"] / got["seconds"],

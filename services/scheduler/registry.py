@@ -182,6 +182,11 @@ class EngineRegistry:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.clock = clock
         self.engines: dict[str, EngineState] = {}
+        # Bumped by every change that can change which engines are routable (a rank registered,
+        # disconnected, dead or alive again, an engine removed, draining toggled): these all go
+        # through this class's methods, so `routable` keeps its answer until the next one.
+        self._version = 0
+        self._routable: dict[Role, tuple[int, list[EngineState]]] = {}
         self.fenced: dict[str, set[int]] = {}
         self._next_conn = 0
 
@@ -254,6 +259,7 @@ class EngineRegistry:
             current = EngineState(h.engine_id, h.role, h.epoch, h.tp_size, h.pp_size, h.engine_address)
             self.engines[h.engine_id] = current
         self._next_conn += 1
+        self._version += 1
         previous = current.ranks.get(h.rank_id)
         rank = RankState(h, self._next_conn, last_seen=self.clock(),
                          last_applied_seq=previous.last_applied_seq if previous else 0)
@@ -271,6 +277,7 @@ class EngineRegistry:
         if rank is None or rank.conn_id != conn_id:
             return False
         rank.connected = False
+        self._version += 1
         return True
 
     def remove_engine(self, engine_id: str) -> EngineState | None:
@@ -278,6 +285,7 @@ class EngineRegistry:
         engine = self.engines.pop(engine_id, None)
         if engine is not None:
             self.fenced.setdefault(engine_id, set()).add(engine.epoch)
+            self._version += 1
         return engine
 
     # -- liveness and load ---------------------------------------------------------------------
@@ -288,14 +296,18 @@ class EngineRegistry:
         if rank is None or rank.conn_id != conn_id:
             return False
         rank.last_seen = self.clock()
-        rank.dead = False
+        if rank.dead:
+            rank.dead = False
+            self._version += 1
         return True
 
     def update_load(self, engine_id: str, load: LoadInfo, draining: bool) -> None:
         engine = self.engines.get(engine_id)
         if engine is not None:
             engine.load = load
-            engine.draining = draining
+            if engine.draining != draining:
+                engine.draining = draining
+                self._version += 1
 
     def expire(self, stalled_since: Callable[[float], float] | None = None) -> list[RankId]:
         """Declares dead every live rank silent for longer than the heartbeat timeout.
@@ -314,6 +326,8 @@ class EngineRegistry:
                     continue
                 rank.dead = True
                 newly_dead.append(rank_id)
+        if newly_dead:
+            self._version += 1
         return newly_dead
 
     # -- sequence numbers ----------------------------------------------------------------------
@@ -344,7 +358,14 @@ class EngineRegistry:
         return [e for e in self.engines.values() if e.role == role]
 
     def routable(self, role: Role) -> list[EngineState]:
-        return [e for e in self.engines.values() if e.role == role and e.routable]
+        """The complete, healthy, non-draining engines of `role` (a new list each call). Kept
+        between registry changes: every request asks twice, and the full answer walks every
+        rank of every engine (1,024 ranks at cluster scale)."""
+        hit = self._routable.get(role)
+        if hit is None or hit[0] != self._version:
+            hit = (self._version, [e for e in self.engines.values() if e.role == role and e.routable])
+            self._routable[role] = hit
+        return list(hit[1])
 
     def ranks(self, role: Role | None = None) -> Iterator[RankState]:
         for engine in self.engines.values():

@@ -53,6 +53,9 @@ def test_bench_scale_quick(capsys: pytest.CaptureFixture[str], tmp_path: Path) -
     assert result["events_per_s"] > 0 and point["rank_reports_per_s"] > 0
     assert 0 < result["overhead_p50_ms"] <= result["overhead_p99_ms"]
     assert point["kv_ready_p50_ms"] > 0  # every request's transfer went through the control plane
+    # timed from the last rank's report for every request; the ranks' spread is reported apart
+    assert point["kv_ready_from_first_report"] == 0
+    assert 0 <= point["sim_rank_spread_p50_ms"] <= point["sim_rank_spread_p99_ms"]
     assert 0 < result["rss_mib"] < 1024
 
 

@@ -164,3 +164,41 @@ def test_a_dtype_or_device_mismatch_is_refused_naming_it(mine: dict, theirs: dic
         reg.register(hello(engine_id="d0", role=Role.DECODE, tp_rank=0, tp_size=1, compatibility_hash="other", **mine))
     assert e.value.kind == RegistrationErrorKind.INCOMPATIBLE
     assert reg.engine("d0") is None
+
+
+def test_routable_is_kept_only_until_the_registry_changes() -> None:
+    """`routable` is cached between changes; after every kind of change it equals a fresh scan."""
+    clock = Clock()
+    reg = registry(clock)
+
+    def check(*want: str) -> None:
+        fresh = [e.engine_id for e in reg.engines.values() if e.role == Role.PREFILL and e.routable]
+        got = [e.engine_id for e in reg.routable(Role.PREFILL)]
+        assert got == fresh == list(want)
+
+    a0 = reg.register(hello("p0", tp_rank=0))
+    check()
+    a1 = reg.register(hello("p0", tp_rank=1))
+    check("p0")
+    reg.routable(Role.PREFILL).clear()  # a copy: the cached answer is not the caller's list
+    check("p0")
+    b0 = reg.register(hello("p1", tp_size=1))
+    check("p0", "p1")
+    reg.update_load("p1", LoadInfo(num_running=1), draining=True)
+    check("p0")
+    reg.update_load("p1", LoadInfo(num_running=1), draining=False)
+    check("p0", "p1")
+    assert reg.disconnect(RankId("p0", 1), a1.rank.conn_id)
+    check("p1")
+    reg.register(hello("p0", tp_rank=1))  # the rank reconnects
+    check("p0", "p1")
+    clock.now += 6
+    assert reg.touch(RankId("p0", 0), a0.rank.conn_id)
+    assert reg.expire() == [RankId("p0", 1), RankId("p1", 0)]
+    check()
+    assert reg.touch(RankId("p1", 0), b0.rank.conn_id)
+    check("p1")
+    reg.register(hello("p1", tp_size=1, epoch=8))  # a new epoch fences the old one
+    check("p1")
+    assert reg.remove_engine("p1") is not None
+    check()
