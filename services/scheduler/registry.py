@@ -211,7 +211,7 @@ class EngineRegistry:
                         return (f"{name} {mine} != {other} of engine {theirs.engine_id}: every engine of a cluster "
                                 f"must run one {name.replace('_', ' ')} (--dtype / --device)")
                 break
-        return "model, dtype, device kind, KV layout, block size or hash seed differ"
+        return "model, dtype, device kind, KV layout, KV transport (--kv-transport), block size or hash seed differ"
 
     def check(self, h: RankHello) -> None:
         """Raises RegistrationError when `h` would be refused; changes nothing."""

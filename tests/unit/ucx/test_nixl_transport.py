@@ -71,7 +71,22 @@ def test_the_kv_transport_is_in_the_compatibility_hash() -> None:
     config = ModelConfig.from_dict(raw, dtype="float32")
     spec = make_kv_cache_spec(config, block_size=16, memory_bytes=1 << 20)
     tag = compatibility_hash(config, spec, "s")
-    assert compatibility_hash(config, spec, "s", "ucx-tag") == tag != compatibility_hash(config, spec, "s", "nixl")
+    nixl = compatibility_hash(config, spec, "s", "nixl")
+    assert compatibility_hash(config, spec, "s", "ucx-tag") == tag != nixl
+
+    # The scheduler refuses the second engine at registration, and its reason names the setting.
+    from services.scheduler.registry import EngineRegistry, RankHello, RegistrationError, Role
+
+    registry = EngineRegistry(block_size=16, hash_seed="s", heartbeat_timeout_s=5.0)
+
+    def rank_hello(engine_id: str, compat: str) -> RankHello:
+        return RankHello(engine_id=engine_id, role=Role.PREFILL, epoch=1, tp_rank=0, tp_size=1,
+                         compatibility_hash=compat, engine_address="127.0.0.1:9000", handshake_metadata=b"m")
+
+    registry.register(rank_hello("tag", tag))
+    with pytest.raises(RegistrationError, match=r"compatibility hash .*KV transport \(--kv-transport\)"):
+        registry.register(rank_hello("nixl", nixl))
+    assert registry.engine("nixl") is None
 
 
 def test_a_pair_on_different_kv_transports_is_refused_with_the_reason() -> None:
