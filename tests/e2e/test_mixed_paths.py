@@ -110,9 +110,9 @@ def test_short_prompts_go_decode_local_long_ones_remote_and_outputs_match(
 
         local = asyncio.run(_run(c.target, [reuse_local], 1))[0]
         assert local.path_reason == "decode_local:decode_has_prefix", local
-        # (Usage.cached_tokens of a decode-local request is taken before the engine's prefix
-        # lookup and reads 0: the decision's 8 uncached tokens are the evidence here.)
         assert local.decode_engine_id == holder, (local.decode_engine_id, holder)
+        # Usage.cached_tokens of a decode-local request: its engine's own prefix-cache hit.
+        assert local.cached_tokens >= full - BLOCK and local.transferred_tokens == 0, local
         remote = asyncio.run(_run(c.target, [reuse_remote], 1))[0]
         assert remote.path_reason.startswith("remote:"), remote.path_reason
         assert remote.decode_engine_id == holder, (remote.decode_engine_id, holder)

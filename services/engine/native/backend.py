@@ -296,8 +296,10 @@ class NativeBackend:
         engine.add_request(rid, prompt, request.sampling,
                            mode=RequestMode.REMOTE_KV if descriptor is not None else RequestMode.NORMAL,
                            output_token_ids=request.output_token_ids)
-        cached = info["cached"] = engine.num_local_cached_tokens(rid)
         if descriptor is not None:
+            # A remote-KV request looks up its local prefix when added; a decode-local one only
+            # when first scheduled, so its count comes with its first output (`_deltas`).
+            cached = info["cached"] = engine.num_local_cached_tokens(rid)
             bs = self.config.block_size
             local = engine.get_block_ids(rid)[cached // bs: -(-len(prompt) // bs)]
             self._connector().queue_pull(rid, descriptor, local, request.trace_carrier)
@@ -309,7 +311,8 @@ class NativeBackend:
             out = (await pending.queue.get()).output
             delta = TokenDelta(out.new_token_ids, out.text_delta, out.finish_reason)
             if first:
-                delta.num_cached_tokens = info.get("cached", 0) + self._connector().pop_external_tokens(rid)
+                cached = info.get("cached", out.num_cached_tokens)
+                delta.num_cached_tokens = cached + self._connector().pop_external_tokens(rid)
                 delta.num_transferred_tokens = info.get("transferred", 0)
                 first = False
             yield delta
