@@ -27,6 +27,7 @@ import inspect
 import ipaddress
 import logging
 import os
+import ssl
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -122,6 +123,49 @@ class ServerSecurity:
 
         return grpc.dynamic_ssl_server_credentials(self._configuration(), fetch,
                                                    require_client_authentication=self.require_client_cert)
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """An `ssl.SSLContext` for a port that is not gRPC's (the HTTP API), with the rotation
+        contract of `credentials()`: at every new TLS handshake the files' modification times
+        are compared, and a changed set that loads is served from then on (a half-written
+        rotation keeps the previous files in use). OpenSSL calls the server-name callback for
+        every ClientHello, with or without SNI, so that is where a connection is handed the
+        current context. ValueError naming the setting when the files cannot be loaded now."""
+        stamp = [self._stamp()]
+        current = [self._ssl_context()]
+
+        def pick(conn: ssl.SSLObject | ssl.SSLSocket, server_name: str | None, context: ssl.SSLContext) -> None:
+            now = self._stamp()
+            if now != stamp[0]:
+                try:
+                    fresh = self._ssl_context()
+                except ValueError as e:
+                    logger.warning("TLS files changed but cannot be loaded (keeping the old ones): %s", e)
+                else:
+                    fresh.sni_callback = pick
+                    current[0], stamp[0] = fresh, now
+                    logger.info("TLS certificate files changed: serving the new ones")
+            if context is not current[0]:
+                conn.context = current[0]
+
+        current[0].sni_callback = pick
+        return current[0]
+
+    def _ssl_context(self) -> ssl.SSLContext:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            context.load_cert_chain(self.cert, self.key)
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(f"tls_cert, tls_key: cannot load {self.cert} with {self.key}: {e}") from None
+        if self.ca:
+            try:
+                context.load_verify_locations(self.ca)
+            except (OSError, ssl.SSLError) as e:
+                raise ValueError(f"tls_ca: cannot load {self.ca}: {e}") from None
+        context.verify_mode = ssl.CERT_REQUIRED if self.require_client_cert else ssl.CERT_NONE
+        context.set_alpn_protocols(["http/1.1"])
+        return context
 
     def _configuration(self) -> Any:
         ca = read_pem(self.ca, "tls_ca") if self.ca else None

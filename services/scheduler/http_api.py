@@ -19,7 +19,8 @@ Contracts:
   engine legs are aborted and the prefill blocks released, as for a cancelled gRPC stream.
 - Auth, per-client rate and stream limits are the gRPC client API's (`ServerGuard.admit` /
   `open_stream`): one budget per client across both APIs. TLS uses the client API's
-  certificate files (read at start; rotating them needs a restart, unlike the gRPC ports).
+  certificate files and, like the gRPC ports, serves rotated files from the next handshake
+  (`ServerSecurity.ssl_context`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import ssl
 import uuid
 from collections.abc import AsyncGenerator, Callable, Iterator
 from typing import Any
@@ -316,7 +316,11 @@ class HttpApi:
                                 lifespan="off", server_header=False, interface="asgi3",
                                 # The peer address is the client key of the rate limits: never
                                 # taken from X-Forwarded-For.
-                                proxy_headers=False, **_tls_settings(security))
+                                proxy_headers=False)
+        config.load()
+        if security is not None:
+            # Our context, not uvicorn's: it serves rotated certificate files without a restart.
+            config.ssl = security.ssl_context()
         server = _Server(config)
         self._server = server
         # uvicorn binds itself: asyncio sets TCP_NODELAY only on sockets it created for TCP (a
@@ -371,9 +375,4 @@ class _Server(uvicorn.Server):
         yield
 
 
-def _tls_settings(security: ServerSecurity | None) -> dict[str, Any]:
-    if security is None:
-        return {}
-    return {"ssl_certfile": security.cert, "ssl_keyfile": security.key, "ssl_ca_certs": security.ca or None,
-            "ssl_cert_reqs": ssl.CERT_REQUIRED if security.require_client_cert else ssl.CERT_NONE}
 

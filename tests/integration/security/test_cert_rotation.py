@@ -79,3 +79,66 @@ async def test_scheduler_redials_engines_after_its_certificate_rotates(tmp_path:
         assert channels.stub(engine) is rotated  # type: ignore[arg-type]
     finally:
         await channels.close()
+
+
+async def _tls_handshake(port: int, pki_dir: Path) -> bool:
+    """Whether a client holding `pki_dir`'s CA and client identity completes a mutual-TLS
+    exchange with the server on `port` (the server writes one byte after its handshake)."""
+    import asyncio
+    import ssl
+
+    client = ssl.create_default_context(cafile=str(pki_dir / "ca.crt"))
+    client.load_cert_chain(str(pki_dir / "client.crt"), str(pki_dir / "client.key"))
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client)
+    except (ssl.SSLError, ConnectionError):
+        return False
+    try:
+        return await asyncio.wait_for(reader.read(1), 5) == b"k"
+    except (ssl.SSLError, ConnectionError):
+        return False
+    finally:
+        writer.close()
+
+
+async def test_the_http_ports_ssl_context_serves_rotated_files_too(tmp_path: Path) -> None:
+    # The HTTP API's TLS (ServerSecurity.ssl_context), on a plain asyncio TLS server, by IP
+    # address: no SNI is sent, so the per-handshake check must not depend on it.
+    import asyncio
+
+    old, new = make_local_pki(tmp_path / "old"), make_local_pki(tmp_path / "new", ca_name="rotated CA")
+    live = tmp_path / "live"
+    live.mkdir()
+    for name in ("ca.crt", "server.crt", "server.key"):
+        shutil.copy(old.directory / name, live / name)
+    security = ServerSecurity(str(live / "server.crt"), str(live / "server.key"), str(live / "ca.crt"),
+                              require_client_cert=True)
+
+    async def answer(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"k")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0, ssl=security.ssl_context())
+    port = server.sockets[0].getsockname()[1]
+    try:
+        assert await _tls_handshake(port, old.directory)
+        assert not await _tls_handshake(port, new.directory)
+        (live / "server.key").write_text("not a key")  # a half-written rotation: the old files stay in use
+        os.utime(live / "server.key", ns=(1, 1))
+        assert await _tls_handshake(port, old.directory)
+        for name in ("ca.crt", "server.crt", "server.key"):
+            shutil.copy(new.directory / name, live / name)
+        assert await _tls_handshake(port, new.directory)
+        assert not await _tls_handshake(port, old.directory)
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def test_unloadable_files_fail_the_ssl_context_with_the_setting_named(tmp_path: Path) -> None:
+    pki = make_local_pki(tmp_path)
+    with pytest.raises(ValueError, match="tls_cert, tls_key: cannot load .*missing.crt"):
+        ServerSecurity(str(tmp_path / "missing.crt"), str(pki.server_key), str(pki.ca_cert), True).ssl_context()
+    with pytest.raises(ValueError, match="tls_ca: cannot load .*missing-ca.crt"):
+        ServerSecurity(str(pki.server_cert), str(pki.server_key), str(tmp_path / "missing-ca.crt"), True).ssl_context()
