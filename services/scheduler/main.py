@@ -43,15 +43,20 @@ async def serve(config: SchedulerConfig) -> int:
     registry = CollectorRegistry()
     service = SchedulerService(config, prometheus=registry)
     metrics_server = start_metrics_server(config.metrics_port, registry, config.host) if config.metrics_port else None
-    await service.start()
-    settle_gc()
+    started = asyncio.Event()
 
     async def drain() -> None:
+        await started.wait()  # a signal during start-up drains once the ports are up
         clean = await service.drain()
         if not clean:
             logger.warning("drain timed out with %d requests in flight", len(service.generation.flights))
 
+    # Before start(): its gRPC ports report SERVING before the HTTP API is up, and a SIGTERM in
+    # between must still drain and exit 0, not kill the process with buffered spans unexported.
     done = install_drain_handler(drain)
+    await service.start()
+    started.set()
+    settle_gc()
     try:
         await done.wait()
     finally:
