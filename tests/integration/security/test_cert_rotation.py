@@ -24,15 +24,36 @@ async def check(port: int, security: ChannelSecurity) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-async def test_rotated_files_are_served_without_a_restart(tmp_path: Path) -> None:
+_FILES = ("ca.crt", "server.crt", "server.key")
+
+
+def _live_pki(tmp_path: Path) -> tuple[Path, Path, Path, ServerSecurity]:
+    """Two PKIs (old, new: another CA) and a `live` directory serving the old one's files."""
     old, new = make_local_pki(tmp_path / "old"), make_local_pki(tmp_path / "new", ca_name="rotated CA")
     live = tmp_path / "live"
     live.mkdir()
-    for name in ("ca.crt", "server.crt", "server.key"):
+    for name in _FILES:
         shutil.copy(old.directory / name, live / name)
+    security = ServerSecurity(str(live / "server.crt"), str(live / "server.key"), str(live / "ca.crt"),
+                              require_client_cert=True)
+    return old.directory, new.directory, live, security
+
+
+def _half_rotate(live: Path) -> None:
+    """A half-written rotation: the key changed (new mtime) but cannot be loaded."""
+    (live / "server.key").write_text("not a key")
+    os.utime(live / "server.key", ns=(1, 1))
+
+
+def _rotate(live: Path, to: Path) -> None:
+    for name in _FILES:
+        shutil.copy(to / name, live / name)
+
+
+async def test_rotated_files_are_served_without_a_restart(tmp_path: Path) -> None:
+    old, new, live, security = _live_pki(tmp_path)
     server = ServiceServer(["pdserve.v1.Generation"])
-    port = server.bind("127.0.0.1", 0, ServerSecurity(str(live / "server.crt"), str(live / "server.key"),
-                                                       str(live / "ca.crt"), require_client_cert=True))
+    port = server.bind("127.0.0.1", 0, security)
     await server.start()
 
     def client(pki_dir: Path) -> ChannelSecurity:
@@ -40,15 +61,13 @@ async def test_rotated_files_are_served_without_a_restart(tmp_path: Path) -> Non
                                key=str(pki_dir / "client.key"))
 
     try:
-        assert await check(port, client(old.directory)) == grpc.StatusCode.OK
-        assert await check(port, client(new.directory)) == grpc.StatusCode.UNAVAILABLE
-        (live / "server.key").write_text("not a key")  # a half-written rotation: the old files stay in use
-        os.utime(live / "server.key", ns=(1, 1))
-        assert await check(port, client(old.directory)) == grpc.StatusCode.OK
-        for name in ("ca.crt", "server.crt", "server.key"):
-            shutil.copy(new.directory / name, live / name)
-        assert await check(port, client(new.directory)) == grpc.StatusCode.OK
-        assert await check(port, client(old.directory)) == grpc.StatusCode.UNAVAILABLE
+        assert await check(port, client(old)) == grpc.StatusCode.OK
+        assert await check(port, client(new)) == grpc.StatusCode.UNAVAILABLE
+        _half_rotate(live)  # the old files stay in use
+        assert await check(port, client(old)) == grpc.StatusCode.OK
+        _rotate(live, new)
+        assert await check(port, client(new)) == grpc.StatusCode.OK
+        assert await check(port, client(old)) == grpc.StatusCode.UNAVAILABLE
     finally:
         await server.stop(0)
 
@@ -106,13 +125,7 @@ async def test_the_http_ports_ssl_context_serves_rotated_files_too(tmp_path: Pat
     # address: no SNI is sent, so the per-handshake check must not depend on it.
     import asyncio
 
-    old, new = make_local_pki(tmp_path / "old"), make_local_pki(tmp_path / "new", ca_name="rotated CA")
-    live = tmp_path / "live"
-    live.mkdir()
-    for name in ("ca.crt", "server.crt", "server.key"):
-        shutil.copy(old.directory / name, live / name)
-    security = ServerSecurity(str(live / "server.crt"), str(live / "server.key"), str(live / "ca.crt"),
-                              require_client_cert=True)
+    old, new, live, security = _live_pki(tmp_path)
 
     async def answer(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.write(b"k")
@@ -122,15 +135,13 @@ async def test_the_http_ports_ssl_context_serves_rotated_files_too(tmp_path: Pat
     server = await asyncio.start_server(answer, "127.0.0.1", 0, ssl=security.ssl_context())
     port = server.sockets[0].getsockname()[1]
     try:
-        assert await _tls_handshake(port, old.directory)
-        assert not await _tls_handshake(port, new.directory)
-        (live / "server.key").write_text("not a key")  # a half-written rotation: the old files stay in use
-        os.utime(live / "server.key", ns=(1, 1))
-        assert await _tls_handshake(port, old.directory)
-        for name in ("ca.crt", "server.crt", "server.key"):
-            shutil.copy(new.directory / name, live / name)
-        assert await _tls_handshake(port, new.directory)
-        assert not await _tls_handshake(port, old.directory)
+        assert await _tls_handshake(port, old)
+        assert not await _tls_handshake(port, new)
+        _half_rotate(live)  # the old files stay in use
+        assert await _tls_handshake(port, old)
+        _rotate(live, new)
+        assert await _tls_handshake(port, new)
+        assert not await _tls_handshake(port, old)
     finally:
         server.close()
         await server.wait_closed()
