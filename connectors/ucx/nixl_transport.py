@@ -110,6 +110,10 @@ def block_indices(segments: tuple[Segment, ...], *, remote: bool) -> np.ndarray:
     order, as int32 indices into a `strided_list`: index i of the reader's list receives index
     i of the writer's. NIXL merges consecutive descriptors, so a run of whole blocks is still
     one copy."""
+    if len(segments) == 1:
+        seg = segments[0]
+        first = seg.remote_block if remote else seg.local_block
+        return np.arange(first, first + seg.num_blocks, dtype=np.int32)
     firsts = np.fromiter((s.remote_block if remote else s.local_block for s in segments), np.int64, len(segments))
     counts = np.fromiter((s.num_blocks for s in segments), np.int64, len(segments))
     starts = np.cumsum(counts) - counts
