@@ -22,7 +22,9 @@ after one warm-up. The GB/s columns are the mean over ranks of the median of the
 ratio is paired: per round, hetero / equal of that round's two samples (each the mean of its
 ranks' GB/s), and the row shows the median of these ratios with their interquartile range
 (goal: median >= 0.9). Pairing the samples takes out the host's drift (other load, frequency)
-that a ratio of two separately taken medians keeps.
+that a ratio of two separately taken medians keeps. Each sample starts once the ranks of the
+one before have gone idle (`SETTLE_S`), so that no pairing is measured beside another's
+polling ranks.
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ from typing import Any
 from connectors.head_map import mapping_problem, num_local_heads, read_plan, readers_of
 
 PAIRINGS = ("hetero", "equal")
+# Pause after each sample, longer than a pinned writer's polling window (the connector's
+# _EXPECT_PULL_S, 20 ms) and a reader's spin after its last completion (~3 ms): the next
+# sample, of another pairing, then runs beside idle ranks instead of the last one's pollers
+# (4 polling writers after a 4 -> 1 sample slowed the equal sample after it).
+SETTLE_S = 0.03
 TRANSPORTS = ("ucx-tag", "nixl")
 
 
@@ -249,6 +256,7 @@ def _measure(shape: TpShape, p: int, d: int, sizes: list[int], iters: int,
             for i in range(iters + 1):
                 for k in round_order(order, i):
                     seconds = pairings[k].sample(n, f"{n}-{i}")
+                    time.sleep(SETTLE_S)
                     if i:
                         out[k][n].append(seconds)
             print(f"  {n} blocks: " + ", ".join(f"{k} {statistics.median(max(s) for s in out[k][n]) * 1e3:.1f} ms"

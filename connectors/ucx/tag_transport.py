@@ -251,7 +251,10 @@ class UcxTagTransport(KVTransport):
             if ((self._pending or self._lanes or self._pulls) and now - last_busy < _PENDING_SPIN_S) or now < self._expect_until:
                 os.sched_yield()
                 continue
-            if idle_rounds > _SPIN_ROUNDS and self._worker.arm():
+            if idle_rounds <= _SPIN_ROUNDS:
+                os.sched_yield()  # (releases the GIL: a thread woken by a result takes it now)
+                continue
+            if self._worker.arm():
                 timeout = _PENDING_WAIT_S if self._pending or self._lanes or self._pulls else _IDLE_WAIT_S
                 try:
                     select.select([efd, self._wake_r], [], [], timeout)
