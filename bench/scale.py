@@ -89,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sim-procs", type=int, default=2, help="engine-simulator processes")
     parser.add_argument("--heartbeat-interval", type=float, default=1.0, help="scheduler heartbeat interval (s)")
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0, help="scheduler heartbeat timeout (s)")
-    parser.add_argument("--scheduler-loop", default="uvloop",
+    parser.add_argument("--scheduler-loop", default="asyncio",
                         help="comma-separated event loops of the scheduler process (its --event-loop: uvloop, "
                              "asyncio); each rank count runs once per loop, in the order given, side by side")
     parser.add_argument("--plot", default="", help="write a PNG of the figures against ranks to this path")
