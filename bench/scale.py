@@ -76,11 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="worker events once per engine step from rank 0 (StepReport.merged_event_ranks; "
                              "other ranks report only transfer results) or from every rank (the "
                              "pre-issue-18 protocol)")
-    parser.add_argument("--transfer-per", choices=["rank", "engine"], default="rank",
-                        help="transfer results from every rank (as pdserve's engines report today) or once per "
-                             "engine from rank 0 for all its ranks (StepReport.merged_transfer_ranks: what an "
-                             "engine whose ranks' results are gathered in one process, e.g. vLLM's executor, "
-                             "can send)")
+    parser.add_argument("--transfer-per", default="rank",
+                        help="comma-separated: rank (every rank reports its transfer results, as pdserve's "
+                             "engines do today) and/or engine (rank 0 reports them once for all its ranks, "
+                             "StepReport.merged_transfer_ranks: what an engine whose ranks' results meet in one "
+                             "process, e.g. vLLM's executor, can send); each rank count runs once per value")
     parser.add_argument("--request-rate", type=float, default=0.25,
                         help="Generate requests per second per engine")
     parser.add_argument("--prompt-blocks", type=int, default=8, help="prompt length in KV blocks of 16 tokens")
@@ -547,7 +547,7 @@ def _wait_serving(port: int, proc: subprocess.Popen[str], timeout: float = 60.0)
     raise RuntimeError(f"bench scale: the scheduler did not listen on {port} within {timeout} s")
 
 
-def _point(args: argparse.Namespace, ranks: int, event_loop: str) -> dict[str, Any]:
+def _point(args: argparse.Namespace, ranks: int, event_loop: str, transfer_per: str) -> dict[str, Any]:
     from services.common.config import SchedulerConfig
     from services.local_cluster import free_port
 
@@ -575,7 +575,7 @@ def _point(args: argparse.Namespace, ranks: int, event_loop: str) -> dict[str, A
                                 f"127.0.0.1:{control}", "--first", str(first), "--count", str(count), "--tp",
                                 str(args.tp), "--step-hz", str(args.step_hz), "--events-per-step",
                                 str(args.events_per_step), "--report-per", args.report_per,
-                                "--transfer-per", args.transfer_per,
+                                "--transfer-per", transfer_per,
                                 "--duration", str(args.duration), "--heartbeat-interval",
                                 str(args.heartbeat_interval), "--hash-seed", hash_seed]))
         procs += sims
@@ -623,7 +623,7 @@ def _point(args: argparse.Namespace, ranks: int, event_loop: str) -> dict[str, A
     left = {x for s in sim_out for x in s["left"]}
     ended = [x for s in sim_out for x in s["streams_ended"]]
     seconds = w1 - w0
-    return {"ranks": ranks, "event_loop": event_loop, "engines": engines, "seconds": seconds, "setup_s": setup_s,
+    return {"ranks": ranks, "event_loop": event_loop, "transfer_per": transfer_per, "engines": engines, "seconds": seconds, "setup_s": setup_s,
             "requests_sent": got["sent"], "requests_ok": len(got["results"]), "request_errors": got["errors"],
             "routing_decisions_per_s": len(got["results"]) / got["seconds"],
             "overhead_p50_ms": percentile(overheads, 50), "overhead_p99_ms": percentile(overheads, 99),
@@ -695,15 +695,20 @@ def run(args: argparse.Namespace) -> int:
     if not loops or any(x not in EVENT_LOOPS for x in loops):
         raise ValueError(f"--scheduler-loop: expected a comma-separated list of {', '.join(EVENT_LOOPS)}, "
                          f"got {args.scheduler_loop!r}")
+    transfers = [x.strip() for x in args.transfer_per.split(",") if x.strip()]
+    if not transfers or any(x not in ("rank", "engine") for x in transfers):
+        raise ValueError(f"--transfer-per: expected a comma-separated list of rank, engine, got {args.transfer_per!r}")
     points = []
     for n in sizes:
         for loop in loops:
-            print(f"bench scale: {n} ranks, scheduler on {loop} (a fresh scheduler; registration, then "
-                  f"{args.duration:g} s measured) ...", file=sys.stderr, flush=True)
-            points.append(_point(args, n, loop))
-            p = points[-1]
-            print(f"bench scale: {p['ranks']} ranks on {loop} done: setup {p['setup_s']:.0f} s, overhead p50 "
-                  f"{p['overhead_p50_ms']:.2f} ms, false down {p['false_down']}", file=sys.stderr, flush=True)
+            for transfer in transfers:
+                what = f"{n} ranks, scheduler on {loop}, transfer results per {transfer}"
+                print(f"bench scale: {what} (a fresh scheduler; registration, then {args.duration:g} s measured) ...",
+                      file=sys.stderr, flush=True)
+                points.append(_point(args, n, loop, transfer))
+                p = points[-1]
+                print(f"bench scale: {what} done: setup {p['setup_s']:.0f} s, overhead p50 "
+                      f"{p['overhead_p50_ms']:.2f} ms, false down {p['false_down']}", file=sys.stderr, flush=True)
     config = {k: getattr(args, k) for k in ("scheduler_loop", "tp", "duration", "step_hz", "events_per_step", "report_per",
                                             "transfer_per", "request_rate",
                                             "prompt_blocks", "output_tokens", "sim_procs", "heartbeat_interval",
@@ -713,8 +718,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace, points: list[dict[str, Any]], config: dict[str, Any],
             load: list[float] | None) -> int:
-    last = points[-1]  # growth compares points of the last-listed scheduler loop
-    first = next(p for p in points if p.get("event_loop") == last.get("event_loop"))
+    last = points[-1]  # growth compares points of the last-listed scheduler loop and transfer mode
+    first = next(p for p in points if (p.get("event_loop"), p.get("transfer_per"))
+                 == (last.get("event_loop"), last.get("transfer_per")))
     growth = {k: (last[k] / first[k] if first[k] else None)
               for k in ("overhead_p50_ms", "overhead_p99_ms", "events_per_s", "cpu_ms_per_rank_s", "rss_mib",
                         "routing_decisions_per_s")}
@@ -729,10 +735,11 @@ def _report(args: argparse.Namespace, points: list[dict[str, Any]], config: dict
     print(f"Scheduler at scale: tp {config.get('tp')}, {config.get('step_hz')} steps/s per engine x "
           f"{config.get('events_per_step')} events per rank report, {config.get('request_rate')} req/s per engine "
           f"(load average at the end {load[0] if load else float('nan'):.1f})")
-    print(f"  {'ranks':>6} {'loop':>7} {'req/s':>7} {'ovh p50':>8} {'ovh p99':>8} {'events/s':>9} {'reports/s':>10} "
+    print(f"  {'ranks':>6} {'loop':>7} {'xfer':>6} {'req/s':>7} {'ovh p50':>8} {'ovh p99':>8} {'events/s':>9} {'reports/s':>10} "
           f"{'CPU ms/rank/s':>14} {'sched/gen CPU':>13} {'RSS MiB':>8} {'false down':>10} {'errors':>7}")
     for p in points:
-        print(f"  {p['ranks']:>6} {p.get('event_loop', 'asyncio'):>7} {p['routing_decisions_per_s']:>7.1f} {p['overhead_p50_ms']:>8.2f} "
+        print(f"  {p['ranks']:>6} {p.get('event_loop', 'asyncio'):>7} {p.get('transfer_per', 'rank'):>6} "
+              f"{p['routing_decisions_per_s']:>7.1f} {p['overhead_p50_ms']:>8.2f} "
               f"{p['overhead_p99_ms']:>8.2f} {p['events_per_s']:>9.0f} {p['rank_reports_per_s']:>10.0f} "
               f"{p['cpu_ms_per_rank_s']:>14.3f} "
               f"{p['scheduler_cpu_share']:>6.2f}/{p.get('load_generator_cpu_share', float('nan')):<6.2f} "

@@ -50,7 +50,7 @@ def test_bench_scale_quick(capsys: pytest.CaptureFixture[str], tmp_path: Path) -
         assert key in result
     point = result["points"][0]
     assert result["ranks"] == 8 and point["engines"] == 4 and point["event_loop"] == "uvloop"
-    assert result["config"]["transfer_per"] == "engine"
+    assert result["config"]["transfer_per"] == point["transfer_per"] == "engine"
     assert result["false_down"] == 0 and point["request_errors"] == {}
     assert point["requests_ok"] == point["requests_sent"] > 0
     assert result["events_per_s"] > 0 and point["rank_reports_per_s"] > 0
@@ -67,3 +67,5 @@ def test_bench_scale_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> No
     assert "every value must be >= 2" in capsys.readouterr().err
     assert main(["bench", "scale", "--scheduler-loop", "asyncio,trio"]) == 2
     assert "--scheduler-loop: expected a comma-separated list of uvloop, asyncio" in capsys.readouterr().err
+    assert main(["bench", "scale", "--transfer-per", "rank,node"]) == 2
+    assert "--transfer-per: expected a comma-separated list of rank, engine" in capsys.readouterr().err
