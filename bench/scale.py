@@ -647,7 +647,11 @@ def _point(args: argparse.Namespace, ranks: int, event_loop: str, transfer_per: 
 
 
 def _plot(points: list[dict[str, Any]], path: str) -> None:
+    """Draws the points of the last (scheduler loop, transfer mode) run against ranks."""
     import matplotlib
+
+    last = (points[-1].get("event_loop"), points[-1].get("transfer_per"))
+    points = [p for p in points if (p.get("event_loop"), p.get("transfer_per")) == last]
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -738,7 +742,7 @@ def _report(args: argparse.Namespace, points: list[dict[str, Any]], config: dict
     print(f"  {'ranks':>6} {'loop':>7} {'xfer':>6} {'req/s':>7} {'ovh p50':>8} {'ovh p99':>8} {'events/s':>9} {'reports/s':>10} "
           f"{'CPU ms/rank/s':>14} {'sched/gen CPU':>13} {'RSS MiB':>8} {'false down':>10} {'errors':>7}")
     for p in points:
-        print(f"  {p['ranks']:>6} {p.get('event_loop', 'asyncio'):>7} {p.get('transfer_per', 'rank'):>6} "
+        print(f"  {p['ranks']:>6} {p.get('event_loop', 'asyncio'):>7} {p.get('transfer_per', config.get('transfer_per', 'rank')):>6} "
               f"{p['routing_decisions_per_s']:>7.1f} {p['overhead_p50_ms']:>8.2f} "
               f"{p['overhead_p99_ms']:>8.2f} {p['events_per_s']:>9.0f} {p['rank_reports_per_s']:>10.0f} "
               f"{p['cpu_ms_per_rank_s']:>14.3f} "
