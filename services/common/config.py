@@ -100,8 +100,8 @@ class SchedulerConfig:
     lease_s: float = opt(30.0, "prefill KV lease assumed when a descriptor states none")
     drain_timeout_s: float = opt(60.0, "longest SIGTERM drain (in-flight requests finish) before exiting")
     log_level: str = opt("INFO", "logging level")
-    event_loop: str = opt("asyncio", "the process's event loop: uvloop (libuv; lower per-call cost on the request "
-                                    "path) or asyncio (the standard library's)")
+    event_loop: str = opt("asyncio", "the process's event loop: asyncio (the standard library's) or uvloop "
+                                     "(libuv's; measured no better for grpc aio here, docs/benchmarks.md)")
     # Security (services/common/security.py; docs/architecture.md "Security").
     tls_cert: str = opt("", "PEM certificate of the scheduler (server identity, and client identity towards engines)")
     tls_key: str = opt("", "PEM private key of tls_cert")

@@ -1,4 +1,4 @@
-"""The scheduler process on uvloop (its default `--event-loop`): every server and client it runs
+"""The scheduler process on uvloop (`--event-loop uvloop`): every server and client it runs
 works there — the three gRPC servers, a rank's control stream, the HTTP API, the ZMQ publisher —
 and SIGTERM still drains and exits 0. One real `pdserve scheduler` process; about 4 s."""
 
