@@ -241,16 +241,29 @@ class WorkerEventDecoder:
 def merged_event_ranks(report: pb.StepReport, own: int, num_ranks: int) -> tuple[int, ...]:
     """The other ranks whose worker events `report` carries (StepReport.merged_event_ranks);
     ValueError for a rank outside the engine, a repeat, or the sender itself."""
-    ranks = tuple(report.merged_event_ranks)
+    return _other_ranks("merged_event_ranks", tuple(report.merged_event_ranks), own, num_ranks)
+
+
+def merged_transfer_ranks(report: pb.StepReport, own: int, num_ranks: int) -> tuple[int, ...]:
+    """The other ranks whose transfer results `report` carries (StepReport.merged_transfer_ranks);
+    ValueError for a rank outside the engine, a repeat, the sender itself, or a list on a
+    report without transfer results."""
+    ranks = _other_ranks("merged_transfer_ranks", tuple(report.merged_transfer_ranks), own, num_ranks)
+    if ranks and not (report.finished_sending or report.finished_recving or report.failed_recving):
+        raise ValueError("merged_transfer_ranks without transfer results")
+    return ranks
+
+
+def _other_ranks(name: str, ranks: tuple[int, ...], own: int, num_ranks: int) -> tuple[int, ...]:
     if not ranks:
         return ()
     if len(set(ranks)) != len(ranks):
-        raise ValueError(f"merged_event_ranks repeats a rank: {list(ranks)}")
+        raise ValueError(f"{name} repeats a rank: {list(ranks)}")
     for r in ranks:
         if r >= num_ranks:
-            raise ValueError(f"merged_event_ranks: rank {r} is not one of the engine's {num_ranks} ranks")
+            raise ValueError(f"{name}: rank {r} is not one of the engine's {num_ranks} ranks")
         if r == own:
-            raise ValueError(f"merged_event_ranks names the sender's own rank {own}")
+            raise ValueError(f"{name} names the sender's own rank {own}")
     return ranks
 
 
@@ -292,6 +305,9 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         # Told in Welcome: a report may carry its engine's other ranks' identical worker events
         # (StepReport.merged_event_ranks): one message per engine step instead of one per rank.
         self.accepts_merged_worker_events = True
+        # Told in Welcome: a report may carry its engine's other ranks' identical transfer
+        # results (StepReport.merged_transfer_ranks): a transfer done on every rank is one message.
+        self.accepts_merged_transfer_results = True
         # How long a closed rank stream may take to come back before its engine is down.
         self.reconnect_grace_s = min(heartbeat_interval_s, registry.heartbeat_timeout_s)
         self.telemetry = telemetry or SchedulerTelemetry()
@@ -572,7 +588,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                              max_reports_per_message=self.max_reports_per_message,
                              accepts_packed_worker_events=self.accepts_packed_worker_events,
                              ack_interval_ms=int(self.ack_interval_s * 1000),
-                             accepts_merged_worker_events=self.accepts_merged_worker_events)
+                             accepts_merged_worker_events=self.accepts_merged_worker_events,
+                             accepts_merged_transfer_results=self.accepts_merged_transfer_results)
         return pb.SchedulerMessage(welcome=welcome)
 
     async def _read(self, conn: RankConnection, request_iterator: AsyncIterator[pb.RankMessage]) -> None:
@@ -668,6 +685,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         nothing applied)."""
         own = _global_rank(engine, rank_id)
         merged = merged_event_ranks(report, own, engine.tp_size * engine.pp_size)
+        transfer_ranks = merged_transfer_ranks(report, own, engine.tp_size * engine.pp_size)
         # Copies of these events still to come from other ranks (none when this report merges them).
         uses = engine.tp_size * engine.pp_size - len(merged)
         events = self.worker_events.decode(engine.engine_id, engine.epoch, uses, report)
@@ -689,6 +707,11 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                                                     output_from_proto(report, ())))
         else:
             result = self.aggregator.add_report(engine.engine_id, engine.epoch, own, output)
+        if transfer_ranks:
+            # The sender's transfer results count once for each listed rank too (a rank the
+            # aggregator already counted for an id is not counted again).
+            result.merge(self.aggregator.add_reports(engine.engine_id, engine.epoch,
+                                                     dict.fromkeys(transfer_ranks, output_from_proto(report, ()))))
         ref = EngineRef(engine.engine_id, engine.epoch)
         outcomes: list[TransferOutcome] = []
         for request_id in result.finished_recving:
