@@ -5,6 +5,10 @@ pull (`transport.pieces`: one per coalesced run of whole blocks, or one per bloc
 range when the TP sizes differ) becomes one row of a NIXL descriptor list, and the whole list
 moves as one READ posted from C over NIXL's UCX backend (CMA on one host, RDMA across hosts).
 The writer does no per-piece work: it validates the pull and waits for the reader's `done`.
+The reader describes each region to NIXL once (`prep_xfer_dlist` of a `strided_list`: one per
+head range and side, made on its first READ, a peer's released when it is removed) and builds
+each READ with `make_prepped_xfer` from block indices (`block_indices`), so the per-READ setup
+does not grow with the blocks' descriptor list.
 
 Control stays on the tag transport's CTRL messages (`UcxTagTransport`, subclassed here), so
 validation, refusal, renewal and release are the tag transport's, message for message:
