@@ -22,7 +22,9 @@ Contracts:
   Welcome) per ReportBatch message, acknowledged once per message (or less often: the
   scheduler may throttle Acks; they are cumulative). Worker events are encoded once into
   `packed_worker_events` when the scheduler's Welcome accepts that (else, and for a report
-  resent to a scheduler that does not, as `worker_events`). A report may carry the identical
+  resent to a scheduler that does not, as `worker_events`); a step's events that are all
+  BlockStored of one medium and group with int hashes go as `compact_worker_events` to a
+  scheduler that accepts that (resent to one that does not: as packed, or plain, events). A report may carry the identical
   worker events of other ranks of its engine (`StepReport.merged_event_ranks`, global ranks),
   gathered by the caller over the engine's own collective, only while the Welcome's
   `accepts_merged_worker_events` is true (else `report` raises ValueError); resent to a
@@ -56,6 +58,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from connectors import compact_events
 from connectors.kv_events import KVCacheEvent, KVEventBatch, event_to_proto
 from pdserve.v1 import control_pb2 as pb
 from pdserve.v1 import control_pb2_grpc, kv_events_pb2
@@ -135,6 +138,8 @@ class Welcome:
     accepts_packed_worker_events: bool = False
     # Whether a report may carry other ranks' worker events (StepReport.merged_event_ranks).
     accepts_merged_worker_events: bool = False
+    # Whether the scheduler takes a step's BlockStored in compact form (compact_worker_events).
+    accepts_compact_worker_events: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +220,7 @@ def message_from_proto(m: pb.SchedulerMessage) -> ControlMessage | None:
         return Welcome([RankIdentity.from_proto(r) for r in w.expected_ranks], [_peer(p) for p in w.peers],
                        w.last_acked_seq, w.heartbeat_interval_ms / 1000.0, w.scheduler_id,
                        max(1, w.max_reports_per_message), w.accepts_packed_worker_events,
-                       w.accepts_merged_worker_events)
+                       w.accepts_merged_worker_events, w.accepts_compact_worker_events)
     if kind == "peer_update":
         return PeerUpdate([_peer(p) for p in m.peer_update.joined],
                           [RankIdentity.from_proto(r) for r in m.peer_update.left])
@@ -228,14 +233,19 @@ def message_from_proto(m: pb.SchedulerMessage) -> ControlMessage | None:
     return None
 
 
-def report_to_proto(seq: int, r: StepReport, identity: RankIdentity, *, packed: bool = False) -> pb.StepReport:
-    """The report as protobuf; `packed` encodes the worker events once into
-    `packed_worker_events` (for a scheduler that accepts it) instead of `worker_events`."""
-    events = [event_to_proto(e) for e in r.worker_events]
+def report_to_proto(seq: int, r: StepReport, identity: RankIdentity, *, packed: bool = False,
+                    compact: bool = False) -> pb.StepReport:
+    """The report as protobuf; `compact` encodes worker events that qualify (BlockStored of
+    one medium and group, int hashes) once into `compact_worker_events`, `packed` the others
+    into `packed_worker_events` (each for a scheduler that accepts it), else `worker_events`."""
     msg = pb.StepReport(seq=seq, finished_sending=r.finished_sending, finished_recving=r.finished_recving,
                         failed_recving=r.failed_recving, invalid_block_ids=r.invalid_block_ids,
                         worker_metadata=r.worker_metadata, merged_event_ranks=r.merged_event_ranks)
-    if packed and events:
+    c = compact_events.encode(r.worker_events) if compact else None
+    events = [] if c is not None else [event_to_proto(e) for e in r.worker_events]
+    if c is not None:
+        msg.compact_worker_events.CopyFrom(compact_events.to_proto(c))
+    elif packed and events:
         msg.packed_worker_events = kv_events_pb2.EventBatch(events=events).SerializeToString()
     else:
         msg.worker_events.extend(events)
@@ -319,7 +329,8 @@ class ControlClient:
             self._seq += 1
             seq = self._seq
             packed = self.welcome is not None and self.welcome.accepts_packed_worker_events
-            self._unacked[seq] = report_to_proto(seq, report, self.hello.identity, packed=packed)
+            compact = self.welcome is not None and self.welcome.accepts_compact_worker_events
+            self._unacked[seq] = report_to_proto(seq, report, self.hello.identity, packed=packed, compact=compact)
             while len(self._unacked) > self.max_unacked:
                 del self._unacked[next(iter(self._unacked))]
                 self.num_dropped += 1
@@ -494,6 +505,11 @@ class ControlClient:
         while not self._closed:
             with self._lock:
                 pending = [m for s, m in self._unacked.items() if s > sent_upto]
+            if self.welcome is not None and not self.welcome.accepts_compact_worker_events:
+                for m in pending:  # compact for a scheduler that was replaced by an older one
+                    if m.HasField("compact_worker_events"):
+                        m.packed_worker_events = m.compact_worker_events.events_wire
+                        m.ClearField("compact_worker_events")
             if self.welcome is not None and not self.welcome.accepts_packed_worker_events:
                 for m in pending:  # packed for a scheduler that was replaced by an older one
                     if m.packed_worker_events:

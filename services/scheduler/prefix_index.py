@@ -294,6 +294,22 @@ class InMemoryPrefixIndex:
                 self._drop(engine_id, event.medium)
         return True
 
+    def apply_stored(self, engine_id: str, epoch: int, medium: str | None, hashes: list[int],
+                     sizes: list[int]) -> bool:
+        """`apply` of BlockStored events of one medium given by their int hashes (in order) and
+        the number of hashes of each: the same state afterwards, no object per event."""
+        if self.is_dead_epoch(engine_id, epoch):
+            self._stats.num_stale_events += len(sizes)
+            return False
+        self.begin_epoch(engine_id, epoch)
+        medium = medium or DEFAULT_MEDIUM
+        if len(sizes) == 1 or not self._store_new(hashes, engine_id, medium):
+            offset = 0
+            for size in sizes:
+                self._store(hashes[offset:offset + size], engine_id, medium)
+                offset += size
+        return True
+
     def remove_engine(self, engine_id: str) -> None:
         self._drop(engine_id, None)
         for key in [k for k in self._slots if k[0] == engine_id]:

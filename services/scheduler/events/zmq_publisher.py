@@ -30,7 +30,9 @@ from dataclasses import replace
 
 import zmq
 
+from connectors.compact_events import zmq_payload
 from connectors.kv_events import KVEventBatch
+from services.scheduler.event_sink import CompactBatch
 from services.scheduler.events.republisher import EventRepublisher, SequencedBatch
 
 logger = logging.getLogger(__name__)
@@ -123,7 +125,13 @@ class ZmqEventPublisher:
     def payload_of(self, sb: SequencedBatch) -> bytes:
         payload = sb.wire.get(self._wire_key)
         if payload is None:
-            payload = encode_payload(sb.batch, legacy=self.legacy)
+            b = sb.batch
+            if type(b) is CompactBatch and not self.legacy:
+                # The rank's own msgpack of the events, framed: the bytes encode_payload gives.
+                dp = 0 if b.data_parallel_rank is None else b.data_parallel_rank
+                payload = zmq_payload(b.compact.msgpack_events, b.ts, dp)
+            else:
+                payload = encode_payload(b, legacy=self.legacy)
             sb.wire[self._wire_key] = payload
         return payload
 

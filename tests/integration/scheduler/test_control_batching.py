@@ -132,6 +132,8 @@ async def test_packed_worker_events_are_decoded_once_and_republished_as_sent(har
     from services.scheduler.events.republisher import SequencedBatch
     from services.scheduler.events.servicer import batch_to_proto, encode_item
 
+    assert harness.servicer is not None
+    harness.servicer.accepts_compact_worker_events = False  # the packed path: a scheduler before compact events
     ranks = [await harness.connect(hello("p0", "prefill", tp_rank=r, tp_size=2, epoch=77)) for r in range(2)]
     assert all(c.welcome is not None and c.welcome.accepts_packed_worker_events for c in ranks)
     events = [BlockStored((h,), None, (), 16, medium=MEDIUM_CPU_OFFLOAD) for h in (11, 12, 13)]
