@@ -179,7 +179,8 @@ async def _grpc_subscriber(target: str, stats: SubStats, latencies: list[float],
     from services.common.grpc_server import insecure_channel
 
     async with insecure_channel(target) as channel:
-        call = pb_grpc.KVEventsStub(channel).Subscribe(pb.SubscribeRequest())
+        # Batches that are ready together come in one message (the subscriber is behind).
+        call = pb_grpc.KVEventsStub(channel).Subscribe(pb.SubscribeRequest(max_batches_per_message=64))
         reader = asyncio.ensure_future(_grpc_read(call, pb, stats, latencies))
         await stop.wait()
         await asyncio.sleep(1.0)
@@ -199,8 +200,9 @@ async def _grpc_read(call: Any, pb: Any, stats: SubStats, latencies: list[float]
             continue
         if snapshot:
             continue
-        b = msg.batch
-        stats.seen(b.seq, len(b.events), b.events[0].block_stored.block_hashes[0], time.time(), latencies)
+        now = time.time()
+        for b in msg.batches if msg.batches else (msg.batch,):
+            stats.seen(b.seq, len(b.events), b.events[0].block_stored.block_hashes[0], now, latencies)
 
 
 async def _zmq_subscriber(ctx: zmq.asyncio.Context, endpoint: str, stats: SubStats, latencies: list[float],
