@@ -105,7 +105,7 @@ def test_prefix_routing_follows_vllm_block_pool_events(cluster: LocalCluster, zm
     import zmq
     from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
-    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(zmq_endpoint)
     try:
@@ -122,7 +122,7 @@ def test_prefix_routing_follows_vllm_block_pool_events(cluster: LocalCluster, zm
                 assert result.prefill_engine_id == holders[name], f"prefix {name} left its engine"
                 assert result.cached_tokens >= 3 * BLOCK, result
         decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        stored = []
+        stored: list[BlockStored] = []
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not stored:
             if sub.poll(500):

@@ -42,7 +42,7 @@ def tiny_tp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cfg = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                       initializer_range=0.1, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-                      torch_dtype="float32")
+                      dtype="float32")
     torch.manual_seed(7)
     path = tmp_path_factory.mktemp("tiny-tp-llama")
     LlamaForCausalLM(cfg).eval().save_pretrained(path)
