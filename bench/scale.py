@@ -23,6 +23,12 @@ demo model's tokenizer facts) and:
   processes that write at once, while here one event loop writes the engine's reports one
   after another; that spread is the simulator's own time and is reported apart
   (`sim_rank_spread_p50_ms`/`_p99_ms`), not charged to the control plane.
+- `--transfer-per rank` (default: what pdserve's engines send today) has every rank report its
+  own finished transfers; `--transfer-per engine` has rank 0 report them once for all its ranks
+  (`StepReport.merged_transfer_ranks`), as an engine whose ranks' results meet in one process
+  (vLLM's executor aggregates its workers' KVConnectorOutputs) can.
+- `--scheduler-loop asyncio,uvloop` runs every point once per scheduler event loop
+  (`pdserve scheduler --event-loop`), side by side.
 - one client process sending Generate requests (token-id prompts sharing `--prefixes` prefixes,
   `--request-rate` requests/s per engine) and one KVEvents gRPC subscriber counting events.
 
@@ -51,6 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.common.event_loop import EVENT_LOOPS
+
 _MODULE = "bench.scale"
 _COMPAT = "bench-scale"
 _BLOCK = 16
@@ -68,6 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="worker events once per engine step from rank 0 (StepReport.merged_event_ranks; "
                              "other ranks report only transfer results) or from every rank (the "
                              "pre-issue-18 protocol)")
+    parser.add_argument("--transfer-per", default="rank",
+                        help="comma-separated: rank (every rank reports its transfer results, as pdserve's "
+                             "engines do today) and/or engine (rank 0 reports them once for all its ranks, "
+                             "StepReport.merged_transfer_ranks: what an engine whose ranks' results meet in one "
+                             "process, e.g. vLLM's executor, can send); each rank count runs once per value")
     parser.add_argument("--request-rate", type=float, default=0.25,
                         help="Generate requests per second per engine")
     parser.add_argument("--prompt-blocks", type=int, default=8, help="prompt length in KV blocks of 16 tokens")
@@ -76,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sim-procs", type=int, default=2, help="engine-simulator processes")
     parser.add_argument("--heartbeat-interval", type=float, default=1.0, help="scheduler heartbeat interval (s)")
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0, help="scheduler heartbeat timeout (s)")
+    parser.add_argument("--scheduler-loop", default="asyncio",
+                        help="comma-separated event loops of the scheduler process (its --event-loop: uvloop, "
+                             "asyncio); each rank count runs once per loop, in the order given, side by side")
     parser.add_argument("--plot", default="", help="write a PNG of the figures against ranks to this path")
     parser.add_argument("--from-json", default="",
                         help="print (and --plot) a saved `--json` result instead of running")
@@ -200,6 +216,8 @@ class SimEngine:
 
     def _report(self, rank: _Rank, worker: bytes = b"", engine_hashes: list[int] | None = None,
                 merged: range | None = None) -> None:
+        """One report of `rank`: its pending transfer results (for every rank of the engine with
+        `--transfer-per engine`), `worker` events (for the `merged` ranks too), engine events."""
         rank.last_sent = time.monotonic()
         from connectors.kv_events import BlockStored, event_to_proto
         from pdserve.v1 import control_pb2 as cpb
@@ -208,6 +226,8 @@ class SimEngine:
         rank.seq += 1
         report = cpb.StepReport(seq=rank.seq, finished_sending=rank.sending, finished_recving=rank.recving)
         rank.sending, rank.recving = [], []
+        if self.args.transfer_per == "engine" and (report.finished_sending or report.finished_recving):
+            report.merged_transfer_ranks.extend(r for r in range(self.tp) if r != rank.index)
         if worker:  # encoded once per step, as ControlClient does for a scheduler that accepts it
             report.packed_worker_events = worker
             if merged:
@@ -265,8 +285,13 @@ class SimEngine:
             await asyncio.sleep(beat_s)
 
     def transfer_done_on_every_rank(self, request_id: str, sending: bool) -> None:
-        for rank in self.ranks:
+        """Every rank finished its part: each reports it, or rank 0 for all (`--transfer-per engine`)."""
+        for rank in self.reporting_ranks():
             (rank.sending if sending else rank.recving).append(request_id)
+
+    def reporting_ranks(self) -> list[_Rank]:
+        """The ranks that report a transfer result (rank 0 alone with `--transfer-per engine`)."""
+        return self.ranks[:1] if self.args.transfer_per == "engine" else self.ranks
 
     async def stop(self) -> None:
         for rank in self.ranks:
@@ -319,7 +344,8 @@ class _EngineApi:
                 e.kv_waiters[request.request_id] = waiter
                 t0 = time.monotonic()
                 handed = e.recv_handed[request.request_id] = []
-                for rank in e.ranks:
+                reporting = e.reporting_ranks()
+                for rank in reporting:
                     rank.recving.append(request.request_id)
                     e._report(rank)
                 try:
@@ -331,8 +357,8 @@ class _EngineApi:
                 # The control-plane round trip starts when the last rank's report left (a real
                 # engine's ranks are processes writing at once; here one loop writes all of them
                 # one after another, which is the simulator's time, reported apart).
-                last = max(handed) if len(handed) == e.tp else t0
-                e.stats["kv_untimed_ranks"] += len(handed) != e.tp  # not every rank's report seen
+                last = max(handed) if len(handed) == len(reporting) else t0
+                e.stats["kv_untimed_ranks"] += len(handed) != len(reporting)  # not every report seen
                 e.stats["kv_wait_ms"][client_id] = (done - last) * 1e3
                 e.stats["kv_spread_ms"][client_id] = (last - t0) * 1e3
                 if not ok:
@@ -521,7 +547,7 @@ def _wait_serving(port: int, proc: subprocess.Popen[str], timeout: float = 60.0)
     raise RuntimeError(f"bench scale: the scheduler did not listen on {port} within {timeout} s")
 
 
-def _point(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
+def _point(args: argparse.Namespace, ranks: int, event_loop: str, transfer_per: str) -> dict[str, Any]:
     from services.common.config import SchedulerConfig
     from services.local_cluster import free_port
 
@@ -534,7 +560,7 @@ def _point(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
                     str(events), "--metrics-port", "0", "--routing-policy", "prefix", "--log-level", "WARNING",
                     "--heartbeat-interval-s", str(args.heartbeat_interval),
                     "--heartbeat-timeout-s", str(args.heartbeat_timeout),
-                    "--max-queue-per-engine", "4096",
+                    "--max-queue-per-engine", "4096", "--event-loop", event_loop,
                     # every request takes the disaggregated path: its transfer is control-plane work
                     "--path-policy", "remote"], stdin=False)
     procs: list[subprocess.Popen[str]] = [sched]
@@ -549,6 +575,7 @@ def _point(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
                                 f"127.0.0.1:{control}", "--first", str(first), "--count", str(count), "--tp",
                                 str(args.tp), "--step-hz", str(args.step_hz), "--events-per-step",
                                 str(args.events_per_step), "--report-per", args.report_per,
+                                "--transfer-per", transfer_per,
                                 "--duration", str(args.duration), "--heartbeat-interval",
                                 str(args.heartbeat_interval), "--hash-seed", hash_seed]))
         procs += sims
@@ -596,7 +623,7 @@ def _point(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
     left = {x for s in sim_out for x in s["left"]}
     ended = [x for s in sim_out for x in s["streams_ended"]]
     seconds = w1 - w0
-    return {"ranks": ranks, "engines": engines, "seconds": seconds, "setup_s": setup_s,
+    return {"ranks": ranks, "event_loop": event_loop, "transfer_per": transfer_per, "engines": engines, "seconds": seconds, "setup_s": setup_s,
             "requests_sent": got["sent"], "requests_ok": len(got["results"]), "request_errors": got["errors"],
             "routing_decisions_per_s": len(got["results"]) / got["seconds"],
             "overhead_p50_ms": percentile(overheads, 50), "overhead_p99_ms": percentile(overheads, 99),
@@ -620,7 +647,11 @@ def _point(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
 
 
 def _plot(points: list[dict[str, Any]], path: str) -> None:
+    """Draws the points of the last (scheduler loop, transfer mode) run against ranks."""
     import matplotlib
+
+    last = (points[-1].get("event_loop"), points[-1].get("transfer_per"))
+    points = [p for p in points if (p.get("event_loop"), p.get("transfer_per")) == last]
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -664,15 +695,26 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--tp and --sim-procs must be >= 1, --duration and --step-hz > 0")
     if not 0 <= args.events_per_step <= 128:
         raise ValueError(f"--events-per-step must be in 0..128, got {args.events_per_step}")
+    loops = [x.strip() for x in args.scheduler_loop.split(",") if x.strip()]
+    if not loops or any(x not in EVENT_LOOPS for x in loops):
+        raise ValueError(f"--scheduler-loop: expected a comma-separated list of {', '.join(EVENT_LOOPS)}, "
+                         f"got {args.scheduler_loop!r}")
+    transfers = [x.strip() for x in args.transfer_per.split(",") if x.strip()]
+    if not transfers or any(x not in ("rank", "engine") for x in transfers):
+        raise ValueError(f"--transfer-per: expected a comma-separated list of rank, engine, got {args.transfer_per!r}")
     points = []
     for n in sizes:
-        print(f"bench scale: {n} ranks (a fresh scheduler; registration, then {args.duration:g} s measured) ...",
-              file=sys.stderr, flush=True)
-        points.append(_point(args, n))
-        p = points[-1]
-        print(f"bench scale: {p['ranks']} ranks done: setup {p['setup_s']:.0f} s, overhead p50 "
-              f"{p['overhead_p50_ms']:.2f} ms, false down {p['false_down']}", file=sys.stderr, flush=True)
-    config = {k: getattr(args, k) for k in ("tp", "duration", "step_hz", "events_per_step", "report_per", "request_rate",
+        for loop in loops:
+            for transfer in transfers:
+                what = f"{n} ranks, scheduler on {loop}, transfer results per {transfer}"
+                print(f"bench scale: {what} (a fresh scheduler; registration, then {args.duration:g} s measured) ...",
+                      file=sys.stderr, flush=True)
+                points.append(_point(args, n, loop, transfer))
+                p = points[-1]
+                print(f"bench scale: {what} done: setup {p['setup_s']:.0f} s, overhead p50 "
+                      f"{p['overhead_p50_ms']:.2f} ms, false down {p['false_down']}", file=sys.stderr, flush=True)
+    config = {k: getattr(args, k) for k in ("scheduler_loop", "tp", "duration", "step_hz", "events_per_step", "report_per",
+                                            "transfer_per", "request_rate",
                                             "prompt_blocks", "output_tokens", "sim_procs", "heartbeat_interval",
                                             "heartbeat_timeout")}
     return _report(args, points, config, list(os.getloadavg()))
@@ -680,7 +722,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace, points: list[dict[str, Any]], config: dict[str, Any],
             load: list[float] | None) -> int:
-    first, last = points[0], points[-1]
+    last = points[-1]  # growth compares points of the last-listed scheduler loop and transfer mode
+    first = next(p for p in points if (p.get("event_loop"), p.get("transfer_per"))
+                 == (last.get("event_loop"), last.get("transfer_per")))
     growth = {k: (last[k] / first[k] if first[k] else None)
               for k in ("overhead_p50_ms", "overhead_p99_ms", "events_per_s", "cpu_ms_per_rank_s", "rss_mib",
                         "routing_decisions_per_s")}
@@ -695,10 +739,11 @@ def _report(args: argparse.Namespace, points: list[dict[str, Any]], config: dict
     print(f"Scheduler at scale: tp {config.get('tp')}, {config.get('step_hz')} steps/s per engine x "
           f"{config.get('events_per_step')} events per rank report, {config.get('request_rate')} req/s per engine "
           f"(load average at the end {load[0] if load else float('nan'):.1f})")
-    print(f"  {'ranks':>6} {'req/s':>7} {'ovh p50':>8} {'ovh p99':>8} {'events/s':>9} {'reports/s':>10} "
+    print(f"  {'ranks':>6} {'loop':>7} {'xfer':>6} {'req/s':>7} {'ovh p50':>8} {'ovh p99':>8} {'events/s':>9} {'reports/s':>10} "
           f"{'CPU ms/rank/s':>14} {'sched/gen CPU':>13} {'RSS MiB':>8} {'false down':>10} {'errors':>7}")
     for p in points:
-        print(f"  {p['ranks']:>6} {p['routing_decisions_per_s']:>7.1f} {p['overhead_p50_ms']:>8.2f} "
+        print(f"  {p['ranks']:>6} {p.get('event_loop', 'asyncio'):>7} {p.get('transfer_per', config.get('transfer_per', 'rank')):>6} "
+              f"{p['routing_decisions_per_s']:>7.1f} {p['overhead_p50_ms']:>8.2f} "
               f"{p['overhead_p99_ms']:>8.2f} {p['events_per_s']:>9.0f} {p['rank_reports_per_s']:>10.0f} "
               f"{p['cpu_ms_per_rank_s']:>14.3f} "
               f"{p['scheduler_cpu_share']:>6.2f}/{p.get('load_generator_cpu_share', float('nan')):<6.2f} "
@@ -722,6 +767,7 @@ def _main() -> None:
     p.add_argument("--step-hz", type=float, default=2.0)
     p.add_argument("--events-per-step", type=int, default=16)
     p.add_argument("--report-per", choices=["engine", "rank"], default="rank")
+    p.add_argument("--transfer-per", choices=["engine", "rank"], default="rank")
     p.add_argument("--duration", type=float, default=1.0)
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
     p.add_argument("--hash-seed", default="")

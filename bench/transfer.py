@@ -104,7 +104,9 @@ class Row:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--out", default="bench-results", help="directory for transfer.json and transfer.png")
-    parser.add_argument("--iters", type=int, default=5, help="timed runs per case and method (median)")
+    parser.add_argument("--iters", type=int, default=0,
+                        help="timed runs per case and method (median; default 5, 21 with --prefill-tp/--decode-tp, "
+                             "whose ratio is the median of paired samples)")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="blocks of the single-request cases")
     parser.add_argument("--concurrent", type=int, default=32, help="requests of the concurrent case (0: none)")
@@ -131,9 +133,11 @@ def run(args: argparse.Namespace) -> int:
         from bench import transfer_tp
 
         args.kv_heads = args.kv_heads or 4
+        args.iters = args.iters or 21
         sizes = _int_list("16,64,256" if args.sizes == DEFAULT_SIZES else args.sizes)
         return transfer_tp.run(args, sizes)
     args.kv_heads = args.kv_heads or 3
+    args.iters = args.iters or 5
     cases = [Case(str(n), (n,)) for n in _int_list(args.sizes)]
     if args.concurrent:
         cases.append(Case(f"{args.concurrent}x{args.concurrent_blocks}", (args.concurrent_blocks,) * args.concurrent))

@@ -12,11 +12,19 @@ Two pairings of the same model and blocks, side by side in one run, samples inte
 Both pairings run on one KV transport (`--kv-transport`: ucx-tag or nixl), or with `both` each
 transport's two pairings run, all four interleaved (hetero / equal per transport; the ratio is
 always within one transport). Each decode rank receives the same bytes in every pairing (its
-heads of every block). A sample starts
-every decode rank's pulls at once and times each rank from its first `start_pull` to its last
-`finished_recving`; GB/s per decode rank is its bytes over its time, the row shows the mean
-over ranks of the median of `--iters` samples (after one warm-up), and the ratio is hetero /
-equal (goal >= 0.9).
+heads of every block). A sample starts every decode rank's pulls at once and times each rank
+from its first `start_pull` to its last `finished_recving`; GB/s per decode rank is its bytes
+over its time.
+
+A round takes one sample of every pairing, back to back, in the listed order on even rounds
+and reversed on odd ones (ABBA: neither pairing always goes first), `--iters` rounds per size
+after one warm-up. The GB/s columns are the mean over ranks of the median of the rounds. The
+ratio is paired: per round, hetero / equal of that round's two samples (each the mean of its
+ranks' GB/s), and the row shows the median of these ratios with their interquartile range
+(goal: median >= 0.9). Pairing the samples takes out the host's drift (other load, frequency)
+that a ratio of two separately taken medians keeps. Each sample starts once the ranks of the
+one before have gone idle (`SETTLE_S`), so that no pairing is measured beside another's
+polling ranks.
 """
 
 from __future__ import annotations
@@ -36,6 +44,11 @@ from typing import Any
 from connectors.head_map import mapping_problem, num_local_heads, read_plan, readers_of
 
 PAIRINGS = ("hetero", "equal")
+# Pause after each sample, longer than a pinned writer's polling window (the connector's
+# _EXPECT_PULL_S, 20 ms) and a reader's spin after its last completion (~3 ms): the next
+# sample, of another pairing, then runs beside idle ranks instead of the last one's pollers
+# (4 polling writers after a 4 -> 1 sample slowed the equal sample after it).
+SETTLE_S = 0.03
 TRANSPORTS = ("ucx-tag", "nixl")
 
 
@@ -85,9 +98,11 @@ def run(args: argparse.Namespace, sizes: list[int]) -> int:
     shape = TpShape(args.num_layers, kv_heads, args.head_dim, args.block_size, max(sizes))
     _log(args, f"prefill tp {p} -> decode tp {d}, {kv_heads} KV heads; equal-TP baseline tp {d} -> tp {d}; "
                f"transport {', '.join(transports)} ...")
-    medians = _measure(shape, p, d, sizes, args.iters, transports)
+    if args.iters < 1:
+        raise ValueError(f"--iters must be >= 1, got {args.iters}")
+    samples = _measure(shape, p, d, sizes, args.iters, transports)
     rank_bytes = shape.rank_block_nbytes(d)
-    summaries = {t: _summary(medians, t, shape, p, d, sizes, args.iters) for t in transports}
+    summaries = {t: _summary(samples, t, shape, p, d, sizes, args.iters) for t in transports}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for t, summary in summaries.items():
@@ -99,33 +114,51 @@ def run(args: argparse.Namespace, sizes: list[int]) -> int:
         return 0
     for t, summary in summaries.items():
         print(f"KV pull prefill tp {p} -> decode tp {d} vs tp {d} -> tp {d} on {t}, GB/s per decode rank "
-              f"(median of {args.iters}, mean over {d} rank(s))")
-        print(f"{'blocks':>7} {'MiB/rank':>9} {'hetero':>8} {'equal':>8} {'ratio':>6}")
+              f"(median of {args.iters}, mean over {d} rank(s)); ratio: median of {args.iters} paired rounds (IQR)")
+        print(f"{'blocks':>7} {'MiB/rank':>9} {'hetero':>8} {'equal':>8} {'ratio':>6} {'IQR':>11}")
         for r in summary["rows"]:
-            g = r["gbps_per_decode_rank"]
+            g, (q1, q3) = r["gbps_per_decode_rank"], r["ratio_iqr"]
             print(f"{r['blocks']:>7} {r['bytes_per_decode_rank'] / 2**20:9.1f} {g['hetero']:8.2f} "
-                  f"{g['equal']:8.2f} {r['ratio_hetero_vs_equal']:5.2f}x")
+                  f"{g['equal']:8.2f} {r['ratio_hetero_vs_equal']:5.2f}x {q1:5.2f}-{q3:4.2f}")
         print(f"min_ratio_hetero_vs_equal ({t}): {summary['min_ratio_hetero_vs_equal']:.2f}")
     print(f"wrote {out}/transfer_tp{p}to{d}*.json ({rank_bytes} bytes per decode-rank block)")
     return 0
 
 
-def _summary(medians: dict[str, dict[int, list[float]]], transport: str, shape: TpShape, p: int, d: int,
-             sizes: list[int], iters: int) -> dict[str, Any]:
+Samples = dict[str, dict[int, list[list[float]]]]  # pairing -> blocks -> rounds -> seconds per decode rank
+
+
+def _summary(samples: Samples, transport: str, shape: TpShape, p: int, d: int, sizes: list[int],
+             iters: int) -> dict[str, Any]:
+    """One transport's rows: GB/s per pairing (mean over ranks of each rank's median) and the
+    paired ratio (median and IQR over rounds of hetero / equal, each the mean of its ranks)."""
     rank_bytes = shape.rank_block_nbytes(d)
     rows: list[dict[str, Any]] = []
     for n in sizes:
-        gbps = {k: statistics.mean(n * rank_bytes / s / 1e9 for s in medians[f"{k}/{transport}"][n])
-                for k in PAIRINGS}
+        rounds = {k: samples[f"{k}/{transport}"][n] for k in PAIRINGS}
+        gbps = {k: statistics.mean(n * rank_bytes / statistics.median(r[rank] for r in rounds[k]) / 1e9
+                                   for rank in range(d)) for k in PAIRINGS}
+        ratios = [statistics.mean(n * rank_bytes / s for s in hetero) / statistics.mean(n * rank_bytes / s for s in equal)
+                  for hetero, equal in zip(rounds["hetero"], rounds["equal"], strict=True)]
+        q1, median, q3 = _quartiles(ratios)
         rows.append({"blocks": n, "bytes_per_decode_rank": n * rank_bytes, "gbps_per_decode_rank": gbps,
-                     "ratio_hetero_vs_equal": gbps["hetero"] / gbps["equal"]})
+                     "ratio_hetero_vs_equal": median, "ratio_iqr": [q1, q3], "paired_ratios": ratios})
     return {"prefill_tp": p, "decode_tp": d, "kv_heads": shape.kv_heads, "kv_transport": transport, "iters": iters,
             "decode_rank_block_nbytes": rank_bytes, "rows": rows,
             "min_ratio_hetero_vs_equal": min(r["ratio_hetero_vs_equal"] for r in rows)}
 
 
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    """(25th percentile, median, 75th percentile), linearly interpolated; one value is all three."""
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
 def plot(summary: dict[str, Any], path: Path) -> None:
-    """Bars of GB/s per decode rank, hetero vs equal, per size."""
+    """Bars of GB/s per decode rank, hetero vs equal, per size, each pair labelled with its
+    paired ratio (median, IQR)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -137,7 +170,13 @@ def plot(summary: dict[str, Any], path: Path) -> None:
                                       ("equal", f"tp {summary['decode_tp']} -> {summary['decode_tp']}"))):
         ax.bar([j + i * 0.4 for j in range(len(rows))], [r["gbps_per_decode_rank"][key] for r in rows], 0.4,
                label=label)
+    for j, r in enumerate(rows):
+        q1, q3 = r.get("ratio_iqr", (r["ratio_hetero_vs_equal"],) * 2)
+        top = max(r["gbps_per_decode_rank"].values())
+        ax.annotate(f"{r['ratio_hetero_vs_equal']:.2f}x\n({q1:.2f}-{q3:.2f})", (j + 0.2, top), ha="center",
+                    va="bottom", fontsize=8)
     ax.set_xticks([j + 0.2 for j in range(len(rows))], [f"{r['blocks']} blk" for r in rows])
+    ax.margins(y=0.2)
     ax.set_ylabel("GB/s per decode rank")
     ax.set_title(f"KV pull across TP sizes on {summary.get('kv_transport', 'ucx-tag')} "
                  f"({summary['kv_heads']} KV heads)")
@@ -199,9 +238,9 @@ class _Pairing:
 
 
 def _measure(shape: TpShape, p: int, d: int, sizes: list[int], iters: int,
-             transports: tuple[str, ...] = ("ucx-tag",)) -> dict[str, dict[int, list[float]]]:
-    """Per pairing ("hetero/<transport>", "equal/<transport>") and size: the median seconds of
-    each decode rank."""
+             transports: tuple[str, ...] = ("ucx-tag",)) -> Samples:
+    """Per pairing ("hetero/<transport>", "equal/<transport>") and size: every round's seconds
+    per decode rank (rounds in ABBA order, see the module docstring)."""
     pairings: dict[str, _Pairing] = {}
     try:
         for t in transports:
@@ -209,22 +248,30 @@ def _measure(shape: TpShape, p: int, d: int, sizes: list[int], iters: int,
             pairings[f"equal/{t}"] = _Pairing(f"equal/{t}", d, d, shape, t)
         for pairing in pairings.values():
             pairing.connect()
-        out: dict[str, dict[int, list[float]]] = {k: {} for k in pairings}
+        out: Samples = {k: {} for k in pairings}
+        order = list(pairings)
         for n in sizes:
-            samples: dict[str, list[list[float]]] = {k: [] for k in pairings}
-            for i in range(iters + 1):
-                for k, pairing in pairings.items():
-                    seconds = pairing.sample(n, f"{n}-{i}")
-                    if i:
-                        samples[k].append(seconds)
             for k in pairings:
-                out[k][n] = [statistics.median(s[r] for s in samples[k]) for r in range(d)]
-            print(f"  {n} blocks: " + ", ".join(f"{k} {max(out[k][n]) * 1e3:.1f} ms" for k in pairings),
-                  file=sys.stderr, flush=True)
+                out[k][n] = []
+            for i in range(iters + 1):
+                for k in round_order(order, i):
+                    seconds = pairings[k].sample(n, f"{n}-{i}")
+                    time.sleep(SETTLE_S)
+                    if i:
+                        out[k][n].append(seconds)
+            print(f"  {n} blocks: " + ", ".join(f"{k} {statistics.median(max(s) for s in out[k][n]) * 1e3:.1f} ms"
+                                                for k in pairings), file=sys.stderr, flush=True)
         return out
     finally:
         for pairing in pairings.values():
             pairing.close()
+
+
+def round_order(pairings: list[str], round_index: int) -> list[str]:
+    """The order the pairings sample in round `round_index`: as listed on even rounds, reversed
+    on odd ones (ABBA), so that each hetero / equal pair stays adjacent and neither goes first
+    every time."""
+    return pairings if round_index % 2 == 0 else pairings[::-1]
 
 
 def _call(conn: Connection, command: str, *args: Any) -> Any:

@@ -41,7 +41,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -97,6 +97,41 @@ def descriptor_rows(segments: tuple[Segment, ...], geometry: HeadGeometry, base:
     return np.array(rows, dtype=np.uint64).reshape(-1, 3)
 
 
+def strided_list(base: int, geometry: HeadGeometry, num_blocks: int, head: int, num_heads: int) -> np.ndarray:
+    """A prepared descriptor list of a region, in NIXL's compressed form (one Nx5 row: address,
+    length, device 0, stride, count): descriptor i is heads [head, head + num_heads) of block i
+    of the region at `base` (whole blocks when the range is all of a block's heads)."""
+    return np.array([[base + head * geometry.head_nbytes, num_heads * geometry.head_nbytes, 0,
+                      geometry.block_nbytes, num_blocks]], dtype=np.uint64)
+
+
+def block_indices(segments: tuple[Segment, ...], *, remote: bool) -> np.ndarray:
+    """The block ids `segments` move on one side (the writer's with `remote=True`), in wire
+    order, as int32 indices into a `strided_list`: index i of the reader's list receives index
+    i of the writer's. NIXL merges consecutive descriptors, so a run of whole blocks is still
+    one copy."""
+    if len(segments) == 1:
+        seg = segments[0]
+        first = seg.remote_block if remote else seg.local_block
+        return np.arange(first, first + seg.num_blocks, dtype=np.int32)
+    firsts = np.fromiter((s.remote_block if remote else s.local_block for s in segments), np.int64, len(segments))
+    counts = np.fromiter((s.num_blocks for s in segments), np.int64, len(segments))
+    starts = np.cumsum(counts) - counts
+    return (np.repeat(firsts - starts, counts) + np.arange(int(counts.sum()))).astype(np.int32)
+
+
+def head_span(segments: tuple[Segment, ...]) -> tuple[int, int, int] | None:
+    """(remote head, local head, count) that every segment reads, count 0 for whole blocks;
+    None when the segments read different head ranges (one READ cannot use one prepared list
+    per side for them)."""
+    first = segments[0]
+    span = (first.remote_head, first.local_head, first.num_heads) if first.num_heads else (0, 0, 0)
+    for seg in segments:
+        if ((seg.remote_head, seg.local_head, seg.num_heads) if seg.num_heads else (0, 0, 0)) != span:
+            return None
+    return span
+
+
 @dataclass(frozen=True, slots=True)
 class NixlAddress:
     """A rank's worker-address blob (see the module docstring): how to reach its control path
@@ -137,6 +172,13 @@ class NixlAddress:
 class _PeerRegion:
     agent: str  # the writer's NIXL agent name, once added
     address: NixlAddress
+    # Prepared descriptor lists of the writer's region by (first head, heads): made on the
+    # first READ of that head range, released when the peer is removed.
+    lists: dict[tuple[int, int], Any] = field(default_factory=dict)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.address.nbytes // self.address.geometry.block_nbytes if self.address.geometry.block_nbytes else 0
 
 
 class NixlTransport(UcxTagTransport):
@@ -171,6 +213,16 @@ class NixlTransport(UcxTagTransport):
         self._cancelled: list[Any] = []  # handles NIXL could not release yet (retried)
         self._accepted: set[int] = set()  # pulls the writer said `go` to, their READ still running
         self._read_done: set[int] = set()  # pulls whose READ completed before the writer's `go`
+        self._local_lists: dict[tuple[int, int], Any] = {}  # this region's prepared lists by head range
+        # Lists (and agents) of removed peers, released once no uncancelled READ may use them.
+        self._retired: list[tuple[list[Any], str | None]] = []
+
+    @property
+    def prepared_lists(self) -> int:
+        """Prepared NIXL descriptor lists held (this region's, live peers' and removed peers'
+        not yet released): bounded by the head ranges in use, whatever peers came and went."""
+        return (len(self._local_lists) + sum(len(r.lists) for r in self._regions.values())
+                + sum(len(lists) for lists, _ in self._retired))
 
     @property
     def worker_address(self) -> bytes:
@@ -182,6 +234,12 @@ class NixlTransport(UcxTagTransport):
             _release(handle)
         self._reads.clear()
         self._cancelled.clear()
+        for region in self._regions.values():
+            self._retired.append((list(region.lists.values()), None))
+        self._retired.append((list(self._local_lists.values()), None))
+        self._regions.clear()
+        self._local_lists.clear()
+        self._release_retired()
 
     # -- progress thread -----------------------------------------------------------------------
 
@@ -192,6 +250,7 @@ class NixlTransport(UcxTagTransport):
         busy = super()._reap()
         if self._cancelled:
             self._cancelled = [h for h in self._cancelled if not _release(h)]
+        self._release_retired()
         for xfer_id, handle in list(self._reads.items()):
             try:
                 state = self._agent.check_xfer_state(handle)
@@ -231,13 +290,41 @@ class NixlTransport(UcxTagTransport):
         self._regions[key] = _PeerRegion(agent, peer)
 
     def _do_remove_peer(self, key: PeerKey) -> None:
-        super()._do_remove_peer(key)
+        super()._do_remove_peer(key)  # fails its pulls first: their READs are cancelled
         region = self._regions.pop(key, None)
-        if region is not None and region.agent not in {r.agent for r in self._regions.values()}:
-            try:
-                self._agent.remove_remote_agent(region.agent)
-            except Exception as e:
-                logger.debug("%s: remove_remote_agent(%s): %s", self._name, region.agent, e)
+        if region is not None:
+            self._retired.append((list(region.lists.values()), region.agent))
+            self._release_retired()
+
+    def _release_retired(self) -> None:
+        """Releases removed peers' prepared lists, then their agents (unless added again), once
+        every cancelled READ is released: a READ NIXL could not cancel yet may still use them."""
+        if self._cancelled or not self._retired:
+            return
+        live = {r.agent for r in self._regions.values()}
+        for lists, agent in self._retired:
+            for handle in lists:
+                _release(handle)
+            if agent is not None and agent not in live:
+                try:
+                    self._agent.remove_remote_agent(agent)
+                except Exception as e:
+                    logger.debug("%s: remove_remote_agent(%s): %s", self._name, agent, e)
+        self._retired.clear()
+
+    def _lay_out(self, pull: _Pull) -> None:
+        """One piece per segment (its bytes on this side): a READ lands all of its op or, as far
+        as NIXL says, nothing (no per-block Python on the hot path)."""
+        head_nbytes = self._geometry.head_nbytes
+        for index, seg in enumerate(pull.op.segments):
+            offset = seg.local_block * self._block_nbytes + seg.local_head * head_nbytes * bool(seg.num_heads)
+            length = seg.num_blocks * (seg.num_heads * head_nbytes if seg.num_heads else self._block_nbytes)
+            pull.pieces.append((offset, length))
+            pull.piece_seg.append(index)
+            pull.seg_left.append(1)
+
+    def _data_target(self, pull: _Pull | None, index: int, length: int) -> Any:
+        return None  # a READ moves the bytes: a DATA message to this reader is a bad message
 
     def _do_pull(self, op: PullOp) -> None:
         super()._do_pull(op)  # validates locally, lays out the pieces, sends `pull`
@@ -262,15 +349,12 @@ class NixlTransport(UcxTagTransport):
         if region is None:
             self._finish(pull, "peer_unknown", notify_peer=False)
             return
-        peer = region.address
-        remote = descriptor_rows(pull.op.segments, peer.geometry, peer.base, remote=True)
-        if int((remote[:, 0] + remote[:, 1]).max()) > peer.base + peer.nbytes:
-            self._finish(pull, "out_of_range", notify_peer=True)
+        problem = self._read_problem(pull.op.segments, region)
+        if problem is not None:
+            self._finish(pull, problem, notify_peer=True)
             return
-        local = descriptor_rows(pull.op.segments, self._geometry, self._base, remote=False)
         try:
-            handle = self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(local, "DRAM"),
-                                                 self._agent.get_xfer_descs(remote, "DRAM"), region.agent)
+            handle = self._make_read(pull.op.segments, region)
             state = self._agent.transfer(handle)
         except Exception as e:
             # NIXL refuses to post to a disconnected agent: the writer died.
@@ -280,6 +364,45 @@ class NixlTransport(UcxTagTransport):
         self._reads[pull.op.xfer_id] = handle
         if state == "ERR":
             self._reap()
+
+    def _read_problem(self, segments: tuple[Segment, ...], region: _PeerRegion) -> str | None:
+        """Why `segments` cannot be read from the writer's region (checked here too: the READ
+        is posted before the writer validates the pull)."""
+        peer = region.address.geometry
+        for seg in segments:
+            if seg.remote_block < 0 or seg.remote_block + seg.num_blocks > region.num_blocks:
+                return "out_of_range"
+            if seg.num_heads == 0 and peer.block_nbytes != self._block_nbytes:
+                return "bad_segments"
+            if seg.num_heads and (seg.remote_head < 0 or seg.remote_head + seg.num_heads > peer.num_local_heads
+                                  or peer.head_nbytes != self._geometry.head_nbytes):
+                return "bad_segments"
+        return None
+
+    def _make_read(self, segments: tuple[Segment, ...], region: _PeerRegion) -> Any:
+        """The READ's handle: from both sides' prepared lists and block indices, or, when the
+        segments read different head ranges (no pairing of engines does this), from one-off
+        descriptor lists."""
+        span = head_span(segments)
+        peer = region.address
+        if span is None:
+            local = descriptor_rows(segments, self._geometry, self._base, remote=False)
+            remote = descriptor_rows(segments, peer.geometry, peer.base, remote=True)
+            return self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(local, "DRAM"),
+                                               self._agent.get_xfer_descs(remote, "DRAM"), region.agent)
+        remote_head, local_head, num_heads = span
+        remote_range = (remote_head, num_heads or peer.geometry.num_local_heads)
+        local_range = (local_head, num_heads or self._geometry.num_local_heads)
+        remote_list = region.lists.get(remote_range)
+        if remote_list is None:
+            remote_list = region.lists[remote_range] = self._agent.prep_xfer_dlist(
+                region.agent, strided_list(peer.base, peer.geometry, region.num_blocks, *remote_range), "DRAM")
+        local_list = self._local_lists.get(local_range)
+        if local_list is None:
+            local_list = self._local_lists[local_range] = self._agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", strided_list(self._base, self._geometry, self._num_blocks, *local_range), "DRAM")
+        return self._agent.make_prepped_xfer("READ", local_list, block_indices(segments, remote=False),
+                                             remote_list, block_indices(segments, remote=True))
 
     def _finish(self, pull: _Pull, reason: str | None, *, notify_peer: bool) -> None:
         self._cancel_read(pull.op.xfer_id)

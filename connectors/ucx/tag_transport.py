@@ -251,7 +251,10 @@ class UcxTagTransport(KVTransport):
             if ((self._pending or self._lanes or self._pulls) and now - last_busy < _PENDING_SPIN_S) or now < self._expect_until:
                 os.sched_yield()
                 continue
-            if idle_rounds > _SPIN_ROUNDS and self._worker.arm():
+            if idle_rounds <= _SPIN_ROUNDS:
+                os.sched_yield()  # (releases the GIL: a thread woken by a result takes it now)
+                continue
+            if self._worker.arm():
                 timeout = _PENDING_WAIT_S if self._pending or self._lanes or self._pulls else _IDLE_WAIT_S
                 try:
                     select.select([efd, self._wake_r], [], [], timeout)
@@ -376,16 +379,21 @@ class UcxTagTransport(KVTransport):
         if self._segments_problem(op.segments, remote=False) is not None:
             self._finish(pull, "bad_segments", notify_peer=False)
             return
-        for index, seg in enumerate(op.segments):
-            seg_pieces = self._pieces(seg, remote=False)
-            pull.pieces.extend(seg_pieces)
-            pull.piece_seg.extend([index] * len(seg_pieces))
-            pull.seg_left.append(len(seg_pieces))
+        self._lay_out(pull)
         self._send_ctrl(ep, {
             "k": "pull", "x": op.xfer_id, "rid": op.request_id, "eid": op.peer.engine_id, "ep": op.peer.epoch,
             "segs": [_segment_to_wire(s) for s in op.segments],
             "addr": self._address, "reader": _key_to_wire(self._reader_key()),
         })
+
+    def _lay_out(self, pull: _Pull) -> None:
+        """Fills `pull.pieces` (what arrives, by index), `piece_seg` and `seg_left`: here one
+        piece per DATA message (`pieces`)."""
+        for index, seg in enumerate(pull.op.segments):
+            seg_pieces = self._pieces(seg, remote=False)
+            pull.pieces.extend(seg_pieces)
+            pull.piece_seg.extend([index] * len(seg_pieces))
+            pull.seg_left.append(len(seg_pieces))
 
     def _reader_key(self) -> PeerKey:
         return self._local_key

@@ -100,6 +100,8 @@ class SchedulerConfig:
     lease_s: float = opt(30.0, "prefill KV lease assumed when a descriptor states none")
     drain_timeout_s: float = opt(60.0, "longest SIGTERM drain (in-flight requests finish) before exiting")
     log_level: str = opt("INFO", "logging level")
+    event_loop: str = opt("asyncio", "the process's event loop: asyncio (the standard library's) or uvloop "
+                                     "(libuv's; measured no better for grpc aio here, docs/benchmarks.md)")
     # Security (services/common/security.py; docs/architecture.md "Security").
     tls_cert: str = opt("", "PEM certificate of the scheduler (server identity, and client identity towards engines)")
     tls_key: str = opt("", "PEM private key of tls_cert")
@@ -137,6 +139,8 @@ class SchedulerConfig:
                      "path_prior_prefill_us_per_token", "path_prior_transfer_us_per_token"):
             _require(getattr(self, name) >= 0, name, "must be >= 0")
         _require(self.prefix_index_max_entries >= 1, "prefix_index_max_entries", "must be >= 1")
+        _require(self.event_loop in ("uvloop", "asyncio"), "event_loop",
+                 f"must be uvloop or asyncio, got {self.event_loop!r}")
         for name in ("port", "control_port", "events_port", "metrics_port", "health_port", "http_port"):
             _require(0 <= getattr(self, name) < 65536, name, "must be a TCP port (0..65535)")
         _validate_security(self, [("host", self.host)])

@@ -29,7 +29,11 @@ Contracts:
   gathered by the caller over the engine's own collective, only while the Welcome's
   `accepts_merged_worker_events` is true (else `report` raises ValueError); resent to a
   scheduler that no longer accepts them, their blocks are never whole there (under-reported,
-  never wrong).
+  never wrong). Likewise a report may carry the identical transfer results of other ranks
+  (`StepReport.merged_transfer_ranks`) only while the Welcome's
+  `accepts_merged_transfer_results` is true; resent to a scheduler that no longer accepts them,
+  those transfers never finish there (they fail over by the tracker's and the lease's
+  timeouts, as for a silent rank).
 - Heartbeats go every Welcome `heartbeat_interval`; a rank other than rank 0 skips a beat when
   it sent reports since its last one (every message counts as liveness for the scheduler; rank
   0's beats also carry the engine's load and draining flag, so it always beats).
@@ -140,6 +144,8 @@ class Welcome:
     accepts_merged_worker_events: bool = False
     # Whether the scheduler takes a step's BlockStored in compact form (compact_worker_events).
     accepts_compact_worker_events: bool = False
+    # Whether a report may carry other ranks' transfer results (StepReport.merged_transfer_ranks).
+    accepts_merged_transfer_results: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +203,10 @@ class StepReport:
     # Other ranks of this engine (pp_rank * tp_size + tp_rank) whose worker events of this step
     # are exactly `worker_events` (see the module docstring).
     merged_event_ranks: tuple[int, ...] = ()
+    # Other ranks of this engine whose transfer results of this step are exactly this report's
+    # finished_sending / finished_recving / failed_recving / invalid_block_ids (gathered by the
+    # sender; see the module docstring).
+    merged_transfer_ranks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,7 +230,8 @@ def message_from_proto(m: pb.SchedulerMessage) -> ControlMessage | None:
         return Welcome([RankIdentity.from_proto(r) for r in w.expected_ranks], [_peer(p) for p in w.peers],
                        w.last_acked_seq, w.heartbeat_interval_ms / 1000.0, w.scheduler_id,
                        max(1, w.max_reports_per_message), w.accepts_packed_worker_events,
-                       w.accepts_merged_worker_events, w.accepts_compact_worker_events)
+                       w.accepts_merged_worker_events, w.accepts_compact_worker_events,
+                       w.accepts_merged_transfer_results)
     if kind == "peer_update":
         return PeerUpdate([_peer(p) for p in m.peer_update.joined],
                           [RankIdentity.from_proto(r) for r in m.peer_update.left])
@@ -240,7 +251,8 @@ def report_to_proto(seq: int, r: StepReport, identity: RankIdentity, *, packed: 
     into `packed_worker_events` (each for a scheduler that accepts it), else `worker_events`."""
     msg = pb.StepReport(seq=seq, finished_sending=r.finished_sending, finished_recving=r.finished_recving,
                         failed_recving=r.failed_recving, invalid_block_ids=r.invalid_block_ids,
-                        worker_metadata=r.worker_metadata, merged_event_ranks=r.merged_event_ranks)
+                        worker_metadata=r.worker_metadata, merged_event_ranks=r.merged_event_ranks,
+                        merged_transfer_ranks=r.merged_transfer_ranks)
     c = compact_events.encode(r.worker_events) if compact else None
     events = [] if c is not None else [event_to_proto(e) for e in r.worker_events]
     if c is not None:
@@ -318,13 +330,21 @@ class ControlClient:
     def report(self, report: StepReport) -> int:
         """Queues a report (thread-safe) and returns its seq. ValueError (nothing queued): the
         report merges other ranks' events (`merged_event_ranks`) without worker events, or the
-        scheduler's Welcome does not accept merged events."""
+        scheduler's Welcome does not accept merged events; likewise for other ranks' transfer
+        results (`merged_transfer_ranks`) without transfer results or without the Welcome's
+        `accepts_merged_transfer_results`."""
         if report.merged_event_ranks:
             if not report.worker_events:
                 raise ValueError("merged_event_ranks without worker events")
             if self.welcome is None or not self.welcome.accepts_merged_worker_events:
                 raise ValueError("the scheduler does not accept merged worker events "
                                  "(Welcome.accepts_merged_worker_events)")
+        if report.merged_transfer_ranks:
+            if not (report.finished_sending or report.finished_recving or report.failed_recving):
+                raise ValueError("merged_transfer_ranks without transfer results")
+            if self.welcome is None or not self.welcome.accepts_merged_transfer_results:
+                raise ValueError("the scheduler does not accept merged transfer results "
+                                 "(Welcome.accepts_merged_transfer_results)")
         with self._lock:
             self._seq += 1
             seq = self._seq

@@ -247,16 +247,29 @@ class WorkerEventDecoder:
 def merged_event_ranks(report: pb.StepReport, own: int, num_ranks: int) -> tuple[int, ...]:
     """The other ranks whose worker events `report` carries (StepReport.merged_event_ranks);
     ValueError for a rank outside the engine, a repeat, or the sender itself."""
-    ranks = tuple(report.merged_event_ranks)
+    return _other_ranks("merged_event_ranks", tuple(report.merged_event_ranks), own, num_ranks)
+
+
+def merged_transfer_ranks(report: pb.StepReport, own: int, num_ranks: int) -> tuple[int, ...]:
+    """The other ranks whose transfer results `report` carries (StepReport.merged_transfer_ranks);
+    ValueError for a rank outside the engine, a repeat, the sender itself, or a list on a
+    report without transfer results."""
+    ranks = _other_ranks("merged_transfer_ranks", tuple(report.merged_transfer_ranks), own, num_ranks)
+    if ranks and not (report.finished_sending or report.finished_recving or report.failed_recving):
+        raise ValueError("merged_transfer_ranks without transfer results")
+    return ranks
+
+
+def _other_ranks(name: str, ranks: tuple[int, ...], own: int, num_ranks: int) -> tuple[int, ...]:
     if not ranks:
         return ()
     if len(set(ranks)) != len(ranks):
-        raise ValueError(f"merged_event_ranks repeats a rank: {list(ranks)}")
+        raise ValueError(f"{name} repeats a rank: {list(ranks)}")
     for r in ranks:
         if r >= num_ranks:
-            raise ValueError(f"merged_event_ranks: rank {r} is not one of the engine's {num_ranks} ranks")
+            raise ValueError(f"{name}: rank {r} is not one of the engine's {num_ranks} ranks")
         if r == own:
-            raise ValueError(f"merged_event_ranks names the sender's own rank {own}")
+            raise ValueError(f"{name} names the sender's own rank {own}")
     return ranks
 
 
@@ -303,6 +316,9 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         # also checks that the forms agree event by event (a full decode: tests, debugging).
         self.accepts_compact_worker_events = True
         self.verify_compact = False
+        # Told in Welcome: a report may carry its engine's other ranks' identical transfer
+        # results (StepReport.merged_transfer_ranks): a transfer done on every rank is one message.
+        self.accepts_merged_transfer_results = True
         # How long a closed rank stream may take to come back before its engine is down.
         self.reconnect_grace_s = min(heartbeat_interval_s, registry.heartbeat_timeout_s)
         self.telemetry = telemetry or SchedulerTelemetry()
@@ -584,7 +600,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                              accepts_packed_worker_events=self.accepts_packed_worker_events,
                              ack_interval_ms=int(self.ack_interval_s * 1000),
                              accepts_merged_worker_events=self.accepts_merged_worker_events,
-                             accepts_compact_worker_events=self.accepts_compact_worker_events)
+                             accepts_compact_worker_events=self.accepts_compact_worker_events,
+                             accepts_merged_transfer_results=self.accepts_merged_transfer_results)
         return pb.SchedulerMessage(welcome=welcome)
 
     async def _read(self, conn: RankConnection, request_iterator: AsyncIterator[pb.RankMessage]) -> None:
@@ -680,7 +697,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         conn.queue.put_nowait(pb.SchedulerMessage(ack=pb.Ack(seq=acked)))
 
     def _apply_compact(self, engine: EngineState, rank_id: RankId, own: int, merged: tuple[int, ...],
-                       report: pb.StepReport) -> None:
+                       transfer_ranks: tuple[int, ...], report: pb.StepReport) -> None:
         """`apply_report` for worker events in compact form: counted from the hash array
         (`add_shared_hashes`), published as a `CompactBatch` when every event is (the common
         case), else the published ones decoded from the events' protobuf bytes."""
@@ -697,6 +714,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         published = self.aggregator.add_shared_hashes(engine.engine_id, engine.epoch, (own, *merged),
                                                       compact.key, compact.hashes, compact.sizes)
         result = self.aggregator.add_report(engine.engine_id, engine.epoch, own, own_output)
+        self._merge_transfers(engine, transfer_ranks, report, result)
         if engine_batch is not None:
             self.sink.publish(engine.engine_id, engine.epoch, engine_batch)
         if published is None:
@@ -715,6 +733,14 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                 ts=m.ts, events=[event_from_proto(e) for e in m.events], proto_events=m.events,
                 data_parallel_rank=m.data_parallel_rank if m.HasField("data_parallel_rank") else None)
         return None
+
+    def _merge_transfers(self, engine: EngineState, transfer_ranks: tuple[int, ...], report: pb.StepReport,
+                         result: AggregatedResult) -> None:
+        """The sender's transfer results count once for each rank of `transfer_ranks` too (a rank
+        the aggregator already counted for an id is not counted again)."""
+        if transfer_ranks:
+            result.merge(self.aggregator.add_reports(engine.engine_id, engine.epoch,
+                                                     dict.fromkeys(transfer_ranks, output_from_proto(report, ()))))
 
     def _finish(self, engine: EngineState, report: pb.StepReport, result: AggregatedResult) -> None:
         """The transfer outcomes and byte counts of an applied report."""
@@ -735,8 +761,9 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         nothing applied)."""
         own = _global_rank(engine, rank_id)
         merged = merged_event_ranks(report, own, engine.tp_size * engine.pp_size)
+        transfer_ranks = merged_transfer_ranks(report, own, engine.tp_size * engine.pp_size)
         if report.HasField("compact_worker_events"):
-            self._apply_compact(engine, rank_id, own, merged, report)
+            self._apply_compact(engine, rank_id, own, merged, transfer_ranks, report)
             return
         # Copies of these events still to come from other ranks (none when this report merges them).
         uses = engine.tp_size * engine.pp_size - len(merged)
@@ -754,6 +781,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                                                     output_from_proto(report, ())))
         else:
             result = self.aggregator.add_report(engine.engine_id, engine.epoch, own, output)
+        self._merge_transfers(engine, transfer_ranks, report, result)
         if engine_batch is not None:
             self.sink.publish(engine.engine_id, engine.epoch, engine_batch)
         if result.events:

@@ -10,6 +10,7 @@ import logging
 from prometheus_client import CollectorRegistry
 
 from services.common.config import SchedulerConfig, add_config_arguments, load_config
+from services.common.event_loop import run_on_loop
 from services.common.grpc_server import install_drain_handler
 from services.common.logs import setup_logging
 from services.common.metrics import start_metrics_server
@@ -27,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(SchedulerConfig, args)
     setup_logging(config.log_level, "scheduler")
     setup_tracing("scheduler")
-    return asyncio.run(serve(config))
+    return run_on_loop(serve(config), config.event_loop)
 
 
 def settle_gc() -> None:

@@ -230,6 +230,7 @@ class StepReport(_message.Message):
     WORKER_METADATA_FIELD_NUMBER: _builtins.int
     PACKED_WORKER_EVENTS_FIELD_NUMBER: _builtins.int
     MERGED_EVENT_RANKS_FIELD_NUMBER: _builtins.int
+    MERGED_TRANSFER_RANKS_FIELD_NUMBER: _builtins.int
     COMPACT_WORKER_EVENTS_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """Per-rank sequence number, starting at 1, strictly increasing within an epoch."""
@@ -273,6 +274,19 @@ class StepReport(_message.Message):
         """
 
     @_builtins.property
+    def merged_transfer_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Other ranks of the sender's engine (global ranks) whose transfer results of this step are
+        exactly this report's finished_sending / finished_recving / failed_recving /
+        invalid_block_ids: the sender gathered them over the engine's own collective (as vLLM's
+        executor does with its workers' KVConnectorOutputs), so a transfer finished on every rank
+        is one message, not tp_size. The scheduler counts the results once for each listed rank and
+        the sender (§3: every expected rank counts, a rank counts once); the listed ranks do not
+        report them again. Needs transfer results; an unknown, repeated or own rank makes the
+        report malformed. Sent only to a scheduler whose Welcome sets
+        accepts_merged_transfer_results.
+        """
+
+    @_builtins.property
     def compact_worker_events(self) -> Global___CompactEvents:
         """The worker events in compact form, instead of `worker_events` / `packed_worker_events`
         (setting two of them makes the report malformed): for a step whose events are all
@@ -294,11 +308,12 @@ class StepReport(_message.Message):
         worker_metadata: _builtins.bytes = ...,
         packed_worker_events: _builtins.bytes = ...,
         merged_event_ranks: _abc.Iterable[_builtins.int] | None = ...,
+        merged_transfer_ranks: _abc.Iterable[_builtins.int] | None = ...,
         compact_worker_events: Global___CompactEvents | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["compact_worker_events", b"compact_worker_events", "engine_events", b"engine_events"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compact_worker_events", b"compact_worker_events", "engine_events", b"engine_events", "failed_recving", b"failed_recving", "finished_recving", b"finished_recving", "finished_sending", b"finished_sending", "invalid_block_ids", b"invalid_block_ids", "merged_event_ranks", b"merged_event_ranks", "packed_worker_events", b"packed_worker_events", "seq", b"seq", "transfer_stats", b"transfer_stats", "worker_events", b"worker_events", "worker_metadata", b"worker_metadata"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compact_worker_events", b"compact_worker_events", "engine_events", b"engine_events", "failed_recving", b"failed_recving", "finished_recving", b"finished_recving", "finished_sending", b"finished_sending", "invalid_block_ids", b"invalid_block_ids", "merged_event_ranks", b"merged_event_ranks", "merged_transfer_ranks", b"merged_transfer_ranks", "packed_worker_events", b"packed_worker_events", "seq", b"seq", "transfer_stats", b"transfer_stats", "worker_events", b"worker_events", "worker_metadata", b"worker_metadata"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -519,6 +534,7 @@ class Welcome(_message.Message):
     ACK_INTERVAL_MS_FIELD_NUMBER: _builtins.int
     ACCEPTS_MERGED_WORKER_EVENTS_FIELD_NUMBER: _builtins.int
     ACCEPTS_COMPACT_WORKER_EVENTS_FIELD_NUMBER: _builtins.int
+    ACCEPTS_MERGED_TRANSFER_RESULTS_FIELD_NUMBER: _builtins.int
     last_acked_seq: _builtins.int
     """Highest StepReport seq of this rank (this epoch) the scheduler has applied."""
     heartbeat_interval_ms: _builtins.int
@@ -539,6 +555,11 @@ class Welcome(_message.Message):
     """
     accepts_compact_worker_events: _builtins.bool
     """Whether StepReport.compact_worker_events is understood (false: an older scheduler)."""
+    accepts_merged_transfer_results: _builtins.bool
+    """Whether StepReport.merged_transfer_ranks is understood (false: an older scheduler, which
+    would count such a report's transfer results for the sender only, so the transfer would
+    never finish there).
+    """
     @_builtins.property
     def expected_ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankIdentity]:
         """Every rank of this engine the scheduler waits for before a transfer counts as finished."""
@@ -562,10 +583,11 @@ class Welcome(_message.Message):
         ack_interval_ms: _builtins.int = ...,
         accepts_merged_worker_events: _builtins.bool = ...,
         accepts_compact_worker_events: _builtins.bool = ...,
+        accepts_merged_transfer_results: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_compact_worker_events", b"accepts_compact_worker_events", "accepts_merged_worker_events", b"accepts_merged_worker_events", "accepts_packed_worker_events", b"accepts_packed_worker_events", "ack_interval_ms", b"ack_interval_ms", "expected_ranks", b"expected_ranks", "heartbeat_interval_ms", b"heartbeat_interval_ms", "last_acked_seq", b"last_acked_seq", "max_reports_per_message", b"max_reports_per_message", "peers", b"peers", "scheduler_id", b"scheduler_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_compact_worker_events", b"accepts_compact_worker_events", "accepts_merged_transfer_results", b"accepts_merged_transfer_results", "accepts_merged_worker_events", b"accepts_merged_worker_events", "accepts_packed_worker_events", b"accepts_packed_worker_events", "ack_interval_ms", b"ack_interval_ms", "expected_ranks", b"expected_ranks", "heartbeat_interval_ms", b"heartbeat_interval_ms", "last_acked_seq", b"last_acked_seq", "max_reports_per_message", b"max_reports_per_message", "peers", b"peers", "scheduler_id", b"scheduler_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

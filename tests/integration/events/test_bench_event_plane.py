@@ -37,8 +37,10 @@ def test_bench_events_rejects_unknown_sections(capsys: pytest.CaptureFixture[str
 
 
 def test_bench_scale_quick(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # the non-default protocol and loop: one report per engine for a transfer, the scheduler on uvloop
     assert main(["bench", "scale", "--ranks", "8", "--tp", "2", "--duration", "2", "--sim-procs", "1",
-                 "--request-rate", "2", "--step-hz", "4", "--json"]) == 0
+                 "--request-rate", "2", "--step-hz", "4", "--transfer-per", "engine", "--scheduler-loop", "uvloop",
+                 "--json"]) == 0
     out = capsys.readouterr().out
     result = json.loads(out)
     saved = tmp_path / "run.json"
@@ -49,7 +51,8 @@ def test_bench_scale_quick(capsys: pytest.CaptureFixture[str], tmp_path: Path) -
     for key in ("ranks", "overhead_p50_ms", "overhead_p99_ms", "events_per_s", "rss_mib", "false_down"):
         assert key in result
     point = result["points"][0]
-    assert result["ranks"] == 8 and point["engines"] == 4
+    assert result["ranks"] == 8 and point["engines"] == 4 and point["event_loop"] == "uvloop"
+    assert result["config"]["transfer_per"] == point["transfer_per"] == "engine"
     assert result["false_down"] == 0 and point["request_errors"] == {}
     assert point["requests_ok"] == point["requests_sent"] > 0
     assert result["events_per_s"] > 0 and point["rank_reports_per_s"] > 0
@@ -64,3 +67,7 @@ def test_bench_scale_quick(capsys: pytest.CaptureFixture[str], tmp_path: Path) -
 def test_bench_scale_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "scale", "--ranks", "1"]) == 2
     assert "every value must be >= 2" in capsys.readouterr().err
+    assert main(["bench", "scale", "--scheduler-loop", "asyncio,trio"]) == 2
+    assert "--scheduler-loop: expected a comma-separated list of uvloop, asyncio" in capsys.readouterr().err
+    assert main(["bench", "scale", "--transfer-per", "rank,node"]) == 2
+    assert "--transfer-per: expected a comma-separated list of rank, engine" in capsys.readouterr().err

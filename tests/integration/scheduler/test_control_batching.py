@@ -252,11 +252,13 @@ async def test_compact_worker_events_are_published_without_decoding(harness: Con
     servicer.verify_compact = True  # the client's three forms agree, event by event
     ranks = [await harness.connect(hello("p3", "prefill", tp_rank=r, tp_size=2, epoch=81)) for r in range(2)]
     assert all(c.welcome is not None and c.welcome.accepts_compact_worker_events for c in ranks)
-    ranks[0].report(StepReport(worker_events=_stored(41, 42), merged_event_ranks=(1,)))
+    ranks[0].report(StepReport(worker_events=_stored(41, 42), merged_event_ranks=(1,),
+                               finished_sending=["c1"], merged_transfer_ranks=(1,)))
     await eventually(lambda: len(harness.sink.batches) == 1)
     batch = harness.sink.batches[0][2]
     assert isinstance(batch, CompactBatch) and batch.compact.hashes == [41, 42]
     assert list(batch.events) == _stored(41, 42)
+    assert servicer.aggregator.pending_reports()["p3"].sending == 0  # "c1" counted for both ranks
     # Per-rank compact reports: whole once both ranks hold a block; a block already published is not again.
     ranks[0].report(StepReport(worker_events=_stored(42, 43)))
     ranks[1].report(StepReport(worker_events=_stored(42, 43)))
@@ -292,3 +294,70 @@ async def test_malformed_compact_worker_events_are_dropped_counted_and_acked(har
     assert counters["reports_applied"] == 1
     # nothing of the dropped reports counted: the good one published both blocks
     assert [list(b.events) for _, _, b in harness.sink.batches] == [_stored(61, 62)]
+
+
+async def test_one_report_carries_every_decode_ranks_finished_receive(harness: ControlHarness) -> None:
+    from test_control_stream import Inbox
+
+    from services.engine.control_client import KVFailed, KVReady, ReleaseBlocks
+    from services.scheduler.lifecycle import EngineRef
+
+    servicer = harness.servicer
+    assert servicer is not None
+    p = await harness.connect(hello("p5", "prefill"))
+    d = [await harness.connect(hello("d5", "decode", r, 4, epoch=85)) for r in range(4)]
+    assert all(c.welcome is not None and c.welcome.accepts_merged_transfer_results for c in d)
+    pref, dref = EngineRef("p5", p.hello.identity.epoch), EngineRef("d5", 85)
+    for rid in ("one", "part", "bad"):
+        servicer.tracker.start(rid, pref, dref)
+    p_in, d0_in = Inbox(p), Inbox(d[0])
+    # Every rank's receive in one message: KVReady at once, the prefill blocks released.
+    d[0].report(StepReport(finished_recving=["one"], merged_transfer_ranks=(1, 2, 3)))
+    await eventually(lambda: d0_in.of(KVReady) == [KVReady("one")])
+    await eventually(lambda: p_in.of(ReleaseBlocks) == [ReleaseBlocks("one")])
+    # Ranks 0-2 in one message: not ready until rank 3 reports too (§3: every expected rank);
+    # rank 1 repeating its own share is counted once.
+    d[0].report(StepReport(finished_recving=["part"], merged_transfer_ranks=(2, 1)))
+    seq = d[1].report(StepReport(finished_recving=["part"]))
+    assert await asyncio.to_thread(d[1].wait_acked, seq)
+    assert d0_in.of(KVReady) == [KVReady("one")]
+    d[3].report(StepReport(finished_recving=["part"]))
+    await eventually(lambda: d0_in.of(KVReady) == [KVReady("one"), KVReady("part")])
+    # Failures and invalid blocks count for every listed rank alike.
+    d[2].report(StepReport(failed_recving=["bad"], invalid_block_ids=[7], merged_transfer_ranks=(0, 1, 3)))
+    await eventually(lambda: len(d0_in.of(KVFailed)) == 1)
+    assert d0_in.of(KVFailed)[0].request_id == "bad" and d0_in.of(KVFailed)[0].invalid_block_ids == [7]
+    assert servicer.tracker.transfers == {} and servicer.aggregator.pending_reports()["d5"].recving == 0
+
+
+async def test_malformed_merged_transfer_ranks_are_dropped_and_change_nothing(harness: ControlHarness) -> None:
+    def merged(seq: int, ranks: list[int], sending: list[str]) -> pb.RankMessage:
+        return pb.RankMessage(report=pb.StepReport(seq=seq, finished_sending=sending, merged_transfer_ranks=ranks))
+
+    hello_msg = _hello_msg("y", 19)
+    hello_msg.hello.rank.tp_size = 2
+    # outside the engine, repeated, the sender's own, no transfer results
+    bad = [merged(1, [2], ["a"]), merged(2, [1, 1], ["b"]), merged(3, [0], ["c"]), merged(4, [1], [])]
+    got = await _exchange(harness.port, [hello_msg, *bad, merged(5, [1], ["e"])], hold=0.4)
+    assert got[0].welcome.accepts_merged_transfer_results
+    assert [m.ack.seq for m in got if m.WhichOneof("payload") == "ack"][-1] == 5
+    servicer = harness.servicer
+    assert servicer is not None
+    assert servicer.counters["reports_malformed"] == 4 and servicer.counters["reports_applied"] == 1
+    # nothing of the dropped reports was counted: no id pending; "e" was whole (ranks 0 and 1)
+    assert servicer.aggregator.pending_reports()["y"].sending == 0
+
+
+async def test_control_client_refuses_merged_transfers_the_scheduler_does_not_accept(
+        harness: ControlHarness) -> None:
+    import pytest
+
+    servicer = harness.servicer
+    assert servicer is not None
+    servicer.accepts_merged_transfer_results = False
+    client = await harness.connect(hello("p6", "prefill", tp_rank=0, tp_size=2, epoch=86))
+    with pytest.raises(ValueError, match="does not accept merged transfer results"):
+        client.report(StepReport(finished_sending=["s"], merged_transfer_ranks=(1,)))
+    with pytest.raises(ValueError, match="merged_transfer_ranks without transfer results"):
+        client.report(StepReport(merged_transfer_ranks=(1,)))
+    assert client.last_seq == 0

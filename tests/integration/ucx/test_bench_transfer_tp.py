@@ -1,5 +1,5 @@
 """Smoke test of `pdserve bench transfer --prefill-tp 2 --decode-tp 1 --kv-transport both` at
-tiny sizes (about 20 s: ten rank processes, five per transport)."""
+tiny sizes, two paired rounds (about 20 s: ten rank processes, five per transport)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.cli import add_arguments, run
+from bench.transfer_tp import round_order
 from connectors.ucx.nixl_transport import nixl_importable
 
 
@@ -18,7 +19,7 @@ def _args(tmp_path: Path, *extra: str) -> object:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     return parser.parse_args(["transfer", "--prefill-tp", "2", "--decode-tp", "1", "--num-layers", "2",
-                              "--sizes", "1,3", "--iters", "1", "--json", "--out", str(tmp_path), *extra])
+                              "--sizes", "1,3", "--iters", "2", "--json", "--out", str(tmp_path), *extra])
 
 
 def test_hetero_and_equal_pulls_side_by_side(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -30,11 +31,27 @@ def test_hetero_and_equal_pulls_side_by_side(tmp_path: Path, capsys: pytest.Capt
         name = "transfer_tp2to1" + ("_nixl" if transport == "nixl" else "")
         assert summary == json.loads((tmp_path / f"{name}.json").read_text())
         assert summary["kv_transport"] == transport
-        assert [r["blocks"] for r in summary["rows"]] == [1, 3]
+        assert [r["blocks"] for r in summary["rows"]] == [1, 3] and summary["iters"] == 2
         for row in summary["rows"]:
             assert row["bytes_per_decode_rank"] == row["blocks"] * summary["decode_rank_block_nbytes"]
             assert row["gbps_per_decode_rank"]["hetero"] > 0 and row["gbps_per_decode_rank"]["equal"] > 0
+            # The ratio is the median of the paired rounds' ratios, inside their IQR.
+            ratios, (q1, q3) = row["paired_ratios"], row["ratio_iqr"]
+            assert len(ratios) == 2 and all(r > 0 for r in ratios)
+            assert row["ratio_hetero_vs_equal"] == pytest.approx(sum(ratios) / 2)
+            assert min(ratios) <= q1 <= row["ratio_hetero_vs_equal"] <= q3 <= max(ratios)
         assert summary["min_ratio_hetero_vs_equal"] > 0
+
+
+def test_rounds_alternate_the_pairings_order_keeping_each_pair_adjacent() -> None:
+    order = ["hetero/ucx-tag", "equal/ucx-tag", "hetero/nixl", "equal/nixl"]
+    assert round_order(order, 0) == order and round_order(order, 2) == order
+    assert round_order(order, 1) == ["equal/nixl", "hetero/nixl", "equal/ucx-tag", "hetero/ucx-tag"]
+
+
+def test_too_few_iterations_are_refused_with_the_reason(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--iters must be >= 1, got -1"):
+        run(_args(tmp_path, "--iters", "-1"))  # type: ignore[arg-type]
 
 
 def test_unmappable_pairing_is_refused_with_the_reason(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from connectors.ucx.handshake import UcxHandshakeMetadata
-from connectors.ucx.nixl_transport import NixlAddress, descriptor_rows
+from connectors.ucx.nixl_transport import NixlAddress, block_indices, descriptor_rows, head_span, strided_list
 from connectors.ucx.transport import HeadGeometry, Segment
 from connectors.ucx.worker import UcxConnectorConfig, UcxWorkerConnector
 from services.common.config import EngineConfig
@@ -40,6 +40,31 @@ def test_whole_block_runs_are_one_descriptor_each_in_segment_order() -> None:
     segs = (Segment(4, 0, 3), Segment(20, 3, 1))
     assert descriptor_rows(segs, geometry, 1000, remote=True).tolist() == [[1000 + 800, 600, 0], [1000 + 4000, 200, 0]]
     assert descriptor_rows(segs, geometry, 0, remote=False).tolist() == [[0, 600, 0], [600, 200, 0]]
+
+
+def test_a_prepared_list_is_one_strided_row_of_a_head_range_per_block() -> None:
+    geometry = HeadGeometry(4, 100)  # blocks of 400 bytes
+    assert strided_list(10_000, geometry, 32, 2, 2).tolist() == [[10_200, 200, 0, 400, 32]]  # heads 2-3
+    assert strided_list(0, geometry, 8, 0, 4).tolist() == [[0, 400, 0, 400, 8]]  # whole blocks
+    assert strided_list(0, geometry, 8, 0, 4).dtype == np.uint64
+
+
+def test_block_indices_follow_the_segments_in_wire_order_on_each_side() -> None:
+    segs = (Segment(7, 3, 3, 0, 2, 2), Segment(1, 10, 2, 0, 2, 2), Segment(40, 0, 1, 0, 2, 2))
+    remote, local = block_indices(segs, remote=True), block_indices(segs, remote=False)
+    assert remote.dtype == local.dtype == np.int32
+    assert remote.tolist() == [7, 8, 9, 1, 2, 40] and local.tolist() == [3, 4, 5, 10, 11, 0]
+    # Row i of the one-off descriptor lists is index i of the prepared ones.
+    writer, reader = HeadGeometry(2, 100), HeadGeometry(4, 100)
+    assert descriptor_rows(segs, reader, 0, remote=False)[:, 0].tolist() == [int(i) * 400 + 200 for i in local]
+    assert descriptor_rows(segs, writer, 0, remote=True)[:, 0].tolist() == [int(i) * 200 for i in remote]
+
+
+def test_one_head_range_for_all_segments_or_none() -> None:
+    assert head_span((Segment(0, 0, 2, 1, 0, 1), Segment(5, 9, 1, 1, 0, 1))) == (1, 0, 1)
+    assert head_span((Segment(0, 0, 2), Segment(5, 9, 1))) == (0, 0, 0)  # whole blocks
+    assert head_span((Segment(0, 0, 2, 1, 0, 1), Segment(5, 9, 1, 0, 0, 1))) is None
+    assert head_span((Segment(0, 0, 2), Segment(5, 9, 1, 0, 0, 1))) is None
 
 
 def test_the_address_blob_round_trips_and_a_tag_address_is_refused_with_the_reason() -> None:
