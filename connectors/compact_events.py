@@ -9,7 +9,9 @@ object per event: it counts, indexes and republishes from the array and the byte
 
 Contracts:
 - `encode(events)` returns None unless the events qualify (non-empty; each a BlockStored with
-  at least one int hash in [0, 2**64) and the same medium and group_idx); else the three forms
+  at least one int hash in [0, 2**64), an int parent or none, the same medium and group_idx, and
+  none of the fields the protobuf form does not carry exactly: extra_keys, kv_cache_spec_*,
+  locality); else the three forms
   describe exactly `events` (`decode_events` of `events_wire` gives them back, `msgpack_events`
   equals the events element of `connectors.wire.encode_batch`).
 - `from_proto(m)` checks the framing (hash array length, counts >= 1 summing to it, the msgpack
@@ -70,6 +72,14 @@ def qualifies(events: tuple[KVCacheEvent, ...] | list[KVCacheEvent]) -> bool:
     medium, group = first.medium, first.group_idx
     for e in events:
         if type(e) is not BlockStored or e.medium != medium or e.group_idx != group or not e.block_hashes:
+            return False
+        # Fields the protobuf form does not carry exactly (or at all) keep the packed path, so
+        # the three forms always describe the same events.
+        if (e.extra_keys is not None or e.kv_cache_spec_kind is not None
+                or e.kv_cache_spec_sliding_window is not None or e.locality is not None):
+            return False
+        parent = e.parent_block_hash
+        if parent is not None and (type(parent) is not int or not 0 <= parent < _U64):
             return False
         for h in e.block_hashes:
             if type(h) is not int or not 0 <= h < _U64:

@@ -46,7 +46,9 @@ def test_the_three_forms_describe_the_events() -> None:
 @pytest.mark.parametrize("events", [
     [], [stored(1), stored(2, medium=MEDIUM_CPU)], [stored(1, group=0), stored(2)], [stored()],
     [stored(1), BlockRemoved((1,))], [AllBlocksCleared()], [BlockStored((b"\x01" * 32,), None, (), 16)],
-    [stored(2**64)],
+    [stored(2**64)], [stored(1, parent=2**64)], [BlockStored((1,), b"\x02" * 32, (), 16)],
+    [BlockStored((1,), None, (), 16, extra_keys=(("lora",),))], [BlockStored((1,), None, (), 16, locality="x")],
+    [BlockStored((1,), None, (), 16, kv_cache_spec_kind="full")],
 ])
 def test_only_stored_runs_of_one_medium_and_group_with_int_hashes_qualify(events: list[KVCacheEvent]) -> None:
     assert ce.encode(events) is None
