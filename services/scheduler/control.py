@@ -136,8 +136,8 @@ def _global_rank(engine: EngineState, rank_id: RankId) -> int:
 
 
 class CompactEventsError(ValueError):
-    """A report's compact_worker_events are malformed (counted apart from other malformed
-    reports: `reports_malformed_compact_events`)."""
+    """A report's compact_worker_events or compact_engine_events are malformed (counted apart
+    from other malformed reports: `reports_malformed_compact_events`)."""
 
 
 def output_from_proto(report: pb.StepReport, events: tuple[KVCacheEvent, ...] | None = None) -> KVConnectorOutput:
@@ -315,6 +315,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         # as bytes and a hash array: no object per event on the scheduler). `verify_compact`
         # also checks that the forms agree event by event (a full decode: tests, debugging).
         self.accepts_compact_worker_events = True
+        # Likewise for rank 0's engine events (StepReport.compact_engine_events).
+        self.accepts_compact_engine_events = True
         self.verify_compact = False
         # Told in Welcome: a report may carry its engine's other ranks' identical transfer
         # results (StepReport.merged_transfer_ranks): a transfer done on every rank is one message.
@@ -601,7 +603,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                              ack_interval_ms=int(self.ack_interval_s * 1000),
                              accepts_merged_worker_events=self.accepts_merged_worker_events,
                              accepts_compact_worker_events=self.accepts_compact_worker_events,
-                             accepts_merged_transfer_results=self.accepts_merged_transfer_results)
+                             accepts_merged_transfer_results=self.accepts_merged_transfer_results,
+                             accepts_compact_engine_events=self.accepts_compact_engine_events)
         return pb.SchedulerMessage(welcome=welcome)
 
     async def _read(self, conn: RankConnection, request_iterator: AsyncIterator[pb.RankMessage]) -> None:
@@ -696,8 +699,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         conn.acked_at = asyncio.get_running_loop().time()
         conn.queue.put_nowait(pb.SchedulerMessage(ack=pb.Ack(seq=acked)))
 
-    def _apply_compact(self, engine: EngineState, rank_id: RankId, own: int, merged: tuple[int, ...],
-                       transfer_ranks: tuple[int, ...], report: pb.StepReport) -> None:
+    def _apply_compact(self, engine: EngineState, own: int, merged: tuple[int, ...], transfer_ranks: tuple[int, ...],
+                       report: pb.StepReport, engine_batch: ProtoBackedBatch | None) -> None:
         """`apply_report` for worker events in compact form: counted from the hash array
         (`add_shared_hashes`), published as a `CompactBatch` when every event is (the common
         case), else the published ones decoded from the events' protobuf bytes."""
@@ -709,7 +712,6 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                 compact_events.verify(compact)
         except ValueError as e:
             raise CompactEventsError(str(e)) from None
-        engine_batch = self._engine_batch(engine, rank_id, report)
         own_output = output_from_proto(report, ())
         published = self.aggregator.add_shared_hashes(engine.engine_id, engine.epoch, (own, *merged),
                                                       compact.key, compact.hashes, compact.sizes)
@@ -726,12 +728,27 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self._finish(engine, report, result)
 
     def _engine_batch(self, engine: EngineState, rank_id: RankId, report: pb.StepReport) -> ProtoBackedBatch | None:
-        """Rank 0's engine-level events of the report, None when it has none."""
-        if report.HasField("engine_events") and rank_id == engine.leader and report.engine_events.events:
-            m = report.engine_events
-            return ProtoBackedBatch(
-                ts=m.ts, events=[event_from_proto(e) for e in m.events], proto_events=m.events,
-                data_parallel_rank=m.data_parallel_rank if m.HasField("data_parallel_rank") else None)
+        """Rank 0's engine-level events of the report, None when it has none (or the sender is
+        not rank 0: ignored, as always). Compact ones (`compact_engine_events`) become a
+        `CompactBatch` with the header's ts and data_parallel_rank, no object per event;
+        CompactEventsError when they are malformed (checked before anything applies)."""
+        if rank_id != engine.leader:
+            return None
+        m = report.engine_events
+        dp = m.data_parallel_rank if m.HasField("data_parallel_rank") else None
+        if report.HasField("compact_engine_events"):
+            if m.events:
+                raise CompactEventsError("a report carries compact_engine_events and engine_events.events")
+            try:
+                compact = compact_events.from_proto(report.compact_engine_events)
+                if self.verify_compact:
+                    compact_events.verify(compact)
+            except ValueError as e:
+                raise CompactEventsError(f"engine events: {e}") from None
+            return CompactBatch(m.ts, compact, dp)
+        if m.events:
+            return ProtoBackedBatch(ts=m.ts, events=[event_from_proto(e) for e in m.events], proto_events=m.events,
+                                    data_parallel_rank=dp)
         return None
 
     def _merge_transfers(self, engine: EngineState, transfer_ranks: tuple[int, ...], report: pb.StepReport,
@@ -762,8 +779,9 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         own = _global_rank(engine, rank_id)
         merged = merged_event_ranks(report, own, engine.tp_size * engine.pp_size)
         transfer_ranks = merged_transfer_ranks(report, own, engine.tp_size * engine.pp_size)
+        engine_batch = self._engine_batch(engine, rank_id, report)
         if report.HasField("compact_worker_events"):
-            self._apply_compact(engine, rank_id, own, merged, transfer_ranks, report)
+            self._apply_compact(engine, own, merged, transfer_ranks, report, engine_batch)
             return
         # Copies of these events still to come from other ranks (none when this report merges them).
         uses = engine.tp_size * engine.pp_size - len(merged)
@@ -771,7 +789,6 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         if merged and not events:
             raise ValueError("merged_event_ranks without worker events")
         output = output_from_proto(report, events)
-        engine_batch = self._engine_batch(engine, rank_id, report)
         if merged:
             # The events count once for each listed rank and the sender (§3's per-rank counting,
             # applied with the ranks' joint mask: the same state as rank by rank), then the

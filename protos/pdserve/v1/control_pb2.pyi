@@ -232,6 +232,7 @@ class StepReport(_message.Message):
     MERGED_EVENT_RANKS_FIELD_NUMBER: _builtins.int
     MERGED_TRANSFER_RANKS_FIELD_NUMBER: _builtins.int
     COMPACT_WORKER_EVENTS_FIELD_NUMBER: _builtins.int
+    COMPACT_ENGINE_EVENTS_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """Per-rank sequence number, starting at 1, strictly increasing within an epoch."""
     worker_metadata: _builtins.bytes
@@ -294,6 +295,17 @@ class StepReport(_message.Message):
         Welcome sets accepts_compact_worker_events.
         """
 
+    @_builtins.property
+    def compact_engine_events(self) -> Global___CompactEvents:
+        """Rank 0's engine events in compact form (their EventBatch would hold only BlockStored of one
+        (medium, group_idx) with integer hashes): `engine_events` then carries the batch's ts,
+        engine_id, epoch and data_parallel_rank with no `events`, and these are its events (events
+        in both makes the report malformed). The scheduler publishes and indexes them as it would
+        `engine_events.events`, building no object per event. Sent only to a scheduler whose
+        Welcome sets accepts_compact_engine_events (accepts_compact_worker_events does not imply
+        it: a scheduler from before this field would drop such events unseen).
+        """
+
     def __init__(
         self,
         *,
@@ -310,10 +322,11 @@ class StepReport(_message.Message):
         merged_event_ranks: _abc.Iterable[_builtins.int] | None = ...,
         merged_transfer_ranks: _abc.Iterable[_builtins.int] | None = ...,
         compact_worker_events: Global___CompactEvents | None = ...,
+        compact_engine_events: Global___CompactEvents | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["compact_worker_events", b"compact_worker_events", "engine_events", b"engine_events"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["compact_engine_events", b"compact_engine_events", "compact_worker_events", b"compact_worker_events", "engine_events", b"engine_events"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compact_worker_events", b"compact_worker_events", "engine_events", b"engine_events", "failed_recving", b"failed_recving", "finished_recving", b"finished_recving", "finished_sending", b"finished_sending", "invalid_block_ids", b"invalid_block_ids", "merged_event_ranks", b"merged_event_ranks", "merged_transfer_ranks", b"merged_transfer_ranks", "packed_worker_events", b"packed_worker_events", "seq", b"seq", "transfer_stats", b"transfer_stats", "worker_events", b"worker_events", "worker_metadata", b"worker_metadata"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compact_engine_events", b"compact_engine_events", "compact_worker_events", b"compact_worker_events", "engine_events", b"engine_events", "failed_recving", b"failed_recving", "finished_recving", b"finished_recving", "finished_sending", b"finished_sending", "invalid_block_ids", b"invalid_block_ids", "merged_event_ranks", b"merged_event_ranks", "merged_transfer_ranks", b"merged_transfer_ranks", "packed_worker_events", b"packed_worker_events", "seq", b"seq", "transfer_stats", b"transfer_stats", "worker_events", b"worker_events", "worker_metadata", b"worker_metadata"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -535,6 +548,7 @@ class Welcome(_message.Message):
     ACCEPTS_MERGED_WORKER_EVENTS_FIELD_NUMBER: _builtins.int
     ACCEPTS_COMPACT_WORKER_EVENTS_FIELD_NUMBER: _builtins.int
     ACCEPTS_MERGED_TRANSFER_RESULTS_FIELD_NUMBER: _builtins.int
+    ACCEPTS_COMPACT_ENGINE_EVENTS_FIELD_NUMBER: _builtins.int
     last_acked_seq: _builtins.int
     """Highest StepReport seq of this rank (this epoch) the scheduler has applied."""
     heartbeat_interval_ms: _builtins.int
@@ -560,6 +574,8 @@ class Welcome(_message.Message):
     would count such a report's transfer results for the sender only, so the transfer would
     never finish there).
     """
+    accepts_compact_engine_events: _builtins.bool
+    """Whether StepReport.compact_engine_events is understood (false: an older scheduler)."""
     @_builtins.property
     def expected_ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankIdentity]:
         """Every rank of this engine the scheduler waits for before a transfer counts as finished."""
@@ -584,10 +600,11 @@ class Welcome(_message.Message):
         accepts_merged_worker_events: _builtins.bool = ...,
         accepts_compact_worker_events: _builtins.bool = ...,
         accepts_merged_transfer_results: _builtins.bool = ...,
+        accepts_compact_engine_events: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_compact_worker_events", b"accepts_compact_worker_events", "accepts_merged_transfer_results", b"accepts_merged_transfer_results", "accepts_merged_worker_events", b"accepts_merged_worker_events", "accepts_packed_worker_events", b"accepts_packed_worker_events", "ack_interval_ms", b"ack_interval_ms", "expected_ranks", b"expected_ranks", "heartbeat_interval_ms", b"heartbeat_interval_ms", "last_acked_seq", b"last_acked_seq", "max_reports_per_message", b"max_reports_per_message", "peers", b"peers", "scheduler_id", b"scheduler_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_compact_engine_events", b"accepts_compact_engine_events", "accepts_compact_worker_events", b"accepts_compact_worker_events", "accepts_merged_transfer_results", b"accepts_merged_transfer_results", "accepts_merged_worker_events", b"accepts_merged_worker_events", "accepts_packed_worker_events", b"accepts_packed_worker_events", "ack_interval_ms", b"ack_interval_ms", "expected_ranks", b"expected_ranks", "heartbeat_interval_ms", b"heartbeat_interval_ms", "last_acked_seq", b"last_acked_seq", "max_reports_per_message", b"max_reports_per_message", "peers", b"peers", "scheduler_id", b"scheduler_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
