@@ -74,9 +74,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--direct-rate", type=float, default=64000.0,
                         help="events/s for the event plane alone (republisher fed directly)")
     parser.add_argument("--duration", type=float, default=5.0, help="seconds of paced load per section")
-    parser.add_argument("--report-encoding", choices=["packed", "proto"], default="packed",
-                        help="simulated stream ranks send worker events pre-encoded (packed_worker_events) "
-                             "or as protobuf worker_events")
+    parser.add_argument("--report-encoding", choices=["compact", "packed", "proto"], default="compact",
+                        help="simulated stream ranks send worker events in compact form "
+                             "(compact_worker_events: protobuf and msgpack bytes plus one hash array), "
+                             "pre-encoded (packed_worker_events) or as protobuf worker_events")
+    parser.add_argument("--verify-compact", action="store_true",
+                        help="the scheduler checks every compact report's three forms event by event "
+                             "(a full decode: for tests, not for figures)")
     parser.add_argument("--report-per", choices=["engine", "rank"], default="engine",
                         help="one report per engine step (rank 0 carries every rank's identical worker "
                              "events: StepReport.merged_event_ranks) or one per rank and step (the "
@@ -175,7 +179,8 @@ async def _grpc_subscriber(target: str, stats: SubStats, latencies: list[float],
     from services.common.grpc_server import insecure_channel
 
     async with insecure_channel(target) as channel:
-        call = pb_grpc.KVEventsStub(channel).Subscribe(pb.SubscribeRequest())
+        # Batches that are ready together come in one message (the subscriber is behind).
+        call = pb_grpc.KVEventsStub(channel).Subscribe(pb.SubscribeRequest(max_batches_per_message=64))
         reader = asyncio.ensure_future(_grpc_read(call, pb, stats, latencies))
         await stop.wait()
         await asyncio.sleep(1.0)
@@ -195,8 +200,9 @@ async def _grpc_read(call: Any, pb: Any, stats: SubStats, latencies: list[float]
             continue
         if snapshot:
             continue
-        b = msg.batch
-        stats.seen(b.seq, len(b.events), b.events[0].block_stored.block_hashes[0], time.time(), latencies)
+        now = time.time()
+        for b in msg.batches if msg.batches else (msg.batch,):
+            stats.seen(b.seq, len(b.events), b.events[0].block_stored.block_hashes[0], now, latencies)
 
 
 async def _zmq_subscriber(ctx: zmq.asyncio.Context, endpoint: str, stats: SubStats, latencies: list[float],
@@ -306,13 +312,39 @@ def stamped_events_wire(now: float, n: int, field_number: int = 6) -> bytes:
     return b"".join(head + _LOW_BYTES[i] + rest for i in range(n))
 
 
+# A stamped event in vLLM's map-mode msgpack, around its one hash (`stamped_compact_wire`).
+_MSGPACK_HEAD = msgpack.packb({"type": "BlockStored", "block_hashes": None})[:-1] + b"\x91"
+_MSGPACK_TAIL = msgpack.packb({"parent_block_hash": None, "token_ids": [], "block_size": 0, "lora_id": None,
+                               "medium": MEDIUM_CPU_OFFLOAD, "lora_name": None})[1:]
+_MSGPACK_HEAD = b"\x88" + _MSGPACK_HEAD[1:]  # one map of 8 keys
+_COMPACT_MEDIUM = length_delimited(5, MEDIUM_CPU_OFFLOAD.encode())  # CompactEvents.medium
+
+
+def stamped_compact_wire(now: float, n: int) -> bytes:
+    """`stamp_events(now, n)` as a serialized `CompactEvents` (what
+    `connectors.compact_events.to_proto(encode(...))` gives), built from templates: the
+    protobuf events as `stamped_events_wire`, each event's msgpack map around its packed hash,
+    the hashes as one array."""
+    from array import array
+
+    base = step_base(now)
+    packb = msgpack.packb
+    events_msgpack = (b"\xdc" + n.to_bytes(2, "big") if n >= 16 else bytes([0x90 | n])) + b"".join(
+        _MSGPACK_HEAD + packb(base + i) + _MSGPACK_TAIL for i in range(n))
+    hashes = array("Q", range(base, base + n))
+    if sys.byteorder == "big":
+        hashes.byteswap()
+    return (length_delimited(1, stamped_events_wire(now, n)) + length_delimited(2, events_msgpack)
+            + length_delimited(3, hashes.tobytes()) + length_delimited(4, b"\x01" * n) + _COMPACT_MEDIUM)
+
+
 async def _stream_ranks_main(target: str, engines: int, tp: int, batch_events: int, rate: float,
-                             duration: float, packed: bool = True, merged: bool = False) -> None:
+                             duration: float, encoding: str = "compact", merged: bool = False) -> None:
     """All ranks as raw Control streams on one event loop (one channel per engine): the same
     protocol as ControlClient (Hello, Welcome, numbered StepReports, Acks) without a thread per
     rank, so one process can stand in for hundreds of ranks. The load generator is kept cheap so
     the scheduler gets the CPU it would have in production: a step's events are encoded once
-    (`packed`: into `packed_worker_events`, else as `worker_events`), and every rank's message
+    (`encoding`: `compact_worker_events`, `packed_worker_events` or `worker_events`), and every rank's message
     is written as bytes around them (no protobuf object per report). `merged`: one report per
     engine step, from rank 0, naming ranks 1..tp-1 in `merged_event_ranks` (the other ranks send
     nothing for the step)."""
@@ -363,7 +395,9 @@ async def _stream_ranks_main(target: str, engines: int, tp: int, batch_events: i
             continue
         for _ in range(min(due, 64)):
             e = steps % engines
-            if packed:  # StepReport.packed_worker_events (field 10)
+            if encoding == "compact":  # StepReport.compact_worker_events (field 12)
+                body = length_delimited(12, stamped_compact_wire(time.time(), batch_events))
+            elif encoding == "packed":  # StepReport.packed_worker_events (field 10)
                 body = length_delimited(10, stamped_events_wire(time.time(), batch_events))
             else:  # StepReport.worker_events (repeated field 7)
                 body = stamped_events_wire(time.time(), batch_events, field_number=7)
@@ -483,9 +517,12 @@ async def _pdserve_section(args: argparse.Namespace, decode_per_rank: bool = Fal
 
     config = SchedulerConfig(zmq_endpoint="tcp://127.0.0.1:*", subscriber_buffer=args.subscriber_buffer,
                              prefix_index_max_entries=200_000)
+    # The decode-per-rank comparison needs events the decoder sees (compact ones bypass it).
+    encoding = "packed" if decode_per_rank and args.report_encoding == "compact" else args.report_encoding
     plane = EventPlane.from_config(config, model_name="bench")
     registry = EngineRegistry(block_size=16, hash_seed="0", heartbeat_timeout_s=120.0)
     control = ControlServicer(registry, sink=plane.republisher, heartbeat_interval_s=5.0, scheduler_id="bench")
+    control.verify_compact = args.verify_compact
     if decode_per_rank:
         control.worker_events = WorkerEventDecoder(max_entries=0)
     server = ServiceServer(["pdserve.v1.Control", SERVICE_NAME])
@@ -503,7 +540,7 @@ async def _pdserve_section(args: argparse.Namespace, decode_per_rank: bool = Fal
     ranks = _spawn("--role", "ranks" if args.rank_client == "control-client" else "stream-ranks",
                    "--grpc", f"127.0.0.1:{port}", "--engines", str(args.engines),
                    "--tp", str(args.tp), "--batch-events", str(args.batch_events), "--rate", str(args.rate),
-                   "--duration", str(args.duration), "--report-encoding", args.report_encoding,
+                   "--duration", str(args.duration), "--report-encoding", encoding,
                    "--report-per", args.report_per)
     try:
         await _readline(subs)
@@ -543,9 +580,10 @@ async def _pdserve_section(args: argparse.Namespace, decode_per_rank: bool = Fal
             "generator_cpu_share": (sent["send_cpu_s"] / sent["send_s"]
                                     if sent.get("send_cpu_s") is not None and sent.get("send_s") else None),
             "subscribers_cpu_share": got.get("cpu_share"),
-            "report_encoding": args.report_encoding, "report_per": args.report_per,
+            "report_encoding": encoding, "report_per": args.report_per,
             "report_messages_per_s": sent.get("messages", sent["rank_reports"]) / elapsed,
             "scheduler_loop_max_lag_ms": control.stalls.max_lag_s * 1e3,
+            "reports_malformed": control.counters["reports_malformed"],
             "decode": {"hits": control.worker_events.hits, "misses": control.worker_events.misses}}
 
 
@@ -837,7 +875,7 @@ def _main() -> None:
     p.add_argument("--batch-events", type=int, default=64)
     p.add_argument("--rate", type=float, default=1000.0)
     p.add_argument("--duration", type=float, default=1.0)
-    p.add_argument("--report-encoding", choices=["packed", "proto"], default="packed")
+    p.add_argument("--report-encoding", choices=["compact", "packed", "proto"], default="compact")
     p.add_argument("--report-per", choices=["engine", "rank"], default="rank")
     a = p.parse_args()
     merged = a.report_per == "engine"
@@ -845,7 +883,7 @@ def _main() -> None:
         asyncio.run(_subscribers_main(a.grpc, a.zmq, a.n_grpc, a.n_zmq))
     elif a.role == "stream-ranks":
         asyncio.run(_stream_ranks_main(a.grpc, a.engines, a.tp, a.batch_events, a.rate, a.duration,
-                                       packed=a.report_encoding == "packed", merged=merged))
+                                       encoding=a.report_encoding, merged=merged))
     else:
         _ranks_main(a.grpc, a.engines, a.tp, a.batch_events, a.rate, a.duration, merged=merged)
 

@@ -364,6 +364,29 @@ class KVOutputAggregator:
         self._stored_run(state, mask, key, events, result, now, hashes)  # type: ignore[arg-type]
         return result
 
+    def add_shared_hashes(self, engine_id: str, epoch: int, ranks: Collection[int], key: _MediumKey,
+                          hashes: list[int], sizes: list[int]) -> list[int] | None:
+        """`add_shared_events` for a run of BlockStored events of one (medium, group_idx) `key`
+        given by their hashes (in order) and the number of hashes of each (>= 1): the same
+        state afterwards, and the same published events, returned as their indices (None: all,
+        in order; [] none). No object per event is built. Validated before anything applies
+        (ValueError: unknown or repeated rank, stale epoch, a size < 1 or a count mismatch)."""
+        order = sorted(set(ranks))
+        if len(order) != len(ranks):
+            raise ValueError(f"engine {engine_id!r}: ranks repeat in {sorted(ranks)}")
+        if sum(sizes) != len(hashes) or (sizes and min(sizes) < 1):
+            raise ValueError(f"engine {engine_id!r}: {len(hashes)} hashes do not split into events of sizes {sizes}")
+        state = self._state(engine_id)
+        empty = KVConnectorOutput()
+        for rank in order:
+            state = self._checked(engine_id, epoch, rank, empty)
+        if not order or not sizes:
+            return []
+        mask = 0
+        for rank in order:
+            mask |= state.rank_bits[rank]
+        return self._stored_hashes(state, mask, key, hashes, sizes, self._clock())  # type: ignore[arg-type]
+
     # -- metrics ------------------------------------------------------------------------
 
     def pending_reports(self) -> dict[str, PendingCounts]:
@@ -504,6 +527,19 @@ class KVOutputAggregator:
                     events: tuple[BlockStored, ...], result: AggregatedResult, now: float,
                     hashes: list[object] | None = None) -> None:
         """`hashes`, when given, are the events' hashes in order (read only)."""
+        if hashes is None:
+            hashes = list(chain.from_iterable(map(_HASHES, events)))
+        published = self._stored_hashes(state, bit, key, hashes, map(len, map(_HASHES, events)), now)
+        if published is None:
+            result.events.extend(events)
+        else:
+            result.events.extend(map(events.__getitem__, published))
+
+    def _stored_hashes(self, state: _EngineState, bit: int, key: _MediumKey, hashes: list[object],
+                       sizes: Iterable[int], now: float) -> list[int] | None:
+        """Adds `bit` to every block of a BlockStored run given by its hashes (in order) and
+        `sizes` (how many of them each event has); returns the indices of the events this
+        completes and publishes, None for all of them."""
         blocks = state.blocks.get(key)
         if blocks is None:
             blocks = state.blocks[key] = {}
@@ -511,15 +547,13 @@ class KVOutputAggregator:
             state.pending_blocks[key] = {}
         partial = state.pending_blocks[key]
         full = state.full_mask
-        if hashes is None:
-            hashes = list(chain.from_iterable(map(_HASHES, events)))
         news = list(map(or_, map(blocks.get, hashes, repeat(0)), repeat(bit)))
         blocks.update(zip(hashes, news, strict=True))
         if bit != full and bit in news:
             # Only this rank holds these: new partial blocks (a repeat keeps its first time).
             partial.update((h, now) for h, new in zip(hashes, news, strict=True) if new == bit and h not in partial)
         if full not in news:
-            return
+            return []
         whole = news.count(full) == len(news)
         deque(map(partial.pop, compress(hashes, map(full.__eq__, news)) if not whole else hashes,
                   repeat(None)), maxlen=0)
@@ -529,15 +563,16 @@ class KVOutputAggregator:
             if len(distinct) == len(hashes) and live.isdisjoint(distinct):
                 # Every event is whole, none was published and none repeats: publish them all.
                 live |= distinct
-                result.events.extend(events)
-                return
+                return None
+        published: list[int] = []
         offset = 0
-        for event in events:
-            size = len(event.block_hashes)
-            if size and news[offset:offset + size].count(full) == size and not live.issuperset(event.block_hashes):
-                live.update(event.block_hashes)
-                result.events.append(event)
+        for i, size in enumerate(sizes):
+            own = hashes[offset:offset + size]
+            if size and news[offset:offset + size].count(full) == size and not live.issuperset(own):
+                live.update(own)
+                published.append(i)
             offset += size
+        return published
 
     def _drop_rank(self, state: _EngineState, key: _MediumKey, bit: int, hashes: Iterable[object],
                    now: float) -> bool:

@@ -1,6 +1,6 @@
 """`run_on_loop`: runs a process's main coroutine on the event loop its config names.
 
-"uvloop" (libuv's loop; the scheduler's default) or "asyncio" (the standard library's). Every
+"uvloop" (libuv's loop) or "asyncio" (the standard library's; the scheduler's default). Every
 server and client the scheduler runs works on both: grpc aio (it wakes the loop from its
 completion-queue poller thread through a socket the loop reads, which any loop implementing
 `add_reader` serves), uvicorn (it supports uvloop itself) and the ZMQ publisher (plain blocking

@@ -22,7 +22,12 @@ Contracts:
   Welcome) per ReportBatch message, acknowledged once per message (or less often: the
   scheduler may throttle Acks; they are cumulative). Worker events are encoded once into
   `packed_worker_events` when the scheduler's Welcome accepts that (else, and for a report
-  resent to a scheduler that does not, as `worker_events`). A report may carry the identical
+  resent to a scheduler that does not, as `worker_events`); a step's events that are all
+  BlockStored of one medium and group with int hashes go as `compact_worker_events` to a
+  scheduler that accepts that (resent to one that does not: as packed, or plain, events); rank
+  0's engine events that qualify likewise go as `compact_engine_events` to a scheduler whose
+  Welcome sets `accepts_compact_engine_events` (resent to one that does not: as
+  `engine_events.events`). A report may carry the identical
   worker events of other ranks of its engine (`StepReport.merged_event_ranks`, global ranks),
   gathered by the caller over the engine's own collective, only while the Welcome's
   `accepts_merged_worker_events` is true (else `report` raises ValueError); resent to a
@@ -60,6 +65,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from connectors import compact_events
 from connectors.kv_events import KVCacheEvent, KVEventBatch, event_to_proto
 from pdserve.v1 import control_pb2 as pb
 from pdserve.v1 import control_pb2_grpc, kv_events_pb2
@@ -139,8 +145,12 @@ class Welcome:
     accepts_packed_worker_events: bool = False
     # Whether a report may carry other ranks' worker events (StepReport.merged_event_ranks).
     accepts_merged_worker_events: bool = False
+    # Whether the scheduler takes a step's BlockStored in compact form (compact_worker_events).
+    accepts_compact_worker_events: bool = False
     # Whether a report may carry other ranks' transfer results (StepReport.merged_transfer_ranks).
     accepts_merged_transfer_results: bool = False
+    # Whether the scheduler takes rank 0's engine events in compact form (compact_engine_events).
+    accepts_compact_engine_events: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +235,8 @@ def message_from_proto(m: pb.SchedulerMessage) -> ControlMessage | None:
         return Welcome([RankIdentity.from_proto(r) for r in w.expected_ranks], [_peer(p) for p in w.peers],
                        w.last_acked_seq, w.heartbeat_interval_ms / 1000.0, w.scheduler_id,
                        max(1, w.max_reports_per_message), w.accepts_packed_worker_events,
-                       w.accepts_merged_worker_events, w.accepts_merged_transfer_results)
+                       w.accepts_merged_worker_events, w.accepts_compact_worker_events,
+                       w.accepts_merged_transfer_results, w.accepts_compact_engine_events)
     if kind == "peer_update":
         return PeerUpdate([_peer(p) for p in m.peer_update.joined],
                           [RankIdentity.from_proto(r) for r in m.peer_update.left])
@@ -238,15 +249,22 @@ def message_from_proto(m: pb.SchedulerMessage) -> ControlMessage | None:
     return None
 
 
-def report_to_proto(seq: int, r: StepReport, identity: RankIdentity, *, packed: bool = False) -> pb.StepReport:
-    """The report as protobuf; `packed` encodes the worker events once into
-    `packed_worker_events` (for a scheduler that accepts it) instead of `worker_events`."""
-    events = [event_to_proto(e) for e in r.worker_events]
+def report_to_proto(seq: int, r: StepReport, identity: RankIdentity, *, packed: bool = False,
+                    compact: bool = False, compact_engine: bool = False) -> pb.StepReport:
+    """The report as protobuf; `compact` encodes worker events that qualify (BlockStored of
+    one medium and group, int hashes) once into `compact_worker_events`, `packed` the others
+    into `packed_worker_events` (each for a scheduler that accepts it), else `worker_events`;
+    `compact_engine` likewise puts engine events that qualify in `compact_engine_events`
+    (`engine_events` keeping the batch's header), else in `engine_events.events`."""
     msg = pb.StepReport(seq=seq, finished_sending=r.finished_sending, finished_recving=r.finished_recving,
                         failed_recving=r.failed_recving, invalid_block_ids=r.invalid_block_ids,
                         worker_metadata=r.worker_metadata, merged_event_ranks=r.merged_event_ranks,
                         merged_transfer_ranks=r.merged_transfer_ranks)
-    if packed and events:
+    c = compact_events.encode(r.worker_events) if compact else None
+    events = [] if c is not None else [event_to_proto(e) for e in r.worker_events]
+    if c is not None:
+        msg.compact_worker_events.CopyFrom(compact_events.to_proto(c))
+    elif packed and events:
         msg.packed_worker_events = kv_events_pb2.EventBatch(events=events).SerializeToString()
     else:
         msg.worker_events.extend(events)
@@ -256,12 +274,31 @@ def report_to_proto(seq: int, r: StepReport, identity: RankIdentity, *, packed: 
             seconds=s.seconds, num_operations=s.num_operations, num_failures=s.num_failures,
             failures_by_reason=s.failures_by_reason))
     if r.engine_events is not None:
-        batch = kv_events_pb2.EventBatch(ts=r.engine_events.ts, engine_id=identity.engine_id, epoch=identity.epoch,
-                                         events=[event_to_proto(e) for e in r.engine_events.events])
+        batch = kv_events_pb2.EventBatch(ts=r.engine_events.ts, engine_id=identity.engine_id, epoch=identity.epoch)
+        ce = compact_events.encode(r.engine_events.events) if compact_engine else None
+        if ce is not None:
+            msg.compact_engine_events.CopyFrom(compact_events.to_proto(ce))
+        else:
+            batch.events.extend(event_to_proto(e) for e in r.engine_events.events)
         if r.engine_events.data_parallel_rank is not None:
             batch.data_parallel_rank = r.engine_events.data_parallel_rank
         msg.engine_events.CopyFrom(batch)
     return msg
+
+
+def downgrade_report(m: pb.StepReport, welcome: Welcome) -> None:
+    """Rewrites `m` in place into the forms `welcome`'s scheduler understands: compact worker
+    events as packed ones, compact engine events into `engine_events.events`, packed worker
+    events as `worker_events` (the same events; nothing else changes)."""
+    if not welcome.accepts_compact_worker_events and m.HasField("compact_worker_events"):
+        m.packed_worker_events = m.compact_worker_events.events_wire
+        m.ClearField("compact_worker_events")
+    if not welcome.accepts_compact_engine_events and m.HasField("compact_engine_events"):
+        m.engine_events.MergeFromString(m.compact_engine_events.events_wire)  # only `events` set: appended
+        m.ClearField("compact_engine_events")
+    if not welcome.accepts_packed_worker_events and m.packed_worker_events:
+        m.worker_events.extend(kv_events_pb2.EventBatch.FromString(m.packed_worker_events).events)
+        m.ClearField("packed_worker_events")
 
 
 class ControlClient:
@@ -338,7 +375,10 @@ class ControlClient:
             self._seq += 1
             seq = self._seq
             packed = self.welcome is not None and self.welcome.accepts_packed_worker_events
-            self._unacked[seq] = report_to_proto(seq, report, self.hello.identity, packed=packed)
+            compact = self.welcome is not None and self.welcome.accepts_compact_worker_events
+            compact_engine = self.welcome is not None and self.welcome.accepts_compact_engine_events
+            self._unacked[seq] = report_to_proto(seq, report, self.hello.identity, packed=packed, compact=compact,
+                                                 compact_engine=compact_engine)
             while len(self._unacked) > self.max_unacked:
                 del self._unacked[next(iter(self._unacked))]
                 self.num_dropped += 1
@@ -513,11 +553,9 @@ class ControlClient:
         while not self._closed:
             with self._lock:
                 pending = [m for s, m in self._unacked.items() if s > sent_upto]
-            if self.welcome is not None and not self.welcome.accepts_packed_worker_events:
-                for m in pending:  # packed for a scheduler that was replaced by an older one
-                    if m.packed_worker_events:
-                        m.worker_events.extend(kv_events_pb2.EventBatch.FromString(m.packed_worker_events).events)
-                        m.ClearField("packed_worker_events")
+            if self.welcome is not None:
+                for m in pending:  # encoded for a scheduler that was replaced by an older one
+                    downgrade_report(m, self.welcome)
             limit = min(self.max_reports_per_message, self.welcome.max_reports_per_message if self.welcome else 1)
             for i in range(0, len(pending), max(1, limit)):
                 chunk = pending[i:i + max(1, limit)]

@@ -46,12 +46,13 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import DecodeError
 
-from connectors.aggregator import KVOutputAggregator
+from connectors import compact_events
+from connectors.aggregator import AggregatedResult, KVOutputAggregator
 from connectors.kv_events import AllBlocksCleared, KVCacheEvent, KVEventBatch, event_from_proto
 from connectors.outputs import KVConnectorOutput
 from pdserve.v1 import control_pb2 as pb
 from pdserve.v1 import control_pb2_grpc, kv_events_pb2
-from services.scheduler.event_sink import EventSink, NullEventSink, ProtoBackedBatch
+from services.scheduler.event_sink import CompactBatch, EventSink, NullEventSink, ProtoBackedBatch
 from services.scheduler.lifecycle import EngineRef
 from services.scheduler.loop_stalls import LoopStalls
 from services.scheduler.registry import (
@@ -132,6 +133,11 @@ def _peer_info(engine: EngineState, rank: RankState) -> pb.PeerInfo:
 
 def _global_rank(engine: EngineState, rank_id: RankId) -> int:
     return rank_id.pp_rank * engine.tp_size + rank_id.tp_rank
+
+
+class CompactEventsError(ValueError):
+    """A report's compact_worker_events or compact_engine_events are malformed (counted apart
+    from other malformed reports: `reports_malformed_compact_events`)."""
 
 
 def output_from_proto(report: pb.StepReport, events: tuple[KVCacheEvent, ...] | None = None) -> KVConnectorOutput:
@@ -305,6 +311,13 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         # Told in Welcome: a report may carry its engine's other ranks' identical worker events
         # (StepReport.merged_event_ranks): one message per engine step instead of one per rank.
         self.accepts_merged_worker_events = True
+        # Told in Welcome: ranks may send StepReport.compact_worker_events (a step's BlockStored
+        # as bytes and a hash array: no object per event on the scheduler). `verify_compact`
+        # also checks that the forms agree event by event (a full decode: tests, debugging).
+        self.accepts_compact_worker_events = True
+        # Likewise for rank 0's engine events (StepReport.compact_engine_events).
+        self.accepts_compact_engine_events = True
+        self.verify_compact = False
         # Told in Welcome: a report may carry its engine's other ranks' identical transfer
         # results (StepReport.merged_transfer_ranks): a transfer done on every rank is one message.
         self.accepts_merged_transfer_results = True
@@ -589,7 +602,9 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                              accepts_packed_worker_events=self.accepts_packed_worker_events,
                              ack_interval_ms=int(self.ack_interval_s * 1000),
                              accepts_merged_worker_events=self.accepts_merged_worker_events,
-                             accepts_merged_transfer_results=self.accepts_merged_transfer_results)
+                             accepts_compact_worker_events=self.accepts_compact_worker_events,
+                             accepts_merged_transfer_results=self.accepts_merged_transfer_results,
+                             accepts_compact_engine_events=self.accepts_compact_engine_events)
         return pb.SchedulerMessage(welcome=welcome)
 
     async def _read(self, conn: RankConnection, request_iterator: AsyncIterator[pb.RankMessage]) -> None:
@@ -650,6 +665,10 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             try:
                 self.apply_report(engine, conn.rank_id, report)
                 self.counters["reports_applied"] += 1
+            except CompactEventsError as e:
+                self.counters["reports_malformed"] += 1
+                self.counters["reports_malformed_compact_events"] += 1
+                logger.warning("dropped report %d of %s: %s", report.seq, conn.rank_id, e)
             except ValueError as e:
                 self.counters["reports_malformed"] += 1
                 logger.warning("dropped report %d of %s: %s", report.seq, conn.rank_id, e)
@@ -680,24 +699,96 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         conn.acked_at = asyncio.get_running_loop().time()
         conn.queue.put_nowait(pb.SchedulerMessage(ack=pb.Ack(seq=acked)))
 
+    def _apply_compact(self, engine: EngineState, own: int, merged: tuple[int, ...], transfer_ranks: tuple[int, ...],
+                       report: pb.StepReport, engine_batch: ProtoBackedBatch | None) -> None:
+        """`apply_report` for worker events in compact form: counted from the hash array
+        (`add_shared_hashes`), published as a `CompactBatch` when every event is (the common
+        case), else the published ones decoded from the events' protobuf bytes."""
+        if report.worker_events or report.packed_worker_events:
+            raise CompactEventsError("a report carries compact_worker_events and another form of worker events")
+        try:
+            compact = compact_events.from_proto(report.compact_worker_events)
+            if self.verify_compact:
+                compact_events.verify(compact)
+        except ValueError as e:
+            raise CompactEventsError(str(e)) from None
+        own_output = output_from_proto(report, ())
+        published = self.aggregator.add_shared_hashes(engine.engine_id, engine.epoch, (own, *merged),
+                                                      compact.key, compact.hashes, compact.sizes)
+        result = self.aggregator.add_report(engine.engine_id, engine.epoch, own, own_output)
+        self._merge_transfers(engine, transfer_ranks, report, result)
+        if engine_batch is not None:
+            self.sink.publish(engine.engine_id, engine.epoch, engine_batch)
+        if published is None:
+            self.sink.publish(engine.engine_id, engine.epoch, CompactBatch(time.time(), compact))
+        elif published:
+            events = compact.events()
+            self.sink.publish(engine.engine_id, engine.epoch,
+                              KVEventBatch(ts=time.time(), events=[events[i] for i in published]))
+        self._finish(engine, report, result)
+
+    def _engine_batch(self, engine: EngineState, rank_id: RankId, report: pb.StepReport) -> ProtoBackedBatch | None:
+        """Rank 0's engine-level events of the report, None when it has none (or the sender is
+        not rank 0: ignored, as always). Compact ones (`compact_engine_events`) become a
+        `CompactBatch` with the header's ts and data_parallel_rank, no object per event;
+        CompactEventsError when they are malformed (checked before anything applies)."""
+        if rank_id != engine.leader:
+            return None
+        m = report.engine_events
+        dp = m.data_parallel_rank if m.HasField("data_parallel_rank") else None
+        if report.HasField("compact_engine_events"):
+            if m.events:
+                raise CompactEventsError("a report carries compact_engine_events and engine_events.events")
+            try:
+                compact = compact_events.from_proto(report.compact_engine_events)
+                if self.verify_compact:
+                    compact_events.verify(compact)
+            except ValueError as e:
+                raise CompactEventsError(f"engine events: {e}") from None
+            return CompactBatch(m.ts, compact, dp)
+        if m.events:
+            return ProtoBackedBatch(ts=m.ts, events=[event_from_proto(e) for e in m.events], proto_events=m.events,
+                                    data_parallel_rank=dp)
+        return None
+
+    def _merge_transfers(self, engine: EngineState, transfer_ranks: tuple[int, ...], report: pb.StepReport,
+                         result: AggregatedResult) -> None:
+        """The sender's transfer results count once for each rank of `transfer_ranks` too (a rank
+        the aggregator already counted for an id is not counted again)."""
+        if transfer_ranks:
+            result.merge(self.aggregator.add_reports(engine.engine_id, engine.epoch,
+                                                     dict.fromkeys(transfer_ranks, output_from_proto(report, ()))))
+
+    def _finish(self, engine: EngineState, report: pb.StepReport, result: AggregatedResult) -> None:
+        """The transfer outcomes and byte counts of an applied report."""
+        ref = EngineRef(engine.engine_id, engine.epoch)
+        outcomes: list[TransferOutcome] = []
+        for request_id in result.finished_recving:
+            outcomes += self.tracker.on_recving(ref, request_id, request_id in result.failed_recving,
+                                                result.invalid_block_ids.get(request_id, ()))
+        for request_id in result.finished_sending:
+            outcomes += self.tracker.on_sending(ref, request_id)
+        for stat in report.transfer_stats:
+            self.transfer_bytes[(stat.src_engine_id, stat.dst_engine_id)] += stat.num_bytes
+        for outcome in outcomes:
+            self.on_transfer_outcome(outcome)
+
     def apply_report(self, engine: EngineState, rank_id: RankId, report: pb.StepReport) -> None:
         """Feeds one new report to the aggregator, tracker and event sink (ValueError: malformed,
         nothing applied)."""
         own = _global_rank(engine, rank_id)
         merged = merged_event_ranks(report, own, engine.tp_size * engine.pp_size)
         transfer_ranks = merged_transfer_ranks(report, own, engine.tp_size * engine.pp_size)
+        engine_batch = self._engine_batch(engine, rank_id, report)
+        if report.HasField("compact_worker_events"):
+            self._apply_compact(engine, own, merged, transfer_ranks, report, engine_batch)
+            return
         # Copies of these events still to come from other ranks (none when this report merges them).
         uses = engine.tp_size * engine.pp_size - len(merged)
         events = self.worker_events.decode(engine.engine_id, engine.epoch, uses, report)
         if merged and not events:
             raise ValueError("merged_event_ranks without worker events")
         output = output_from_proto(report, events)
-        engine_batch = None
-        if report.HasField("engine_events") and rank_id == engine.leader and report.engine_events.events:
-            m = report.engine_events
-            engine_batch = ProtoBackedBatch(
-                ts=m.ts, events=[event_from_proto(e) for e in m.events], proto_events=m.events,
-                data_parallel_rank=m.data_parallel_rank if m.HasField("data_parallel_rank") else None)
         if merged:
             # The events count once for each listed rank and the sender (§3's per-rank counting,
             # applied with the ranks' joint mask: the same state as rank by rank), then the
@@ -707,18 +798,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                                                     output_from_proto(report, ())))
         else:
             result = self.aggregator.add_report(engine.engine_id, engine.epoch, own, output)
-        if transfer_ranks:
-            # The sender's transfer results count once for each listed rank too (a rank the
-            # aggregator already counted for an id is not counted again).
-            result.merge(self.aggregator.add_reports(engine.engine_id, engine.epoch,
-                                                     dict.fromkeys(transfer_ranks, output_from_proto(report, ()))))
-        ref = EngineRef(engine.engine_id, engine.epoch)
-        outcomes: list[TransferOutcome] = []
-        for request_id in result.finished_recving:
-            outcomes += self.tracker.on_recving(ref, request_id, request_id in result.failed_recving,
-                                                result.invalid_block_ids.get(request_id, ()))
-        for request_id in result.finished_sending:
-            outcomes += self.tracker.on_sending(ref, request_id)
+        self._merge_transfers(engine, transfer_ranks, report, result)
         if engine_batch is not None:
             self.sink.publish(engine.engine_id, engine.epoch, engine_batch)
         if result.events:
@@ -733,7 +813,4 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             else:
                 batch = KVEventBatch(ts=time.time(), events=result.events)
             self.sink.publish(engine.engine_id, engine.epoch, batch)
-        for stat in report.transfer_stats:
-            self.transfer_bytes[(stat.src_engine_id, stat.dst_engine_id)] += stat.num_bytes
-        for outcome in outcomes:
-            self.on_transfer_outcome(outcome)
+        self._finish(engine, report, result)

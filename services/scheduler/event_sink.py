@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from connectors.kv_events import KVEventBatch
+from connectors.compact_events import CompactEvents
+from connectors.kv_events import KVCacheEvent, KVEventBatch
 
 
 @dataclass(slots=True)
@@ -29,6 +30,38 @@ class ProtoBackedBatch(KVEventBatch):
 
     proto_events: Any = None
     events_wire: bytes | None = None
+
+
+class CompactBatch(ProtoBackedBatch):
+    """A batch of a step's BlockStored events received in compact form
+    (`connectors.compact_events.CompactEvents`): `events_wire` for gRPC, `compact.msgpack_events`
+    for ZMQ, `compact.hashes` for the prefix index. `events` is decoded from `events_wire` only
+    when someone reads it (a replay, a filtered subscriber, a test); the event plane's hot path
+    uses `compact` and `num_events` instead."""
+
+    __slots__ = ("_decoded", "compact")
+
+    def __init__(self, ts: float, compact: CompactEvents, data_parallel_rank: int | None = None) -> None:
+        self.ts = ts
+        self.data_parallel_rank = data_parallel_rank
+        self.proto_events = None
+        self.events_wire = compact.events_wire
+        self.compact = compact
+        self._decoded: list[KVCacheEvent] | None = None
+
+    @property  # type: ignore[override]
+    def events(self) -> list[KVCacheEvent]:
+        if self._decoded is None:
+            self._decoded = self.compact.events()
+        return self._decoded
+
+    @events.setter
+    def events(self, value: list[KVCacheEvent]) -> None:
+        raise AttributeError("a CompactBatch's events are fixed by its compact form")
+
+    @property
+    def num_events(self) -> int:
+        return self.compact.num_events
 
 
 @runtime_checkable

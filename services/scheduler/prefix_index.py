@@ -167,6 +167,19 @@ class IntLru:
                 return key
         raise KeyError("pop_oldest from an empty IntLru")
 
+    def pop_oldest_many(self, n: int) -> list[int]:
+        """`pop_oldest()` n times, in one call (KeyError, after popping all, when fewer held)."""
+        stamp, keys, ticks = self._stamp, self._keys, self._ticks
+        out: list[int] = []
+        while len(out) < n and keys:
+            key, tick = keys.popleft(), ticks.popleft()
+            if stamp.get(key) == tick:
+                del stamp[key]
+                out.append(key)
+        if len(out) < n:
+            raise KeyError(f"pop_oldest_many({n}) from an IntLru holding {len(out)}")
+        return out
+
     def __iter__(self) -> Iterator[int]:
         """Keys, least recently used first."""
         stamp = self._stamp
@@ -294,6 +307,22 @@ class InMemoryPrefixIndex:
                 self._drop(engine_id, event.medium)
         return True
 
+    def apply_stored(self, engine_id: str, epoch: int, medium: str | None, hashes: list[int],
+                     sizes: list[int]) -> bool:
+        """`apply` of BlockStored events of one medium given by their int hashes (in order) and
+        the number of hashes of each: the same state afterwards, no object per event."""
+        if self.is_dead_epoch(engine_id, epoch):
+            self._stats.num_stale_events += len(sizes)
+            return False
+        self.begin_epoch(engine_id, epoch)
+        medium = medium or DEFAULT_MEDIUM
+        if len(sizes) == 1 or not self._store_new(hashes, engine_id, medium):
+            offset = 0
+            for size in sizes:
+                self._store(hashes[offset:offset + size], engine_id, medium)
+                offset += size
+        return True
+
     def remove_engine(self, engine_id: str) -> None:
         self._drop(engine_id, None)
         for key in [k for k in self._slots if k[0] == engine_id]:
@@ -366,10 +395,8 @@ class InMemoryPrefixIndex:
                 blocks[h] = blocks.get(h, 0) | bit
                 owned.add(h)
             lru.touch(key)
-        while len(lru) > self._max_entries:
-            old_key = lru.pop_oldest()
-            self._unlink(old_key & _MASK64, old_key >> 64)
-            self._stats.num_evicted += 1
+        if len(lru) > self._max_entries:
+            self._evict(len(lru) - self._max_entries)
 
     def _store_new(self, hashes: Sequence[ExternalBlockHash], engine_id: str, medium: str) -> bool:
         """Stores `hashes` in bulk when none is held by (engine, medium) yet and they fit the
@@ -389,11 +416,22 @@ class InMemoryPrefixIndex:
             owned = self._slot_hashes[slot] = set()
         owned.update(hs)
         lru.touch_many(keys)
-        while len(lru) > self._max_entries:
-            old_key = lru.pop_oldest()
-            self._unlink(old_key & _MASK64, old_key >> 64)
-            self._stats.num_evicted += 1
+        if len(lru) > self._max_entries:
+            self._evict(len(lru) - self._max_entries)
         return True
+
+    def _evict(self, n: int) -> None:
+        """Drops the `n` least recently used entries (as `_unlink` of each, in one loop)."""
+        blocks, slot_hashes = self._blocks, self._slot_hashes
+        for key in self._lru.pop_oldest_many(n):
+            h, slot = key & _MASK64, key >> 64
+            slot_hashes[slot].discard(h)
+            mask = blocks[h] & ~(1 << slot)
+            if mask:
+                blocks[h] = mask
+            else:
+                del blocks[h]
+        self._stats.num_evicted += n
 
     def _remove(self, h: int, slot: int) -> None:
         key = slot << 64 | h

@@ -231,6 +231,8 @@ class StepReport(_message.Message):
     PACKED_WORKER_EVENTS_FIELD_NUMBER: _builtins.int
     MERGED_EVENT_RANKS_FIELD_NUMBER: _builtins.int
     MERGED_TRANSFER_RANKS_FIELD_NUMBER: _builtins.int
+    COMPACT_WORKER_EVENTS_FIELD_NUMBER: _builtins.int
+    COMPACT_ENGINE_EVENTS_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """Per-rank sequence number, starting at 1, strictly increasing within an epoch."""
     worker_metadata: _builtins.bytes
@@ -285,6 +287,25 @@ class StepReport(_message.Message):
         accepts_merged_transfer_results.
         """
 
+    @_builtins.property
+    def compact_worker_events(self) -> Global___CompactEvents:
+        """The worker events in compact form, instead of `worker_events` / `packed_worker_events`
+        (setting two of them makes the report malformed): for a step whose events are all
+        BlockStored of one (medium, group_idx) with integer hashes. Sent only to a scheduler whose
+        Welcome sets accepts_compact_worker_events.
+        """
+
+    @_builtins.property
+    def compact_engine_events(self) -> Global___CompactEvents:
+        """Rank 0's engine events in compact form (their EventBatch would hold only BlockStored of one
+        (medium, group_idx) with integer hashes): `engine_events` then carries the batch's ts,
+        engine_id, epoch and data_parallel_rank with no `events`, and these are its events (events
+        in both makes the report malformed). The scheduler publishes and indexes them as it would
+        `engine_events.events`, building no object per event. Sent only to a scheduler whose
+        Welcome sets accepts_compact_engine_events (accepts_compact_worker_events does not imply
+        it: a scheduler from before this field would drop such events unseen).
+        """
+
     def __init__(
         self,
         *,
@@ -300,14 +321,73 @@ class StepReport(_message.Message):
         packed_worker_events: _builtins.bytes = ...,
         merged_event_ranks: _abc.Iterable[_builtins.int] | None = ...,
         merged_transfer_ranks: _abc.Iterable[_builtins.int] | None = ...,
+        compact_worker_events: Global___CompactEvents | None = ...,
+        compact_engine_events: Global___CompactEvents | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["engine_events", b"engine_events"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["compact_engine_events", b"compact_engine_events", "compact_worker_events", b"compact_worker_events", "engine_events", b"engine_events"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_events", b"engine_events", "failed_recving", b"failed_recving", "finished_recving", b"finished_recving", "finished_sending", b"finished_sending", "invalid_block_ids", b"invalid_block_ids", "merged_event_ranks", b"merged_event_ranks", "merged_transfer_ranks", b"merged_transfer_ranks", "packed_worker_events", b"packed_worker_events", "seq", b"seq", "transfer_stats", b"transfer_stats", "worker_events", b"worker_events", "worker_metadata", b"worker_metadata"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compact_engine_events", b"compact_engine_events", "compact_worker_events", b"compact_worker_events", "engine_events", b"engine_events", "failed_recving", b"failed_recving", "finished_recving", b"finished_recving", "finished_sending", b"finished_sending", "invalid_block_ids", b"invalid_block_ids", "merged_event_ranks", b"merged_event_ranks", "merged_transfer_ranks", b"merged_transfer_ranks", "packed_worker_events", b"packed_worker_events", "seq", b"seq", "transfer_stats", b"transfer_stats", "worker_events", b"worker_events", "worker_metadata", b"worker_metadata"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StepReport: _TypeAlias = StepReport  # noqa: Y015
+
+@_typing.final
+class CompactEvents(_message.Message):
+    """A step's BlockStored events, encoded once by the rank in the forms the scheduler hands on,
+    so that it builds no object per event: every event is a BlockStored with `medium` and
+    `group_idx` as below and integer hashes. The three forms describe the same events (the
+    sender's contract; the scheduler checks their framing and counts, not each event).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENTS_WIRE_FIELD_NUMBER: _builtins.int
+    MSGPACK_EVENTS_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    HASHES_PER_EVENT_FIELD_NUMBER: _builtins.int
+    MEDIUM_FIELD_NUMBER: _builtins.int
+    GROUP_IDX_FIELD_NUMBER: _builtins.int
+    events_wire: _builtins.bytes
+    """A serialized EventBatch with only `events` set (what packed_worker_events holds): what
+    gRPC subscribers receive, and what a replay or a partly published step decodes.
+    """
+    msgpack_events: _builtins.bytes
+    """vLLM's msgpack of the event list (map mode, connectors.wire): the events element of the
+    ZMQ payload `[ts, events, data_parallel_rank]`, so ZMQ subscribers get these bytes.
+    """
+    block_hashes: _builtins.bytes
+    """Every event's block hashes in event order, unsigned 64-bit little-endian."""
+    medium: _builtins.str
+    group_idx: _builtins.int
+    @_builtins.property
+    def hashes_per_event(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Hashes per event (>= 1 each; their sum is block_hashes' length / 8)."""
+
+    def __init__(
+        self,
+        *,
+        events_wire: _builtins.bytes = ...,
+        msgpack_events: _builtins.bytes = ...,
+        block_hashes: _builtins.bytes = ...,
+        hashes_per_event: _abc.Iterable[_builtins.int] | None = ...,
+        medium: _builtins.str | None = ...,
+        group_idx: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx", "_medium", b"_medium", "group_idx", b"group_idx", "medium", b"medium"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx", "_medium", b"_medium", "block_hashes", b"block_hashes", "events_wire", b"events_wire", "group_idx", b"group_idx", "hashes_per_event", b"hashes_per_event", "medium", b"medium", "msgpack_events", b"msgpack_events"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__group_idx: _TypeAlias = _typing.Literal["group_idx"]  # noqa: Y015
+    _WhichOneofArgType__group_idx: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx"]  # noqa: Y015
+    _WhichOneofReturnType__medium: _TypeAlias = _typing.Literal["medium"]  # noqa: Y015
+    _WhichOneofArgType__medium: _TypeAlias = _typing.Literal["_medium", b"_medium"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__group_idx) -> _WhichOneofReturnType__group_idx | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__medium) -> _WhichOneofReturnType__medium | None: ...
+
+Global___CompactEvents: _TypeAlias = CompactEvents  # noqa: Y015
 
 @_typing.final
 class EngineLoad(_message.Message):
@@ -466,7 +546,9 @@ class Welcome(_message.Message):
     ACCEPTS_PACKED_WORKER_EVENTS_FIELD_NUMBER: _builtins.int
     ACK_INTERVAL_MS_FIELD_NUMBER: _builtins.int
     ACCEPTS_MERGED_WORKER_EVENTS_FIELD_NUMBER: _builtins.int
+    ACCEPTS_COMPACT_WORKER_EVENTS_FIELD_NUMBER: _builtins.int
     ACCEPTS_MERGED_TRANSFER_RESULTS_FIELD_NUMBER: _builtins.int
+    ACCEPTS_COMPACT_ENGINE_EVENTS_FIELD_NUMBER: _builtins.int
     last_acked_seq: _builtins.int
     """Highest StepReport seq of this rank (this epoch) the scheduler has applied."""
     heartbeat_interval_ms: _builtins.int
@@ -485,11 +567,15 @@ class Welcome(_message.Message):
     """Whether StepReport.merged_event_ranks is understood (false: an older scheduler, which
     would count such a report's events for the sender only).
     """
+    accepts_compact_worker_events: _builtins.bool
+    """Whether StepReport.compact_worker_events is understood (false: an older scheduler)."""
     accepts_merged_transfer_results: _builtins.bool
     """Whether StepReport.merged_transfer_ranks is understood (false: an older scheduler, which
     would count such a report's transfer results for the sender only, so the transfer would
     never finish there).
     """
+    accepts_compact_engine_events: _builtins.bool
+    """Whether StepReport.compact_engine_events is understood (false: an older scheduler)."""
     @_builtins.property
     def expected_ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankIdentity]:
         """Every rank of this engine the scheduler waits for before a transfer counts as finished."""
@@ -512,11 +598,13 @@ class Welcome(_message.Message):
         accepts_packed_worker_events: _builtins.bool = ...,
         ack_interval_ms: _builtins.int = ...,
         accepts_merged_worker_events: _builtins.bool = ...,
+        accepts_compact_worker_events: _builtins.bool = ...,
         accepts_merged_transfer_results: _builtins.bool = ...,
+        accepts_compact_engine_events: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_merged_transfer_results", b"accepts_merged_transfer_results", "accepts_merged_worker_events", b"accepts_merged_worker_events", "accepts_packed_worker_events", b"accepts_packed_worker_events", "ack_interval_ms", b"ack_interval_ms", "expected_ranks", b"expected_ranks", "heartbeat_interval_ms", b"heartbeat_interval_ms", "last_acked_seq", b"last_acked_seq", "max_reports_per_message", b"max_reports_per_message", "peers", b"peers", "scheduler_id", b"scheduler_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_compact_engine_events", b"accepts_compact_engine_events", "accepts_compact_worker_events", b"accepts_compact_worker_events", "accepts_merged_transfer_results", b"accepts_merged_transfer_results", "accepts_merged_worker_events", b"accepts_merged_worker_events", "accepts_packed_worker_events", b"accepts_packed_worker_events", "ack_interval_ms", b"ack_interval_ms", "expected_ranks", b"expected_ranks", "heartbeat_interval_ms", b"heartbeat_interval_ms", "last_acked_seq", b"last_acked_seq", "max_reports_per_message", b"max_reports_per_message", "peers", b"peers", "scheduler_id", b"scheduler_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -245,8 +245,13 @@ class SubscribeRequest(_message.Message):
     ENGINE_IDS_FIELD_NUMBER: _builtins.int
     MEDIA_FIELD_NUMBER: _builtins.int
     TYPES_FIELD_NUMBER: _builtins.int
+    MAX_BATCHES_PER_MESSAGE_FIELD_NUMBER: _builtins.int
     from_seq: _builtins.int
     """Absent: live events only, from the next batch."""
+    max_batches_per_message: _builtins.int
+    """Up to this many consecutive live batches may share one EventStreamMessage (in `batches`)
+    when they are ready together (the subscriber is behind); 0 or 1: one batch per message.
+    """
     @_builtins.property
     def engine_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Empty lists select everything."""
@@ -262,10 +267,11 @@ class SubscribeRequest(_message.Message):
         engine_ids: _abc.Iterable[_builtins.str] | None = ...,
         media: _abc.Iterable[_builtins.str] | None = ...,
         types: _abc.Iterable[Global___EventType.ValueType] | None = ...,
+        max_batches_per_message: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_from_seq", b"_from_seq", "from_seq", b"from_seq"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_from_seq", b"_from_seq", "engine_ids", b"engine_ids", "from_seq", b"from_seq", "media", b"media", "types", b"types"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_from_seq", b"_from_seq", "engine_ids", b"engine_ids", "from_seq", b"from_seq", "max_batches_per_message", b"max_batches_per_message", "media", b"media", "types", b"types"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__from_seq: _TypeAlias = _typing.Literal["from_seq"]  # noqa: Y015
     _WhichOneofArgType__from_seq: _TypeAlias = _typing.Literal["_from_seq", b"_from_seq"]  # noqa: Y015
@@ -327,19 +333,27 @@ class EventStreamMessage(_message.Message):
 
     BATCH_FIELD_NUMBER: _builtins.int
     NOTICE_FIELD_NUMBER: _builtins.int
+    BATCHES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def batch(self) -> Global___EventBatch: ...
     @_builtins.property
     def notice(self) -> Global___StreamNotice: ...
+    @_builtins.property
+    def batches(self) -> _containers.RepeatedCompositeFieldContainer[Global___EventBatch]:
+        """Several consecutive batches, in seq order, instead of `batch` (then neither `batch` nor
+        `notice` is set): only for a subscriber that set SubscribeRequest.max_batches_per_message.
+        """
+
     def __init__(
         self,
         *,
         batch: Global___EventBatch | None = ...,
         notice: Global___StreamNotice | None = ...,
+        batches: _abc.Iterable[Global___EventBatch] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "notice", b"notice", "payload", b"payload"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "notice", b"notice", "payload", b"payload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "batches", b"batches", "notice", b"notice", "payload", b"payload"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["batch", "notice"]  # noqa: Y015
     _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015

@@ -7,12 +7,16 @@ from collections import Counter
 
 from connectors.kv_events import AllBlocksCleared, KVEventBatch
 from services.common.metrics import EventMetrics, SubscriberLag
+from services.scheduler.event_sink import CompactBatch
 from services.scheduler.events.republisher import EventRepublisher, SequencedBatch, Subscription
 from services.scheduler.prefix_index import DEFAULT_MEDIUM, InMemoryPrefixIndex
 
 
 def _by_type_and_medium(batch: KVEventBatch) -> Counter[tuple[str, str]]:
     counts: Counter[tuple[str, str]] = Counter()
+    if type(batch) is CompactBatch:  # BlockStored of one medium
+        counts[("BlockStored", batch.compact.medium or DEFAULT_MEDIUM)] = batch.num_events
+        return counts
     for e in batch.events:
         medium = e.medium or ("all" if isinstance(e, AllBlocksCleared) else DEFAULT_MEDIUM)
         counts[(type(e).__name__, medium)] += 1

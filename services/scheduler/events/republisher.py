@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from connectors.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, KVEventBatch
+from services.scheduler.event_sink import CompactBatch
 from services.scheduler.prefix_index import DEFAULT_MEDIUM, PrefixIndex
 
 logger = logging.getLogger(__name__)
@@ -145,6 +146,11 @@ class EventFilter:
             return None
         if not (self.media or self.types):
             return sb
+        if type(sb.batch) is CompactBatch:  # every event a BlockStored of one medium
+            c = sb.batch.compact
+            wanted = ((not self.types or BlockStored in self.types)
+                      and (not self.media or (c.medium or DEFAULT_MEDIUM) in self.media))
+            return sb if wanted else None
         events = [e for e in sb.batch.events if self.wants_event(e)]
         if not events:
             return None
@@ -242,6 +248,9 @@ class EventRepublisher:
         if subscriber_buffer < 1:
             raise ValueError(f"subscriber_buffer must be >= 1, got {subscriber_buffer}")
         self.index = index
+        # The index's array path for compact batches (`InMemoryPrefixIndex.apply_stored`), if any.
+        self._apply_stored: Callable[[str, int, str | None, list[int], list[int]], bool] | None = \
+            getattr(index, "apply_stored", None)
         self.ring_size = ring_size
         self.subscriber_buffer = subscriber_buffer
         self._snapshot_blocks = snapshot_blocks_per_batch
@@ -283,11 +292,11 @@ class EventRepublisher:
             if epoch in self._dead_epochs.get(engine_id, ()):
                 self._stats.num_stale_batches += 1
                 for rejected in self.on_rejected:
-                    rejected("stale_epoch", len(batch.events))
+                    rejected("stale_epoch", num_events(batch))
                 logger.debug("dropping KV events of %s from dead epoch %d", engine_id, epoch)
                 return None
             self._adopt_epoch(engine_id, epoch)
-            if not batch.events:
+            if not num_events(batch):
                 return None
             return self._append(engine_id, epoch, batch)
 
@@ -388,18 +397,29 @@ class EventRepublisher:
         seq = self._next_seq
         self._next_seq += 1
         sb = SequencedBatch(seq, engine_id, epoch, batch)
-        self.index.apply(engine_id, epoch, batch.events)
-        last = batch.events[-1]
-        if isinstance(last, AllBlocksCleared) and last.medium is None:
-            self._cleared[engine_id] = epoch
-        else:
-            self._cleared.pop(engine_id, None)
         s = self._stats
         s.num_batches += 1
-        s.num_events += len(batch.events)
         by_type = s.events_by_type
-        for kind, count in Counter(map(type, batch.events)).items():
-            by_type[kind.__name__] = by_type.get(kind.__name__, 0) + count
+        if type(batch) is CompactBatch:
+            # BlockStored of one medium, as hashes: indexed and counted without an event object.
+            c = batch.compact
+            if self._apply_stored is not None:
+                self._apply_stored(engine_id, epoch, c.medium, c.hashes, c.sizes)
+            else:
+                self.index.apply(engine_id, epoch, batch.events)
+            self._cleared.pop(engine_id, None)
+            s.num_events += c.num_events
+            by_type["BlockStored"] = by_type.get("BlockStored", 0) + c.num_events
+        else:
+            self.index.apply(engine_id, epoch, batch.events)
+            last = batch.events[-1]
+            if isinstance(last, AllBlocksCleared) and last.medium is None:
+                self._cleared[engine_id] = epoch
+            else:
+                self._cleared.pop(engine_id, None)
+            s.num_events += len(batch.events)
+            for kind, count in Counter(map(type, batch.events)).items():
+                by_type[kind.__name__] = by_type.get(kind.__name__, 0) + count
         for sub in self._subscribers:
             sub._offer(sb)
         for listener in self._listeners:
@@ -462,11 +482,18 @@ class EventRepublisher:
             self._stats.num_subscribers = len(self._subscribers)
 
 
+def num_events(batch: KVEventBatch) -> int:
+    """The batch's event count (a CompactBatch's without decoding it)."""
+    return batch.num_events if type(batch) is CompactBatch else len(batch.events)
+
+
 def _check_batch(engine_id: str, epoch: int, batch: KVEventBatch) -> None:
     if not engine_id:
         raise ValueError("KV events need an engine id")
     if epoch < 0:
         raise ValueError(f"epoch must be >= 0, got {epoch}")
+    if type(batch) is CompactBatch:
+        return  # BlockStored only, by construction
     for e in batch.events:
         if not isinstance(e, BlockStored | BlockRemoved | AllBlocksCleared):
             raise ValueError(f"not a KV event: {type(e).__name__}")

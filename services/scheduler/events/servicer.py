@@ -1,7 +1,9 @@
 """`pdserve.v1.KVEvents` servicer: a typed gRPC stream over the republisher.
 
 Each batch is converted to protobuf and serialised once, however many subscribers receive it
-(the method is registered with a pass-through serializer and yields bytes). A slow subscriber
+(the method is registered with a pass-through serializer and yields bytes). A subscriber that
+sets `max_batches_per_message` gets the live batches that are ready together (it is behind) in
+one message each run, up to that many: fewer messages for both ends when it matters. A slow subscriber
 only ever fills its own bounded buffer; the republisher resyncs it (see republisher.py).
 """
 
@@ -114,6 +116,37 @@ def encode_item(item: StreamItem) -> bytes:
     return pb.EventStreamMessage(notice=notice).SerializeToString()
 
 
+def encode_items(items: list[StreamItem], max_batches: int = 1) -> list[bytes]:
+    """The stream messages of `items`, in order: with `max_batches` > 1, runs of consecutive
+    live batches share one EventStreamMessage (its repeated `batches`, field 3), built from each
+    batch's cached message by retagging field 1 as field 3 (no re-encoding)."""
+    if max_batches <= 1:
+        return [encode_item(item) for item in items]
+    out: list[bytes] = []
+    run: list[bytes] = []
+    for item in items:
+        if isinstance(item, SequencedBatch):
+            run.append(encode_item(item))
+            if len(run) == max_batches:
+                out.append(_joined(run))
+                run = []
+            continue
+        if run:
+            out.append(_joined(run))
+            run = []
+        out.append(encode_item(item))
+    if run:
+        out.append(_joined(run))
+    return out
+
+
+def _joined(wires: list[bytes]) -> bytes:
+    if len(wires) == 1:
+        return wires[0]
+    # Each wire is `0x0a (field 1, bytes) varint(len) body`; 0x1a is field 3 with the same length.
+    return b"".join([b"\x1a" + w[1:] for w in wires])
+
+
 class GrpcRingCodec:
     """`RingCodec` whose packed form is the batch's serialized EventStreamMessage: the bytes a
     gRPC subscriber receives, so packing a batch also encodes it for them (once)."""
@@ -165,6 +198,7 @@ class KVEventsServicer:
             else:
                 loop.call_soon_threadsafe(ready.set)
 
+        per_message = min(max(1, request.max_batches_per_message), self._max_items)
         peer = context.peer()  # not after the call ended: grpc.aio crashes on that
         sub = self.republisher.subscribe(from_seq, event_filter, wake=wake)
         logger.info("KV-event subscriber %s joined (from_seq=%s)", peer, from_seq)
@@ -175,8 +209,8 @@ class KVEventsServicer:
                 if not items:
                     await ready.wait()
                     continue
-                for item in items:
-                    yield encode_item(item)
+                for wire in encode_items(items, per_message):
+                    yield wire
         finally:
             sub.close()
             logger.info("KV-event subscriber %s left", peer)

@@ -15,10 +15,12 @@ from services.common.cli import main
 def test_bench_events_quick(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "events", "--engines", "2", "--tp", "2", "--batch-events", "8", "--rate", "400",
                  "--duration", "1", "--subscribers", "2", "--sections", "pdserve,vllm,overload",
-                 "--overload-seconds", "0.5", "--json"]) == 0
+                 "--overload-seconds", "0.5", "--verify-compact", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     pdserve, baseline = result["pdserve"], result["vllm"]
     assert pdserve["lost"] == 0 and pdserve["published_events"] > 0
+    # the ranks' compact reports were taken whole (their three forms checked event by event)
+    assert pdserve["report_encoding"] == "compact" and pdserve["reports_malformed"] == 0
     assert pdserve["subscribers"][0]["events"] == pdserve["published_events"]
     # the baseline ran at the same offered rate, and says which code it is
     assert baseline["offered_rate"] == 400 and baseline["lost"] == 0

@@ -132,6 +132,8 @@ async def test_packed_worker_events_are_decoded_once_and_republished_as_sent(har
     from services.scheduler.events.republisher import SequencedBatch
     from services.scheduler.events.servicer import batch_to_proto, encode_item
 
+    assert harness.servicer is not None
+    harness.servicer.accepts_compact_worker_events = False  # the packed path: a scheduler before compact events
     ranks = [await harness.connect(hello("p0", "prefill", tp_rank=r, tp_size=2, epoch=77)) for r in range(2)]
     assert all(c.welcome is not None and c.welcome.accepts_packed_worker_events for c in ranks)
     events = [BlockStored((h,), None, (), 16, medium=MEDIUM_CPU_OFFLOAD) for h in (11, 12, 13)]
@@ -232,6 +234,66 @@ async def test_a_merged_report_still_counts_the_senders_own_transfer_results(har
     assert servicer.aggregator.pending_reports()["p2"].sending == 1  # rank 0's share of "rq", not rank 1's
     ranks[1].report(StepReport(finished_sending=["rq"]))
     await eventually(lambda: servicer.aggregator.pending_reports()["p2"].sending == 0)
+
+
+def _compact(seq: int, hashes: list[int]) -> pb.RankMessage:
+    from connectors import compact_events
+
+    c = compact_events.encode(_stored(*hashes))
+    assert c is not None
+    return pb.RankMessage(report=pb.StepReport(seq=seq, compact_worker_events=compact_events.to_proto(c)))
+
+
+async def test_compact_worker_events_are_published_without_decoding(harness: ControlHarness) -> None:
+    from services.scheduler.event_sink import CompactBatch
+
+    servicer = harness.servicer
+    assert servicer is not None
+    servicer.verify_compact = True  # the client's three forms agree, event by event
+    ranks = [await harness.connect(hello("p3", "prefill", tp_rank=r, tp_size=2, epoch=81)) for r in range(2)]
+    assert all(c.welcome is not None and c.welcome.accepts_compact_worker_events for c in ranks)
+    ranks[0].report(StepReport(worker_events=_stored(41, 42), merged_event_ranks=(1,),
+                               finished_sending=["c1"], merged_transfer_ranks=(1,)))
+    await eventually(lambda: len(harness.sink.batches) == 1)
+    batch = harness.sink.batches[0][2]
+    assert isinstance(batch, CompactBatch) and batch.compact.hashes == [41, 42]
+    assert list(batch.events) == _stored(41, 42)
+    assert servicer.aggregator.pending_reports()["p3"].sending == 0  # "c1" counted for both ranks
+    # Per-rank compact reports: whole once both ranks hold a block; a block already published is not again.
+    ranks[0].report(StepReport(worker_events=_stored(42, 43)))
+    ranks[1].report(StepReport(worker_events=_stored(42, 43)))
+    await eventually(lambda: len(harness.sink.batches) == 2)
+    assert list(harness.sink.batches[1][2].events) == _stored(43)
+    assert servicer.counters["reports_malformed"] == 0 and servicer.worker_events.misses == 0
+
+
+async def test_a_rank_sends_packed_events_to_a_scheduler_without_compact_events(harness: ControlHarness) -> None:
+    from services.scheduler.event_sink import CompactBatch, ProtoBackedBatch
+
+    assert harness.servicer is not None
+    harness.servicer.accepts_compact_worker_events = False  # an older scheduler
+    client = await harness.connect(hello("p4", "prefill", epoch=82))
+    client.report(StepReport(worker_events=_stored(51)))
+    await eventually(lambda: len(harness.sink.batches) == 1)
+    batch = harness.sink.batches[0][2]
+    assert isinstance(batch, ProtoBackedBatch) and not isinstance(batch, CompactBatch)
+    assert list(batch.events) == _stored(51)
+
+
+async def test_malformed_compact_worker_events_are_dropped_counted_and_acked(harness: ControlHarness) -> None:
+    short = _compact(1, [61, 62])
+    short.report.compact_worker_events.block_hashes = b"\x00" * 12
+    both = _compact(2, [61])
+    both.report.packed_worker_events = b"\x32\x00"
+    miscounted = _compact(3, [61, 62])
+    miscounted.report.compact_worker_events.msgpack_events = b"\x91\xc0"
+    got = await _exchange(harness.port, [_hello_msg(), short, both, miscounted, _compact(4, [61, 62])], hold=0.4)
+    assert [m.ack.seq for m in got if m.WhichOneof("payload") == "ack"][-1] == 4
+    counters = harness.servicer.counters  # type: ignore[union-attr]
+    assert counters["reports_malformed_compact_events"] == 3 and counters["reports_malformed"] == 3
+    assert counters["reports_applied"] == 1
+    # nothing of the dropped reports counted: the good one published both blocks
+    assert [list(b.events) for _, _, b in harness.sink.batches] == [_stored(61, 62)]
 
 
 async def test_one_report_carries_every_decode_ranks_finished_receive(harness: ControlHarness) -> None:
