@@ -7,7 +7,10 @@ own control stream. Every engine step has `--batch-events` worker-side BlockStor
 (medium CPU_OFFLOAD, one hash each: every rank holds its shard); with `--report-per engine` (the
 default) rank 0 reports them once for all its ranks (`StepReport.merged_event_ranks`), with
 `--report-per rank` each rank reports them itself; the aggregator publishes them once every rank
-is counted. A third process holds `--subscribers`
+is counted. With `--event-source engine` the same events are rank 0's engine events instead
+(`StepReport.engine_events`, or `compact_engine_events` with `--report-encoding compact`: the
+block pool's events as vLLM's forwarder hands them on), one report per engine step, not
+aggregated. A third process holds `--subscribers`
 subscribers, half gRPC `Subscribe`, half ZMQ SUB decoding vLLM's msgpack. The rank stamps its
 send time into the block hashes, so latency is from the rank's send (the engine step's first
 report) to the subscriber's receipt. Steps are paced to `--rate` published events/s.
@@ -35,6 +38,7 @@ import asyncio
 import json
 import os
 import queue
+import struct
 import subprocess
 import sys
 import threading
@@ -78,6 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="simulated stream ranks send worker events in compact form "
                              "(compact_worker_events: protobuf and msgpack bytes plus one hash array), "
                              "pre-encoded (packed_worker_events) or as protobuf worker_events")
+    parser.add_argument("--event-source", choices=["worker", "engine"], default="worker",
+                        help="the events are worker events (aggregated across the engine's ranks) or rank "
+                             "0's engine events (StepReport.engine_events / compact_engine_events; not "
+                             "aggregated; --report-encoding packed does not apply)")
     parser.add_argument("--verify-compact", action="store_true",
                         help="the scheduler checks every compact report's three forms event by event "
                              "(a full decode: for tests, not for figures)")
@@ -253,7 +261,7 @@ async def _subscribers_main(grpc_target: str, zmq_endpoint: str, n_grpc: int, n_
 # -- rank process ----------------------------------------------------------------------------------
 
 def _ranks_main(target: str, engines: int, tp: int, batch_events: int, rate: float, duration: float,
-                merged: bool = False) -> None:
+                merged: bool = False, engine_events: bool = False) -> None:
     from services.engine.control_client import ControlClient, ControlHello, RankIdentity, StepReport
 
     clients: list[list[ControlClient]] = []
@@ -271,7 +279,11 @@ def _ranks_main(target: str, engines: int, tp: int, batch_events: int, rate: flo
     others = tuple(range(1, tp))
 
     def step() -> None:
-        events = stamp_events(time.time(), batch_events)
+        now = time.time()
+        events = stamp_events(now, batch_events)
+        if engine_events:  # rank 0's alone (the client encodes them compactly where the scheduler accepts it)
+            clients[pacer.done % engines][0].report(StepReport(engine_events=KVEventBatch(now, events)))
+            return
         if merged:
             clients[pacer.done % engines][0].report(StepReport(worker_events=events, merged_event_ranks=others))
             return
@@ -283,8 +295,8 @@ def _ranks_main(target: str, engines: int, tp: int, batch_events: int, rate: flo
     for ranks in clients:
         for client in ranks:
             client.wait_acked(client.last_seq, 30.0)
-    print(json.dumps({"steps": steps, "rank_reports": steps * tp, "messages": steps * (1 if merged else tp)}),
-          flush=True)
+    print(json.dumps({"steps": steps, "rank_reports": steps * tp,
+                      "messages": steps * (1 if merged or engine_events else tp)}), flush=True)
     for ranks in clients:
         for client in ranks:
             client.close(1.0)
@@ -338,8 +350,14 @@ def stamped_compact_wire(now: float, n: int) -> bytes:
             + length_delimited(3, hashes.tobytes()) + length_delimited(4, b"\x01" * n) + _COMPACT_MEDIUM)
 
 
+def engine_events_header(now: float, engine_id: str, epoch: int) -> bytes:
+    """The fields of a StepReport.engine_events EventBatch before its events: ts, engine_id, epoch."""
+    return b"\x11" + struct.pack("<d", now) + length_delimited(3, engine_id.encode()) + b"\x20" + varint(epoch)
+
+
 async def _stream_ranks_main(target: str, engines: int, tp: int, batch_events: int, rate: float,
-                             duration: float, encoding: str = "compact", merged: bool = False) -> None:
+                             duration: float, encoding: str = "compact", merged: bool = False,
+                             engine_events: bool = False) -> None:
     """All ranks as raw Control streams on one event loop (one channel per engine): the same
     protocol as ControlClient (Hello, Welcome, numbered StepReports, Acks) without a thread per
     rank, so one process can stand in for hundreds of ranks. The load generator is kept cheap so
@@ -347,7 +365,8 @@ async def _stream_ranks_main(target: str, engines: int, tp: int, batch_events: i
     (`encoding`: `compact_worker_events`, `packed_worker_events` or `worker_events`), and every rank's message
     is written as bytes around them (no protobuf object per report). `merged`: one report per
     engine step, from rank 0, naming ranks 1..tp-1 in `merged_event_ranks` (the other ranks send
-    nothing for the step)."""
+    nothing for the step). `engine_events`: rank 0 sends the step's events as engine events
+    (`engine_events`, or its header plus `compact_engine_events`), one report per step."""
     import grpc
 
     from pdserve.v1 import control_pb2 as cpb
@@ -395,6 +414,18 @@ async def _stream_ranks_main(target: str, engines: int, tp: int, batch_events: i
             continue
         for _ in range(min(due, 64)):
             e = steps % engines
+            now = time.time()
+            if engine_events:
+                header = engine_events_header(now, f"bench-p{e}", 1000 + e)
+                seqs[e][0] += 1
+                if encoding == "compact":  # engine_events (field 8) header + compact_engine_events (field 14)
+                    body = length_delimited(8, header) + length_delimited(14, stamped_compact_wire(now, batch_events))
+                else:  # engine_events (field 8) with its events (EventBatch.events, field 6)
+                    body = length_delimited(8, header + stamped_events_wire(now, batch_events))
+                outboxes[e][0].put_nowait(b"\x08" + varint(seqs[e][0]) + body)
+                steps += 1
+                pacer.done += 1
+                continue
             if encoding == "compact":  # StepReport.compact_worker_events (field 12)
                 body = length_delimited(12, stamped_compact_wire(time.time(), batch_events))
             elif encoding == "packed":  # StepReport.packed_worker_events (field 10)
@@ -413,8 +444,8 @@ async def _stream_ranks_main(target: str, engines: int, tp: int, batch_events: i
     while time.monotonic() < deadline and any(acked.get((e, r), 0) < seqs[e][r]
                                               for e in range(engines) for r in range(tp)):
         await asyncio.sleep(0.01)
-    print(json.dumps({"steps": steps, "rank_reports": steps * tp, "messages": steps * (1 if merged else tp),
-                      "send_s": send_s, "send_cpu_s": send_cpu,
+    print(json.dumps({"steps": steps, "rank_reports": steps * tp,
+                      "messages": steps * (1 if merged or engine_events else tp), "send_s": send_s, "send_cpu_s": send_cpu,
                       "ack_wait_s": time.monotonic() - pacer.start - send_s}), flush=True)
     for boxes in outboxes:
         for box in boxes:
@@ -541,7 +572,7 @@ async def _pdserve_section(args: argparse.Namespace, decode_per_rank: bool = Fal
                    "--grpc", f"127.0.0.1:{port}", "--engines", str(args.engines),
                    "--tp", str(args.tp), "--batch-events", str(args.batch_events), "--rate", str(args.rate),
                    "--duration", str(args.duration), "--report-encoding", encoding,
-                   "--report-per", args.report_per)
+                   "--report-per", args.report_per, "--event-source", args.event_source)
     try:
         await _readline(subs)
         t0 = time.monotonic()
@@ -580,10 +611,11 @@ async def _pdserve_section(args: argparse.Namespace, decode_per_rank: bool = Fal
             "generator_cpu_share": (sent["send_cpu_s"] / sent["send_s"]
                                     if sent.get("send_cpu_s") is not None and sent.get("send_s") else None),
             "subscribers_cpu_share": got.get("cpu_share"),
-            "report_encoding": encoding, "report_per": args.report_per,
+            "report_encoding": encoding, "report_per": args.report_per, "event_source": args.event_source,
             "report_messages_per_s": sent.get("messages", sent["rank_reports"]) / elapsed,
             "scheduler_loop_max_lag_ms": control.stalls.max_lag_s * 1e3,
             "reports_malformed": control.counters["reports_malformed"],
+            "reports_compact_engine_events": control.counters["reports_compact_engine_events"],
             "decode": {"hits": control.worker_events.hits, "misses": control.worker_events.misses}}
 
 
@@ -790,6 +822,9 @@ def run(args: argparse.Namespace) -> int:
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown or not sections:
         raise ValueError(f"--sections: unknown {unknown}, choose from {','.join(SECTIONS)}")
+    if args.event_source == "engine" and (args.report_encoding == "packed" or "decode_per_rank" in sections):
+        raise ValueError("--event-source engine: engine events have no packed form (--report-encoding "
+                         "compact or proto) and no per-rank decode (drop the decode_per_rank section)")
     pdserve = asyncio.run(_pdserve_section(args)) if "pdserve" in sections else None
     per_rank = asyncio.run(_pdserve_section(args, decode_per_rank=True)) if "decode_per_rank" in sections else None
     direct = asyncio.run(_direct_section(args)) if "direct" in sections else None
@@ -877,15 +912,18 @@ def _main() -> None:
     p.add_argument("--duration", type=float, default=1.0)
     p.add_argument("--report-encoding", choices=["compact", "packed", "proto"], default="compact")
     p.add_argument("--report-per", choices=["engine", "rank"], default="rank")
+    p.add_argument("--event-source", choices=["worker", "engine"], default="worker")
     a = p.parse_args()
+    engine_events = a.event_source == "engine"
     merged = a.report_per == "engine"
     if a.role == "subscribers":
         asyncio.run(_subscribers_main(a.grpc, a.zmq, a.n_grpc, a.n_zmq))
     elif a.role == "stream-ranks":
         asyncio.run(_stream_ranks_main(a.grpc, a.engines, a.tp, a.batch_events, a.rate, a.duration,
-                                       encoding=a.report_encoding, merged=merged))
+                                       encoding=a.report_encoding, merged=merged, engine_events=engine_events))
     else:
-        _ranks_main(a.grpc, a.engines, a.tp, a.batch_events, a.rate, a.duration, merged=merged)
+        _ranks_main(a.grpc, a.engines, a.tp, a.batch_events, a.rate, a.duration, merged=merged,
+                    engine_events=engine_events)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,14 @@ object per event: it counts, indexes and republishes from the array and the byte
 
 Contracts:
 - `encode(events)` returns None unless the events qualify (non-empty; each a BlockStored with
-  at least one int hash in [0, 2**64), an int parent or none, the same medium and group_idx, and
-  none of the fields the protobuf form does not carry exactly: extra_keys, kv_cache_spec_*,
-  locality); else the three forms
-  describe exactly `events` (`decode_events` of `events_wire` gives them back, `msgpack_events`
-  equals the events element of `connectors.wire.encode_batch`).
+  at least one int hash in [0, 2**64), an int parent or none, the same medium and group_idx);
+  else the three forms describe the events as their protobuf form carries them, which is what
+  the scheduler publishes for them on the protobuf path: `decode_events` of `events_wire` gives
+  `carried(e)` for each, `msgpack_events` equals the events element of
+  `connectors.wire.encode_batch` of those. `carried(e)` is `e` itself unless it sets a field the
+  protobuf form drops or reshapes (kv_cache_spec_*, locality: dropped; extra_keys: tuples of
+  its msgpack), as vLLM's GPU block-pool events do (`extra_keys=[None]`,
+  `kv_cache_spec_kind="full_attention"`).
 - `from_proto(m)` checks the framing (hash array length, counts >= 1 summing to it, the msgpack
   list header holding one element per event, a parseable EventBatch with one event per count)
   and raises ValueError naming what is wrong; it does not compare the forms event by event
@@ -73,11 +76,6 @@ def qualifies(events: tuple[KVCacheEvent, ...] | list[KVCacheEvent]) -> bool:
     for e in events:
         if type(e) is not BlockStored or e.medium != medium or e.group_idx != group or not e.block_hashes:
             return False
-        # Fields the protobuf form does not carry exactly (or at all) keep the packed path, so
-        # the three forms always describe the same events.
-        if (e.extra_keys is not None or e.kv_cache_spec_kind is not None
-                or e.kv_cache_spec_sliding_window is not None or e.locality is not None):
-            return False
         parent = e.parent_block_hash
         if parent is not None and (type(parent) is not int or not 0 <= parent < _U64):
             return False
@@ -87,6 +85,15 @@ def qualifies(events: tuple[KVCacheEvent, ...] | list[KVCacheEvent]) -> bool:
     return True
 
 
+def carried(e: BlockStored) -> BlockStored:
+    """`e` as its protobuf form carries it (`event_from_proto(event_to_proto(e))`; `e` itself
+    when that is the same event, the common case, without the round trip)."""
+    if (e.extra_keys is None and e.kv_cache_spec_kind is None and e.kv_cache_spec_sliding_window is None
+            and e.locality is None):
+        return e
+    return event_from_proto(event_to_proto(e))  # type: ignore[return-value]
+
+
 def encode(events: tuple[KVCacheEvent, ...] | list[KVCacheEvent]) -> CompactEvents | None:
     """The compact form of `events`, None when they do not qualify (see `qualifies`)."""
     if not qualifies(events):
@@ -94,7 +101,7 @@ def encode(events: tuple[KVCacheEvent, ...] | list[KVCacheEvent]) -> CompactEven
     from connectors.wire.msgpack_codec import _event_out
     from pdserve.v1 import kv_events_pb2 as pb
 
-    stored: list[BlockStored] = list(events)  # type: ignore[arg-type]
+    stored = [carried(e) for e in events]  # type: ignore[arg-type]
     hashes: list[int] = [h for e in stored for h in e.block_hashes]  # type: ignore[misc]
     return CompactEvents(
         events_wire=pb.EventBatch(events=[event_to_proto(e) for e in stored]).SerializeToString(),

@@ -745,6 +745,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                     compact_events.verify(compact)
             except ValueError as e:
                 raise CompactEventsError(f"engine events: {e}") from None
+            self.counters["reports_compact_engine_events"] += 1
             return CompactBatch(m.ts, compact, dp)
         if m.events:
             return ProtoBackedBatch(ts=m.ts, events=[event_from_proto(e) for e in m.events], proto_events=m.events,

@@ -19,6 +19,7 @@ from connectors.kv_events import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
+    event_from_proto,
     event_to_proto,
 )
 from pdserve.v1 import control_pb2 as pb
@@ -39,11 +40,13 @@ from services.scheduler.prefix_index import InMemoryPrefixIndex
 
 
 def _engine_stored(*hashes: int, lora: bool = False) -> list[BlockStored]:
-    """vLLM block-pool BlockStored: a chain of hashes with token ids, a parent, block size and
+    """vLLM GPU block-pool BlockStored: a chain of hashes with token ids, a parent, block size,
+    per-block extra keys, the group and its spec kind (which the protobuf form drops), and
     (optionally) a LoRA."""
     return [BlockStored((h, h + 1), h - 1 if i else None, tuple(range(h, h + 32)), 16,
                         lora_id=3 if lora else None, medium=MEDIUM_GPU, lora_name="ad" if lora else None,
-                        group_idx=0)
+                        extra_keys=(None, ("ad",)) if lora else (None, None), group_idx=0,
+                        kv_cache_spec_kind="full_attention")
             for i, h in enumerate(hashes)]
 
 
@@ -80,7 +83,7 @@ async def test_compact_engine_events_publish_what_the_protobuf_path_does(harness
     assert all(type(b) is ProtoBackedBatch for b in got["q0"])
     for step, proto, compact in zip(steps, got["q0"], got["q1"], strict=True):
         assert (compact.ts, compact.data_parallel_rank, list(compact.events)) == (
-            step.ts, step.data_parallel_rank, list(step.events))
+            step.ts, step.data_parallel_rank, [event_from_proto(event_to_proto(e)) for e in step.events])
         assert _wire(compact, "e") == _wire(proto, "e")  # gRPC and ZMQ bytes
     planes = [EventRepublisher(InMemoryPrefixIndex()) for _ in range(2)]
     for plane, batches in zip(planes, (got["q0"], got["q1"]), strict=True):
@@ -130,7 +133,8 @@ async def test_malformed_compact_engine_events_are_dropped_counted_and_acked(har
     counters = harness.servicer.counters  # type: ignore[union-attr]
     assert counters["reports_malformed_compact_events"] == 4 and counters["reports_malformed"] == 4
     assert counters["reports_applied"] == 1
-    assert [list(b.events) for _, _, b in harness.sink.batches] == [_engine_stored(500)]
+    assert [list(b.events) for _, _, b in harness.sink.batches] == [
+        [event_from_proto(event_to_proto(e)) for e in _engine_stored(500)]]
     # nothing else of the dropped reports applied: only the good one's transfer result waits for rank 1
     assert harness.servicer.aggregator.pending_reports()["q3"].sending == 1  # type: ignore[union-attr]
 

@@ -47,11 +47,24 @@ def test_the_three_forms_describe_the_events() -> None:
     [], [stored(1), stored(2, medium=MEDIUM_CPU)], [stored(1, group=0), stored(2)], [stored()],
     [stored(1), BlockRemoved((1,))], [AllBlocksCleared()], [BlockStored((b"\x01" * 32,), None, (), 16)],
     [stored(2**64)], [stored(1, parent=2**64)], [BlockStored((1,), b"\x02" * 32, (), 16)],
-    [BlockStored((1,), None, (), 16, extra_keys=(("lora",),))], [BlockStored((1,), None, (), 16, locality="x")],
-    [BlockStored((1,), None, (), 16, kv_cache_spec_kind="full")],
 ])
 def test_only_stored_runs_of_one_medium_and_group_with_int_hashes_qualify(events: list[KVCacheEvent]) -> None:
     assert ce.encode(events) is None
+
+
+def test_fields_the_protobuf_form_reshapes_are_encoded_as_it_carries_them() -> None:
+    from connectors.kv_events import event_from_proto, event_to_proto
+
+    # vLLM's GPU block-pool events: per-block extra keys, the group's spec kind, a locality
+    events = [BlockStored((5, 6), 4, tuple(range(32)), 16, medium="GPU", extra_keys=(None, ("lora", 3)),
+                          group_idx=0, kv_cache_spec_kind="full_attention", kv_cache_spec_sliding_window=8,
+                          locality="x"), stored(7, medium="GPU", group=0)]
+    c = ce.encode(events)
+    assert c is not None
+    ce.verify(ce.from_proto(ce.to_proto(c)))
+    as_carried = [event_from_proto(event_to_proto(e)) for e in events]
+    assert c.events() == as_carried and as_carried[0] != events[0] and as_carried[1] == events[1]
+    assert ce.zmq_payload(c.msgpack_events, 1.0, 0) == encode_batch(KVEventBatch(1.0, as_carried, 0))
 
 
 def _proto(**change: object) -> object:
