@@ -224,9 +224,10 @@ class NixlTransport(UcxTagTransport):
     @property
     def prepared_lists(self) -> int:
         """Prepared NIXL descriptor lists held (this region's, live peers' and removed peers'
-        not yet released): bounded by the head ranges in use, whatever peers came and went."""
-        return (len(self._local_lists) + sum(len(r.lists) for r in self._regions.values())
-                + sum(len(lists) for lists, _ in self._retired))
+        not yet released): bounded by the head ranges in use, whatever peers came and went.
+        Safe from any thread (each container is copied in one step under the GIL)."""
+        regions, retired = list(self._regions.values()), list(self._retired)
+        return len(self._local_lists) + sum(len(r.lists) for r in regions) + sum(len(lists) for lists, _ in retired)
 
     @property
     def worker_address(self) -> bytes:
