@@ -10,7 +10,10 @@ default) rank 0 reports them once for all its ranks (`StepReport.merged_event_ra
 is counted. With `--event-source engine` the same events are rank 0's engine events instead
 (`StepReport.engine_events`, or `compact_engine_events` with `--report-encoding compact`: the
 block pool's events as vLLM's forwarder hands them on), one report per engine step, not
-aggregated. A third process holds `--subscribers`
+aggregated. With `--removed-share F` a fraction F (at most a half) of each step's events are
+BlockRemoved instead, after its BlockStored, of blocks the same engine stored in its previous
+step (as an engine at full cache evicts as it stores): such mixed steps go compact too (the
+`kinds` bytes). A third process holds `--subscribers`
 subscribers, half gRPC `Subscribe`, half ZMQ SUB decoding vLLM's msgpack. The rank stamps its
 send time into the block hashes, so latency is from the rank's send (the engine step's first
 report) to the subscriber's receipt. Steps are paced to `--rate` published events/s.
@@ -52,7 +55,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from connectors.kv_events import MEDIUM_CPU_OFFLOAD, BlockStored, KVCacheEvent, KVEventBatch
+from connectors.kv_events import MEDIUM_CPU_OFFLOAD, BlockRemoved, BlockStored, KVCacheEvent, KVEventBatch
 from connectors.wire import encode_batch
 from connectors.wire.protobuf_bytes import length_delimited, varint
 
@@ -86,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the events are worker events (aggregated across the engine's ranks) or rank "
                              "0's engine events (StepReport.engine_events / compact_engine_events; not "
                              "aggregated; --report-encoding packed does not apply)")
+    parser.add_argument("--removed-share", type=float, default=0.0,
+                        help="fraction (0..0.5) of each step's events that are BlockRemoved of blocks the "
+                             "engine stored in its previous step, after the step's BlockStored")
     parser.add_argument("--verify-compact", action="store_true",
                         help="the scheduler checks every compact report's three forms event by event "
                              "(a full decode: for tests, not for figures)")
@@ -124,6 +130,24 @@ def step_base(now: float) -> int:
 def stamp_events(now: float, n: int) -> list[KVCacheEvent]:
     base = step_base(now)
     return [BlockStored((base + i,), None, (), 0, medium=MEDIUM_CPU_OFFLOAD) for i in range(n)]
+
+
+def step_events(now: float, n: int, prev: float | None = None, removed: int = 0) -> list[KVCacheEvent]:
+    """A step's events: `n - removed` stamped BlockStored, then, when the engine had a step
+    before (sent at `prev`), BlockRemoved of the first `removed` blocks that step stored."""
+    events = stamp_events(now, n - removed)
+    if prev is not None and removed:
+        base = step_base(prev)
+        events += [BlockRemoved((base + i,), MEDIUM_CPU_OFFLOAD) for i in range(removed)]
+    return events
+
+
+def removed_count(share: float, batch_events: int) -> int:
+    """How many of a step's `batch_events` events are BlockRemoved (ValueError: share outside
+    0..0.5, which would remove more blocks than the previous step stored)."""
+    if not 0.0 <= share <= 0.5:
+        raise ValueError(f"--removed-share must be in [0, 0.5], got {share}")
+    return round(share * batch_events)
 
 
 def sent_at(block_hash: int) -> float:
@@ -261,7 +285,7 @@ async def _subscribers_main(grpc_target: str, zmq_endpoint: str, n_grpc: int, n_
 # -- rank process ----------------------------------------------------------------------------------
 
 def _ranks_main(target: str, engines: int, tp: int, batch_events: int, rate: float, duration: float,
-                merged: bool = False, engine_events: bool = False) -> None:
+                merged: bool = False, engine_events: bool = False, removed: int = 0) -> None:
     from services.engine.control_client import ControlClient, ControlHello, RankIdentity, StepReport
 
     clients: list[list[ControlClient]] = []
@@ -277,10 +301,13 @@ def _ranks_main(target: str, engines: int, tp: int, batch_events: int, rate: flo
     print("ready", flush=True)
     sys.stdin.readline()
     others = tuple(range(1, tp))
+    prev: list[float | None] = [None] * engines
 
     def step() -> None:
         now = time.time()
-        events = stamp_events(now, batch_events)
+        e = pacer.done % engines
+        events = step_events(now, batch_events, prev[e], removed)
+        prev[e] = now
         if engine_events:  # rank 0's alone (the client encodes them compactly where the scheduler accepts it)
             clients[pacer.done % engines][0].report(StepReport(engine_events=KVEventBatch(now, events)))
             return
@@ -332,22 +359,62 @@ _MSGPACK_HEAD = b"\x88" + _MSGPACK_HEAD[1:]  # one map of 8 keys
 _COMPACT_MEDIUM = length_delimited(5, MEDIUM_CPU_OFFLOAD.encode())  # CompactEvents.medium
 
 
-def stamped_compact_wire(now: float, n: int) -> bytes:
-    """`stamp_events(now, n)` as a serialized `CompactEvents` (what
-    `connectors.compact_events.to_proto(encode(...))` gives), built from templates: the
-    protobuf events as `stamped_events_wire`, each event's msgpack map around its packed hash,
-    the hashes as one array."""
+def stamped_compact_wire(now: float, n: int, prev: float | None = None, removed: int = 0) -> bytes:
+    """`step_events(now, n, prev, removed)` as a serialized `CompactEvents` (what
+    `connectors.compact_events.to_proto(encode(..., mixed=True))` gives), built from templates:
+    the protobuf events as `step_events_wire`, each event's msgpack map around its packed hash,
+    the hashes as one array, the kind bytes when some event is a BlockRemoved."""
     from array import array
 
+    removing = removed if prev is not None else 0
+    stored = n - removed
+    total = stored + removing
     base = step_base(now)
     packb = msgpack.packb
-    events_msgpack = (b"\xdc" + n.to_bytes(2, "big") if n >= 16 else bytes([0x90 | n])) + b"".join(
-        _MSGPACK_HEAD + packb(base + i) + _MSGPACK_TAIL for i in range(n))
-    hashes = array("Q", range(base, base + n))
+    parts = [_MSGPACK_HEAD + packb(base + i) + _MSGPACK_TAIL for i in range(stored)]
+    hashes = array("Q", range(base, base + stored))
+    kinds = b""
+    if removing:
+        old = step_base(prev)  # type: ignore[arg-type]
+        parts += [_REMOVED_HEAD + packb(old + i) + _REMOVED_TAIL for i in range(removing)]
+        hashes.extend(range(old, old + removing))
+        kinds = length_delimited(7, b"\x01" * stored + b"\x02" * removing)
+    events_msgpack = (b"\xdc" + total.to_bytes(2, "big") if total >= 16 else bytes([0x90 | total])) + b"".join(parts)
     if sys.byteorder == "big":
         hashes.byteswap()
-    return (length_delimited(1, stamped_events_wire(now, n)) + length_delimited(2, events_msgpack)
-            + length_delimited(3, hashes.tobytes()) + length_delimited(4, b"\x01" * n) + _COMPACT_MEDIUM)
+    return (length_delimited(1, step_events_wire(now, n, prev, removed)) + length_delimited(2, events_msgpack)
+            + length_delimited(3, hashes.tobytes()) + length_delimited(4, b"\x01" * total) + _COMPACT_MEDIUM
+            + kinds)
+
+
+_REMOVED_MEDIUM_FIELD = length_delimited(2, MEDIUM_CPU_OFFLOAD.encode())  # BlockRemoved.medium
+
+
+def _removed_msgpack_template() -> tuple[bytes, bytes]:
+    """vLLM's map-mode msgpack of a removed block of the bench's medium, split around its hash."""
+    from connectors.wire.msgpack_codec import _event_out
+
+    sentinel = 0xFEDC_BA98_7654_3210
+    packed = msgpack.packb(_event_out(BlockRemoved((sentinel,), MEDIUM_CPU_OFFLOAD), False), use_bin_type=True)
+    head, tail = packed.split(msgpack.packb(sentinel))
+    return head, tail
+
+
+_REMOVED_HEAD, _REMOVED_TAIL = _removed_msgpack_template()
+
+
+def removed_events_wire(prev: float, n: int, field_number: int = 6) -> bytes:
+    """The BlockRemoved of `step_events(..., prev, n)` as repeated KVEvent field `field_number`
+    (as `stamped_events_wire`)."""
+    base = step_base(prev)
+    return b"".join(length_delimited(field_number, length_delimited(
+        2, length_delimited(1, varint(base + i)) + _REMOVED_MEDIUM_FIELD)) for i in range(n))
+
+
+def step_events_wire(now: float, n: int, prev: float | None, removed: int, field_number: int = 6) -> bytes:
+    """`step_events(now, n, prev, removed)` as repeated KVEvent field `field_number`."""
+    stored = stamped_events_wire(now, n - removed, field_number)
+    return stored + removed_events_wire(prev, removed, field_number) if prev is not None and removed else stored
 
 
 def engine_events_header(now: float, engine_id: str, epoch: int) -> bytes:
@@ -357,7 +424,7 @@ def engine_events_header(now: float, engine_id: str, epoch: int) -> bytes:
 
 async def _stream_ranks_main(target: str, engines: int, tp: int, batch_events: int, rate: float,
                              duration: float, encoding: str = "compact", merged: bool = False,
-                             engine_events: bool = False) -> None:
+                             engine_events: bool = False, removed: int = 0) -> None:
     """All ranks as raw Control streams on one event loop (one channel per engine): the same
     protocol as ControlClient (Hello, Welcome, numbered StepReports, Acks) without a thread per
     rank, so one process can stand in for hundreds of ranks. The load generator is kept cheap so
@@ -366,7 +433,8 @@ async def _stream_ranks_main(target: str, engines: int, tp: int, batch_events: i
     is written as bytes around them (no protobuf object per report). `merged`: one report per
     engine step, from rank 0, naming ranks 1..tp-1 in `merged_event_ranks` (the other ranks send
     nothing for the step). `engine_events`: rank 0 sends the step's events as engine events
-    (`engine_events`, or its header plus `compact_engine_events`), one report per step."""
+    (`engine_events`, or its header plus `compact_engine_events`), one report per step.
+    `removed`: that many of a step's events are BlockRemoved (`step_events`)."""
     import grpc
 
     from pdserve.v1 import control_pb2 as cpb
@@ -405,6 +473,7 @@ async def _stream_ranks_main(target: str, engines: int, tp: int, batch_events: i
     end = time.monotonic() + duration
     steps = 0
     seqs = [[0] * tp for _ in range(engines)]
+    prevs: list[float | None] = [None] * engines
     # StepReport.merged_event_ranks (field 11, packed varints): every rank but rank 0.
     merged_field = length_delimited(11, b"".join(varint(r) for r in range(1, tp))) if merged and tp > 1 else b""
     while time.monotonic() < end:
@@ -415,23 +484,25 @@ async def _stream_ranks_main(target: str, engines: int, tp: int, batch_events: i
         for _ in range(min(due, 64)):
             e = steps % engines
             now = time.time()
+            prev, prevs[e] = prevs[e], now
             if engine_events:
                 header = engine_events_header(now, f"bench-p{e}", 1000 + e)
                 seqs[e][0] += 1
                 if encoding == "compact":  # engine_events (field 8) header + compact_engine_events (field 14)
-                    body = length_delimited(8, header) + length_delimited(14, stamped_compact_wire(now, batch_events))
+                    body = length_delimited(8, header) + length_delimited(
+                        14, stamped_compact_wire(now, batch_events, prev, removed))
                 else:  # engine_events (field 8) with its events (EventBatch.events, field 6)
-                    body = length_delimited(8, header + stamped_events_wire(now, batch_events))
+                    body = length_delimited(8, header + step_events_wire(now, batch_events, prev, removed))
                 outboxes[e][0].put_nowait(b"\x08" + varint(seqs[e][0]) + body)
                 steps += 1
                 pacer.done += 1
                 continue
             if encoding == "compact":  # StepReport.compact_worker_events (field 12)
-                body = length_delimited(12, stamped_compact_wire(time.time(), batch_events))
+                body = length_delimited(12, stamped_compact_wire(now, batch_events, prev, removed))
             elif encoding == "packed":  # StepReport.packed_worker_events (field 10)
-                body = length_delimited(10, stamped_events_wire(time.time(), batch_events))
+                body = length_delimited(10, step_events_wire(now, batch_events, prev, removed))
             else:  # StepReport.worker_events (repeated field 7)
-                body = stamped_events_wire(time.time(), batch_events, field_number=7)
+                body = step_events_wire(now, batch_events, prev, removed, field_number=7)
             for r, box in enumerate(outboxes[e][:1] if merged else outboxes[e]):
                 seqs[e][r] += 1
                 box.put_nowait(b"\x08" + varint(seqs[e][r]) + body + merged_field)
@@ -572,7 +643,8 @@ async def _pdserve_section(args: argparse.Namespace, decode_per_rank: bool = Fal
                    "--grpc", f"127.0.0.1:{port}", "--engines", str(args.engines),
                    "--tp", str(args.tp), "--batch-events", str(args.batch_events), "--rate", str(args.rate),
                    "--duration", str(args.duration), "--report-encoding", encoding,
-                   "--report-per", args.report_per, "--event-source", args.event_source)
+                   "--report-per", args.report_per, "--event-source", args.event_source,
+                   "--removed-share", str(args.removed_share))
     try:
         await _readline(subs)
         t0 = time.monotonic()
@@ -616,6 +688,8 @@ async def _pdserve_section(args: argparse.Namespace, decode_per_rank: bool = Fal
             "scheduler_loop_max_lag_ms": control.stalls.max_lag_s * 1e3,
             "reports_malformed": control.counters["reports_malformed"],
             "reports_compact_engine_events": control.counters["reports_compact_engine_events"],
+            "removed_share": args.removed_share,
+            "published_removed": stats.events_by_type.get("BlockRemoved", 0),
             "decode": {"hits": control.worker_events.hits, "misses": control.worker_events.misses}}
 
 
@@ -825,6 +899,7 @@ def run(args: argparse.Namespace) -> int:
     if args.event_source == "engine" and (args.report_encoding == "packed" or "decode_per_rank" in sections):
         raise ValueError("--event-source engine: engine events have no packed form (--report-encoding "
                          "compact or proto) and no per-rank decode (drop the decode_per_rank section)")
+    removed_count(args.removed_share, args.batch_events)  # ValueError before anything starts
     pdserve = asyncio.run(_pdserve_section(args)) if "pdserve" in sections else None
     per_rank = asyncio.run(_pdserve_section(args, decode_per_rank=True)) if "decode_per_rank" in sections else None
     direct = asyncio.run(_direct_section(args)) if "direct" in sections else None
@@ -844,7 +919,7 @@ def run(args: argparse.Namespace) -> int:
         "load_average": os.getloadavg(),
         "config": {"engines": args.engines, "tp": args.tp, "batch_events": args.batch_events,
                    "rate": args.rate, "direct_rate": args.direct_rate, "duration_s": args.duration,
-                   "subscribers": args.subscribers},
+                   "subscribers": args.subscribers, "removed_share": args.removed_share},
         # Ratios at equal offered rates (each pdserve section against the baseline paced alike).
         "p99_ratio_vs_vllm": _ratio(head, baseline, "p99_ms"),
         "delivered_ratio_vs_vllm": _ratio(head, baseline, "events_per_s"),
@@ -858,7 +933,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"KV-event plane, {args.engines} engines x tp {args.tp}, {args.batch_events}-event batches, "
+    removed = f" ({args.removed_share:.0%} BlockRemoved)" if args.removed_share else ""
+    print(f"KV-event plane, {args.engines} engines x tp {args.tp}, {args.batch_events}-event batches{removed}, "
           f"{args.subscribers} subscribers (half gRPC, half ZMQ)")
     label = "vLLM ZmqEventPublisher" if result["baseline"] and result["baseline"].startswith("vllm") \
         else "vLLM-style re-implementation"
@@ -913,17 +989,20 @@ def _main() -> None:
     p.add_argument("--report-encoding", choices=["compact", "packed", "proto"], default="compact")
     p.add_argument("--report-per", choices=["engine", "rank"], default="rank")
     p.add_argument("--event-source", choices=["worker", "engine"], default="worker")
+    p.add_argument("--removed-share", type=float, default=0.0)
     a = p.parse_args()
+    removed = removed_count(a.removed_share, a.batch_events)
     engine_events = a.event_source == "engine"
     merged = a.report_per == "engine"
     if a.role == "subscribers":
         asyncio.run(_subscribers_main(a.grpc, a.zmq, a.n_grpc, a.n_zmq))
     elif a.role == "stream-ranks":
         asyncio.run(_stream_ranks_main(a.grpc, a.engines, a.tp, a.batch_events, a.rate, a.duration,
-                                       encoding=a.report_encoding, merged=merged, engine_events=engine_events))
+                                       encoding=a.report_encoding, merged=merged, engine_events=engine_events,
+                                       removed=removed))
     else:
         _ranks_main(a.grpc, a.engines, a.tp, a.batch_events, a.rate, a.duration, merged=merged,
-                    engine_events=engine_events)
+                    engine_events=engine_events, removed=removed)
 
 
 if __name__ == "__main__":

@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, compress, islice, repeat
 from operator import attrgetter, or_
 from typing import TypeVar
 
+from connectors.compact_events import KIND_REMOVED, KIND_STORED, KindRun, check_kinds, kind_runs
 from connectors.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from connectors.outputs import KVConnectorOutput, KVConnectorStats, KVConnectorWorkerMetadata
 
@@ -205,6 +206,7 @@ class _IdCounters:
 
 _MediumKey = tuple[str | None, int | None]
 _HASHES = attrgetter("block_hashes")
+_KIND_BYTES = {BlockStored: KIND_STORED, BlockRemoved: KIND_REMOVED}
 _EVENT_TYPES = frozenset({BlockStored, BlockRemoved, AllBlocksCleared})
 _ONLY_STORED = frozenset({BlockStored})
 _MEDIUM_KEY_OF = attrgetter("medium", "group_idx")
@@ -338,8 +340,10 @@ class KVOutputAggregator:
         order, and so do the published events as a multiset. A run of BlockStored of one
         (medium, group) (the common case) is applied once with the ranks' joint mask, so the
         events it completes come out in event order (one by one, an event completed by an
-        earlier rank of the group would come out first). Every rank is validated before
-        anything is applied (ValueError: unknown or repeated rank, stale epoch, not an event).
+        earlier rank of the group would come out first); BlockStored mixed with BlockRemoved of
+        one (medium, group) take `add_shared_hashes`' route for kinds (the same events in the
+        same order as a compact report of them). Every rank is validated before anything is
+        applied (ValueError: unknown or repeated rank, stale epoch, not an event).
         """
         order = sorted(set(ranks))
         if len(order) != len(ranks):
@@ -354,6 +358,13 @@ class KVOutputAggregator:
         now = self._clock()
         plan = self._stored_plan(events)
         if plan is None:
+            arrays = _mixed_arrays(events)
+            if arrays is not None:  # BlockStored and BlockRemoved of one (medium, group)
+                key, hashes, sizes, kinds = arrays
+                bits = [state.rank_bits[rank] for rank in order]
+                published = self._mixed_hashes(state, bits, key, hashes, sizes, kinds, now)
+                result.events.extend(events if published is None else map(events.__getitem__, published))
+                return result
             for rank in order:
                 self._apply(state, rank, output, result, now)
             return result
@@ -365,23 +376,32 @@ class KVOutputAggregator:
         return result
 
     def add_shared_hashes(self, engine_id: str, epoch: int, ranks: Collection[int], key: _MediumKey,
-                          hashes: list[int], sizes: list[int]) -> list[int] | None:
+                          hashes: list[int], sizes: list[int], kinds: bytes = b"") -> list[int] | None:
         """`add_shared_events` for a run of BlockStored events of one (medium, group_idx) `key`
         given by their hashes (in order) and the number of hashes of each (>= 1): the same
         state afterwards, and the same published events, returned as their indices (None: all,
-        in order; [] none). No object per event is built. Validated before anything applies
-        (ValueError: unknown or repeated rank, stale epoch, a size < 1 or a count mismatch)."""
+        in order; [] none). With `kinds` (one byte per event, `compact_events.KIND_STORED` or
+        `KIND_REMOVED`; empty: every event stored) the run mixes BlockStored and BlockRemoved,
+        applied in event order with §3's semantics, and the indices are those
+        `add_shared_events` publishes, in its order (an index may repeat: a block removed by one
+        rank and stored again in the same step). No object per event is built. Validated
+        before anything applies (ValueError: unknown or repeated rank, stale epoch, a size < 1,
+        a count mismatch, a malformed `kinds`)."""
         order = sorted(set(ranks))
         if len(order) != len(ranks):
             raise ValueError(f"engine {engine_id!r}: ranks repeat in {sorted(ranks)}")
         if sum(sizes) != len(hashes) or (sizes and min(sizes) < 1):
             raise ValueError(f"engine {engine_id!r}: {len(hashes)} hashes do not split into events of sizes {sizes}")
+        check_kinds(kinds, len(sizes))
         state = self._state(engine_id)
         empty = KVConnectorOutput()
         for rank in order:
             state = self._checked(engine_id, epoch, rank, empty)
         if not order or not sizes:
             return []
+        if KIND_REMOVED in kinds:
+            return self._mixed_hashes(state, [state.rank_bits[r] for r in order], key, hashes, sizes, kinds,
+                                      self._clock())
         mask = 0
         for rank in order:
             mask |= state.rank_bits[rank]
@@ -574,6 +594,45 @@ class KVOutputAggregator:
             offset += size
         return published
 
+    def _mixed_hashes(self, state: _EngineState, bits: list[int], key: _MediumKey, hashes: Sequence[object],
+                      sizes: list[int], kinds: bytes, now: float) -> list[int] | None:
+        """BlockStored and BlockRemoved events of `key` (by hashes, sizes and kind bytes) as
+        reported by each rank of `bits` (in order); returns the indices of the events published,
+        in publication order (None: each once, in event order). Rank by rank unless no hash is
+        both stored and removed in the step: then a hash's operations commute with every other
+        hash's, so the ranks' joint mask gives the same state and the same events (a stored
+        block is whole when every rank added its bit; a removed one is published at the first
+        rank that drops a published hash, which the joint drop does once)."""
+        runs = kind_runs(sizes, kinds)
+        stored = [h for r in runs if r.kind == KIND_STORED for h in hashes[r.hash_start:r.hash_stop]]
+        removed = [h for r in runs if r.kind != KIND_STORED for h in hashes[r.hash_start:r.hash_stop]]
+        if len(bits) > 1 and set(removed).isdisjoint(stored):
+            joint = 0
+            for bit in bits:
+                joint |= bit
+            bits = [joint]
+        published: list[int] = []
+        for bit in bits:
+            for run in runs:
+                self._apply_run(state, bit, key, hashes, sizes, run, published, now)
+        return None if published == list(range(len(sizes))) else published
+
+    def _apply_run(self, state: _EngineState, bit: int, key: _MediumKey, hashes: Sequence[object],
+                   sizes: list[int], run: KindRun, published: list[int], now: float) -> None:
+        """One rank's (or joint mask's) events of `run`; appends the indices it publishes."""
+        start, stop = run.start, run.stop
+        if run.kind == KIND_STORED:
+            got = self._stored_hashes(state, bit, key, list(hashes[run.hash_start:run.hash_stop]),
+                                      sizes[start:stop], now)
+            published.extend(range(start, stop) if got is None else [start + i for i in got])
+            return
+        offset = run.hash_start
+        for i in range(start, stop):
+            size = sizes[i]
+            if self._drop_rank(state, key, bit, hashes[offset:offset + size], now):
+                published.append(i)
+            offset += size
+
     def _drop_rank(self, state: _EngineState, key: _MediumKey, bit: int, hashes: Iterable[object],
                    now: float) -> bool:
         """Removes the rank from the given blocks; True when a published block lost its whole."""
@@ -619,3 +678,16 @@ class KVOutputAggregator:
             state.clears.pop(event.medium, None)
         else:
             state.clears[event.medium] = outstanding
+
+
+def _mixed_arrays(events: Collection[KVCacheEvent]) -> tuple[_MediumKey, list[object], list[int], bytes] | None:
+    """(key, hashes, sizes, kinds) of BlockStored and BlockRemoved events of one (medium,
+    group_idx), each with a hash; None for any other mix (AllBlocksCleared, several keys)."""
+    if not {BlockStored, BlockRemoved}.issuperset(map(type, events)):
+        return None
+    keys = set(map(_MEDIUM_KEY_OF, events))
+    sizes = list(map(len, map(_HASHES, events)))
+    if len(keys) != 1 or not sizes or min(sizes) < 1:
+        return None
+    kinds = bytes(_KIND_BYTES[type(e)] for e in events)
+    return keys.pop(), list(chain.from_iterable(map(_HASHES, events))), sizes, kinds

@@ -27,7 +27,9 @@ Contracts:
   scheduler that accepts that (resent to one that does not: as packed, or plain, events); rank
   0's engine events that qualify likewise go as `compact_engine_events` to a scheduler whose
   Welcome sets `accepts_compact_engine_events` (resent to one that does not: as
-  `engine_events.events`). A report may carry the identical
+  `engine_events.events`); steps that mix BlockRemoved among those BlockStored go compact only
+  while the Welcome sets `accepts_mixed_compact_events` (resent to one that does not: as
+  packed / plain worker events, `engine_events.events`). A report may carry the identical
   worker events of other ranks of its engine (`StepReport.merged_event_ranks`, global ranks),
   gathered by the caller over the engine's own collective, only while the Welcome's
   `accepts_merged_worker_events` is true (else `report` raises ValueError); resent to a
@@ -151,6 +153,8 @@ class Welcome:
     accepts_merged_transfer_results: bool = False
     # Whether the scheduler takes rank 0's engine events in compact form (compact_engine_events).
     accepts_compact_engine_events: bool = False
+    # Whether compact events may mix BlockStored and BlockRemoved (CompactEvents.kinds).
+    accepts_mixed_compact_events: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,7 +240,8 @@ def message_from_proto(m: pb.SchedulerMessage) -> ControlMessage | None:
                        w.last_acked_seq, w.heartbeat_interval_ms / 1000.0, w.scheduler_id,
                        max(1, w.max_reports_per_message), w.accepts_packed_worker_events,
                        w.accepts_merged_worker_events, w.accepts_compact_worker_events,
-                       w.accepts_merged_transfer_results, w.accepts_compact_engine_events)
+                       w.accepts_merged_transfer_results, w.accepts_compact_engine_events,
+                       w.accepts_mixed_compact_events)
     if kind == "peer_update":
         return PeerUpdate([_peer(p) for p in m.peer_update.joined],
                           [RankIdentity.from_proto(r) for r in m.peer_update.left])
@@ -250,17 +255,18 @@ def message_from_proto(m: pb.SchedulerMessage) -> ControlMessage | None:
 
 
 def report_to_proto(seq: int, r: StepReport, identity: RankIdentity, *, packed: bool = False,
-                    compact: bool = False, compact_engine: bool = False) -> pb.StepReport:
+                    compact: bool = False, compact_engine: bool = False, mixed: bool = False) -> pb.StepReport:
     """The report as protobuf; `compact` encodes worker events that qualify (BlockStored of
-    one medium and group, int hashes) once into `compact_worker_events`, `packed` the others
-    into `packed_worker_events` (each for a scheduler that accepts it), else `worker_events`;
-    `compact_engine` likewise puts engine events that qualify in `compact_engine_events`
-    (`engine_events` keeping the batch's header), else in `engine_events.events`."""
+    one medium and group, int hashes; with `mixed` BlockRemoved too) once into
+    `compact_worker_events`, `packed` the others into `packed_worker_events` (each for a
+    scheduler that accepts it), else `worker_events`; `compact_engine` likewise puts engine
+    events that qualify in `compact_engine_events` (`engine_events` keeping the batch's
+    header), else in `engine_events.events`."""
     msg = pb.StepReport(seq=seq, finished_sending=r.finished_sending, finished_recving=r.finished_recving,
                         failed_recving=r.failed_recving, invalid_block_ids=r.invalid_block_ids,
                         worker_metadata=r.worker_metadata, merged_event_ranks=r.merged_event_ranks,
                         merged_transfer_ranks=r.merged_transfer_ranks)
-    c = compact_events.encode(r.worker_events) if compact else None
+    c = compact_events.encode(r.worker_events, mixed) if compact else None
     events = [] if c is not None else [event_to_proto(e) for e in r.worker_events]
     if c is not None:
         msg.compact_worker_events.CopyFrom(compact_events.to_proto(c))
@@ -275,7 +281,7 @@ def report_to_proto(seq: int, r: StepReport, identity: RankIdentity, *, packed: 
             failures_by_reason=s.failures_by_reason))
     if r.engine_events is not None:
         batch = kv_events_pb2.EventBatch(ts=r.engine_events.ts, engine_id=identity.engine_id, epoch=identity.epoch)
-        ce = compact_events.encode(r.engine_events.events) if compact_engine else None
+        ce = compact_events.encode(r.engine_events.events, mixed) if compact_engine else None
         if ce is not None:
             msg.compact_engine_events.CopyFrom(compact_events.to_proto(ce))
         else:
@@ -288,12 +294,16 @@ def report_to_proto(seq: int, r: StepReport, identity: RankIdentity, *, packed: 
 
 def downgrade_report(m: pb.StepReport, welcome: Welcome) -> None:
     """Rewrites `m` in place into the forms `welcome`'s scheduler understands: compact worker
-    events as packed ones, compact engine events into `engine_events.events`, packed worker
-    events as `worker_events` (the same events; nothing else changes)."""
-    if not welcome.accepts_compact_worker_events and m.HasField("compact_worker_events"):
+    events as packed ones, compact engine events into `engine_events.events` (mixed compact
+    events too for a scheduler that does not read `kinds`), packed worker events as
+    `worker_events` (the same events; nothing else changes)."""
+    mixed = welcome.accepts_mixed_compact_events
+    if m.HasField("compact_worker_events") and not (
+            welcome.accepts_compact_worker_events and (mixed or not m.compact_worker_events.kinds)):
         m.packed_worker_events = m.compact_worker_events.events_wire
         m.ClearField("compact_worker_events")
-    if not welcome.accepts_compact_engine_events and m.HasField("compact_engine_events"):
+    if m.HasField("compact_engine_events") and not (
+            welcome.accepts_compact_engine_events and (mixed or not m.compact_engine_events.kinds)):
         m.engine_events.MergeFromString(m.compact_engine_events.events_wire)  # only `events` set: appended
         m.ClearField("compact_engine_events")
     if not welcome.accepts_packed_worker_events and m.packed_worker_events:
@@ -377,8 +387,9 @@ class ControlClient:
             packed = self.welcome is not None and self.welcome.accepts_packed_worker_events
             compact = self.welcome is not None and self.welcome.accepts_compact_worker_events
             compact_engine = self.welcome is not None and self.welcome.accepts_compact_engine_events
+            mixed = self.welcome is not None and self.welcome.accepts_mixed_compact_events
             self._unacked[seq] = report_to_proto(seq, report, self.hello.identity, packed=packed, compact=compact,
-                                                 compact_engine=compact_engine)
+                                                 compact_engine=compact_engine, mixed=mixed)
             while len(self._unacked) > self.max_unacked:
                 del self._unacked[next(iter(self._unacked))]
                 self.num_dropped += 1

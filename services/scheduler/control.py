@@ -140,6 +140,24 @@ class CompactEventsError(ValueError):
     from other malformed reports: `reports_malformed_compact_events`)."""
 
 
+class CompactKindsError(CompactEventsError):
+    """Their `kinds` is malformed (wrong length, an unknown kind byte): also counted in
+    `reports_malformed_compact_kinds`."""
+
+
+def _compact_from_proto(m: pb.CompactEvents, verify: bool, what: str = "") -> compact_events.CompactEvents:
+    """`compact_events.from_proto` (and `verify` when asked) with its errors as CompactEventsError."""
+    try:
+        compact = compact_events.from_proto(m)
+        if verify:
+            compact_events.verify(compact)
+    except compact_events.KindsError as e:
+        raise CompactKindsError(f"{what}{e}") from None
+    except ValueError as e:
+        raise CompactEventsError(f"{what}{e}") from None
+    return compact
+
+
 def output_from_proto(report: pb.StepReport, events: tuple[KVCacheEvent, ...] | None = None) -> KVConnectorOutput:
     """The aggregator's view of a StepReport; raises ValueError for malformed events.
     `events`, when given, are the report's worker events already decoded."""
@@ -317,6 +335,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self.accepts_compact_worker_events = True
         # Likewise for rank 0's engine events (StepReport.compact_engine_events).
         self.accepts_compact_engine_events = True
+        # Told in Welcome: compact events may mix BlockStored and BlockRemoved (CompactEvents.kinds).
+        self.accepts_mixed_compact_events = True
         self.verify_compact = False
         # Told in Welcome: a report may carry its engine's other ranks' identical transfer
         # results (StepReport.merged_transfer_ranks): a transfer done on every rank is one message.
@@ -604,7 +624,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                              accepts_merged_worker_events=self.accepts_merged_worker_events,
                              accepts_compact_worker_events=self.accepts_compact_worker_events,
                              accepts_merged_transfer_results=self.accepts_merged_transfer_results,
-                             accepts_compact_engine_events=self.accepts_compact_engine_events)
+                             accepts_compact_engine_events=self.accepts_compact_engine_events,
+                             accepts_mixed_compact_events=self.accepts_mixed_compact_events)
         return pb.SchedulerMessage(welcome=welcome)
 
     async def _read(self, conn: RankConnection, request_iterator: AsyncIterator[pb.RankMessage]) -> None:
@@ -668,6 +689,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             except CompactEventsError as e:
                 self.counters["reports_malformed"] += 1
                 self.counters["reports_malformed_compact_events"] += 1
+                if isinstance(e, CompactKindsError):
+                    self.counters["reports_malformed_compact_kinds"] += 1
                 logger.warning("dropped report %d of %s: %s", report.seq, conn.rank_id, e)
             except ValueError as e:
                 self.counters["reports_malformed"] += 1
@@ -706,15 +729,10 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         case), else the published ones decoded from the events' protobuf bytes."""
         if report.worker_events or report.packed_worker_events:
             raise CompactEventsError("a report carries compact_worker_events and another form of worker events")
-        try:
-            compact = compact_events.from_proto(report.compact_worker_events)
-            if self.verify_compact:
-                compact_events.verify(compact)
-        except ValueError as e:
-            raise CompactEventsError(str(e)) from None
+        compact = _compact_from_proto(report.compact_worker_events, self.verify_compact)
         own_output = output_from_proto(report, ())
         published = self.aggregator.add_shared_hashes(engine.engine_id, engine.epoch, (own, *merged),
-                                                      compact.key, compact.hashes, compact.sizes)
+                                                      compact.key, compact.hashes, compact.sizes, compact.kinds)
         result = self.aggregator.add_report(engine.engine_id, engine.epoch, own, own_output)
         self._merge_transfers(engine, transfer_ranks, report, result)
         if engine_batch is not None:
@@ -739,12 +757,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         if report.HasField("compact_engine_events"):
             if m.events:
                 raise CompactEventsError("a report carries compact_engine_events and engine_events.events")
-            try:
-                compact = compact_events.from_proto(report.compact_engine_events)
-                if self.verify_compact:
-                    compact_events.verify(compact)
-            except ValueError as e:
-                raise CompactEventsError(f"engine events: {e}") from None
+            compact = _compact_from_proto(report.compact_engine_events, self.verify_compact, "engine events: ")
             self.counters["reports_compact_engine_events"] += 1
             return CompactBatch(m.ts, compact, dp)
         if m.events:

@@ -33,11 +33,11 @@ class ProtoBackedBatch(KVEventBatch):
 
 
 class CompactBatch(ProtoBackedBatch):
-    """A batch of a step's BlockStored events received in compact form
-    (`connectors.compact_events.CompactEvents`): `events_wire` for gRPC, `compact.msgpack_events`
-    for ZMQ, `compact.hashes` for the prefix index. `events` is decoded from `events_wire` only
-    when someone reads it (a replay, a filtered subscriber, a test); the event plane's hot path
-    uses `compact` and `num_events` instead."""
+    """A batch of a step's BlockStored (and BlockRemoved: `compact.kinds`) events of one medium
+    received in compact form (`connectors.compact_events.CompactEvents`): `events_wire` for
+    gRPC, `compact.msgpack_events` for ZMQ, `compact.hashes` for the prefix index. `events` is
+    decoded from `events_wire` only when someone reads it (a replay, a filtered subscriber, a
+    test); the event plane's hot path uses `compact` and `num_events` instead."""
 
     __slots__ = ("_decoded", "compact")
 

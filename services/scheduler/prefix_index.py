@@ -24,6 +24,7 @@ from itertools import repeat
 from operator import or_
 from typing import Protocol, runtime_checkable
 
+from connectors.compact_events import KIND_REMOVED, kind_runs
 from connectors.kv_events import (
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -323,6 +324,30 @@ class InMemoryPrefixIndex:
                 offset += size
         return True
 
+    def apply_compact(self, engine_id: str, epoch: int, medium: str | None, hashes: list[int],
+                      sizes: list[int], kinds: bytes = b"") -> bool:
+        """`apply` of BlockStored and BlockRemoved events of one medium given by their int hashes
+        (in order), the number of hashes of each and their kind bytes (`compact_events.kinds`,
+        checked by the caller; empty: all stored): the same state afterwards, applied in event
+        order, no object per event."""
+        if KIND_REMOVED not in kinds:
+            return self.apply_stored(engine_id, epoch, medium, hashes, sizes)
+        if self.is_dead_epoch(engine_id, epoch):
+            self._stats.num_stale_events += len(sizes)
+            return False
+        self.begin_epoch(engine_id, epoch)
+        medium = medium or DEFAULT_MEDIUM
+        for run in kind_runs(sizes, kinds):
+            own = hashes[run.hash_start:run.hash_stop]
+            if run.kind == KIND_REMOVED:
+                self._remove_many(own, engine_id, medium)
+            elif run.stop - run.start == 1 or not self._store_new(own, engine_id, medium):
+                offset = run.hash_start
+                for size in sizes[run.start:run.stop]:
+                    self._store(hashes[offset:offset + size], engine_id, medium)
+                    offset += size
+        return True
+
     def remove_engine(self, engine_id: str) -> None:
         self._drop(engine_id, None)
         for key in [k for k in self._slots if k[0] == engine_id]:
@@ -432,6 +457,18 @@ class InMemoryPrefixIndex:
             else:
                 del blocks[h]
         self._stats.num_evicted += n
+
+    def _remove_many(self, hashes: Sequence[int], engine_id: str, medium: str) -> None:
+        """`_remove` of each int hash, in one loop (BlockRemoved of an unknown slot: nothing)."""
+        slot = self._slots.get((engine_id, medium))
+        if slot is None:
+            return
+        high, lru = slot << 64, self._lru
+        for h in hashes:
+            key = high | h
+            if key in lru:
+                lru.discard(key)
+                self._unlink(h, slot)
 
     def _remove(self, h: int, slot: int) -> None:
         key = slot << 64 | h

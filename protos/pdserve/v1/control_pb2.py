@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import kv_events_pb2 as pdserve_dot_v1_dot_kv__events__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/control.proto\x12\npdserve.v1\x1a\x1apdserve/v1/kv_events.proto\"\x94\x01\n\x0cRankIdentity\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0f\n\x07tp_rank\x18\x04 \x01(\r\x12\x0f\n\x07tp_size\x18\x05 \x01(\r\x12\x0f\n\x07pp_rank\x18\x06 \x01(\r\x12\x0f\n\x07pp_size\x18\x07 \x01(\r\"\xc6\x02\n\x05Hello\x12&\n\x04rank\x18\x01 \x01(\x0b\x32\x18.pdserve.v1.RankIdentity\x12\x1a\n\x12\x63ompatibility_hash\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12\x16\n\x0e\x65ngine_address\x18\x04 \x01(\t\x12\x1a\n\x12handshake_metadata\x18\x05 \x01(\x0c\x12\x15\n\rlast_sent_seq\x18\x06 \x01(\x04\x12\x16\n\thash_seed\x18\x07 \x01(\tH\x00\x88\x01\x01\x12\x17\n\nblock_size\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x12\n\x05\x64type\x18\t \x01(\tH\x02\x88\x01\x01\x12\x18\n\x0b\x64\x65vice_kind\x18\n \x01(\tH\x03\x88\x01\x01\x42\x0c\n\n_hash_seedB\r\n\x0b_block_sizeB\x08\n\x06_dtypeB\x0e\n\x0c_device_kind\"\x93\x02\n\x0cTransferStat\x12\x15\n\rsrc_engine_id\x18\x01 \x01(\t\x12\x15\n\rdst_engine_id\x18\x02 \x01(\t\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x16\n\x0enum_operations\x18\x05 \x01(\r\x12\x14\n\x0cnum_failures\x18\x06 \x01(\r\x12J\n\x12\x66\x61ilures_by_reason\x18\x07 \x03(\x0b\x32..pdserve.v1.TransferStat.FailuresByReasonEntry\x1a\x37\n\x15\x46\x61iluresByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\xf3\x03\n\nStepReport\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x18\n\x10\x66inished_sending\x18\x02 \x03(\t\x12\x18\n\x10\x66inished_recving\x18\x03 \x03(\t\x12\x16\n\x0e\x66\x61iled_recving\x18\x04 \x03(\t\x12\x19\n\x11invalid_block_ids\x18\x05 \x03(\r\x12\x30\n\x0etransfer_stats\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TransferStat\x12*\n\rworker_events\x18\x07 \x03(\x0b\x32\x13.pdserve.v1.KVEvent\x12-\n\rengine_events\x18\x08 \x01(\x0b\x32\x16.pdserve.v1.EventBatch\x12\x17\n\x0fworker_metadata\x18\t \x01(\x0c\x12\x1c\n\x14packed_worker_events\x18\n \x01(\x0c\x12\x1a\n\x12merged_event_ranks\x18\x0b \x03(\r\x12\x1d\n\x15merged_transfer_ranks\x18\r \x03(\r\x12\x38\n\x15\x63ompact_worker_events\x18\x0c \x01(\x0b\x32\x19.pdserve.v1.CompactEvents\x12\x38\n\x15\x63ompact_engine_events\x18\x0e \x01(\x0b\x32\x19.pdserve.v1.CompactEvents\"\xb2\x01\n\rCompactEvents\x12\x13\n\x0b\x65vents_wire\x18\x01 \x01(\x0c\x12\x16\n\x0emsgpack_events\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x01(\x0c\x12\x18\n\x10hashes_per_event\x18\x04 \x03(\r\x12\x13\n\x06medium\x18\x05 \x01(\tH\x00\x88\x01\x01\x12\x16\n\tgroup_idx\x18\x06 \x01(\x05H\x01\x88\x01\x01\x42\t\n\x07_mediumB\x0c\n\n_group_idx\"u\n\nEngineLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x10\n\x08kv_usage\x18\x03 \x01(\x02\x12\x12\n\nnum_pinned\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\"Q\n\tHeartbeat\x12)\n\x04load\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.EngineLoadH\x00\x88\x01\x01\x12\x10\n\x08\x64raining\x18\x02 \x01(\x08\x42\x07\n\x05_load\"6\n\x0bReportBatch\x12\'\n\x07reports\x18\x01 \x03(\x0b\x32\x16.pdserve.v1.StepReport\"\xbe\x01\n\x0bRankMessage\x12\"\n\x05hello\x18\x01 \x01(\x0b\x32\x11.pdserve.v1.HelloH\x00\x12(\n\x06report\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.StepReportH\x00\x12*\n\theartbeat\x18\x03 \x01(\x0b\x32\x15.pdserve.v1.HeartbeatH\x00\x12*\n\x07reports\x18\x04 \x01(\x0b\x32\x17.pdserve.v1.ReportBatchH\x00\x42\t\n\x07payload\"f\n\x08PeerInfo\x12&\n\x04rank\x18\x01 \x01(\x0b\x32\x18.pdserve.v1.RankIdentity\x12\x16\n\x0e\x65ngine_address\x18\x02 \x01(\t\x12\x1a\n\x12handshake_metadata\x18\x03 \x01(\x0c\"\xaa\x03\n\x07Welcome\x12\x30\n\x0e\x65xpected_ranks\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.RankIdentity\x12#\n\x05peers\x18\x02 \x03(\x0b\x32\x14.pdserve.v1.PeerInfo\x12\x16\n\x0elast_acked_seq\x18\x03 \x01(\x04\x12\x1d\n\x15heartbeat_interval_ms\x18\x04 \x01(\r\x12\x14\n\x0cscheduler_id\x18\x05 \x01(\t\x12\x1f\n\x17max_reports_per_message\x18\x06 \x01(\r\x12$\n\x1c\x61\x63\x63\x65pts_packed_worker_events\x18\x07 \x01(\x08\x12\x17\n\x0f\x61\x63k_interval_ms\x18\x08 \x01(\r\x12$\n\x1c\x61\x63\x63\x65pts_merged_worker_events\x18\t \x01(\x08\x12%\n\x1d\x61\x63\x63\x65pts_compact_worker_events\x18\n \x01(\x08\x12\'\n\x1f\x61\x63\x63\x65pts_merged_transfer_results\x18\x0b \x01(\x08\x12%\n\x1d\x61\x63\x63\x65pts_compact_engine_events\x18\x0c \x01(\x08\"Z\n\nPeerUpdate\x12$\n\x06joined\x18\x01 \x03(\x0b\x32\x14.pdserve.v1.PeerInfo\x12&\n\x04left\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.RankIdentity\"\x12\n\x03\x41\x63k\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"\x1d\n\x07KVReady\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"I\n\x08KVFailed\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x19\n\x11invalid_block_ids\x18\x03 \x03(\r\"#\n\rReleaseBlocks\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x96\x02\n\x10SchedulerMessage\x12&\n\x07welcome\x18\x01 \x01(\x0b\x32\x13.pdserve.v1.WelcomeH\x00\x12-\n\x0bpeer_update\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.PeerUpdateH\x00\x12\x1e\n\x03\x61\x63k\x18\x03 \x01(\x0b\x32\x0f.pdserve.v1.AckH\x00\x12\'\n\x08kv_ready\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.KVReadyH\x00\x12)\n\tkv_failed\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVFailedH\x00\x12,\n\x07release\x18\x06 \x01(\x0b\x32\x19.pdserve.v1.ReleaseBlocksH\x00\x42\t\n\x07payload*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x32O\n\x07\x43ontrol\x12\x44\n\x07\x43onnect\x12\x17.pdserve.v1.RankMessage\x1a\x1c.pdserve.v1.SchedulerMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/control.proto\x12\npdserve.v1\x1a\x1apdserve/v1/kv_events.proto\"\x94\x01\n\x0cRankIdentity\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0f\n\x07tp_rank\x18\x04 \x01(\r\x12\x0f\n\x07tp_size\x18\x05 \x01(\r\x12\x0f\n\x07pp_rank\x18\x06 \x01(\r\x12\x0f\n\x07pp_size\x18\x07 \x01(\r\"\xc6\x02\n\x05Hello\x12&\n\x04rank\x18\x01 \x01(\x0b\x32\x18.pdserve.v1.RankIdentity\x12\x1a\n\x12\x63ompatibility_hash\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12\x16\n\x0e\x65ngine_address\x18\x04 \x01(\t\x12\x1a\n\x12handshake_metadata\x18\x05 \x01(\x0c\x12\x15\n\rlast_sent_seq\x18\x06 \x01(\x04\x12\x16\n\thash_seed\x18\x07 \x01(\tH\x00\x88\x01\x01\x12\x17\n\nblock_size\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x12\n\x05\x64type\x18\t \x01(\tH\x02\x88\x01\x01\x12\x18\n\x0b\x64\x65vice_kind\x18\n \x01(\tH\x03\x88\x01\x01\x42\x0c\n\n_hash_seedB\r\n\x0b_block_sizeB\x08\n\x06_dtypeB\x0e\n\x0c_device_kind\"\x93\x02\n\x0cTransferStat\x12\x15\n\rsrc_engine_id\x18\x01 \x01(\t\x12\x15\n\rdst_engine_id\x18\x02 \x01(\t\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x16\n\x0enum_operations\x18\x05 \x01(\r\x12\x14\n\x0cnum_failures\x18\x06 \x01(\r\x12J\n\x12\x66\x61ilures_by_reason\x18\x07 \x03(\x0b\x32..pdserve.v1.TransferStat.FailuresByReasonEntry\x1a\x37\n\x15\x46\x61iluresByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\xf3\x03\n\nStepReport\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x18\n\x10\x66inished_sending\x18\x02 \x03(\t\x12\x18\n\x10\x66inished_recving\x18\x03 \x03(\t\x12\x16\n\x0e\x66\x61iled_recving\x18\x04 \x03(\t\x12\x19\n\x11invalid_block_ids\x18\x05 \x03(\r\x12\x30\n\x0etransfer_stats\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TransferStat\x12*\n\rworker_events\x18\x07 \x03(\x0b\x32\x13.pdserve.v1.KVEvent\x12-\n\rengine_events\x18\x08 \x01(\x0b\x32\x16.pdserve.v1.EventBatch\x12\x17\n\x0fworker_metadata\x18\t \x01(\x0c\x12\x1c\n\x14packed_worker_events\x18\n \x01(\x0c\x12\x1a\n\x12merged_event_ranks\x18\x0b \x03(\r\x12\x1d\n\x15merged_transfer_ranks\x18\r \x03(\r\x12\x38\n\x15\x63ompact_worker_events\x18\x0c \x01(\x0b\x32\x19.pdserve.v1.CompactEvents\x12\x38\n\x15\x63ompact_engine_events\x18\x0e \x01(\x0b\x32\x19.pdserve.v1.CompactEvents\"\xc1\x01\n\rCompactEvents\x12\x13\n\x0b\x65vents_wire\x18\x01 \x01(\x0c\x12\x16\n\x0emsgpack_events\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x01(\x0c\x12\x18\n\x10hashes_per_event\x18\x04 \x03(\r\x12\x13\n\x06medium\x18\x05 \x01(\tH\x00\x88\x01\x01\x12\x16\n\tgroup_idx\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\r\n\x05kinds\x18\x07 \x01(\x0c\x42\t\n\x07_mediumB\x0c\n\n_group_idx\"u\n\nEngineLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x10\n\x08kv_usage\x18\x03 \x01(\x02\x12\x12\n\nnum_pinned\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\"Q\n\tHeartbeat\x12)\n\x04load\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.EngineLoadH\x00\x88\x01\x01\x12\x10\n\x08\x64raining\x18\x02 \x01(\x08\x42\x07\n\x05_load\"6\n\x0bReportBatch\x12\'\n\x07reports\x18\x01 \x03(\x0b\x32\x16.pdserve.v1.StepReport\"\xbe\x01\n\x0bRankMessage\x12\"\n\x05hello\x18\x01 \x01(\x0b\x32\x11.pdserve.v1.HelloH\x00\x12(\n\x06report\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.StepReportH\x00\x12*\n\theartbeat\x18\x03 \x01(\x0b\x32\x15.pdserve.v1.HeartbeatH\x00\x12*\n\x07reports\x18\x04 \x01(\x0b\x32\x17.pdserve.v1.ReportBatchH\x00\x42\t\n\x07payload\"f\n\x08PeerInfo\x12&\n\x04rank\x18\x01 \x01(\x0b\x32\x18.pdserve.v1.RankIdentity\x12\x16\n\x0e\x65ngine_address\x18\x02 \x01(\t\x12\x1a\n\x12handshake_metadata\x18\x03 \x01(\x0c\"\xd0\x03\n\x07Welcome\x12\x30\n\x0e\x65xpected_ranks\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.RankIdentity\x12#\n\x05peers\x18\x02 \x03(\x0b\x32\x14.pdserve.v1.PeerInfo\x12\x16\n\x0elast_acked_seq\x18\x03 \x01(\x04\x12\x1d\n\x15heartbeat_interval_ms\x18\x04 \x01(\r\x12\x14\n\x0cscheduler_id\x18\x05 \x01(\t\x12\x1f\n\x17max_reports_per_message\x18\x06 \x01(\r\x12$\n\x1c\x61\x63\x63\x65pts_packed_worker_events\x18\x07 \x01(\x08\x12\x17\n\x0f\x61\x63k_interval_ms\x18\x08 \x01(\r\x12$\n\x1c\x61\x63\x63\x65pts_merged_worker_events\x18\t \x01(\x08\x12%\n\x1d\x61\x63\x63\x65pts_compact_worker_events\x18\n \x01(\x08\x12\'\n\x1f\x61\x63\x63\x65pts_merged_transfer_results\x18\x0b \x01(\x08\x12%\n\x1d\x61\x63\x63\x65pts_compact_engine_events\x18\x0c \x01(\x08\x12$\n\x1c\x61\x63\x63\x65pts_mixed_compact_events\x18\r \x01(\x08\"Z\n\nPeerUpdate\x12$\n\x06joined\x18\x01 \x03(\x0b\x32\x14.pdserve.v1.PeerInfo\x12&\n\x04left\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.RankIdentity\"\x12\n\x03\x41\x63k\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"\x1d\n\x07KVReady\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"I\n\x08KVFailed\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x19\n\x11invalid_block_ids\x18\x03 \x03(\r\"#\n\rReleaseBlocks\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x96\x02\n\x10SchedulerMessage\x12&\n\x07welcome\x18\x01 \x01(\x0b\x32\x13.pdserve.v1.WelcomeH\x00\x12-\n\x0bpeer_update\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.PeerUpdateH\x00\x12\x1e\n\x03\x61\x63k\x18\x03 \x01(\x0b\x32\x0f.pdserve.v1.AckH\x00\x12\'\n\x08kv_ready\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.KVReadyH\x00\x12)\n\tkv_failed\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVFailedH\x00\x12,\n\x07release\x18\x06 \x01(\x0b\x32\x19.pdserve.v1.ReleaseBlocksH\x00\x42\t\n\x07payload*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x32O\n\x07\x43ontrol\x12\x44\n\x07\x43onnect\x12\x17.pdserve.v1.RankMessage\x1a\x1c.pdserve.v1.SchedulerMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TRANSFERSTAT_FAILURESBYREASONENTRY']._loaded_options = None
   _globals['_TRANSFERSTAT_FAILURESBYREASONENTRY']._serialized_options = b'8\001'
-  _globals['_ROLE']._serialized_start=3029
-  _globals['_ROLE']._serialized_end=3092
+  _globals['_ROLE']._serialized_start=3082
+  _globals['_ROLE']._serialized_end=3145
   _globals['_RANKIDENTITY']._serialized_start=69
   _globals['_RANKIDENTITY']._serialized_end=217
   _globals['_HELLO']._serialized_start=220
@@ -47,31 +47,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPREPORT']._serialized_start=827
   _globals['_STEPREPORT']._serialized_end=1326
   _globals['_COMPACTEVENTS']._serialized_start=1329
-  _globals['_COMPACTEVENTS']._serialized_end=1507
-  _globals['_ENGINELOAD']._serialized_start=1509
-  _globals['_ENGINELOAD']._serialized_end=1626
-  _globals['_HEARTBEAT']._serialized_start=1628
-  _globals['_HEARTBEAT']._serialized_end=1709
-  _globals['_REPORTBATCH']._serialized_start=1711
-  _globals['_REPORTBATCH']._serialized_end=1765
-  _globals['_RANKMESSAGE']._serialized_start=1768
-  _globals['_RANKMESSAGE']._serialized_end=1958
-  _globals['_PEERINFO']._serialized_start=1960
-  _globals['_PEERINFO']._serialized_end=2062
-  _globals['_WELCOME']._serialized_start=2065
-  _globals['_WELCOME']._serialized_end=2491
-  _globals['_PEERUPDATE']._serialized_start=2493
-  _globals['_PEERUPDATE']._serialized_end=2583
-  _globals['_ACK']._serialized_start=2585
-  _globals['_ACK']._serialized_end=2603
-  _globals['_KVREADY']._serialized_start=2605
-  _globals['_KVREADY']._serialized_end=2634
-  _globals['_KVFAILED']._serialized_start=2636
-  _globals['_KVFAILED']._serialized_end=2709
-  _globals['_RELEASEBLOCKS']._serialized_start=2711
-  _globals['_RELEASEBLOCKS']._serialized_end=2746
-  _globals['_SCHEDULERMESSAGE']._serialized_start=2749
-  _globals['_SCHEDULERMESSAGE']._serialized_end=3027
-  _globals['_CONTROL']._serialized_start=3094
-  _globals['_CONTROL']._serialized_end=3173
+  _globals['_COMPACTEVENTS']._serialized_end=1522
+  _globals['_ENGINELOAD']._serialized_start=1524
+  _globals['_ENGINELOAD']._serialized_end=1641
+  _globals['_HEARTBEAT']._serialized_start=1643
+  _globals['_HEARTBEAT']._serialized_end=1724
+  _globals['_REPORTBATCH']._serialized_start=1726
+  _globals['_REPORTBATCH']._serialized_end=1780
+  _globals['_RANKMESSAGE']._serialized_start=1783
+  _globals['_RANKMESSAGE']._serialized_end=1973
+  _globals['_PEERINFO']._serialized_start=1975
+  _globals['_PEERINFO']._serialized_end=2077
+  _globals['_WELCOME']._serialized_start=2080
+  _globals['_WELCOME']._serialized_end=2544
+  _globals['_PEERUPDATE']._serialized_start=2546
+  _globals['_PEERUPDATE']._serialized_end=2636
+  _globals['_ACK']._serialized_start=2638
+  _globals['_ACK']._serialized_end=2656
+  _globals['_KVREADY']._serialized_start=2658
+  _globals['_KVREADY']._serialized_end=2687
+  _globals['_KVFAILED']._serialized_start=2689
+  _globals['_KVFAILED']._serialized_end=2762
+  _globals['_RELEASEBLOCKS']._serialized_start=2764
+  _globals['_RELEASEBLOCKS']._serialized_end=2799
+  _globals['_SCHEDULERMESSAGE']._serialized_start=2802
+  _globals['_SCHEDULERMESSAGE']._serialized_end=3080
+  _globals['_CONTROL']._serialized_start=3147
+  _globals['_CONTROL']._serialized_end=3226
 # @@protoc_insertion_point(module_scope)

@@ -334,9 +334,9 @@ Global___StepReport: _TypeAlias = StepReport  # noqa: Y015
 
 @_typing.final
 class CompactEvents(_message.Message):
-    """A step's BlockStored events, encoded once by the rank in the forms the scheduler hands on,
-    so that it builds no object per event: every event is a BlockStored with `medium` and
-    `group_idx` as below and integer hashes. The three forms describe the same events (the
+    """A step's BlockStored events (and, with `kinds`, BlockRemoved), encoded once by the rank in
+    the forms the scheduler hands on, so that it builds no object per event: every event is a
+    BlockStored with `medium` and `group_idx` as below and integer hashes. The three forms describe the same events (the
     sender's contract; the scheduler checks their framing and counts, not each event).
     """
 
@@ -348,6 +348,7 @@ class CompactEvents(_message.Message):
     HASHES_PER_EVENT_FIELD_NUMBER: _builtins.int
     MEDIUM_FIELD_NUMBER: _builtins.int
     GROUP_IDX_FIELD_NUMBER: _builtins.int
+    KINDS_FIELD_NUMBER: _builtins.int
     events_wire: _builtins.bytes
     """A serialized EventBatch with only `events` set (what packed_worker_events holds): what
     gRPC subscribers receive, and what a replay or a partly published step decodes.
@@ -360,6 +361,12 @@ class CompactEvents(_message.Message):
     """Every event's block hashes in event order, unsigned 64-bit little-endian."""
     medium: _builtins.str
     group_idx: _builtins.int
+    kinds: _builtins.bytes
+    """One byte per event, in event order: 1 BlockStored, 2 BlockRemoved (EventType's numbers;
+    every event then has `medium` and `group_idx` as above and >= 1 integer hash). Empty: every
+    event is a BlockStored. Set only for a scheduler whose Welcome sets
+    accepts_mixed_compact_events (an older one would count a BlockRemoved's hashes as stored).
+    """
     @_builtins.property
     def hashes_per_event(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Hashes per event (>= 1 each; their sum is block_hashes' length / 8)."""
@@ -373,10 +380,11 @@ class CompactEvents(_message.Message):
         hashes_per_event: _abc.Iterable[_builtins.int] | None = ...,
         medium: _builtins.str | None = ...,
         group_idx: _builtins.int | None = ...,
+        kinds: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx", "_medium", b"_medium", "group_idx", b"group_idx", "medium", b"medium"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx", "_medium", b"_medium", "block_hashes", b"block_hashes", "events_wire", b"events_wire", "group_idx", b"group_idx", "hashes_per_event", b"hashes_per_event", "medium", b"medium", "msgpack_events", b"msgpack_events"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx", "_medium", b"_medium", "block_hashes", b"block_hashes", "events_wire", b"events_wire", "group_idx", b"group_idx", "hashes_per_event", b"hashes_per_event", "kinds", b"kinds", "medium", b"medium", "msgpack_events", b"msgpack_events"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__group_idx: _TypeAlias = _typing.Literal["group_idx"]  # noqa: Y015
     _WhichOneofArgType__group_idx: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx"]  # noqa: Y015
@@ -549,6 +557,7 @@ class Welcome(_message.Message):
     ACCEPTS_COMPACT_WORKER_EVENTS_FIELD_NUMBER: _builtins.int
     ACCEPTS_MERGED_TRANSFER_RESULTS_FIELD_NUMBER: _builtins.int
     ACCEPTS_COMPACT_ENGINE_EVENTS_FIELD_NUMBER: _builtins.int
+    ACCEPTS_MIXED_COMPACT_EVENTS_FIELD_NUMBER: _builtins.int
     last_acked_seq: _builtins.int
     """Highest StepReport seq of this rank (this epoch) the scheduler has applied."""
     heartbeat_interval_ms: _builtins.int
@@ -576,6 +585,10 @@ class Welcome(_message.Message):
     """
     accepts_compact_engine_events: _builtins.bool
     """Whether StepReport.compact_engine_events is understood (false: an older scheduler)."""
+    accepts_mixed_compact_events: _builtins.bool
+    """Whether CompactEvents.kinds is understood, so compact worker and engine events may mix
+    BlockStored and BlockRemoved (false: an older scheduler; such steps go as protobuf).
+    """
     @_builtins.property
     def expected_ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankIdentity]:
         """Every rank of this engine the scheduler waits for before a transfer counts as finished."""
@@ -601,10 +614,11 @@ class Welcome(_message.Message):
         accepts_compact_worker_events: _builtins.bool = ...,
         accepts_merged_transfer_results: _builtins.bool = ...,
         accepts_compact_engine_events: _builtins.bool = ...,
+        accepts_mixed_compact_events: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_compact_engine_events", b"accepts_compact_engine_events", "accepts_compact_worker_events", b"accepts_compact_worker_events", "accepts_merged_transfer_results", b"accepts_merged_transfer_results", "accepts_merged_worker_events", b"accepts_merged_worker_events", "accepts_packed_worker_events", b"accepts_packed_worker_events", "ack_interval_ms", b"ack_interval_ms", "expected_ranks", b"expected_ranks", "heartbeat_interval_ms", b"heartbeat_interval_ms", "last_acked_seq", b"last_acked_seq", "max_reports_per_message", b"max_reports_per_message", "peers", b"peers", "scheduler_id", b"scheduler_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_compact_engine_events", b"accepts_compact_engine_events", "accepts_compact_worker_events", b"accepts_compact_worker_events", "accepts_merged_transfer_results", b"accepts_merged_transfer_results", "accepts_merged_worker_events", b"accepts_merged_worker_events", "accepts_mixed_compact_events", b"accepts_mixed_compact_events", "accepts_packed_worker_events", b"accepts_packed_worker_events", "ack_interval_ms", b"ack_interval_ms", "expected_ranks", b"expected_ranks", "heartbeat_interval_ms", b"heartbeat_interval_ms", "last_acked_seq", b"last_acked_seq", "max_reports_per_message", b"max_reports_per_message", "peers", b"peers", "scheduler_id", b"scheduler_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -14,8 +14,12 @@ from services.scheduler.prefix_index import DEFAULT_MEDIUM, InMemoryPrefixIndex
 
 def _by_type_and_medium(batch: KVEventBatch) -> Counter[tuple[str, str]]:
     counts: Counter[tuple[str, str]] = Counter()
-    if type(batch) is CompactBatch:  # BlockStored of one medium
-        counts[("BlockStored", batch.compact.medium or DEFAULT_MEDIUM)] = batch.num_events
+    if type(batch) is CompactBatch:  # BlockStored (and BlockRemoved) of one medium
+        c = batch.compact
+        medium = c.medium or DEFAULT_MEDIUM
+        for kind, n in (("BlockStored", c.num_stored), ("BlockRemoved", c.num_removed)):
+            if n:
+                counts[(kind, medium)] = n
         return counts
     for e in batch.events:
         medium = e.medium or ("all" if isinstance(e, AllBlocksCleared) else DEFAULT_MEDIUM)

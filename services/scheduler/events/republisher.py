@@ -146,11 +146,16 @@ class EventFilter:
             return None
         if not (self.media or self.types):
             return sb
-        if type(sb.batch) is CompactBatch:  # every event a BlockStored of one medium
+        if type(sb.batch) is CompactBatch:  # BlockStored (and BlockRemoved) of one medium
             c = sb.batch.compact
-            wanted = ((not self.types or BlockStored in self.types)
-                      and (not self.media or (c.medium or DEFAULT_MEDIUM) in self.media))
-            return sb if wanted else None
+            if self.media and (c.medium or DEFAULT_MEDIUM) not in self.media:
+                return None
+            present = c.event_types
+            if not self.types or self.types.issuperset(present):
+                return sb
+            if self.types.isdisjoint(present):
+                return None
+            # a mixed batch of which one kind is selected: the per-event path below
         events = [e for e in sb.batch.events if self.wants_event(e)]
         if not events:
             return None
@@ -248,9 +253,9 @@ class EventRepublisher:
         if subscriber_buffer < 1:
             raise ValueError(f"subscriber_buffer must be >= 1, got {subscriber_buffer}")
         self.index = index
-        # The index's array path for compact batches (`InMemoryPrefixIndex.apply_stored`), if any.
-        self._apply_stored: Callable[[str, int, str | None, list[int], list[int]], bool] | None = \
-            getattr(index, "apply_stored", None)
+        # The index's array path for compact batches (`InMemoryPrefixIndex.apply_compact`), if any.
+        self._apply_compact: Callable[[str, int, str | None, list[int], list[int], bytes], bool] | None = \
+            getattr(index, "apply_compact", None)
         self.ring_size = ring_size
         self.subscriber_buffer = subscriber_buffer
         self._snapshot_blocks = snapshot_blocks_per_batch
@@ -401,15 +406,18 @@ class EventRepublisher:
         s.num_batches += 1
         by_type = s.events_by_type
         if type(batch) is CompactBatch:
-            # BlockStored of one medium, as hashes: indexed and counted without an event object.
+            # BlockStored (and BlockRemoved) of one medium, as hashes: indexed and counted
+            # without an event object.
             c = batch.compact
-            if self._apply_stored is not None:
-                self._apply_stored(engine_id, epoch, c.medium, c.hashes, c.sizes)
+            if self._apply_compact is not None:
+                self._apply_compact(engine_id, epoch, c.medium, c.hashes, c.sizes, c.kinds)
             else:
                 self.index.apply(engine_id, epoch, batch.events)
             self._cleared.pop(engine_id, None)
             s.num_events += c.num_events
-            by_type["BlockStored"] = by_type.get("BlockStored", 0) + c.num_events
+            for name, count in (("BlockStored", c.num_stored), ("BlockRemoved", c.num_removed)):
+                if count:
+                    by_type[name] = by_type.get(name, 0) + count
         else:
             self.index.apply(engine_id, epoch, batch.events)
             last = batch.events[-1]
@@ -493,7 +501,7 @@ def _check_batch(engine_id: str, epoch: int, batch: KVEventBatch) -> None:
     if epoch < 0:
         raise ValueError(f"epoch must be >= 0, got {epoch}")
     if type(batch) is CompactBatch:
-        return  # BlockStored only, by construction
+        return  # BlockStored and BlockRemoved only, by construction
     for e in batch.events:
         if not isinstance(e, BlockStored | BlockRemoved | AllBlocksCleared):
             raise ValueError(f"not a KV event: {type(e).__name__}")

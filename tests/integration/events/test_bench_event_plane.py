@@ -1,7 +1,7 @@
 """Quick runs of `pdserve bench events` and `pdserve bench scale` (tiny sizes), so neither can
 rot: real scheduler parts, control streams and subscribers in subprocesses. About 12 s for
-events (three sections), 5 s for events sent as engine events and 9 s for scale (one scheduler
-process, 8 ranks)."""
+events (three sections), 5 s for events sent as engine events (a quarter of them BlockRemoved)
+and 9 s for scale (one scheduler process, 8 ranks)."""
 
 from __future__ import annotations
 
@@ -35,12 +35,15 @@ def test_bench_events_quick(capsys: pytest.CaptureFixture[str]) -> None:
 def test_bench_events_quick_with_engine_events(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "events", "--engines", "2", "--tp", "2", "--batch-events", "8", "--rate", "400",
                  "--duration", "1", "--subscribers", "2", "--sections", "pdserve", "--event-source", "engine",
-                 "--verify-compact", "--json"]) == 0
+                 "--removed-share", "0.25", "--verify-compact", "--json"]) == 0
     pdserve = json.loads(capsys.readouterr().out)["pdserve"]
     assert pdserve["event_source"] == "engine" and pdserve["lost"] == 0 and pdserve["reports_malformed"] == 0
-    # every step one compact report from rank 0, its three forms checked event by event
-    assert pdserve["reports_compact_engine_events"] == pdserve["engine_steps"] > 0
-    assert pdserve["published_events"] == pdserve["engine_steps"] * 8 == pdserve["subscribers"][0]["events"]
+    # every step one compact report from rank 0 (mixed: 6 BlockStored, then 2 BlockRemoved of the
+    # engine's previous step, which its first step has none of), its three forms checked event by event
+    steps = pdserve["engine_steps"]
+    assert pdserve["reports_compact_engine_events"] == steps > 2
+    assert pdserve["published_removed"] == 2 * (steps - 2)
+    assert pdserve["published_events"] == steps * 8 - 2 * 2 == pdserve["subscribers"][0]["events"]
 
 
 def test_bench_events_rejects_unknown_sections(capsys: pytest.CaptureFixture[str]) -> None:
@@ -48,6 +51,8 @@ def test_bench_events_rejects_unknown_sections(capsys: pytest.CaptureFixture[str
     assert "unknown ['vllm_style']" in capsys.readouterr().err
     assert main(["bench", "events", "--event-source", "engine", "--report-encoding", "packed"]) == 2
     assert "engine events have no packed form" in capsys.readouterr().err
+    assert main(["bench", "events", "--removed-share", "0.6"]) == 2
+    assert "--removed-share must be in [0, 0.5]" in capsys.readouterr().err
 
 
 def test_bench_scale_quick(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
