@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import filecmp
+import importlib.util
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -20,15 +22,19 @@ GENERATED_SUFFIXES = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi", "_pb2_grpc.pyi")
 
 
 def generate(out_dir: Path, proto_root: Path = PROTO_ROOT) -> None:
-    """Runs protoc over every .proto under proto_root into out_dir (mirroring protos/)."""
-    from grpc_tools import protoc  # dev dependency; imported here so the runtime needs none
+    """Runs protoc over every .proto under proto_root into out_dir (mirroring protos/).
 
+    protoc runs in a child process (`python -m grpc_tools.protoc`), not in this one: loading its
+    compiler extension into a process that already holds other native libraries (a test run's
+    torch, UCX, NIXL, uvloop) crashed it with a segmentation fault."""
+    spec = importlib.util.find_spec("grpc_tools")  # dev dependency: the runtime needs none
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("grpc_tools is not installed (the dev extra has it): pip install grpcio-tools")
     package = proto_root / "pdserve" / "v1"
     protos = sorted(str(p.relative_to(proto_root)) for p in package.glob("*.proto"))
-    include = str(Path(protoc.__file__).parent / "_proto")
+    include = str(Path(spec.submodule_search_locations[0]) / "_proto")
     bindir = Path(sys.executable).parent
     args = [
-        "protoc",
         f"--plugin=protoc-gen-mypy={bindir / 'protoc-gen-mypy'}",
         f"--plugin=protoc-gen-mypy_grpc={bindir / 'protoc-gen-mypy_grpc'}",
         f"-I{proto_root}",
@@ -39,8 +45,9 @@ def generate(out_dir: Path, proto_root: Path = PROTO_ROOT) -> None:
         f"--mypy_grpc_out={out_dir}",
         *protos,
     ]
-    if protoc.main(args) != 0:
-        raise RuntimeError(f"protoc failed: {' '.join(args)}")
+    done = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"protoc failed (exit {done.returncode}): {done.stderr.strip()}")
 
 
 def generated_files(root: Path) -> list[Path]:

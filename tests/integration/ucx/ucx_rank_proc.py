@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import os
+import signal
 import time
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
@@ -41,10 +42,15 @@ class RankProc:
         return value
 
     def signal(self, signum: int) -> None:
-        """Sends a signal to the rank process (SIGSTOP / SIGKILL in the failure tests)."""
+        """Sends a signal to the rank process (SIGSTOP / SIGKILL in the failure tests). After
+        SIGKILL it returns once the process is gone: a kill is asynchronous, and a pull posted to
+        a process still dying may be answered by it (e.g. a NIXL READ over CMA copies its memory)
+        and fail by timeout instead of as a dead peer."""
         if self.proc.pid is None:
             raise RuntimeError("rank process not started")
         os.kill(self.proc.pid, signum)
+        if signum == signal.SIGKILL:
+            self.proc.join(10)
 
     def close(self) -> None:
         if self.proc.is_alive():
