@@ -598,15 +598,19 @@ class KVOutputAggregator:
                       sizes: list[int], kinds: bytes, now: float) -> list[int] | None:
         """BlockStored and BlockRemoved events of `key` (by hashes, sizes and kind bytes) as
         reported by each rank of `bits` (in order); returns the indices of the events published,
-        in publication order (None: each once, in event order). Rank by rank unless no hash is
-        both stored and removed in the step: then a hash's operations commute with every other
-        hash's, so the ranks' joint mask gives the same state and the same events (a stored
-        block is whole when every rank added its bit; a removed one is published at the first
-        rank that drops a published hash, which the joint drop does once)."""
+        in publication order (None: each once, in event order). Rank by rank unless the stored
+        hashes are distinct and none of them is removed in the step: then every hash's
+        operations commute with every other hash's and each stored event's fate depends on its
+        own blocks only, so the ranks' joint mask gives the same state and the same events (a
+        stored event is published once all its blocks are whole, by whichever rank; a removed
+        one at the first rank that drops a published hash, which the joint drop does once).
+        (A stored hash repeated across events of the step could be published by an earlier
+        event at one rank and a later one at another: rank by rank keeps §3's count exact.)"""
         runs = kind_runs(sizes, kinds)
         stored = [h for r in runs if r.kind == KIND_STORED for h in hashes[r.hash_start:r.hash_stop]]
         removed = [h for r in runs if r.kind != KIND_STORED for h in hashes[r.hash_start:r.hash_stop]]
-        if len(bits) > 1 and set(removed).isdisjoint(stored):
+        distinct = set(stored)
+        if len(bits) > 1 and len(distinct) == len(stored) and distinct.isdisjoint(removed):
             joint = 0
             for bit in bits:
                 joint |= bit

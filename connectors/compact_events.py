@@ -22,8 +22,8 @@ Contracts:
   which is what the scheduler publishes for them on the protobuf path: `decode_events` of
   `events_wire` gives `carried(e)` for each, `msgpack_events` equals the events element of
   `connectors.wire.encode_batch` of those. `carried(e)` is `e` itself unless it sets a field the
-  protobuf form drops or reshapes (kv_cache_spec_*, locality: dropped; extra_keys: tuples of
-  its msgpack), as vLLM's GPU block-pool events do (`extra_keys=[None]`,
+  protobuf form drops or reshapes (kv_cache_spec_*, locality: dropped, a BlockRemoved's too;
+  extra_keys: tuples of its msgpack), as vLLM's GPU block-pool events do (`extra_keys=[None]`,
   `kv_cache_spec_kind="full_attention"`).
 - `from_proto(m)` checks the framing (hash array length, counts >= 1 summing to it, the msgpack
   list header holding one element per event, a parseable EventBatch with one event per count,
@@ -156,9 +156,9 @@ def qualifies(events: tuple[KVCacheEvent, ...] | list[KVCacheEvent], mixed: bool
 def carried(e: BlockStored | BlockRemoved) -> BlockStored | BlockRemoved:
     """`e` as its protobuf form carries it (`event_from_proto(event_to_proto(e))`; `e` itself
     when that is the same event, the common case, without the round trip). A BlockRemoved
-    with int hashes is carried exactly."""
+    with int hashes is carried exactly but for `locality` (dropped)."""
     if type(e) is not BlockStored:
-        return e
+        return e if e.locality is None else BlockRemoved(e.block_hashes, e.medium, e.group_idx)
     if (e.extra_keys is None and e.kv_cache_spec_kind is None and e.kv_cache_spec_sliding_window is None
             and e.locality is None):
         return e

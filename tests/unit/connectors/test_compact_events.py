@@ -195,6 +195,11 @@ def test_a_mixed_step_keeps_its_order_in_the_three_forms_and_the_kinds() -> None
         (2, 0, 1, 0, 1), (1, 1, 2, 1, 3), (2, 2, 4, 3, 6), (1, 4, 19, 6, 21)]
     for dp in (None, 2):
         assert ce.zmq_payload(back.msgpack_events, 4.5, dp) == encode_batch(KVEventBatch(4.5, list(events), dp))
+    # a removal's locality is dropped by the protobuf form: so it is by the compact one
+    local = ce.encode([stored(1), BlockRemoved((2,), MEDIUM_CPU_OFFLOAD, None, "LOCAL")], mixed=True)
+    assert local is not None and local.events() == [stored(1), removed(2)]
+    ce.verify(local)
+    assert ce.zmq_payload(local.msgpack_events, 1.0, 0) == encode_batch(KVEventBatch(1.0, [stored(1), removed(2)], 0))
     only_removed = ce.encode([removed(1), removed(2)], mixed=True)
     assert only_removed is not None and only_removed.event_types == frozenset({BlockRemoved})
     # a step of BlockStored only has no kinds (the form every compact-aware scheduler reads)
@@ -242,8 +247,8 @@ MIXED = st.lists(st.tuples(st.booleans(), st.lists(HASHES, min_size=1, max_size=
 def test_mixed_hashes_equal_shared_events_and_each_rank_reporting_them(data: st.DataObject) -> None:
     """`add_shared_hashes` with kinds (a mixed compact report) leaves the state that
     `add_shared_events` leaves for the same events and publishes the same events in the same
-    order; and both equal §3's oracle, every rank reporting the events itself (the same state,
-    the same events as a multiset), after any history."""
+    order; and both equal §3's oracle for mixed steps, every rank reporting the events itself
+    (the same state, the same events as a multiset), after any history."""
     num_ranks = data.draw(st.integers(1, 4), label="num_ranks")
     history = data.draw(st.lists(st.tuples(st.integers(0, num_ranks - 1), st.lists(EVENT, max_size=4)),
                                  max_size=10), label="history")
@@ -265,7 +270,8 @@ def test_mixed_hashes_equal_shared_events_and_each_rank_reporting_them(data: st.
         got = list(step) if published is None else [step[i] for i in published]
         assert got == objects.add_shared_events("e", 0, ranks, step).events
         want = [e for r in sorted(ranks) for e in each.add_report("e", 0, r, KVConnectorOutput(kv_cache_events=step)).events]
-        assert sorted(map(repr, got)) == sorted(map(repr, want))
+        if c.mixed:  # (BlockStored only: the fifth pass's joint-mask path, its own test above)
+            assert sorted(map(repr, got)) == sorted(map(repr, want))
         x, y, z = arrays._engines["e"], objects._engines["e"], each._engines["e"]
         assert (x.blocks, x.live, x.pending_blocks) == (y.blocks, y.live, y.pending_blocks) \
             == (z.blocks, z.live, z.pending_blocks)
