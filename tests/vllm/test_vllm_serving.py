@@ -159,7 +159,10 @@ def test_cancel_mid_stream_frees_blocks_on_both_vllm_engines(cluster: LocalClust
     assert cluster.wait_no_leaks(timeout=60) == {}
 
 
-def _stream_with_indexes(client: AsyncClient, prompt: list[int], max_tokens: int) -> Any:
+def _stream_with_indexes(client: AsyncClient, prompt: list[int], max_tokens: int,
+                         decoding: asyncio.Event | None = None) -> Any:
+    """Streams one request, noting each chunk's (index, length); sets `decoding` once a token
+    past the first (a decode engine's) arrived."""
     async def run() -> tuple[GenerationResult, list[tuple[int, int]]]:
         req = build_request(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         builder = _ResultBuilder(req.request_id)
@@ -168,6 +171,8 @@ def _stream_with_indexes(client: AsyncClient, prompt: list[int], max_tokens: int
             chunk = builder.add(resp)
             if chunk is not None:
                 chunks.append((chunk.index, len(chunk.token_ids)))
+                if decoding is not None and chunk.index + len(chunk.token_ids) > 1:
+                    decoding.set()
         return builder.result, chunks
 
     return run()
@@ -181,15 +186,22 @@ def test_kill_9_vllm_decode_migrates_and_kill_9_vllm_prefill_recomputes(cluster:
     batch = prompts[:4]
     expected = [colocated(cluster, p, long, "decode-1") for p in batch]
 
-    async def burst(victim: str, kill_after_s: float) -> list[tuple[GenerationResult, list[tuple[int, int]]]]:
+    async def burst(victim: str, when_decoding: bool) -> list[tuple[GenerationResult, list[tuple[int, int]]]]:
+        """Kills `victim` once the first decode token streamed (mid-decode: the 32-token streams
+        have ~30 tokens to go), or 0.2 s in (mid-prefill). A fixed delay raced the streams: on a
+        quiet machine every request could finish before a 3 s kill, and none migrated."""
+        decoding = asyncio.Event()
         async with AsyncClient(cluster.target) as client:
-            tasks = [asyncio.create_task(_stream_with_indexes(client, p, long)) for p in batch]
-            await asyncio.sleep(kill_after_s)
+            tasks = [asyncio.create_task(_stream_with_indexes(client, p, long, decoding)) for p in batch]
+            if when_decoding:
+                await asyncio.wait_for(decoding.wait(), timeout=120)
+            else:
+                await asyncio.sleep(0.2)
             cluster.kill(victim)
             return list(await asyncio.gather(*tasks))
 
-    for victim, kill_after_s in (("decode-0", 3.0), ("prefill-0", 0.2)):
-        outcomes = asyncio.run(burst(victim, kill_after_s))
+    for victim, when_decoding in (("decode-0", True), ("prefill-0", False)):
+        outcomes = asyncio.run(burst(victim, when_decoding))
         for i, (result, chunks) in enumerate(outcomes):
             assert result.token_ids == expected[i], f"{victim} killed: prompt {i} differs"
             position = 0
