@@ -49,6 +49,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -110,6 +111,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reimplemented-baseline", action="store_true",
                         help="use the re-implementation of vLLM's publisher even where vLLM imports")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--plot", default="",
+                        help="write a PNG of p99, loss and scheduler CPU per event against the offered rate")
+    parser.add_argument("--from-json", nargs="+", default=[], metavar="FILE",
+                        help="draw saved `--json` results (one per offered rate and variant) with --plot "
+                             "instead of running")
 
 
 def scrambled_base(n: int) -> int:
@@ -891,7 +897,68 @@ def current_rss_mib() -> float:
 
 # -- entry points ----------------------------------------------------------------------------------
 
+def _variant(result: dict[str, Any]) -> str:
+    """A saved result's pdserve variant, as a legend label: event source, encoding, removals."""
+    p = result.get("pdserve") or {}
+    label = f"{p.get('event_source', 'worker')} events, {p.get('report_encoding', 'packed')}"
+    share = (result.get("config") or {}).get("removed_share") or 0
+    return f"{label}, {share:.0%} removed" if share else label
+
+
+def plot_results(results: list[dict[str, Any]], path: str) -> None:
+    """Draws saved `--json` results against their offered rate: p99 (pdserve per variant and
+    vLLM's publisher, issue 18's 50 ms goal dotted), the share of events lost, and the
+    scheduler's CPU per event. Results without a pdserve section are skipped; ValueError when
+    none has one."""
+    import matplotlib
+
+    runs = [r for r in results if r.get("pdserve")]
+    if not runs:
+        raise ValueError("--from-json: no result holds a pdserve section")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[tuple[float, dict[str, Any]]]] = {}
+    for r in runs:
+        series.setdefault(_variant(r), []).append((r["config"]["rate"] / 1000, r["pdserve"]))
+    baseline = sorted(((r["config"]["rate"] / 1000, r["vllm"]) for r in runs if r.get("vllm")), key=lambda point: point[0])
+    subscribers = runs[0]["config"].get("subscribers", 4)
+
+    def lost_share(side: dict[str, Any]) -> float:
+        return 100 * side["lost"] / max(1, side["published_events"] * subscribers)
+
+    panels: list[tuple[str, Callable[[dict[str, Any]], float]]] = [
+        ("p99 publish → subscriber (ms)", lambda side: side["p99_ms"]),
+        ("events lost (% of deliveries)", lost_share),
+        ("scheduler CPU per event (µs)", lambda side: side["scheduler_cpu_us_per_event"])]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    for i, (ax, (title, value)) in enumerate(zip(axes, panels, strict=True)):
+        for label, points in sorted(series.items()):
+            points.sort(key=lambda point: point[0])
+            ax.plot([x for x, _ in points], [value(side) for _, side in points], marker="o", label=label)
+        if i < 2 and baseline:
+            ax.plot([x for x, _ in baseline], [value(side) for _, side in baseline], marker="s", color="black",
+                    linestyle="--", label=f"{runs[0].get('baseline') or 'vLLM publisher'} alone")
+        if i == 0:
+            ax.set_yscale("log")
+            ax.axhline(50.0, color="grey", linestyle=":", linewidth=1)
+            ax.annotate("goal p99 50 ms", (min(x for x, _ in series[min(series)]), 50.0), fontsize=6,
+                        color="grey", va="bottom")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("offered events/s (thousands)")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.from_json:
+        if not args.plot:
+            raise ValueError("--from-json draws saved results: give --plot PATH")
+        plot_results([json.loads(Path(f).read_text()) for f in args.from_json], args.plot)
+        print(f"plot: {args.plot}")
+        return 0
     sections = [x.strip() for x in args.sections.split(",") if x.strip()]
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown or not sections:
@@ -930,6 +997,8 @@ def run(args: argparse.Namespace) -> int:
             per_rank["scheduler_cpu_us_per_event"] / pdserve["scheduler_cpu_us_per_event"]
             if pdserve and per_rank and pdserve["scheduler_cpu_us_per_event"]
             and per_rank["scheduler_cpu_us_per_event"] else None)}
+    if args.plot and pdserve:
+        plot_results([result], args.plot)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

@@ -55,6 +55,23 @@ def test_bench_events_rejects_unknown_sections(capsys: pytest.CaptureFixture[str
     assert "--removed-share must be in [0, 0.5]" in capsys.readouterr().err
 
 
+def test_bench_events_plots_saved_results(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """`--from-json ... --plot` draws saved runs (the docs' own, one per rate and variant) without
+    running anything (~1 s, matplotlib); bad input is refused with a reason."""
+    data = Path(__file__).resolve().parents[3] / "docs" / "data"
+    saved = [str(data / f"bench_events_fifth_c{rate}.json") for rate in (32, 48, 100)]
+    png = tmp_path / "events.png"
+    assert main(["bench", "events", "--from-json", *saved, "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert main(["bench", "events", "--from-json", *saved]) == 2
+    assert "give --plot PATH" in capsys.readouterr().err
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"pdserve": None, "config": {"rate": 1000}}))
+    assert main(["bench", "events", "--from-json", str(empty), "--plot", str(tmp_path / "x.png")]) == 2
+    assert "no result holds a pdserve section" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
+
+
 def test_bench_scale_quick(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     # the non-default protocol and loop: one report per engine for a transfer, the scheduler on uvloop
     assert main(["bench", "scale", "--ranks", "8", "--tp", "2", "--duration", "2", "--sim-procs", "1",
