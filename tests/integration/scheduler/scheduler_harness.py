@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from pdserve.v1 import control_pb2 as pb
 from pdserve.v1 import control_pb2_grpc
-from services.common.grpc_server import ServiceServer
+from services.common.grpc_server import ServiceServer, insecure_channel
 from services.engine.control_client import ControlClient, ControlHello, RankIdentity
 from services.scheduler.control import ControlServicer
 from services.scheduler.event_sink import RecordingEventSink
@@ -67,3 +68,15 @@ async def eventually(cond: Callable[[], bool], timeout: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
+
+
+async def exchange(port: int, messages: list[pb.RankMessage], hold: float) -> list[pb.SchedulerMessage]:
+    """Sends `messages` on one raw Control stream, keeps it open `hold` s more, and returns
+    everything the scheduler sent back (for malformed input a ControlClient would refuse)."""
+    async def gen() -> AsyncIterator[pb.RankMessage]:
+        for m in messages:
+            yield m
+        await asyncio.sleep(hold)
+
+    async with insecure_channel(f"127.0.0.1:{port}") as channel:
+        return [m async for m in control_pb2_grpc.ControlStub(channel).Connect(gen())]

@@ -6,11 +6,8 @@ about 2 s in all."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
-
 import zmq
-from scheduler_harness import ControlHarness, eventually, hello
+from scheduler_harness import ControlHarness, eventually, exchange, hello
 
 from connectors import compact_events
 from connectors.kv_events import (
@@ -23,8 +20,6 @@ from connectors.kv_events import (
     event_to_proto,
 )
 from pdserve.v1 import control_pb2 as pb
-from pdserve.v1 import control_pb2_grpc
-from services.common.grpc_server import insecure_channel
 from services.engine.control_client import (
     RankIdentity,
     StepReport,
@@ -128,7 +123,7 @@ async def test_malformed_compact_engine_events_are_dropped_counted_and_acked(har
     miscounted.report.compact_engine_events.msgpack_events = b"\x91\xc0"
     garbled = report(4, 500)
     garbled.report.compact_engine_events.events_wire = b"\xff\xff"
-    got = await _exchange(harness.port, [_hello_msg(), short, both, miscounted, garbled, report(5, 500)], hold=0.4)
+    got = await exchange(harness.port, [_hello_msg(), short, both, miscounted, garbled, report(5, 500)], hold=0.4)
     assert [m.ack.seq for m in got if m.WhichOneof("payload") == "ack"][-1] == 5
     counters = harness.servicer.counters  # type: ignore[union-attr]
     assert counters["reports_malformed_compact_events"] == 4 and counters["reports_malformed"] == 4
@@ -138,12 +133,3 @@ async def test_malformed_compact_engine_events_are_dropped_counted_and_acked(har
     # nothing else of the dropped reports applied: only the good one's transfer result waits for rank 1
     assert harness.servicer.aggregator.pending_reports()["q3"].sending == 1  # type: ignore[union-attr]
 
-
-async def _exchange(port: int, messages: list[pb.RankMessage], hold: float) -> list[pb.SchedulerMessage]:
-    async def gen() -> AsyncIterator[pb.RankMessage]:
-        for m in messages:
-            yield m
-        await asyncio.sleep(hold)
-
-    async with insecure_channel(f"127.0.0.1:{port}") as channel:
-        return [m async for m in control_pb2_grpc.ControlStub(channel).Connect(gen())]

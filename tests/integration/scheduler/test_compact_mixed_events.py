@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
 
 import zmq
-from scheduler_harness import ControlHarness, eventually, hello
+from scheduler_harness import ControlHarness, eventually, exchange, hello
 
 from connectors import compact_events
 from connectors.kv_events import (
@@ -26,9 +25,7 @@ from connectors.kv_events import (
     event_to_proto,
 )
 from pdserve.v1 import control_pb2 as pb
-from pdserve.v1 import control_pb2_grpc
 from pdserve.v1 import kv_events_pb2 as kpb
-from services.common.grpc_server import insecure_channel
 from services.engine.control_client import (
     ControlClient,
     RankIdentity,
@@ -163,7 +160,7 @@ async def test_malformed_kinds_are_dropped_counted_and_acked(harness: ControlHar
     engine_unknown = _mixed_report(3, engine=True)
     engine_unknown.report.compact_engine_events.kinds = b"\x03\x02"
     good = _mixed_report(4, engine=True)
-    got = await _exchange(harness.port, [_hello_msg(), short, unknown, engine_unknown, good], hold=0.4)
+    got = await exchange(harness.port, [_hello_msg(), short, unknown, engine_unknown, good], hold=0.4)
     assert [m.ack.seq for m in got if m.WhichOneof("payload") == "ack"][-1] == 4
     counters = harness.servicer.counters  # type: ignore[union-attr]
     assert counters["reports_malformed_compact_kinds"] == 3
@@ -175,12 +172,3 @@ async def test_malformed_kinds_are_dropped_counted_and_acked(harness: ControlHar
     aggregator = harness.servicer.aggregator  # type: ignore[union-attr]
     assert aggregator.pending_reports()["m3"].sending == 1 and aggregator._engines["m3"].blocks == {}
 
-
-async def _exchange(port: int, messages: list[pb.RankMessage], hold: float) -> list[pb.SchedulerMessage]:
-    async def gen() -> AsyncIterator[pb.RankMessage]:
-        for m in messages:
-            yield m
-        await asyncio.sleep(hold)
-
-    async with insecure_channel(f"127.0.0.1:{port}") as channel:
-        return [m async for m in control_pb2_grpc.ControlStub(channel).Connect(gen())]

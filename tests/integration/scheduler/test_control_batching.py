@@ -5,13 +5,10 @@ loopback; about 5 s in all."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
-from scheduler_harness import ControlHarness, eventually, hello
+from scheduler_harness import ControlHarness, eventually, exchange, hello
 
 from pdserve.v1 import control_pb2 as pb
-from pdserve.v1 import control_pb2_grpc
-from services.common.grpc_server import insecure_channel
 from services.engine.control_client import ControlClient, PeerUpdate, StepReport
 from services.scheduler.control import ControlServicer, RankConnection
 from services.scheduler.registry import EngineRegistry, RankId, Role
@@ -29,18 +26,9 @@ def _batch(*seqs: int) -> pb.RankMessage:
                                                           for s in seqs]))
 
 
-async def _exchange(port: int, messages: list[pb.RankMessage], hold: float) -> list[pb.SchedulerMessage]:
-    async def gen() -> AsyncIterator[pb.RankMessage]:
-        for m in messages:
-            yield m
-        await asyncio.sleep(hold)
-
-    async with insecure_channel(f"127.0.0.1:{port}") as channel:
-        return [m async for m in control_pb2_grpc.ControlStub(channel).Connect(gen())]
-
 
 async def test_report_batch_is_applied_in_order_and_acked_once(harness: ControlHarness) -> None:
-    got = await _exchange(harness.port, [_hello_msg(), _batch(1, 2, 3), _batch(2, 3, 4)], hold=0.3)
+    got = await exchange(harness.port, [_hello_msg(), _batch(1, 2, 3), _batch(2, 3, 4)], hold=0.3)
     welcome = got[0].welcome
     assert welcome.max_reports_per_message > 1
     assert [m.ack.seq for m in got if m.WhichOneof("payload") == "ack"] == [3, 4]
@@ -85,7 +73,7 @@ async def test_joins_of_one_loop_turn_share_one_peer_update_per_stream() -> None
 
 async def test_every_decode_rank_learns_each_prefill_rank_exactly_once(harness: ControlHarness) -> None:
     decode = [await harness.connect(hello(f"d{i}", "decode")) for i in range(2)]
-    tasks = [asyncio.ensure_future(_exchange(harness.port, [_hello_msg(f"p{i}", 100 + i)], hold=1.5))
+    tasks = [asyncio.ensure_future(exchange(harness.port, [_hello_msg(f"p{i}", 100 + i)], hold=1.5))
              for i in range(12)]
     await eventually(lambda: len(harness.servicer.registry.engines) == 14)  # type: ignore[union-attr]
     for client in decode:
@@ -108,7 +96,7 @@ async def test_every_decode_rank_learns_each_prefill_rank_exactly_once(harness: 
 async def test_acks_are_throttled_per_stream_and_cumulative(harness: ControlHarness) -> None:
     harness.servicer.ack_interval_s = 0.5  # type: ignore[union-attr]
     reports = [pb.RankMessage(report=pb.StepReport(seq=s, finished_sending=[f"r{s}"])) for s in range(1, 41)]
-    got = await _exchange(harness.port, [_hello_msg(), *reports], hold=1.2)
+    got = await exchange(harness.port, [_hello_msg(), *reports], hold=1.2)
     assert got[0].welcome.ack_interval_ms == 500
     acks = [m.ack.seq for m in got if m.WhichOneof("payload") == "ack"]
     assert acks[0] == 1  # a stream's first report is acknowledged at once
@@ -154,7 +142,7 @@ async def test_malformed_packed_worker_events_are_dropped_and_acked(harness: Con
     both = _packed(2, [2])
     both.report.worker_events.add().all_blocks_cleared.SetInParent()
     garbage = pb.RankMessage(report=pb.StepReport(seq=3, packed_worker_events=b"\xff\xff\xff"))
-    got = await _exchange(harness.port, [_hello_msg(), _packed(1, [1], ts=2.5), both, garbage, _packed(4, [4])],
+    got = await exchange(harness.port, [_hello_msg(), _packed(1, [1], ts=2.5), both, garbage, _packed(4, [4])],
                           hold=0.4)
     assert [m.ack.seq for m in got if m.WhichOneof("payload") == "ack"][-1] == 4
     counters = harness.servicer.counters  # type: ignore[union-attr]
@@ -203,7 +191,7 @@ async def test_malformed_merged_event_ranks_are_dropped_and_acked(harness: Contr
     hello_msg = _hello_msg("x", 9)
     hello_msg.hello.rank.tp_size = 2
     bad = [merged(1, [2], [1]), merged(2, [1, 1], [2]), merged(3, [0], [3]), merged(4, [1], [])]
-    got = await _exchange(harness.port, [hello_msg, *bad, merged(5, [1], [5])], hold=0.4)
+    got = await exchange(harness.port, [hello_msg, *bad, merged(5, [1], [5])], hold=0.4)
     assert got[0].welcome.accepts_merged_worker_events
     assert [m.ack.seq for m in got if m.WhichOneof("payload") == "ack"][-1] == 5
     counters = harness.servicer.counters  # type: ignore[union-attr]
@@ -287,7 +275,7 @@ async def test_malformed_compact_worker_events_are_dropped_counted_and_acked(har
     both.report.packed_worker_events = b"\x32\x00"
     miscounted = _compact(3, [61, 62])
     miscounted.report.compact_worker_events.msgpack_events = b"\x91\xc0"
-    got = await _exchange(harness.port, [_hello_msg(), short, both, miscounted, _compact(4, [61, 62])], hold=0.4)
+    got = await exchange(harness.port, [_hello_msg(), short, both, miscounted, _compact(4, [61, 62])], hold=0.4)
     assert [m.ack.seq for m in got if m.WhichOneof("payload") == "ack"][-1] == 4
     counters = harness.servicer.counters  # type: ignore[union-attr]
     assert counters["reports_malformed_compact_events"] == 3 and counters["reports_malformed"] == 3
@@ -338,7 +326,7 @@ async def test_malformed_merged_transfer_ranks_are_dropped_and_change_nothing(ha
     hello_msg.hello.rank.tp_size = 2
     # outside the engine, repeated, the sender's own, no transfer results
     bad = [merged(1, [2], ["a"]), merged(2, [1, 1], ["b"]), merged(3, [0], ["c"]), merged(4, [1], [])]
-    got = await _exchange(harness.port, [hello_msg, *bad, merged(5, [1], ["e"])], hold=0.4)
+    got = await exchange(harness.port, [hello_msg, *bad, merged(5, [1], ["e"])], hold=0.4)
     assert got[0].welcome.accepts_merged_transfer_results
     assert [m.ack.seq for m in got if m.WhichOneof("payload") == "ack"][-1] == 5
     servicer = harness.servicer
