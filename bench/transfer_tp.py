@@ -25,6 +25,11 @@ ranks' GB/s), and the row shows the median of these ratios with their interquart
 that a ratio of two separately taken medians keeps. Each sample starts once the ranks of the
 one before have gone idle (`SETTLE_S`), so that no pairing is measured beside another's
 polling ranks.
+
+`--pin-cores decode:0,prefill:1` places every rank of a role on its cores (each rank process
+sets its own affinity before it starts any thread), identically in both pairings: the decode
+ranks, whose pulls are timed, then get the same CPU share whether P or D prefill ranks serve
+them (docs/architecture.md, "Core placement in the TP benchmark"). Unpinned is the default.
 """
 
 from __future__ import annotations
@@ -75,6 +80,34 @@ class RankSpec:
     peer_tp: int  # the other engine's TP size
     shape: TpShape
     kv_transport: str = "ucx-tag"
+    cpus: tuple[int, ...] = ()  # the cores this rank runs on; () leaves it to the OS
+
+
+def parse_pin_cores(text: str, available: set[int]) -> dict[str, tuple[int, ...]]:
+    """`--pin-cores` (`ROLE:CPUS[,ROLE:CPUS]`, CPUS `N` or `N-M`) as {role: cores}; "" is
+    unpinned ({}). Raises ValueError naming the problem: an unknown or repeated role, a
+    malformed range, or a core outside `available` (this process's allowed cores)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        role, sep, spec = item.partition(":")
+        if role not in ("decode", "prefill") or not sep:
+            raise ValueError(f"--pin-cores: {item!r} is not decode:CPUS or prefill:CPUS")
+        if role in out:
+            raise ValueError(f"--pin-cores: {role} given twice")
+        first, _, last = spec.partition("-")
+        try:
+            lo, hi = int(first), int(last or first)
+        except ValueError:
+            raise ValueError(f"--pin-cores: {spec!r} is not N or N-M") from None
+        if lo < 0 or hi < lo:
+            raise ValueError(f"--pin-cores: {spec!r} is not a range of cores")
+        cores = tuple(range(lo, hi + 1))
+        missing = sorted(set(cores) - available)
+        if missing:
+            raise ValueError(f"--pin-cores: core(s) {missing} of {role} not available to this process "
+                             f"(available: {sorted(available)})")
+        out[role] = cores
+    return out
 
 
 def check(prefill_tp: int, decode_tp: int, kv_heads: int) -> None:
@@ -100,9 +133,15 @@ def run(args: argparse.Namespace, sizes: list[int]) -> int:
                f"transport {', '.join(transports)} ...")
     if args.iters < 1:
         raise ValueError(f"--iters must be >= 1, got {args.iters}")
-    samples = _measure(shape, p, d, sizes, args.iters, transports)
+    import os
+
+    pin = parse_pin_cores(getattr(args, "pin_cores", ""), set(os.sched_getaffinity(0)))
+    if pin:
+        _log(args, "cores: " + ", ".join(f"{role} {list(cores)}" for role, cores in pin.items()))
+    samples = _measure(shape, p, d, sizes, args.iters, transports, pin)
     rank_bytes = shape.rank_block_nbytes(d)
-    summaries = {t: _summary(samples, t, shape, p, d, sizes, args.iters) for t in transports}
+    summaries = {t: _summary(samples, t, shape, p, d, sizes, args.iters) | {"pin_cores": pin}
+                 for t in transports}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for t, summary in summaries.items():
@@ -114,7 +153,8 @@ def run(args: argparse.Namespace, sizes: list[int]) -> int:
         return 0
     for t, summary in summaries.items():
         print(f"KV pull prefill tp {p} -> decode tp {d} vs tp {d} -> tp {d} on {t}, GB/s per decode rank "
-              f"(median of {args.iters}, mean over {d} rank(s)); ratio: median of {args.iters} paired rounds (IQR)")
+              f"(median of {args.iters}, mean over {d} rank(s)); ratio: median of {args.iters} paired rounds (IQR); "
+              + ("cores " + ", ".join(f"{role} {list(c)}" for role, c in pin.items()) if pin else "unpinned"))
         print(f"{'blocks':>7} {'MiB/rank':>9} {'hetero':>8} {'equal':>8} {'ratio':>6} {'IQR':>11}")
         for r in summary["rows"]:
             g, (q1, q3) = r["gbps_per_decode_rank"], r["ratio_iqr"]
@@ -178,8 +218,10 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     ax.set_xticks([j + 0.2 for j in range(len(rows))], [f"{r['blocks']} blk" for r in rows])
     ax.margins(y=0.2)
     ax.set_ylabel("GB/s per decode rank")
+    pin = summary.get("pin_cores") or {}
     ax.set_title(f"KV pull across TP sizes on {summary.get('kv_transport', 'ucx-tag')} "
-                 f"({summary['kv_heads']} KV heads)")
+                 f"({summary['kv_heads']} KV heads" + "".join(f", {r} cores {c}" for r, c in pin.items()) + ")",
+                 fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -195,7 +237,8 @@ def _log(args: argparse.Namespace, text: str) -> None:
 class _Pairing:
     """The rank processes of one pairing: P prefill ranks and D decode ranks."""
 
-    def __init__(self, name: str, prefill_tp: int, decode_tp: int, shape: TpShape, kv_transport: str) -> None:
+    def __init__(self, name: str, prefill_tp: int, decode_tp: int, shape: TpShape, kv_transport: str,
+                 pin: dict[str, tuple[int, ...]] | None = None) -> None:
         ctx = mp.get_context("spawn")
         self.prefill: list[tuple[Connection, Any]] = []
         self.decode: list[tuple[Connection, Any]] = []
@@ -203,12 +246,18 @@ class _Pairing:
                                        ("decode", decode_tp, prefill_tp, self.decode)):
             for rank in range(tp):
                 conn, child = ctx.Pipe()
-                spec = RankSpec(role, f"{name.replace('/', '-')}-{role}", rank, tp, peer_tp, shape, kv_transport)
+                spec = RankSpec(role, f"{name.replace('/', '-')}-{role}", rank, tp, peer_tp, shape, kv_transport,
+                                (pin or {}).get(role, ()))
                 proc = ctx.Process(target=_rank_main, args=(child, spec), daemon=True)
                 proc.start()
                 out.append((conn, proc))
 
     def connect(self) -> None:
+        for role, ranks in (("prefill", self.prefill), ("decode", self.decode)):
+            for conn, _ in ranks:
+                cores, wanted = _call(conn, "cores")
+                if wanted and cores != wanted:
+                    raise RuntimeError(f"a {role} rank runs on cores {cores}, not the {wanted} it was pinned to")
         metas = [_call(conn, "meta") for conn, _ in self.prefill]
         for conn, _ in self.decode:
             _call(conn, "peers", metas)
@@ -238,14 +287,14 @@ class _Pairing:
 
 
 def _measure(shape: TpShape, p: int, d: int, sizes: list[int], iters: int,
-             transports: tuple[str, ...] = ("ucx-tag",)) -> Samples:
+             transports: tuple[str, ...] = ("ucx-tag",), pin: dict[str, tuple[int, ...]] | None = None) -> Samples:
     """Per pairing ("hetero/<transport>", "equal/<transport>") and size: every round's seconds
     per decode rank (rounds in ABBA order, see the module docstring)."""
     pairings: dict[str, _Pairing] = {}
     try:
         for t in transports:
-            pairings[f"hetero/{t}"] = _Pairing(f"hetero/{t}", p, d, shape, t)
-            pairings[f"equal/{t}"] = _Pairing(f"equal/{t}", d, d, shape, t)
+            pairings[f"hetero/{t}"] = _Pairing(f"hetero/{t}", p, d, shape, t, pin)
+            pairings[f"equal/{t}"] = _Pairing(f"equal/{t}", d, d, shape, t, pin)
         for pairing in pairings.values():
             pairing.connect()
         out: Samples = {k: {} for k in pairings}
@@ -293,6 +342,8 @@ def _expect(conn: Connection, timeout: float = 300.0) -> Any:
 def _rank_main(conn: Connection, spec: RankSpec) -> None:
     import os
 
+    if spec.cpus:
+        os.sched_setaffinity(0, spec.cpus)  # before torch and UCX start threads, which inherit it
     import torch
 
     sys.stdout.flush()
@@ -342,7 +393,11 @@ def _rank_main(conn: Connection, spec: RankSpec) -> None:
             c.wait_for_results(0.05)
         raise RuntimeError(f"{spec.engine_id} rank {spec.tp_rank}: {tag} not released")
 
-    handlers: dict[str, Callable[..., Any]] = {"meta": c.get_handshake_metadata, "peers": peers, "pin": pin, "pull": pull, "released": released}
+    def cores() -> tuple[list[int], list[int]]:
+        return sorted(os.sched_getaffinity(0)), list(spec.cpus)
+
+    handlers: dict[str, Callable[..., Any]] = {"meta": c.get_handshake_metadata, "peers": peers, "pin": pin,
+                                               "pull": pull, "released": released, "cores": cores}
     while True:
         command, args = conn.recv()
         if command == "stop":

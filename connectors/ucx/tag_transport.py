@@ -12,7 +12,8 @@ off so UCX may pick shared memory / CMA on one host and RDMA across hosts):
   rendezvous), or answers CTRL `refuse` {x, why} without touching memory.
 - The reader receives DATA only for a live pull it posted, into exactly the segment's bytes of
   its region (zero copy); anything else is drained into a scratch buffer. When every piece
-  arrived it sends CTRL `done` {x, rid, ok}; on a failure (timeout...) `done` with ok=False.
+  arrived it sends CTRL `done` {x, rid, ok} (at the end of that progress round, once the
+  result reached the listener); on a failure (timeout...) `done` with ok=False.
 - Reader → writer CTRL `renew` {rids, reader}: lease renewal.
 
 Peer death is not signalled by UCX here (error handling is off); pulls end by timeout or by
@@ -155,6 +156,10 @@ class UcxTagTransport(KVTransport):
         self._pulls: dict[int, _Pull] = {}
         self._serves: dict[tuple[PeerKey, int], _Serve] = {}
         self._pending: list[_Tracked] = []
+        # `done` messages of pulls that ended this progress round, sent at its end: after every
+        # result of the round reached the listener, so a gather's last op is handed over
+        # without waiting for the other ops' sends.
+        self._dones: list[tuple[PeerKey, dict[str, Any]]] = []
         # Data requests of one pull or one serve, in posting order: they complete (nearly) in
         # order, so reaping checks each lane's head only (a pull of thousands of head-range
         # pieces would make a full scan per progress round quadratic).
@@ -240,6 +245,7 @@ class UcxTagTransport(KVTransport):
             busy |= self._probe_ctrl()
             busy |= self._reap()
             self._expire()
+            busy |= self._send_dones()
             if busy:
                 last_busy, idle_rounds = time.monotonic(), 0
                 continue
@@ -306,6 +312,17 @@ class UcxTagTransport(KVTransport):
             if not queue:
                 self._lanes.pop(lane, None)
         return reaped
+
+    def _send_dones(self) -> bool:
+        """Sends the round's `done` messages (to writers still known); True if there were any."""
+        if not self._dones:
+            return False
+        dones, self._dones = self._dones, []
+        for peer, message in dones:
+            ep = self._peers.get(peer)
+            if ep is not None:
+                self._send_ctrl(ep, message)
+        return True
 
     def _send_ctrl(self, ep: Any, message: dict[str, Any]) -> None:
         payload = np.frombuffer(msgpack.packb(message, use_bin_type=True), dtype=np.uint8)
@@ -446,10 +463,9 @@ class UcxTagTransport(KVTransport):
 
     def _finish(self, pull: _Pull, reason: str | None, *, notify_peer: bool) -> None:
         pull.finished = True
-        ep = self._peers.get(pull.op.peer)
-        if notify_peer and ep is not None:
-            self._send_ctrl(ep, {"k": "done", "x": pull.op.xfer_id, "rid": pull.op.request_id,
-                                 "ok": reason is None, "reader": _key_to_wire(self._reader_key())})
+        if notify_peer and pull.op.peer in self._peers:
+            self._dones.append((pull.op.peer, {"k": "done", "x": pull.op.xfer_id, "rid": pull.op.request_id,
+                                               "ok": reason is None, "reader": _key_to_wire(self._reader_key())}))
         # (seg_left is empty when the pull ended before its pieces were laid out.)
         done = tuple(seg for seg, left in zip(pull.op.segments, pull.seg_left or [1] * len(pull.op.segments),
                                               strict=True) if left == 0)

@@ -202,7 +202,7 @@ class _Recv:
     local_block_ids: tuple[int, ...]
     ops: tuple[PullOp, ...] = ()
     open: set[int] = field(default_factory=set)  # xfer ids not ended yet
-    received: set[int] | None = None  # local blocks every ended op fully delivered
+    received: set[int] | None = None  # local blocks every failed op fully delivered (None: no op failed)
     reason: str | None = None  # the first failure
     num_bytes: int = 0
     seconds: float = 0.0
@@ -476,25 +476,27 @@ class UcxWorkerConnector(WorkerConnector):
             self._inflight -= 1
             recv = self._recvs[request_id]
             op = next(o for o in recv.ops if o.xfer_id == result.xfer_id)
-            received = {s.local_block + i for s in result.done_segments for i in range(s.num_blocks)}
-            self._op_ended_locked(recv, op, None if result.ok else (result.reason or "unknown"), received,
-                                  result.num_bytes, result.seconds)
+            if result.ok:
+                self._op_ended_locked(recv, op, None, (), result.num_bytes, result.seconds)
+            else:
+                self._op_ended_locked(recv, op, result.reason or "unknown", _block_ids(result.done_segments),
+                                      result.num_bytes, result.seconds)
             self._dispatch_locked()
 
     def _op_ended_locked(self, recv: _Recv, op: PullOp, reason: str | None, received: Any, num_bytes: int,
                          seconds: float) -> None:
         """One op of a request ended; the request ends with its last op (failed if any failed,
-        its valid blocks those every op delivered)."""
+        its valid blocks those every failed op delivered: a successful op delivered all of
+        them, so it narrows nothing and costs no per-block work). `received` (the blocks a
+        failed op delivered) is ignored when `reason` is None."""
         recv.open.discard(op.xfer_id)
         stats = self._stats.pair(recv.engine_id, self.key.engine_id)
         stats.num_operations += 1
         recv.num_bytes += num_bytes
         recv.seconds = max(recv.seconds, seconds)
-        if reason is None:
-            received = set(recv.local_block_ids)
-        elif recv.reason is None:
-            recv.reason = reason
-        recv.received = set(received) if recv.received is None else recv.received & set(received)
+        if reason is not None:
+            recv.reason = recv.reason or reason
+            recv.received = set(received) if recv.received is None else recv.received & set(received)
         if recv.open:
             return
         del self._recvs[recv.request_id]
@@ -722,7 +724,7 @@ class UcxWorkerConnector(WorkerConnector):
         with self._lock:  # whatever the transport did not end (queued, or not yet started)
             for request_id in list(self._recvs):
                 recv = self._recvs.pop(request_id)
-                self._fail_locked(recv, recv.reason or "shutdown", recv.received or set())
+                self._fail_locked(recv, recv.reason or "shutdown", set())
             self._by_xfer.clear()
             self._queued.clear()
             self._inflight = 0
@@ -731,6 +733,11 @@ class UcxWorkerConnector(WorkerConnector):
         if self._transport is None:
             raise RuntimeError("register_kv_caches() first (or the connector is shut down)")
         return self._transport
+
+
+def _block_ids(segments: tuple[Segment, ...]) -> set[int]:
+    """The local block ids `segments` cover."""
+    return {b for s in segments for b in range(s.local_block, s.local_block + s.num_blocks)}
 
 
 def _host_region(tensor: Any) -> np.ndarray:

@@ -1,15 +1,17 @@
 """Smoke test of `pdserve bench transfer --prefill-tp 2 --decode-tp 1 --kv-transport both` at
-tiny sizes, two paired rounds (about 20 s: ten rank processes, five per transport)."""
+tiny sizes, two paired rounds, ranks pinned by role (about 20 s: ten rank processes, five per
+transport); `--pin-cores` parsing and refusals."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from bench.cli import add_arguments, run
-from bench.transfer_tp import round_order
+from bench.transfer_tp import parse_pin_cores, round_order
 from connectors.ucx.nixl_transport import nixl_importable
 
 
@@ -24,13 +26,17 @@ def _args(tmp_path: Path, *extra: str) -> object:
 
 def test_hetero_and_equal_pulls_side_by_side(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     both = nixl_importable()  # each transport's pairings in one run (nine rank processes)
-    assert run(_args(tmp_path, "--kv-transport", "both" if both else "ucx-tag")) == 0  # type: ignore[arg-type]
+    # Pinned by role (the run checks every rank's affinity against its role's cores).
+    cores = sorted(os.sched_getaffinity(0))
+    pin = f"decode:{cores[0]},prefill:{cores[-1]}"
+    assert run(_args(tmp_path, "--kv-transport", "both" if both else "ucx-tag", "--pin-cores", pin)) == 0  # type: ignore[arg-type]
     out = json.loads(capsys.readouterr().out)
     summaries = out if both else {"ucx-tag": out}
     for transport, summary in summaries.items():
         name = "transfer_tp2to1" + ("_nixl" if transport == "nixl" else "")
         assert summary == json.loads((tmp_path / f"{name}.json").read_text())
         assert summary["kv_transport"] == transport
+        assert summary["pin_cores"] == {"decode": [cores[0]], "prefill": [cores[-1]]}
         assert [r["blocks"] for r in summary["rows"]] == [1, 3] and summary["iters"] == 2
         for row in summary["rows"]:
             assert row["bytes_per_decode_rank"] == row["blocks"] * summary["decode_rank_block_nbytes"]
@@ -57,3 +63,22 @@ def test_too_few_iterations_are_refused_with_the_reason(tmp_path: Path) -> None:
 def test_unmappable_pairing_is_refused_with_the_reason(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="tp=2 does not divide num_key_value_heads=3"):
         run(_args(tmp_path, "--kv-heads", "3"))  # type: ignore[arg-type]
+
+
+def test_pin_cores_spec_is_parsed_per_role() -> None:
+    assert parse_pin_cores("", {0, 1}) == {}
+    assert parse_pin_cores("decode:0,prefill:1-3", {0, 1, 2, 3}) == {"decode": (0,), "prefill": (1, 2, 3)}
+    assert parse_pin_cores(" prefill:1 ", {0, 1}) == {"prefill": (1,)}
+
+
+@pytest.mark.parametrize("spec, reason", [
+    ("gpu:0", "'gpu:0' is not decode:CPUS or prefill:CPUS"),
+    ("decode", "'decode' is not decode:CPUS or prefill:CPUS"),
+    ("decode:0,decode:1", "decode given twice"),
+    ("decode:x", "'x' is not N or N-M"),
+    ("decode:3-1", "'3-1' is not a range of cores"),
+    ("prefill:1-2", r"core\(s\) \[2\] of prefill not available to this process \(available: \[0, 1\]\)"),
+])
+def test_bad_pin_cores_are_refused_with_the_reason(spec: str, reason: str) -> None:
+    with pytest.raises(ValueError, match=reason):
+        parse_pin_cores(spec, {0, 1})
