@@ -126,11 +126,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --prefill-tp/--decode-tp: pdserve's KV transport of both pairings (ucx-tag: "
                              "tagged messages; nixl: one NIXL READ per pull), or both (each transport's hetero "
                              "and equal pairings, all four interleaved in one run)")
-    parser.add_argument("--pin-cores", default="",
-                        help="with --prefill-tp/--decode-tp: CPU cores per role, ROLE:CPUS[,ROLE:CPUS] with CPUS "
-                             "N or N-M (e.g. decode:0,prefill:1): every rank of that role, in the hetero and the "
-                             "equal pairing alike, runs on those cores (a host where each side has its own); "
-                             "default: unpinned, the OS places every rank")
+    parser.add_argument("--pin-cores", default="auto",
+                        help="with --prefill-tp/--decode-tp: CPU cores per role, alike in the hetero and the equal "
+                             "pairing (a host where each side has its own): ROLE:CPUS[,ROLE:CPUS] with CPUS N or "
+                             "N-M (e.g. decode:0,prefill:1); auto (default): decode ranks on the first half of the "
+                             "allowed cores, prefill ranks on the rest; none: unpinned, the OS places every rank")
 
 
 def run(args: argparse.Namespace) -> int:

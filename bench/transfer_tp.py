@@ -26,10 +26,12 @@ that a ratio of two separately taken medians keeps. Each sample starts once the 
 one before have gone idle (`SETTLE_S`), so that no pairing is measured beside another's
 polling ranks.
 
-`--pin-cores decode:0,prefill:1` places every rank of a role on its cores (each rank process
-sets its own affinity before it starts any thread), identically in both pairings: the decode
-ranks, whose pulls are timed, then get the same CPU share whether P or D prefill ranks serve
-them (docs/architecture.md, "Core placement in the TP benchmark"). Unpinned is the default.
+`--pin-cores` places every rank of a role on its cores (each rank process sets its own
+affinity before it starts any thread), identically in both pairings: the decode ranks, whose
+pulls are timed, then get the same CPU share whether P or D prefill ranks serve them. The
+default, `auto`, gives decode the first half of this process's cores and prefill the rest
+(`decode:0,prefill:1` on two cores); `none` leaves placement to the OS (docs/architecture.md,
+"Core placement in the TP benchmark", says why pinned is the default).
 """
 
 from __future__ import annotations
@@ -84,9 +86,17 @@ class RankSpec:
 
 
 def parse_pin_cores(text: str, available: set[int]) -> dict[str, tuple[int, ...]]:
-    """`--pin-cores` (`ROLE:CPUS[,ROLE:CPUS]`, CPUS `N` or `N-M`) as {role: cores}; "" is
-    unpinned ({}). Raises ValueError naming the problem: an unknown or repeated role, a
-    malformed range, or a core outside `available` (this process's allowed cores)."""
+    """`--pin-cores` as {role: cores}: `none` is unpinned ({}); `auto` gives the decode ranks
+    the first half of `available` (this process's allowed cores, rounded down, at least one)
+    and the prefill ranks the rest, unpinned with fewer than two cores; else
+    `ROLE:CPUS[,ROLE:CPUS]` with CPUS `N` or `N-M`. Raises ValueError naming the problem: an
+    unknown or repeated role, a malformed range, or a core outside `available`."""
+    if text.strip() == "none":
+        return {}
+    if text.strip() == "auto":
+        ordered = sorted(available)
+        half = max(1, len(ordered) // 2)
+        return {"decode": tuple(ordered[:half]), "prefill": tuple(ordered[half:])} if len(ordered) > 1 else {}
     out: dict[str, tuple[int, ...]] = {}
     for item in (x.strip() for x in text.split(",") if x.strip()):
         role, sep, spec = item.partition(":")
@@ -107,6 +117,8 @@ def parse_pin_cores(text: str, available: set[int]) -> dict[str, tuple[int, ...]
             raise ValueError(f"--pin-cores: core(s) {missing} of {role} not available to this process "
                              f"(available: {sorted(available)})")
         out[role] = cores
+    if not out:
+        raise ValueError(f"--pin-cores: {text!r} is not decode:CPUS or prefill:CPUS (or auto, none)")
     return out
 
 
@@ -135,7 +147,7 @@ def run(args: argparse.Namespace, sizes: list[int]) -> int:
         raise ValueError(f"--iters must be >= 1, got {args.iters}")
     import os
 
-    pin = parse_pin_cores(getattr(args, "pin_cores", ""), set(os.sched_getaffinity(0)))
+    pin = parse_pin_cores(getattr(args, "pin_cores", "auto"), set(os.sched_getaffinity(0)))
     if pin:
         _log(args, "cores: " + ", ".join(f"{role} {list(cores)}" for role, cores in pin.items()))
     samples = _measure(shape, p, d, sizes, args.iters, transports, pin)

@@ -66,13 +66,17 @@ def test_unmappable_pairing_is_refused_with_the_reason(tmp_path: Path) -> None:
 
 
 def test_pin_cores_spec_is_parsed_per_role() -> None:
-    assert parse_pin_cores("", {0, 1}) == {}
+    assert parse_pin_cores("none", {0, 1}) == {}
+    assert parse_pin_cores("auto", {0, 1}) == {"decode": (0,), "prefill": (1,)}
+    assert parse_pin_cores("auto", {2, 3, 5, 7, 8}) == {"decode": (2, 3), "prefill": (5, 7, 8)}
+    assert parse_pin_cores("auto", {3}) == {}  # one core: nothing to split
     assert parse_pin_cores("decode:0,prefill:1-3", {0, 1, 2, 3}) == {"decode": (0,), "prefill": (1, 2, 3)}
     assert parse_pin_cores(" prefill:1 ", {0, 1}) == {"prefill": (1,)}
 
 
 @pytest.mark.parametrize("spec, reason", [
     ("gpu:0", "'gpu:0' is not decode:CPUS or prefill:CPUS"),
+    ("", r"'' is not decode:CPUS or prefill:CPUS \(or auto, none\)"),
     ("decode", "'decode' is not decode:CPUS or prefill:CPUS"),
     ("decode:0,decode:1", "decode given twice"),
     ("decode:x", "'x' is not N or N-M"),
