@@ -232,7 +232,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("GB/s per decode rank")
     pin = summary.get("pin_cores") or {}
     ax.set_title(f"KV pull across TP sizes on {summary.get('kv_transport', 'ucx-tag')} "
-                 f"({summary['kv_heads']} KV heads" + "".join(f", {r} cores {c}" for r, c in pin.items()) + ")",
+                 f"({summary['kv_heads']} KV heads" + "".join(f", {r} cores {list(c)}" for r, c in pin.items()) + ")",
                  fontsize=10)
     ax.legend()
     fig.tight_layout()
