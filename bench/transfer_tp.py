@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -145,8 +146,6 @@ def run(args: argparse.Namespace, sizes: list[int]) -> int:
                f"transport {', '.join(transports)} ...")
     if args.iters < 1:
         raise ValueError(f"--iters must be >= 1, got {args.iters}")
-    import os
-
     pin = parse_pin_cores(getattr(args, "pin_cores", "auto"), set(os.sched_getaffinity(0)))
     if pin:
         _log(args, "cores: " + ", ".join(f"{role} {list(cores)}" for role, cores in pin.items()))
