@@ -89,6 +89,7 @@ def test_bench_scale_quick(capsys: pytest.CaptureFixture[str], tmp_path: Path) -
     point = result["points"][0]
     assert result["ranks"] == 8 and point["engines"] == 4 and point["event_loop"] == "uvloop"
     assert result["config"]["transfer_per"] == point["transfer_per"] == "engine"
+    assert result["config"]["worker_events"] == "compact"  # the default: what ControlClient sends
     assert result["false_down"] == 0 and point["request_errors"] == {}
     assert point["requests_ok"] == point["requests_sent"] > 0
     assert result["events_per_s"] > 0 and point["rank_reports_per_s"] > 0
