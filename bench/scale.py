@@ -76,11 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="worker events once per engine step from rank 0 (StepReport.merged_event_ranks; "
                              "other ranks report only transfer results) or from every rank (the "
                              "pre-issue-18 protocol)")
-    parser.add_argument("--worker-events", choices=["compact", "packed"], default="compact",
-                        help="the form of the events in rank reports: compact (compact_worker_events and "
-                             "compact_engine_events, what ControlClient sends to a scheduler that accepts them) "
-                             "or packed (packed_worker_events and engine_events.events, what this benchmark sent "
-                             "before the sixth pass of issue 18)")
+    parser.add_argument("--worker-events", choices=["packed", "compact"], default="packed",
+                        help="the form of the events in rank reports: packed (packed_worker_events and "
+                             "engine_events.events, every pass's figures) or compact (compact_worker_events and "
+                             "compact_engine_events, what ControlClient sends to a scheduler that accepts them; "
+                             "the simulator then spends more CPU encoding, which on a shared machine shows up "
+                             "in the KVReady figures)")
     parser.add_argument("--transfer-per", default="rank",
                         help="comma-separated: rank (every rank reports its transfer results, as pdserve's "
                              "engines do today) and/or engine (rank 0 reports them once for all its ranks, "
@@ -791,7 +792,7 @@ def _main() -> None:
     p.add_argument("--events-per-step", type=int, default=16)
     p.add_argument("--report-per", choices=["engine", "rank"], default="rank")
     p.add_argument("--transfer-per", choices=["engine", "rank"], default="rank")
-    p.add_argument("--worker-events", choices=["compact", "packed"], default="compact")
+    p.add_argument("--worker-events", choices=["packed", "compact"], default="packed")
     p.add_argument("--duration", type=float, default=1.0)
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
     p.add_argument("--hash-seed", default="")
