@@ -29,6 +29,9 @@ demo model's tokenizer facts) and:
   (vLLM's executor aggregates its workers' KVConnectorOutputs) can.
 - `--scheduler-loop asyncio,uvloop` runs every point once per scheduler event loop
   (`pdserve scheduler --event-loop`), side by side.
+- `--worker-events packed` (default) sends the events as `packed_worker_events` and
+  `engine_events.events`; `compact` as `compact_worker_events` and `compact_engine_events`, what
+  `ControlClient` sends to a scheduler that accepts them (the simulators then spend more CPU).
 - one client process sending Generate requests (token-id prompts sharing `--prefixes` prefixes,
   `--request-rate` requests/s per engine) and one KVEvents gRPC subscriber counting events.
 
