@@ -29,6 +29,9 @@ demo model's tokenizer facts) and:
   (vLLM's executor aggregates its workers' KVConnectorOutputs) can.
 - `--scheduler-loop asyncio,uvloop` runs every point once per scheduler event loop
   (`pdserve scheduler --event-loop`), side by side.
+- `--worker-events packed` (default) sends the events as `packed_worker_events` and
+  `engine_events.events`; `compact` as `compact_worker_events` and `compact_engine_events`, what
+  `ControlClient` sends to a scheduler that accepts them (the simulators then spend more CPU).
 - one client process sending Generate requests (token-id prompts sharing `--prefixes` prefixes,
   `--request-rate` requests/s per engine) and one KVEvents gRPC subscriber counting events.
 
@@ -76,6 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="worker events once per engine step from rank 0 (StepReport.merged_event_ranks; "
                              "other ranks report only transfer results) or from every rank (the "
                              "pre-issue-18 protocol)")
+    parser.add_argument("--worker-events", choices=["packed", "compact"], default="packed",
+                        help="the form of the events in rank reports: packed (packed_worker_events and "
+                             "engine_events.events, every pass's figures) or compact (compact_worker_events and "
+                             "compact_engine_events, what ControlClient sends to a scheduler that accepts them; "
+                             "the simulator then spends more CPU encoding, which on a shared machine shows up "
+                             "in the KVReady figures)")
     parser.add_argument("--transfer-per", default="rank",
                         help="comma-separated: rank (every rank reports its transfer results, as pdserve's "
                              "engines do today) and/or engine (rank 0 reports them once for all its ranks, "
@@ -103,6 +112,16 @@ def percentile(values: list[float], q: float) -> float:
         return 0.0
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+def _compact_proto(events: list[Any]) -> Any:
+    """`events` as a CompactWorkerEvents message (the benchmark's events always qualify)."""
+    from connectors import compact_events
+
+    compact = compact_events.encode(events)
+    if compact is None:
+        raise ValueError("bench scale: the simulated events do not qualify for the compact form")
+    return compact_events.to_proto(compact)
 
 
 def _pythonpath() -> dict[str, str]:
@@ -214,7 +233,7 @@ class SimEngine:
         if not self.stats.get("stopping"):
             self.stats["streams_ended"].append(f"{self.engine_id}/{rank.index}: EOF")
 
-    def _report(self, rank: _Rank, worker: bytes = b"", engine_hashes: list[int] | None = None,
+    def _report(self, rank: _Rank, worker: Any = None, engine_hashes: list[int] | None = None,
                 merged: range | None = None) -> None:
         """One report of `rank`: its pending transfer results (for every rank of the engine with
         `--transfer-per engine`), `worker` events (for the `merged` ranks too), engine events."""
@@ -229,12 +248,20 @@ class SimEngine:
         if self.args.transfer_per == "engine" and (report.finished_sending or report.finished_recving):
             report.merged_transfer_ranks.extend(r for r in range(self.tp) if r != rank.index)
         if worker:  # encoded once per step, as ControlClient does for a scheduler that accepts it
-            report.packed_worker_events = worker
+            if isinstance(worker, bytes):
+                report.packed_worker_events = worker
+            else:
+                report.compact_worker_events.CopyFrom(worker)
             if merged:
                 report.merged_event_ranks.extend(merged)
         if engine_hashes:
             stored = BlockStored(tuple(engine_hashes), None, (), _BLOCK)
-            report.engine_events.CopyFrom(kv_events_pb2.EventBatch(ts=time.time(), events=[event_to_proto(stored)]))
+            if self.args.worker_events == "compact":
+                report.compact_engine_events.CopyFrom(_compact_proto([stored]))
+                report.engine_events.CopyFrom(kv_events_pb2.EventBatch(ts=time.time()))
+            else:
+                report.engine_events.CopyFrom(kv_events_pb2.EventBatch(ts=time.time(),
+                                                                       events=[event_to_proto(stored)]))
         rank.outbox.put_nowait(cpb.RankMessage(report=report))
         self.stats["reports"] += 1
 
@@ -249,9 +276,9 @@ class SimEngine:
         while time.monotonic() < end:
             # distinct per (engine, step, i), with entropy in every bit like real block hashes
             base = scrambled_base((self.index * 2 + (self.role == "decode")) * (1 << 32) + self.steps)
-            worker = kv_events_pb2.EventBatch(events=[
-                event_to_proto(BlockStored((base + i,), None, (), _BLOCK, medium=MEDIUM_CPU_OFFLOAD))
-                for i in range(n)]).SerializeToString()
+            events = [BlockStored((base + i,), None, (), _BLOCK, medium=MEDIUM_CPU_OFFLOAD) for i in range(n)]
+            worker: Any = (_compact_proto(events) if self.args.worker_events == "compact"
+                           else kv_events_pb2.EventBatch(events=[event_to_proto(e) for e in events]).SerializeToString())
             hashes, self.engine_events = self.engine_events, []
             if self.args.report_per == "engine":
                 # rank 0 carries the step's worker events for every rank; the others report
@@ -575,7 +602,7 @@ def _point(args: argparse.Namespace, ranks: int, event_loop: str, transfer_per: 
                                 f"127.0.0.1:{control}", "--first", str(first), "--count", str(count), "--tp",
                                 str(args.tp), "--step-hz", str(args.step_hz), "--events-per-step",
                                 str(args.events_per_step), "--report-per", args.report_per,
-                                "--transfer-per", transfer_per,
+                                "--transfer-per", transfer_per, "--worker-events", args.worker_events,
                                 "--duration", str(args.duration), "--heartbeat-interval",
                                 str(args.heartbeat_interval), "--hash-seed", hash_seed]))
         procs += sims
@@ -714,7 +741,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"bench scale: {what} done: setup {p['setup_s']:.0f} s, overhead p50 "
                       f"{p['overhead_p50_ms']:.2f} ms, false down {p['false_down']}", file=sys.stderr, flush=True)
     config = {k: getattr(args, k) for k in ("scheduler_loop", "tp", "duration", "step_hz", "events_per_step", "report_per",
-                                            "transfer_per", "request_rate",
+                                            "worker_events", "transfer_per", "request_rate",
                                             "prompt_blocks", "output_tokens", "sim_procs", "heartbeat_interval",
                                             "heartbeat_timeout")}
     return _report(args, points, config, list(os.getloadavg()))
@@ -768,6 +795,7 @@ def _main() -> None:
     p.add_argument("--events-per-step", type=int, default=16)
     p.add_argument("--report-per", choices=["engine", "rank"], default="rank")
     p.add_argument("--transfer-per", choices=["engine", "rank"], default="rank")
+    p.add_argument("--worker-events", choices=["packed", "compact"], default="packed")
     p.add_argument("--duration", type=float, default=1.0)
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
     p.add_argument("--hash-seed", default="")

@@ -15,6 +15,7 @@ registration includes both, so a mismatch is refused instead of silently never m
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,8 +34,10 @@ def _sha256_cbor(obj: Any) -> bytes:
     return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
 
 
+@functools.lru_cache(maxsize=64)
 def none_hash(seed: str = DEFAULT_HASH_SEED) -> BlockHash:
-    """The parent hash of a sequence's first block, derived from the configured seed."""
+    """The parent hash of a sequence's first block, derived from the configured seed (computed
+    once per seed: every hashed prompt starts from it)."""
     return _sha256_cbor(seed)
 
 

@@ -8,6 +8,7 @@ leg ends (the caller pairs `try_acquire` with `release`).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 
 
 class Admission:
@@ -20,11 +21,16 @@ class Admission:
         self._inflight: Counter[str] = Counter()
         self.rejected = 0
 
+    @property
+    def inflight_counts(self) -> Mapping[str, int]:
+        """Engine id -> its in-flight requests, engines with none absent (live; do not modify)."""
+        return self._inflight
+
     def inflight(self, engine_id: str) -> int:
-        return self._inflight[engine_id]
+        return self._inflight.get(engine_id, 0)
 
     def has_room(self, engine_id: str) -> bool:
-        return self._inflight[engine_id] < self.max_inflight_per_engine
+        return self._inflight.get(engine_id, 0) < self.max_inflight_per_engine
 
     def try_acquire(self, engine_id: str) -> bool:
         """Takes a slot on the engine; False (and counted as rejected) when it is full."""

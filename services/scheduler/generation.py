@@ -47,6 +47,7 @@ from services.common.tracing import ComponentTracer, client_interceptors, tracin
 from services.common.version import __version__
 from services.scheduler.admission import Admission
 from services.scheduler.control import ControlServicer
+from services.scheduler.engine_views import EngineViews
 from services.scheduler.lifecycle import EngineRef, ReleaseCause, RequestRecord, RequestState, RequestTable
 from services.scheduler.path_costs import PathCosts
 from services.scheduler.registry import EngineState, Role
@@ -167,10 +168,9 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         self.tokenizer = tokenizer
         self.control = control
         self.registry = control.registry
-        # engine id -> (the inputs of its last view, that view): see `_views`
-        self._view_cache: dict[str, tuple[tuple[Any, ...], EngineView]] = {}
         self.router = router
         self.admission = admission
+        self.engine_views = EngineViews(self.registry, admission, router.path.costs)
         self.table = table
         self.channels = channels or EngineChannels(component_channel_security(config))
         self.hasher = BlockHasher(config.block_size, config.hash_seed)
@@ -329,33 +329,9 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             self.costs.add_itl_target(engine_id, flight.itl_target_s)
 
     def _views(self, role: Role, exclude: frozenset[str] = frozenset()) -> list[EngineView]:
-        """The routable engines of `role` with room, as views. A view is rebuilt only when what
-        it shows changed (its inputs are the cache key): building one costs more than
-        comparing, and most engines did not change between two requests."""
-        costs, admission, cache = self.costs, self.admission, self._view_cache
-        backlog, max_inflight = costs.backlog_tokens, admission.max_inflight_per_engine
-        views = []
-        for e in self.registry.routable(role):
-            engine_id = e.engine_id
-            if engine_id in exclude or not admission.has_room(engine_id):
-                continue
-            key = (e.epoch, e.role, e.load, admission.inflight(engine_id), max_inflight, e.tp_size, e.num_kv_heads,
-                   backlog[engine_id], costs.tightest_itl_target(engine_id))
-            hit = cache.get(engine_id)
-            if hit is not None and hit[0] == key:
-                views.append(hit[1])
-                continue
-            load = e.load
-            view = EngineView(engine_id, e.epoch, str(e.role), num_inflight=key[3], num_running=load.num_running,
-                              num_waiting=load.num_waiting, kv_usage=load.kv_usage, max_inflight=max_inflight,
-                              tp_size=e.tp_size, num_kv_heads=e.num_kv_heads, num_backlog_tokens=key[7],
-                              itl_target_s=key[8])
-            cache[engine_id] = (key, view)
-            views.append(view)
-        if len(cache) > 2 * len(self.registry.engines) + 64:  # engines that left
-            for gone in [i for i in cache if i not in self.registry.engines]:
-                del cache[gone]
-        return views
+        """The routable engines of `role` with room, as views (kept between requests where
+        unchanged: `EngineViews`)."""
+        return self.engine_views.views(role, exclude)
 
     def _no_decode_error(self, exclude: frozenset[str]) -> RequestError:
         if any(e.engine_id not in exclude for e in self.registry.routable(Role.DECODE)):

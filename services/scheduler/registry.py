@@ -354,6 +354,12 @@ class EngineRegistry:
             return None
         return engine
 
+    @property
+    def version(self) -> int:
+        """Changes whenever an engine's registration, routability, draining, epoch or shape
+        (TP size, KV heads) may have changed; equal versions mean none of these did."""
+        return self._version
+
     def by_role(self, role: Role) -> list[EngineState]:
         return [e for e in self.engines.values() if e.role == role]
 

@@ -70,12 +70,14 @@ class EngineView:
     num_backlog_tokens: int = 0
     # The tightest ITL target among the requests decoding there (None: no request set one).
     itl_target_s: float | None = None
+    # Lower is better: requests the scheduler has in flight there, what the engine says is
+    # running or queued, and its KV usage (0..1) as a tie-breaker worth one request. Derived,
+    # computed once per view: the policies read it several times per engine per request.
+    load_score: float = field(init=False, repr=False, compare=False)
 
-    @property
-    def load_score(self) -> float:
-        """Lower is better: requests the scheduler has in flight there, what the engine says is
-        running or queued, and its KV usage (0..1) as a tie-breaker worth one request."""
-        return self.num_inflight + self.num_waiting + 0.5 * self.num_running + self.kv_usage
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "load_score",
+                           self.num_inflight + self.num_waiting + 0.5 * self.num_running + self.kv_usage)
 
 
 @dataclass(frozen=True, slots=True)

@@ -73,10 +73,10 @@ def test_bench_events_plots_saved_results(capsys: pytest.CaptureFixture[str], tm
 
 
 def test_bench_scale_quick(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    # the non-default protocol and loop: one report per engine for a transfer, the scheduler on uvloop
+    # the non-default protocols and loop: one report per engine for a transfer, compact events, uvloop
     assert main(["bench", "scale", "--ranks", "8", "--tp", "2", "--duration", "2", "--sim-procs", "1",
                  "--request-rate", "2", "--step-hz", "4", "--transfer-per", "engine", "--scheduler-loop", "uvloop",
-                 "--json"]) == 0
+                 "--worker-events", "compact", "--json"]) == 0
     out = capsys.readouterr().out
     result = json.loads(out)
     saved = tmp_path / "run.json"
@@ -89,6 +89,7 @@ def test_bench_scale_quick(capsys: pytest.CaptureFixture[str], tmp_path: Path) -
     point = result["points"][0]
     assert result["ranks"] == 8 and point["engines"] == 4 and point["event_loop"] == "uvloop"
     assert result["config"]["transfer_per"] == point["transfer_per"] == "engine"
+    assert result["config"]["worker_events"] == "compact"
     assert result["false_down"] == 0 and point["request_errors"] == {}
     assert point["requests_ok"] == point["requests_sent"] > 0
     assert result["events_per_s"] > 0 and point["rank_reports_per_s"] > 0
