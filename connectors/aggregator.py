@@ -368,10 +368,14 @@ class KVOutputAggregator:
             for rank in order:
                 self._apply(state, rank, output, result, now)
             return result
+        key, hashes = plan
+        if len(order) > 1 and _repeats(hashes):
+            for rank in order:  # `_repeats`: the joint mask would publish fewer events
+                self._apply(state, rank, output, result, now)
+            return result
         mask = 0
         for rank in order:
             mask |= state.rank_bits[rank]
-        key, hashes = plan
         self._stored_run(state, mask, key, events, result, now, hashes)  # type: ignore[arg-type]
         return result
 
@@ -399,7 +403,7 @@ class KVOutputAggregator:
             state = self._checked(engine_id, epoch, rank, empty)
         if not order or not sizes:
             return []
-        if KIND_REMOVED in kinds:
+        if KIND_REMOVED in kinds or (len(order) > 1 and _repeats(hashes)):
             return self._mixed_hashes(state, [state.rank_bits[r] for r in order], key, hashes, sizes, kinds,
                                       self._clock())
         mask = 0
@@ -682,6 +686,14 @@ class KVOutputAggregator:
             state.clears.pop(event.medium, None)
         else:
             state.clears[event.medium] = outstanding
+
+
+def _repeats(hashes: Sequence[object]) -> bool:
+    """Whether a hash occurs twice in one step's stored run. Then the ranks' joint mask is not
+    the same as rank by rank: a block one rank completes with an early event and another with a
+    later one publishes both events one rank at a time (§3 counts per rank) but only the first
+    jointly. Such steps go rank by rank."""
+    return len(set(hashes)) != len(hashes)
 
 
 def _mixed_arrays(events: Collection[KVCacheEvent]) -> tuple[_MediumKey, list[object], list[int], bytes] | None:

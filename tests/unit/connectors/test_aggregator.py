@@ -465,6 +465,22 @@ def test_shared_events_equal_each_rank_reporting_them(data: st.DataObject) -> No
         assert shared.oldest_pending_age() == one_by_one.oldest_pending_age()
 
 
+def test_shared_stored_step_with_a_repeated_hash_goes_rank_by_rank() -> None:
+    """Rank 1 held block 1; then both ranks store (1, 2) and (1) in one step. Rank by rank,
+    rank 0's (1, 2) completes... nothing whole yet (2 is rank 0's alone), its (1) completes 1;
+    rank 1's (1, 2) completes 2: two events. The joint mask published only the first."""
+    step = (stored(1, 2), stored(1))
+    by_rank, events, hashes = agg2(), agg2(), agg2()
+    for a in (by_rank, events, hashes):
+        assert a.add_report("e", 7, 1, out(events=(stored(1),))).events == []
+    want = [e for r in (0, 1) for e in by_rank.add_report("e", 7, r, out(events=step)).events]
+    assert sorted(map(repr, want)) == sorted(map(repr, step))
+    assert sorted(map(repr, events.add_shared_events("e", 7, [0, 1], step).events)) == sorted(map(repr, want))
+    got = hashes.add_shared_hashes("e", 7, [0, 1], (MEDIUM_CPU, None), [1, 2, 1], [2, 1])
+    assert sorted(got if got is not None else [0, 1]) == [0, 1]
+    assert events._engines["e"].blocks == by_rank._engines["e"].blocks == hashes._engines["e"].blocks
+
+
 def test_shared_events_validate_every_rank_first() -> None:
     a = agg2()
     with pytest.raises(ValueError, match="not one of the expected ranks"):
