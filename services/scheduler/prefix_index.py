@@ -17,11 +17,11 @@ Contract of `PrefixIndex` (every implementation):
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections import Counter, deque
+from collections.abc import Iterable, Iterator, KeysView, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
-from operator import or_
+from itertools import compress, repeat
+from operator import eq, or_, rshift
 from typing import Protocol, runtime_checkable
 
 from connectors.compact_events import KIND_REMOVED, kind_runs
@@ -110,20 +110,24 @@ class PrefixIndex(Protocol):
 class IntLru:
     """Exact least-recently-used order over int keys, built from ints only.
 
-    `stamp` maps each key to the tick of its last use; two parallel deques list (key, tick) in
-    use order, with stale pairs (a key used again or removed since) skipped lazily and
-    compacted away once they outnumber the live keys. An OrderedDict would do the same, but
-    the garbage collector walks its million entries on every full collection (about 25 times
-    the cost of a dict of ints, measured); dicts and deques of ints cost it next to nothing.
+    `stamp` maps each key to the tick of its last use; two parallel lists give (key, tick) in
+    use order from `head` on, with stale pairs (a key used again or removed since) skipped
+    lazily and compacted away once they outnumber the live keys. An OrderedDict would do the
+    same, but the garbage collector walks its million entries on every full collection (about
+    25 times the cost of a dict of ints, measured); dicts and lists of ints cost it next to
+    nothing. Lists rather than deques so that the bulk operations (`touch_many`,
+    `pop_oldest_many`, `discard_many`) work on slices with C-level `map`s, no Python loop per
+    key; the consumed front is cut off once it is half of the lists (amortised O(1) per key).
     """
 
-    __slots__ = ("_keys", "_slack", "_stamp", "_tick", "_ticks")
+    __slots__ = ("_head", "_keys", "_slack", "_stamp", "_tick", "_ticks")
 
     def __init__(self, slack: int = 1024) -> None:
         self._slack = slack
         self._stamp: dict[int, int] = {}
-        self._keys: deque[int] = deque()
-        self._ticks: deque[int] = deque()
+        self._keys: list[int] = []
+        self._ticks: list[int] = []
+        self._head = 0
         self._tick = 0
 
     def __len__(self) -> int:
@@ -138,7 +142,7 @@ class IntLru:
         self._stamp[key] = self._tick
         self._keys.append(key)
         self._ticks.append(self._tick)
-        if len(self._keys) > 2 * len(self._stamp) + self._slack:
+        if len(self._keys) - self._head > 2 * len(self._stamp) + self._slack:
             self._compact()
 
     def touch_many(self, keys: Sequence[int]) -> None:
@@ -149,47 +153,84 @@ class IntLru:
         self._stamp.update(zip(keys, ticks, strict=True))
         self._keys.extend(keys)
         self._ticks.extend(ticks)
-        if len(self._keys) > 2 * len(self._stamp) + self._slack:
+        if len(self._keys) - self._head > 2 * len(self._stamp) + self._slack:
             self._compact()
 
     def holds_any(self, keys: Sequence[int]) -> bool:
         return not self._stamp.keys().isdisjoint(keys)
 
+    def keys(self) -> KeysView[int]:
+        """The keys held, in no particular order (a live view: copy it before changing this)."""
+        return self._stamp.keys()
+
     def discard(self, key: int) -> None:
         self._stamp.pop(key, None)
+
+    def discard_many(self, keys: Iterable[int]) -> list[int]:
+        """`discard(key)` for each key; returns the keys that were held, each once."""
+        stamp = self._stamp
+        unique = list(dict.fromkeys(keys))
+        held = list(compress(unique, map(stamp.__contains__, unique)))
+        _consume(map(stamp.__delitem__, held))
+        return held
 
     def pop_oldest(self) -> int:
         """Removes and returns the least recently used key (KeyError when empty)."""
         stamp, keys, ticks = self._stamp, self._keys, self._ticks
-        while keys:
-            key, tick = keys.popleft(), ticks.popleft()
+        i, n = self._head, len(keys)
+        while i < n:
+            key, tick = keys[i], ticks[i]
+            i += 1
             if stamp.get(key) == tick:
                 del stamp[key]
+                self._advance(i)
                 return key
+        self._advance(i)
         raise KeyError("pop_oldest from an empty IntLru")
 
     def pop_oldest_many(self, n: int) -> list[int]:
-        """`pop_oldest()` n times, in one call (KeyError, after popping all, when fewer held)."""
+        """`pop_oldest()` n times, in one call (KeyError, after popping all, when fewer held).
+
+        Each round takes the next `still needed` pairs as slices and keeps the live ones (at
+        most that many, oldest first), so no pair is looked at twice."""
         stamp, keys, ticks = self._stamp, self._keys, self._ticks
         out: list[int] = []
-        while len(out) < n and keys:
-            key, tick = keys.popleft(), ticks.popleft()
-            if stamp.get(key) == tick:
-                del stamp[key]
-                out.append(key)
+        head, end = self._head, len(keys)
+        while len(out) < n and head < end:
+            stop = min(head + n - len(out), end)
+            chunk = keys[head:stop]
+            live = list(compress(chunk, map(eq, map(stamp.get, chunk), ticks[head:stop])))
+            _consume(map(stamp.__delitem__, live))
+            out += live
+            head = stop
+        self._advance(head)
         if len(out) < n:
             raise KeyError(f"pop_oldest_many({n}) from an IntLru holding {len(out)}")
         return out
 
     def __iter__(self) -> Iterator[int]:
         """Keys, least recently used first."""
-        stamp = self._stamp
-        return iter([k for k, t in zip(self._keys, self._ticks, strict=True) if stamp.get(k) == t])
+        return iter(self._live()[0])
+
+    def _live(self) -> tuple[list[int], list[int]]:
+        keys, ticks = self._keys[self._head:], self._ticks[self._head:]
+        flags = list(map(eq, map(self._stamp.get, keys), ticks))
+        return list(compress(keys, flags)), list(compress(ticks, flags))
+
+    def _advance(self, head: int) -> None:
+        if head > len(self._keys) // 2:
+            del self._keys[:head], self._ticks[:head]
+            head = 0
+        self._head = head
 
     def _compact(self) -> None:
-        live = [(k, t) for k, t in zip(self._keys, self._ticks, strict=True) if self._stamp.get(k) == t]
-        self._keys = deque(k for k, _ in live)
-        self._ticks = deque(t for _, t in live)
+        self._keys, self._ticks = self._live()
+        self._head = 0
+
+
+def _consume(it: Iterable[object]) -> None:
+    """Runs an iterator (of C-level calls) to its end without a Python loop."""
+    deque(it, maxlen=0)
 
 
 @dataclass(slots=True)
@@ -208,9 +249,12 @@ class InMemoryPrefixIndex:
     it is under the bound. Touching on match keeps the hot shared prefixes (whose block 0 is
     stored only once) from being evicted before their continuations.
 
-    Layout: each (engine, medium) pair gets a small slot number; a block is one int -> int
-    entry (hash -> bitmask of the slots holding it) and an LRU entry is one int
-    (`slot << 64 | hash`). Only ints are stored per block, which the garbage collector never
+    Layout: each (engine, medium) pair gets a small slot number and an entry is one int,
+    `slot << 64 | hash`, held in the LRU (`IntLru`: one dict entry and two list items) and
+    nowhere else: storing, evicting and removing an entry is one insertion or deletion in one
+    large dict, done for a whole run with C-level maps. `match` asks the LRU for the block's
+    key under each candidate slot (every non-empty slot for block 0, then only those of the
+    engines still matching). Only ints are stored per entry, which the garbage collector never
     tracks, so a full collection does not walk a million small containers.
     """
 
@@ -219,15 +263,18 @@ class InMemoryPrefixIndex:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self._max_entries = max_entries
         self._max_dead_epochs = max_dead_epochs
-        # hash -> bitmask of the slots holding it
-        self._blocks: dict[int, int] = {}
         # slot << 64 | hash, in LRU order, oldest first
         self._lru = IntLru()
         self._engines: dict[str, _EngineState] = {}
-        # (engine id, medium) <-> slot; slot -> the hashes it holds
+        # (engine id, medium) <-> slot
         self._slots: dict[tuple[str, str], int] = {}
         self._slot_keys: dict[int, tuple[str, str]] = {}
-        self._slot_hashes: dict[int, set[int]] = {}
+        # `match`'s candidates: the slots in order, their keys' high parts, how many engines
+        # (None after a slot is added or freed)
+        self._match_slots: tuple[list[int], list[int], int] | None = None
+        # slot -> how many entries it holds (the index-size metric; an engine's drop skips
+        # its empty slots)
+        self._slot_sizes: dict[int, int] = {}
         self._free_slots: list[int] = []
         self._stats = IndexStats()
 
@@ -246,10 +293,10 @@ class InMemoryPrefixIndex:
     def blocks_by_medium(self) -> dict[str, int]:
         """Entries per medium (for the index-size metric)."""
         out: dict[str, int] = {}
-        for slot, hashes in self._slot_hashes.items():
-            if hashes:
+        for slot, size in self._slot_sizes.items():
+            if size:
                 medium = self._slot_keys[slot][1]
-                out[medium] = out.get(medium, 0) + len(hashes)
+                out[medium] = out.get(medium, 0) + size
         return out
 
     def begin_epoch(self, engine_id: str, epoch: int) -> int | None:
@@ -317,7 +364,7 @@ class InMemoryPrefixIndex:
             return False
         self.begin_epoch(engine_id, epoch)
         medium = medium or DEFAULT_MEDIUM
-        if len(sizes) == 1 or not self._store_new(hashes, engine_id, medium):
+        if len(sizes) == 1 or not self._store_new(hashes, engine_id, medium, ints=True):
             offset = 0
             for size in sizes:
                 self._store(hashes[offset:offset + size], engine_id, medium)
@@ -341,7 +388,7 @@ class InMemoryPrefixIndex:
             own = hashes[run.hash_start:run.hash_stop]
             if run.kind == KIND_REMOVED:
                 self._remove_many(own, engine_id, medium)
-            elif run.stop - run.start == 1 or not self._store_new(own, engine_id, medium):
+            elif run.stop - run.start == 1 or not self._store_new(own, engine_id, medium, ints=True):
                 offset = run.hash_start
                 for size in sizes[run.start:run.stop]:
                     self._store(hashes[offset:offset + size], engine_id, medium)
@@ -353,33 +400,35 @@ class InMemoryPrefixIndex:
         for key in [k for k in self._slots if k[0] == engine_id]:
             slot = self._slots.pop(key)
             del self._slot_keys[slot]
-            self._slot_hashes.pop(slot, None)
+            self._slot_sizes.pop(slot, None)
             self._free_slots.append(slot)
+            self._match_slots = None
         self._engines.pop(engine_id, None)
 
     def match(self, block_hashes: Sequence[int]) -> dict[str, EngineMatch]:
         media: dict[str, list[frozenset[str]]] = {}
-        active: set[str] | None = None
-        blocks, lru, slot_keys = self._blocks, self._lru, self._slot_keys
+        lru, slot_keys = self._lru, self._slot_keys
+        held_by = lru.keys().__contains__
+        if self._match_slots is None:  # every slot, lowest first (the order entries are touched)
+            slots = sorted(slot_keys)
+            self._match_slots = (slots, [slot << 64 for slot in slots], len({e for e, _ in slot_keys.values()}))
+        slots, highs, num_engines = self._match_slots
         for h in block_hashes:
-            mask = blocks.get(h)
-            if not mask:
+            candidates = list(map(or_, highs, repeat(h)))
+            keys = list(compress(candidates, map(held_by, candidates)))
+            if not keys:
                 break
             holders: dict[str, set[str]] = {}
-            slot = 0
-            while mask:
-                if mask & 1:
-                    engine_id, medium = slot_keys[slot]
-                    if active is None or engine_id in active:
-                        holders.setdefault(engine_id, set()).add(medium)
-                        lru.touch(slot << 64 | h)
-                mask >>= 1
-                slot += 1
-            if not holders:
-                break
+            for key in keys:
+                engine_id, medium = slot_keys[key >> 64]
+                holders.setdefault(engine_id, set()).add(medium)
+            lru.touch_many(keys)
             for engine_id, held in holders.items():
                 media.setdefault(engine_id, []).append(frozenset(held))
-            active = set(holders)
+            if len(holders) < num_engines:  # only these engines can match further
+                slots = [slot for slot in slots if slot_keys[slot][0] in holders]
+                highs = [slot << 64 for slot in slots]
+                num_engines = len(holders)
         return {e: EngineMatch(e, self._engines[e].epoch, len(ms), tuple(ms)) for e, ms in media.items()}
 
     def snapshot(self) -> list[IndexSnapshotPart]:
@@ -403,95 +452,79 @@ class InMemoryPrefixIndex:
             slot = self._free_slots.pop() if self._free_slots else len(self._slots)
             self._slots[(engine_id, medium)] = slot
             self._slot_keys[slot] = (engine_id, medium)
+            self._match_slots = None
         return slot
 
     def _store(self, hashes: Sequence[ExternalBlockHash], engine_id: str, medium: str) -> None:
-        # The hot path of every published batch: locals and no helper calls per hash.
+        # The path of a block stored again (or a run of one event): locals, no helper calls
+        # per hash.
         slot = self._slot(engine_id, medium)
-        bit, high = 1 << slot, slot << 64
-        lru, blocks = self._lru, self._blocks
-        owned = self._slot_hashes.get(slot)
-        if owned is None:
-            owned = self._slot_hashes[slot] = set()
+        high, lru = slot << 64, self._lru
+        held = len(lru)
         for raw in hashes:
-            h = raw if type(raw) is int else block_key(raw)
-            key = high | h
-            if key not in lru:
-                blocks[h] = blocks.get(h, 0) | bit
-                owned.add(h)
-            lru.touch(key)
+            lru.touch(high | (raw if type(raw) is int else block_key(raw)))
+        self._slot_sizes[slot] = self._slot_sizes.get(slot, 0) + len(lru) - held
         if len(lru) > self._max_entries:
             self._evict(len(lru) - self._max_entries)
 
-    def _store_new(self, hashes: Sequence[ExternalBlockHash], engine_id: str, medium: str) -> bool:
+    def _store_new(self, hashes: Sequence[ExternalBlockHash], engine_id: str, medium: str, *,
+                   ints: bool = False) -> bool:
         """Stores `hashes` in bulk when none is held by (engine, medium) yet and they fit the
         bound (False, nothing changed, otherwise). Then storing them one by one, evicting after
         each, would only ever evict entries older than all of them, the same ones evicted here
-        at the end (a block stored again, by contrast, may be evicted and re-added in between)."""
-        hs = [raw if type(raw) is int else block_key(raw) for raw in hashes]
+        at the end (a block stored again, by contrast, may be evicted and re-added in between).
+        `ints`: the hashes are ints already (the compact paths), no per-hash conversion."""
+        hs = hashes if ints else [raw if type(raw) is int else block_key(raw) for raw in hashes]
         slot = self._slot(engine_id, medium)
-        high, lru, blocks = slot << 64, self._lru, self._blocks
-        keys = [high | h for h in hs]
+        lru = self._lru
+        keys = list(map(or_, repeat(slot << 64), hs))  # type: ignore[arg-type]
         if len(keys) > self._max_entries or lru.holds_any(keys):
             return False
-        bit = 1 << slot
-        blocks.update(zip(hs, map(or_, map(blocks.get, hs, repeat(0)), repeat(bit)), strict=True))
-        owned = self._slot_hashes.get(slot)
-        if owned is None:
-            owned = self._slot_hashes[slot] = set()
-        owned.update(hs)
+        held = len(lru)
         lru.touch_many(keys)
+        self._slot_sizes[slot] = self._slot_sizes.get(slot, 0) + len(lru) - held
         if len(lru) > self._max_entries:
             self._evict(len(lru) - self._max_entries)
         return True
 
     def _evict(self, n: int) -> None:
-        """Drops the `n` least recently used entries (as `_unlink` of each, in one loop)."""
-        blocks, slot_hashes = self._blocks, self._slot_hashes
-        for key in self._lru.pop_oldest_many(n):
-            h, slot = key & _MASK64, key >> 64
-            slot_hashes[slot].discard(h)
-            mask = blocks[h] & ~(1 << slot)
-            if mask:
-                blocks[h] = mask
-            else:
-                del blocks[h]
+        """Drops the `n` least recently used entries (one alone without the bulk path's
+        fixed cost: a block stored again evicts one at a time)."""
+        if n == 1:
+            self._slot_sizes[self._lru.pop_oldest() >> 64] -= 1
+        else:
+            self._count_out(self._lru.pop_oldest_many(n))
         self._stats.num_evicted += n
 
     def _remove_many(self, hashes: Sequence[int], engine_id: str, medium: str) -> None:
-        """`_remove` of each int hash, in one loop (BlockRemoved of an unknown slot: nothing)."""
+        """`_remove` of each int hash, in bulk (BlockRemoved of an unknown slot: nothing)."""
         slot = self._slots.get((engine_id, medium))
-        if slot is None:
-            return
-        high, lru = slot << 64, self._lru
-        for h in hashes:
-            key = high | h
-            if key in lru:
-                lru.discard(key)
-                self._unlink(h, slot)
+        if slot is not None:
+            self._slot_sizes[slot] -= len(self._lru.discard_many(map(or_, repeat(slot << 64), hashes)))
 
     def _remove(self, h: int, slot: int) -> None:
         key = slot << 64 | h
         if key in self._lru:
             self._lru.discard(key)
-            self._unlink(h, slot)
+            self._slot_sizes[slot] -= 1
 
-    def _unlink(self, h: int, slot: int) -> None:
-        self._slot_hashes[slot].discard(h)
-        mask = self._blocks[h] & ~(1 << slot)
-        if mask:
-            self._blocks[h] = mask
-        else:
-            del self._blocks[h]
+    def _count_out(self, keys: list[int]) -> None:
+        """Takes keys just dropped from the LRU off their slots' sizes."""
+        sizes = self._slot_sizes
+        if len(keys) == 1:
+            sizes[keys[0] >> 64] -= 1
+            return
+        for slot, n in Counter(map(rshift, keys, repeat(64))).items():
+            sizes[slot] -= n
 
     def _drop(self, engine_id: str, medium: str | None) -> None:
-        for (e, m), slot in list(self._slots.items()):
-            if e != engine_id or (medium is not None and m != medium):
-                continue
-            hashes = self._slot_hashes.get(slot)
-            if not hashes:
-                continue
-            high, lru = slot << 64, self._lru
-            for h in list(hashes):
-                lru.discard(high | h)
-                self._unlink(h, slot)
+        """Drops every entry of the engine (of one medium when given): one C-level pass over
+        the whole index, where a set of hashes per slot would cost every store and eviction
+        (drops come with a new epoch, AllBlocksCleared or a dead engine: rare)."""
+        doomed = {slot for (e, m), slot in self._slots.items()
+                  if e == engine_id and (medium is None or m == medium) and self._slot_sizes.get(slot)}
+        if not doomed:
+            return
+        lru = self._lru
+        keys = list(compress(lru.keys(), map(doomed.__contains__, map(rshift, lru.keys(), repeat(64)))))
+        self._count_out(lru.discard_many(keys))
