@@ -511,10 +511,11 @@ class InMemoryPrefixIndex:
     def _count_out(self, keys: list[int]) -> None:
         """Takes keys just dropped from the LRU off their slots' sizes."""
         sizes = self._slot_sizes
-        if len(keys) == 1:
-            sizes[keys[0] >> 64] -= 1
+        slots = list(map(rshift, keys, repeat(64)))
+        if slots and slots.count(slots[0]) == len(slots):  # the common case: one engine's old run
+            sizes[slots[0]] -= len(slots)
             return
-        for slot, n in Counter(map(rshift, keys, repeat(64))).items():
+        for slot, n in Counter(slots).items():
             sizes[slot] -= n
 
     def _drop(self, engine_id: str, medium: str | None) -> None:
