@@ -155,3 +155,51 @@ def test_a_batch_of_stored_runs_equals_its_events_one_by_one(batches: list[list[
             single.apply("e", 1, [event])
         assert list(bulk.entries()) == list(single.entries())
         assert bulk.stats().num_evicted == single.stats().num_evicted
+
+
+# -- the whole index against a reference model (entries in LRU order, sizes per medium) -------------
+
+_ops = st.lists(st.tuples(st.sampled_from(["stored", "compact", "removed", "cleared", "epoch", "gone"]),
+                          st.sampled_from(["a", "b"]), st.sampled_from(["GPU", "CPU"]),
+                          st.lists(st.integers(0, 12), min_size=1, max_size=6)), max_size=40)
+
+
+@given(_ops, st.integers(1, 10))
+@settings(max_examples=150, deadline=None)
+def test_index_equals_a_reference_lru_of_entries(ops: list[tuple[str, str, str, list[int]]], bound: int) -> None:
+    """Stores (object and compact paths, runs new or not), removals, clears, new epochs and
+    dropped engines leave the entries, their LRU order, the evictions and the per-medium sizes
+    of an OrderedDict of (hash, engine, medium) that evicts after each event. Cost: about 1 s."""
+    from collections import Counter, OrderedDict
+
+    idx, ref = InMemoryPrefixIndex(max_entries=bound), OrderedDict[tuple[int, str, str], None]()
+    epochs, evicted = {"a": 1, "b": 1}, 0
+    for op, engine, medium, hashes in ops:
+        if op in ("stored", "compact"):
+            if op == "stored":
+                idx.apply(engine, epochs[engine], [stored([h], medium) for h in hashes])
+            else:
+                idx.apply_compact(engine, epochs[engine], medium, list(hashes), [1] * len(hashes))
+            for h in hashes:  # one event per hash: evict after each
+                ref[(h, engine, medium)] = None
+                ref.move_to_end((h, engine, medium))
+                while len(ref) > bound:
+                    ref.popitem(last=False)
+                    evicted += 1
+        elif op == "removed":
+            idx.apply_compact(engine, epochs[engine], medium, list(hashes), [1] * len(hashes), b"\x02" * len(hashes))
+            for h in hashes:
+                ref.pop((h, engine, medium), None)
+        else:
+            if op == "cleared":
+                idx.apply(engine, epochs[engine], [AllBlocksCleared(medium=medium)])
+            elif op == "epoch":
+                epochs[engine] += 1
+                idx.apply(engine, epochs[engine], [])
+            else:
+                idx.remove_engine(engine)
+            for key in [k for k in ref if k[1] == engine and (op != "cleared" or k[2] == medium)]:
+                del ref[key]
+        assert list(idx.entries()) == list(ref)
+        assert idx.stats().num_evicted == evicted
+        assert idx.blocks_by_medium() == dict(Counter(m for _, _, m in ref))
