@@ -21,7 +21,7 @@ from collections import Counter, deque
 from collections.abc import Iterable, Iterator, KeysView, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import compress, repeat
-from operator import eq, or_, rshift
+from operator import eq, not_, or_, rshift
 from typing import Protocol, runtime_checkable
 
 from connectors.compact_events import KIND_REMOVED, kind_runs
@@ -275,15 +275,20 @@ class InMemoryPrefixIndex:
         # slot -> how many entries it holds (the index-size metric; an engine's drop skips
         # its empty slots)
         self._slot_sizes: dict[int, int] = {}
+        # Dropped slots whose entries are still in the LRU -> how many (see `_drop`); a slot
+        # number is reused only once none is left.
+        self._retired: dict[int, int] = {}
+        self._num_retired = 0
         self._free_slots: list[int] = []
+        self._next_slot = 0
         self._stats = IndexStats()
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return len(self._lru) - self._num_retired
 
     def stats(self) -> IndexStats:
-        self._stats.num_entries = len(self._lru)
-        return IndexStats(len(self._lru), self._stats.num_evicted, self._stats.num_stale_events,
+        self._stats.num_entries = len(self)
+        return IndexStats(len(self), self._stats.num_evicted, self._stats.num_stale_events,
                           self._stats.num_epoch_changes)
 
     def epoch_of(self, engine_id: str) -> int | None:
@@ -397,12 +402,6 @@ class InMemoryPrefixIndex:
 
     def remove_engine(self, engine_id: str) -> None:
         self._drop(engine_id, None)
-        for key in [k for k in self._slots if k[0] == engine_id]:
-            slot = self._slots.pop(key)
-            del self._slot_keys[slot]
-            self._slot_sizes.pop(slot, None)
-            self._free_slots.append(slot)
-            self._match_slots = None
         self._engines.pop(engine_id, None)
 
     def match(self, block_hashes: Sequence[int]) -> dict[str, EngineMatch]:
@@ -433,8 +432,10 @@ class InMemoryPrefixIndex:
 
     def snapshot(self) -> list[IndexSnapshotPart]:
         grouped: dict[int, list[int]] = {}
+        retired = self._retired
         for key in self._lru:
-            grouped.setdefault(key >> 64, []).append(key & _MASK64)
+            if key >> 64 not in retired:
+                grouped.setdefault(key >> 64, []).append(key & _MASK64)
         parts = []
         for slot, hs in grouped.items():
             engine_id, medium = self._slot_keys[slot]
@@ -443,13 +444,16 @@ class InMemoryPrefixIndex:
 
     def entries(self) -> Iterator[tuple[int, str, str]]:
         """Every (hash, engine id, medium), least recently used first."""
-        keys = self._slot_keys
-        return iter([(key & _MASK64, *keys[key >> 64]) for key in self._lru])
+        keys, retired = self._slot_keys, self._retired
+        return iter([(key & _MASK64, *keys[key >> 64]) for key in self._lru if key >> 64 not in retired])
 
     def _slot(self, engine_id: str, medium: str) -> int:
         slot = self._slots.get((engine_id, medium))
         if slot is None:
-            slot = self._free_slots.pop() if self._free_slots else len(self._slots)
+            if self._free_slots:
+                slot = self._free_slots.pop()
+            else:  # not len(self._slots): retired slots are numbered but not in it
+                slot, self._next_slot = self._next_slot, self._next_slot + 1
             self._slots[(engine_id, medium)] = slot
             self._slot_keys[slot] = (engine_id, medium)
             self._match_slots = None
@@ -464,8 +468,8 @@ class InMemoryPrefixIndex:
         for raw in hashes:
             lru.touch(high | (raw if type(raw) is int else block_key(raw)))
         self._slot_sizes[slot] = self._slot_sizes.get(slot, 0) + len(lru) - held
-        if len(lru) > self._max_entries:
-            self._evict(len(lru) - self._max_entries)
+        if len(lru) - self._num_retired > self._max_entries:
+            self._evict(len(lru) - self._num_retired - self._max_entries)
 
     def _store_new(self, hashes: Sequence[ExternalBlockHash], engine_id: str, medium: str, *,
                    ints: bool = False) -> bool:
@@ -483,18 +487,21 @@ class InMemoryPrefixIndex:
         held = len(lru)
         lru.touch_many(keys)
         self._slot_sizes[slot] = self._slot_sizes.get(slot, 0) + len(lru) - held
-        if len(lru) > self._max_entries:
-            self._evict(len(lru) - self._max_entries)
+        if len(lru) - self._num_retired > self._max_entries:
+            self._evict(len(lru) - self._num_retired - self._max_entries)
         return True
 
     def _evict(self, n: int) -> None:
         """Drops the `n` least recently used entries (one alone without the bulk path's
         fixed cost: a block stored again evicts one at a time)."""
-        if n == 1:
-            self._slot_sizes[self._lru.pop_oldest() >> 64] -= 1
-        else:
-            self._count_out(self._lru.pop_oldest_many(n))
+        lru = self._lru
         self._stats.num_evicted += n
+        while n:
+            keys = [lru.pop_oldest()] if n == 1 else lru.pop_oldest_many(n)
+            if self._retired:  # a dropped slot's entries leave as they come to the front
+                keys = self._skip_retired(keys)
+            self._count_out(keys)
+            n -= len(keys)
 
     def _remove_many(self, hashes: Sequence[int], engine_id: str, medium: str) -> None:
         """`_remove` of each int hash, in bulk (BlockRemoved of an unknown slot: nothing)."""
@@ -519,13 +526,42 @@ class InMemoryPrefixIndex:
             sizes[slot] -= n
 
     def _drop(self, engine_id: str, medium: str | None) -> None:
-        """Drops every entry of the engine (of one medium when given): one C-level pass over
-        the whole index, where a set of hashes per slot would cost every store and eviction
-        (drops come with a new epoch, AllBlocksCleared or a dead engine: rare)."""
-        doomed = {slot for (e, m), slot in self._slots.items()
-                  if e == engine_id and (medium is None or m == medium) and self._slot_sizes.get(slot)}
-        if not doomed:
-            return
-        lru = self._lru
-        keys = list(compress(lru.keys(), map(doomed.__contains__, map(rshift, lru.keys(), repeat(64)))))
-        self._count_out(lru.discard_many(keys))
+        """Drops every entry of the engine (of one medium when given) by retiring its slots:
+        their entries leave the index at once (`match`, `entries`, the bound count only live
+        slots) and the LRU lazily, when eviction reaches them or, once they are half of it, in
+        one C-level pass. So a drop costs nothing per entry, and no set of hashes per slot
+        has to be kept up to date on every store and eviction."""
+        for key in [k for k in self._slots if k[0] == engine_id and (medium is None or k[1] == medium)]:
+            slot = self._slots.pop(key)
+            del self._slot_keys[slot]
+            self._match_slots = None
+            size = self._slot_sizes.pop(slot, 0)
+            if size:
+                self._retired[slot] = size
+                self._num_retired += size
+            else:
+                self._free_slots.append(slot)
+        if self._num_retired * 2 > len(self._lru):
+            self._purge_retired()
+
+    def _purge_retired(self) -> None:
+        retired, lru = self._retired, self._lru
+        lru.discard_many(list(compress(lru.keys(), map(retired.__contains__, map(rshift, lru.keys(), repeat(64))))))
+        self._free_slots += retired
+        retired.clear()
+        self._num_retired = 0
+
+    def _skip_retired(self, keys: list[int]) -> list[int]:
+        """`keys` (just out of the LRU) less those of retired slots, which are counted out."""
+        retired = self._retired
+        slots = list(map(rshift, keys, repeat(64)))
+        flags = list(map(retired.__contains__, slots))
+        if True not in flags:
+            return keys
+        for slot in compress(slots, flags):
+            retired[slot] -= 1
+            if not retired[slot]:
+                del retired[slot]
+                self._free_slots.append(slot)
+        self._num_retired -= flags.count(True)
+        return list(compress(keys, map(not_, flags)))
