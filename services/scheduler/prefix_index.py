@@ -496,6 +496,9 @@ class InMemoryPrefixIndex:
         fixed cost: a block stored again evicts one at a time)."""
         lru = self._lru
         self._stats.num_evicted += n
+        if n == 1 and not self._retired:  # a block stored again: one at a time, no list
+            self._slot_sizes[lru.pop_oldest() >> 64] -= 1
+            return
         while n:
             keys = [lru.pop_oldest()] if n == 1 else lru.pop_oldest_many(n)
             if self._retired:  # a dropped slot's entries leave as they come to the front
