@@ -256,6 +256,10 @@ class InMemoryPrefixIndex:
     key under each candidate slot (every non-empty slot for block 0, then only those of the
     engines still matching). Only ints are stored per entry, which the garbage collector never
     tracks, so a full collection does not walk a million small containers.
+
+    Dropping an engine's or a medium's entries retires their slots (`_drop`): the entries are
+    gone from every answer at once, and leave the LRU as eviction reaches them or in one pass
+    once they are half of it, so the LRU holds at most twice `max_entries` keys.
     """
 
     def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, *, max_dead_epochs: int = 8) -> None:
