@@ -253,7 +253,7 @@ class InMemoryPrefixIndex:
     `slot << 64 | hash`, held in the LRU (`IntLru`: one dict entry and two list items) and
     nowhere else: storing, evicting and removing an entry is one insertion or deletion in one
     large dict, done for a whole run with C-level maps. `match` asks the LRU for the block's
-    key under each candidate slot (every non-empty slot for block 0, then only those of the
+    key under each candidate slot (every live slot for block 0, then only those of the
     engines still matching). Only ints are stored per entry, which the garbage collector never
     tracks, so a full collection does not walk a million small containers.
 
@@ -276,8 +276,8 @@ class InMemoryPrefixIndex:
         # `match`'s candidates: the slots in order, their keys' high parts, how many engines
         # (None after a slot is added or freed)
         self._match_slots: tuple[list[int], list[int], int] | None = None
-        # slot -> how many entries it holds (the index-size metric; an engine's drop skips
-        # its empty slots)
+        # slot -> how many entries it holds (the index-size metric; what a dropped slot
+        # leaves in the LRU)
         self._slot_sizes: dict[int, int] = {}
         # Dropped slots whose entries are still in the LRU -> how many (see `_drop`); a slot
         # number is reused only once none is left.
