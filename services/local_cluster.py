@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.v1 import engine_pb2 as engine_pb
 from pdserve.v1 import engine_pb2_grpc as engine_grpc
@@ -261,7 +262,11 @@ class LocalCluster:
                 gen_pb.GetServerInfoRequest(), timeout=timeout, metadata=security.metadata() if security else ())
 
     def wait_ready(self, num_prefill: int, num_decode: int, timeout: float = 180.0) -> None:
-        """Waits until the scheduler reports at least these many registered, healthy engines."""
+        """Waits until the scheduler reports at least these many registered, healthy engines and
+        every engine process this cluster started serves (its gRPC health is SERVING). An
+        engine's ranks register while its backend is still starting (vLLM's ranks say Hello
+        from the worker, before the KV cache and warm-up), so registration alone is not
+        readiness: a request sent straight to the engine then is answered UNAVAILABLE."""
         deadline = time.monotonic() + timeout
         last_error = ""
         while time.monotonic() < deadline:
@@ -271,13 +276,27 @@ class LocalCluster:
                                        + (f"; see {comp.log_path}" if comp.log_path else ""))
             try:
                 info = self.server_info()
-                if info.num_prefill_engines >= num_prefill and info.num_decode_engines >= num_decode:
+                starting = [name for name in self.components if name != "scheduler" and not self._serving(name)]
+                if info.num_prefill_engines >= num_prefill and info.num_decode_engines >= num_decode and not starting:
                     return
-                last_error = f"{info.num_prefill_engines} prefill, {info.num_decode_engines} decode registered"
+                last_error = (f"{info.num_prefill_engines} prefill, {info.num_decode_engines} decode registered"
+                              + (f"; still starting: {', '.join(starting)}" if starting else ""))
             except grpc.RpcError as e:
                 last_error = f"{e.code().name}: {e.details()}"
             time.sleep(0.2)
         raise TimeoutError(f"cluster not ready after {timeout:.0f}s ({last_error})")
+
+    def _serving(self, name: str, timeout: float = 2.0) -> bool:
+        """Whether the component's gRPC health reports SERVING (False while it cannot answer)."""
+        address = self.components[name].address
+        if not address:
+            return False
+        try:
+            with open_sync_channel(address, self.engine_security, CHANNEL_OPTIONS) as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
     def inspect(self, name: str, timeout: float = 5.0) -> engine_pb.InspectResponse:
         """The engine's load and leak report (Engine.Inspect)."""
