@@ -351,8 +351,6 @@ def _expect(conn: Connection, timeout: float = 300.0) -> Any:
 # -- one rank process -----------------------------------------------------------------------------
 
 def _rank_main(conn: Connection, spec: RankSpec) -> None:
-    import os
-
     if spec.cpus:
         os.sched_setaffinity(0, spec.cpus)  # before torch and UCX start threads, which inherit it
     import torch

@@ -276,11 +276,12 @@ class LocalCluster:
                                        + (f"; see {comp.log_path}" if comp.log_path else ""))
             try:
                 info = self.server_info()
-                starting = [name for name in self.components if name != "scheduler" and not self._serving(name)]
-                if info.num_prefill_engines >= num_prefill and info.num_decode_engines >= num_decode and not starting:
-                    return
-                last_error = (f"{info.num_prefill_engines} prefill, {info.num_decode_engines} decode registered"
-                              + (f"; still starting: {', '.join(starting)}" if starting else ""))
+                last_error = f"{info.num_prefill_engines} prefill, {info.num_decode_engines} decode registered"
+                if info.num_prefill_engines >= num_prefill and info.num_decode_engines >= num_decode:
+                    starting = [name for name in self.components if name != "scheduler" and not self._serving(name)]
+                    if not starting:
+                        return
+                    last_error += f"; still starting: {', '.join(starting)}"
             except grpc.RpcError as e:
                 last_error = f"{e.code().name}: {e.details()}"
             time.sleep(0.2)
