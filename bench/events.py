@@ -54,7 +54,6 @@ from typing import Any
 
 import msgpack
 import zmq
-import zmq.asyncio
 
 from connectors.kv_events import MEDIUM_CPU_OFFLOAD, BlockRemoved, BlockStored, KVCacheEvent, KVEventBatch
 from connectors.wire import encode_batch
@@ -104,6 +103,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="simulated ranks as raw Control streams on one loop, or one ControlClient "
                              "(thread + loop) per rank")
     parser.add_argument("--subscribers", type=int, default=4, help="subscribers (half gRPC, half ZMQ)")
+    parser.add_argument("--subscriber-decode", choices=["head", "full"], default="head",
+                        help="ZMQ subscribers read each message's event count and first event (they stand "
+                             "in for consumers on other hosts, so they take little of the cores the "
+                             "scheduler runs on) or decode every event, as a consumer that indexes them does")
     parser.add_argument("--overload-seconds", type=float, default=2.0, help="seconds of unpaced overload")
     parser.add_argument("--subscriber-buffer", type=int, default=1024, help="batches per subscriber")
     parser.add_argument("--sections", default=",".join(SECTIONS),
@@ -243,8 +246,30 @@ async def _grpc_read(call: Any, pb: Any, stats: SubStats, latencies: list[float]
             stats.seen(b.seq, len(b.events), b.events[0].block_stored.block_hashes[0], now, latencies)
 
 
-async def _zmq_subscriber(ctx: zmq.asyncio.Context, endpoint: str, stats: SubStats, latencies: list[float],
-                          stop: asyncio.Event) -> None:
+def zmq_batch_head(payload: bytes) -> tuple[int, int]:
+    """(number of events, the first event's first block hash) of a ZMQ payload in vLLM's
+    msgpack (`[ts, events, data_parallel_rank]`, each event a map or a tagged array), reading
+    the events' array header and the first event only."""
+    unpacker = msgpack.Unpacker()
+    unpacker.feed(payload)
+    unpacker.read_array_header()
+    unpacker.skip()  # ts
+    n = unpacker.read_array_header()
+    first = unpacker.unpack()
+    return n, first["block_hashes"][0] if isinstance(first, dict) else first[1][0]
+
+
+def zmq_batch_full(payload: bytes) -> tuple[int, int]:
+    """`zmq_batch_head` decoding every event, as a consumer that indexes them does."""
+    _, events, _ = msgpack.unpackb(payload)
+    first = events[0]
+    return len(events), first["block_hashes"][0] if isinstance(first, dict) else first[1][0]
+
+
+def _zmq_subscriber(ctx: zmq.Context, endpoint: str, stats: SubStats, latencies: list[float],
+                    stop: threading.Event, decode: Callable[[bytes], tuple[int, int]]) -> None:
+    """A ZMQ SUB on its own thread (a blocking socket: no event-loop round per message), taking
+    every message that is ready at each wake-up; runs until a second after `stop`."""
     sock = ctx.socket(zmq.SUB)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
     sock.setsockopt(zmq.RCVHWM, 0)
@@ -253,31 +278,42 @@ async def _zmq_subscriber(ctx: zmq.asyncio.Context, endpoint: str, stats: SubSta
     while stop_at is None or time.monotonic() < stop_at:
         if stop.is_set() and stop_at is None:
             stop_at = time.monotonic() + 1.0
-        if not await sock.poll(50):
+        if not sock.poll(50):
             continue
-        _, seq, payload = await sock.recv_multipart()
-        _, events, _ = msgpack.unpackb(payload)
-        first = events[0]
-        first_hash = first["block_hashes"][0] if isinstance(first, dict) else first[1][0]
-        stats.seen(int.from_bytes(seq, "big"), len(events), first_hash, time.time(), latencies)
+        while True:
+            try:
+                _, seq, payload = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            n, first_hash = decode(payload)
+            stats.seen(int.from_bytes(seq, "big"), n, first_hash, time.time(), latencies)
     sock.close(linger=0)
 
 
-async def _subscribers_main(grpc_target: str, zmq_endpoint: str, n_grpc: int, n_zmq: int) -> None:
-    ctx = zmq.asyncio.Context()
+async def _subscribers_main(grpc_target: str, zmq_endpoint: str, n_grpc: int, n_zmq: int,
+                            decode: str = "head") -> None:
+    ctx = zmq.Context()
     stop = asyncio.Event()
+    zmq_stop = threading.Event()
     stats = [SubStats("grpc") for _ in range(n_grpc)] + [SubStats("zmq") for _ in range(n_zmq)]
     grpc_lat: list[float] = []
     zmq_lat: list[float] = []
     tasks = [asyncio.ensure_future(_grpc_subscriber(grpc_target, s, grpc_lat, stop)) for s in stats[:n_grpc]]
-    tasks += [asyncio.ensure_future(_zmq_subscriber(ctx, zmq_endpoint, s, zmq_lat, stop)) for s in stats[n_grpc:]]
+    decoder = zmq_batch_head if decode == "head" else zmq_batch_full
+    threads = [threading.Thread(target=_zmq_subscriber, args=(ctx, zmq_endpoint, s, zmq_lat, zmq_stop, decoder),
+                                daemon=True) for s in stats[n_grpc:]]
+    for t in threads:
+        t.start()
     await asyncio.sleep(1.0)
     print("ready", flush=True)
     cpu0, wall0 = time.process_time(), time.monotonic()
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     cpu_share = (time.process_time() - cpu0) / max(1e-9, time.monotonic() - wall0)
     stop.set()
+    zmq_stop.set()
     await asyncio.gather(*tasks, return_exceptions=True)
+    for t in threads:
+        await asyncio.to_thread(t.join)
     ctx.destroy(linger=0)
     latencies = grpc_lat + zmq_lat
     by_transport = {t: [x * 1e3 for x in lat] for t, lat in (("grpc", grpc_lat), ("zmq", zmq_lat))}
@@ -354,13 +390,15 @@ def stamped_events_wire(now: float, n: int, field_number: int = 6) -> bytes:
     head = varint(field_number << 3 | 2) + varint(size + 4 + len(_MEDIUM_FIELD)) + b"\x0a" \
         + varint(size + 2 + len(_MEDIUM_FIELD)) + b"\x0a" + varint(size)
     rest = tail + _MEDIUM_FIELD
-    return b"".join(head + _LOW_BYTES[i] + rest for i in range(n))
+    # head + low byte i + rest, for each i: one join with the bytes between two low bytes.
+    return head + (rest + head).join(_LOW_BYTES[:n]) + rest if n else b""
 
 
 # A stamped event in vLLM's map-mode msgpack, around its one hash (`stamped_compact_wire`).
 _MSGPACK_HEAD = msgpack.packb({"type": "BlockStored", "block_hashes": None})[:-1] + b"\x91"
 _MSGPACK_TAIL = msgpack.packb({"parent_block_hash": None, "token_ids": [], "block_size": 0, "lora_id": None,
                                "medium": MEDIUM_CPU_OFFLOAD, "lora_name": None})[1:]
+_BYTES = [bytes([b]) for b in range(256)]
 _MSGPACK_HEAD = b"\x88" + _MSGPACK_HEAD[1:]  # one map of 8 keys
 _COMPACT_MEDIUM = length_delimited(5, MEDIUM_CPU_OFFLOAD.encode())  # CompactEvents.medium
 
@@ -376,13 +414,17 @@ def stamped_compact_wire(now: float, n: int, prev: float | None = None, removed:
     stored = n - removed
     total = stored + removing
     base = step_base(now)
-    packb = msgpack.packb
-    parts = [_MSGPACK_HEAD + packb(base + i) + _MSGPACK_TAIL for i in range(stored)]
+    if base >> 32 and stored:  # msgpack uint64: 0xcf, 8 bytes big-endian; i changes the last one only
+        head = _MSGPACK_HEAD + b"\xcf" + (base >> 8).to_bytes(7, "big")
+        low = base & 0xFF
+        parts = [head + (_MSGPACK_TAIL + head).join(_BYTES[low:low + stored]) + _MSGPACK_TAIL]
+    else:
+        parts = [_MSGPACK_HEAD + msgpack.packb(base + i) + _MSGPACK_TAIL for i in range(stored)]
     hashes = array("Q", range(base, base + stored))
     kinds = b""
     if removing:
         old = step_base(prev)  # type: ignore[arg-type]
-        parts += [_REMOVED_HEAD + packb(old + i) + _REMOVED_TAIL for i in range(removing)]
+        parts += [_REMOVED_HEAD + msgpack.packb(old + i) + _REMOVED_TAIL for i in range(removing)]
         hashes.extend(range(old, old + removing))
         kinds = length_delimited(7, b"\x01" * stored + b"\x02" * removing)
     events_msgpack = (b"\xdc" + total.to_bytes(2, "big") if total >= 16 else bytes([0x90 | total])) + b"".join(parts)
@@ -644,7 +686,8 @@ async def _pdserve_section(args: argparse.Namespace, decode_per_rank: bool = Fal
     assert plane.zmq is not None
     n_grpc, n_zmq = _split(args.subscribers)
     subs = _spawn("--role", "subscribers", "--grpc", f"127.0.0.1:{port}", "--zmq", plane.zmq.bound_endpoint,
-                  "--n-grpc", str(n_grpc), "--n-zmq", str(n_zmq))
+                  "--n-grpc", str(n_grpc), "--n-zmq", str(n_zmq),
+                  "--decode", args.subscriber_decode)
     ranks = _spawn("--role", "ranks" if args.rank_client == "control-client" else "stream-ranks",
                    "--grpc", f"127.0.0.1:{port}", "--engines", str(args.engines),
                    "--tp", str(args.tp), "--batch-events", str(args.batch_events), "--rate", str(args.rate),
@@ -718,7 +761,8 @@ async def _direct_section(args: argparse.Namespace) -> dict[str, Any]:
     assert plane.zmq is not None
     n_grpc, n_zmq = _split(args.subscribers)
     subs = _spawn("--role", "subscribers", "--grpc", f"127.0.0.1:{port}", "--zmq", plane.zmq.bound_endpoint,
-                  "--n-grpc", str(n_grpc), "--n-zmq", str(n_zmq))
+                  "--n-grpc", str(n_grpc), "--n-zmq", str(n_zmq),
+                  "--decode", args.subscriber_decode)
     engines = [f"bench-p{e}" for e in range(args.engines)]
     turn = iter(range(1 << 62))
 
@@ -826,7 +870,7 @@ async def _baseline_section(args: argparse.Namespace, rate: float) -> dict[str, 
                                              for h in hashes]))
 
     subs = _spawn("--role", "subscribers", "--grpc", "", "--zmq", endpoint, "--n-grpc", "0",
-                  "--n-zmq", str(args.subscribers))
+                  "--n-zmq", str(args.subscribers), "--decode", args.subscriber_decode)
     try:
         await _readline(subs)
         t0 = time.monotonic()
@@ -1050,6 +1094,7 @@ def _main() -> None:
     p.add_argument("--zmq", default="")
     p.add_argument("--n-grpc", type=int, default=0)
     p.add_argument("--n-zmq", type=int, default=0)
+    p.add_argument("--decode", choices=["head", "full"], default="head")
     p.add_argument("--engines", type=int, default=1)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--batch-events", type=int, default=64)
@@ -1064,7 +1109,7 @@ def _main() -> None:
     engine_events = a.event_source == "engine"
     merged = a.report_per == "engine"
     if a.role == "subscribers":
-        asyncio.run(_subscribers_main(a.grpc, a.zmq, a.n_grpc, a.n_zmq))
+        asyncio.run(_subscribers_main(a.grpc, a.zmq, a.n_grpc, a.n_zmq, a.decode))
     elif a.role == "stream-ranks":
         asyncio.run(_stream_ranks_main(a.grpc, a.engines, a.tp, a.batch_events, a.rate, a.duration,
                                        encoding=a.report_encoding, merged=merged, engine_events=engine_events,

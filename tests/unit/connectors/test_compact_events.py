@@ -318,9 +318,23 @@ def test_the_bench_builds_what_the_encoder_gives() -> None:
     from connectors.kv_events import event_to_proto
     from pdserve.v1 import kv_events_pb2 as kpb
 
-    for n, prev, gone in ((8, 1.25, 2), (20, 1.25, 10), (8, None, 2), (4, 3.5, 0)):
+    for now in (2.5, 1764770000.123456):
+        for n, prev, gone in ((8, 1.25, 2), (20, 1.25, 10), (8, None, 2), (4, 3.5, 0), (64, None, 0), (1, None, 0)):
+            events = step_events(now, n, prev, gone)
+            assert sum(type(e) is BlockRemoved for e in events) == (gone if prev is not None else 0)
+            assert stamped_compact_wire(now, n, prev, gone) == \
+                ce.to_proto(ce.encode(events, mixed=True)).SerializeToString()
+            assert step_events_wire(now, n, prev, gone) == kpb.EventBatch(
+                events=[event_to_proto(e) for e in events]).SerializeToString()
+
+
+def test_the_bench_subscribers_read_what_a_full_decode_reads() -> None:
+    """`bench events`' ZMQ subscribers read a message's event count and first hash from its
+    head: the same as decoding it whole, in vLLM's map form and the legacy array form."""
+    from bench.events import step_events, zmq_batch_full, zmq_batch_head
+
+    for n, prev, gone in ((1, None, 0), (15, None, 0), (16, None, 0), (64, 1.25, 16), (200, None, 0)):
         events = step_events(2.5, n, prev, gone)
-        assert sum(type(e) is BlockRemoved for e in events) == (gone if prev is not None else 0)
-        assert stamped_compact_wire(2.5, n, prev, gone) == ce.to_proto(ce.encode(events, mixed=True)).SerializeToString()
-        assert step_events_wire(2.5, n, prev, gone) == kpb.EventBatch(
-            events=[event_to_proto(e) for e in events]).SerializeToString()
+        for legacy in (False, True):
+            payload = encode_batch(KVEventBatch(2.5, events, data_parallel_rank=3), legacy=legacy)
+            assert zmq_batch_head(payload) == zmq_batch_full(payload) == (n, events[0].block_hashes[0])
