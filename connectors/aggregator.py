@@ -398,17 +398,19 @@ class KVOutputAggregator:
             raise ValueError(f"engine {engine_id!r}: {len(hashes)} hashes do not split into events of sizes {sizes}")
         check_kinds(kinds, len(sizes))
         state = self._state(engine_id)
-        empty = KVConnectorOutput()
+        if order and epoch != state.epoch:
+            raise StaleEpochError(f"engine {engine_id!r}: report for epoch {epoch}, current epoch is {state.epoch}")
+        rank_bits = state.rank_bits
         for rank in order:
-            state = self._checked(engine_id, epoch, rank, empty)
+            if rank not in rank_bits:
+                raise ValueError(f"engine {engine_id!r}: rank {rank} is not one of the expected ranks {list(state.ranks)}")
         if not order or not sizes:
             return []
         if KIND_REMOVED in kinds or (len(order) > 1 and _repeats(hashes)):
-            return self._mixed_hashes(state, [state.rank_bits[r] for r in order], key, hashes, sizes, kinds,
-                                      self._clock())
+            return self._mixed_hashes(state, [rank_bits[r] for r in order], key, hashes, sizes, kinds, self._clock())
         mask = 0
         for rank in order:
-            mask |= state.rank_bits[rank]
+            mask |= rank_bits[rank]
         return self._stored_hashes(state, mask, key, hashes, sizes, self._clock())  # type: ignore[arg-type]
 
     # -- metrics ------------------------------------------------------------------------
@@ -579,8 +581,9 @@ class KVOutputAggregator:
         if full not in news:
             return []
         whole = news.count(full) == len(news)
-        deque(map(partial.pop, compress(hashes, map(full.__eq__, news)) if not whole else hashes,
-                  repeat(None)), maxlen=0)
+        if partial:
+            deque(map(partial.pop, compress(hashes, map(full.__eq__, news)) if not whole else hashes,
+                      repeat(None)), maxlen=0)
         live = state.live[key]
         if whole:
             distinct = set(hashes)
