@@ -227,8 +227,10 @@ class _EngineState:
         self.unattributed_invalid: dict[int, set[int]] = {}
         # (medium, group_idx) -> hash -> mask of ranks holding the block
         self.blocks: dict[_MediumKey, dict[object, int]] = {}
-        # (medium, group_idx) -> published hashes
-        self.live: dict[_MediumKey, set[object]] = {}
+        # (medium, group_idx) -> published hashes (a dict, not a set: a dict of ints or bytes is
+        # not tracked by the garbage collector, a set always is and every full collection
+        # would walk each of its entries)
+        self.live: dict[_MediumKey, dict[object, None]] = {}
         # (medium, group_idx) -> hash -> time it became partial (some, not all ranks)
         self.pending_blocks: dict[_MediumKey, dict[object, float]] = {}
         # medium -> mask of ranks whose clear is outstanding
@@ -569,7 +571,7 @@ class KVOutputAggregator:
         blocks = state.blocks.get(key)
         if blocks is None:
             blocks = state.blocks[key] = {}
-            state.live[key] = set()
+            state.live[key] = {}
             state.pending_blocks[key] = {}
         partial = state.pending_blocks[key]
         full = state.full_mask
@@ -586,17 +588,17 @@ class KVOutputAggregator:
                       repeat(None)), maxlen=0)
         live = state.live[key]
         if whole:
-            distinct = set(hashes)
-            if len(distinct) == len(hashes) and live.isdisjoint(distinct):
+            distinct = dict.fromkeys(hashes)
+            if len(distinct) == len(hashes) and live.keys().isdisjoint(distinct):
                 # Every event is whole, none was published and none repeats: publish them all.
-                live |= distinct
+                live.update(distinct)
                 return None
         published: list[int] = []
         offset = 0
         for i, size in enumerate(sizes):
             own = hashes[offset:offset + size]
-            if size and news[offset:offset + size].count(full) == size and not live.issuperset(own):
-                live.update(own)
+            if size and news[offset:offset + size].count(full) == size and not all(map(live.__contains__, own)):
+                live.update(dict.fromkeys(own))
                 published.append(i)
             offset += size
         return published
@@ -666,7 +668,7 @@ class KVOutputAggregator:
                 del blocks[h]
                 partial.pop(h, None)
             if h in live:
-                live.discard(h)
+                del live[h]
                 unpublished = True
         return unpublished
 

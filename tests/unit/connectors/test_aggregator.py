@@ -491,3 +491,23 @@ def test_shared_events_validate_every_rank_first() -> None:
         a.add_shared_events("e", 6, [0, 1], (stored(1),))
     assert a.pending_reports()["e"] == PendingCounts(0, 0, 0, 0)
     assert a.add_shared_events("e", 7, [1, 0], (stored(1), stored(2))).events == [stored(1), stored(2)]
+
+
+def test_block_state_is_not_walked_by_the_garbage_collector() -> None:
+    """An engine's per-block state (masks, published hashes, partial blocks) grows with its KV
+    cache: millions of entries on a large cluster. None of it may be a container the collector
+    tracks (a set always is), or every full collection would walk each entry."""
+    import gc
+
+    agg = KVOutputAggregator()
+    agg.register_engine("e", 1, range(2))
+    stored = [BlockStored((h,), None, (), 16, medium=MEDIUM_CPU_OFFLOAD) for h in range(100)]
+    agg.add_shared_events("e", 1, (0, 1), stored)  # published: every rank holds them
+    agg.add_report("e", 1, 0, KVConnectorOutput(kv_cache_events=(
+        BlockStored((b"\x01" * 32,), None, (), 16, medium=MEDIUM_CPU_OFFLOAD),)))  # partial: rank 0 only
+    gc.collect()
+    state = agg._engines["e"]
+    key = (MEDIUM_CPU_OFFLOAD, None)
+    assert len(state.live[key]) == 100 and len(state.pending_blocks[key]) == 1
+    for per_key in (state.blocks, state.live, state.pending_blocks):
+        assert not gc.is_tracked(per_key[key])
