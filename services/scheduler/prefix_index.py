@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator, KeysView, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, repeat
+from itertools import chain, compress, repeat, takewhile, zip_longest
 from operator import eq, not_, or_, rshift
 from typing import Protocol, runtime_checkable
 
@@ -233,6 +233,13 @@ def _consume(it: Iterable[object]) -> None:
     deque(it, maxlen=0)
 
 
+def _block_major(columns: list[tuple[int, list[int | None]]]) -> list[int]:
+    """The keys of (slot, key per block) columns block by block, lowest slot first within a
+    block: the order `match` touches them in, as if each block were matched in turn."""
+    columns = sorted(columns, key=lambda column: column[0])
+    return [key for key in chain.from_iterable(zip_longest(*(keys for _, keys in columns))) if key is not None]
+
+
 @dataclass(slots=True)
 class _EngineState:
     epoch: int
@@ -252,10 +259,13 @@ class InMemoryPrefixIndex:
     Layout: each (engine, medium) pair gets a small slot number and an entry is one int,
     `slot << 64 | hash`, held in the LRU (`IntLru`: one dict entry and two list items) and
     nowhere else: storing, evicting and removing an entry is one insertion or deletion in one
-    large dict, done for a whole run with C-level maps. `match` asks the LRU for the block's
-    key under each candidate slot (every live slot for block 0, then only those of the
-    engines still matching). Only ints are stored per entry, which the garbage collector never
-    tracks, so a full collection does not walk a million small containers.
+    large dict, done for a whole run with C-level maps. `match` asks the LRU for block 0's key
+    under every live slot, then walks each engine holding it on its own slots only: one
+    `takewhile` over the prompt's keys for an engine with one medium (no Python step per
+    block), a loop over its media otherwise; the matched entries are touched in one
+    `touch_many`, block by block and in slot order within a block (`_block_major`). Only
+    ints are stored per entry, which the garbage collector never tracks, so a full collection
+    does not walk a million small containers.
 
     Dropping an engine's or a medium's entries retires their slots (`_drop`): the entries are
     gone from every answer at once, and leave the LRU as eviction reaches them or in one pass
@@ -273,9 +283,9 @@ class InMemoryPrefixIndex:
         # (engine id, medium) <-> slot
         self._slots: dict[tuple[str, str], int] = {}
         self._slot_keys: dict[int, tuple[str, str]] = {}
-        # `match`'s candidates: the slots in order, their keys' high parts, how many engines
-        # (None after a slot is added or freed)
-        self._match_slots: tuple[list[int], list[int], int] | None = None
+        # `match`'s candidates: the live slots in order, their keys' high parts, each engine's
+        # slots (None after a slot is added or freed)
+        self._match_slots: tuple[list[int], list[int], dict[str, list[int]]] | None = None
         # slot -> how many entries it holds (the index-size metric; what a dropped slot
         # leaves in the LRU)
         self._slot_sizes: dict[int, int] = {}
@@ -409,30 +419,62 @@ class InMemoryPrefixIndex:
         self._engines.pop(engine_id, None)
 
     def match(self, block_hashes: Sequence[int]) -> dict[str, EngineMatch]:
-        media: dict[str, list[frozenset[str]]] = {}
-        lru, slot_keys = self._lru, self._slot_keys
+        if not block_hashes:
+            return {}
+        engine_ids = self._holders_of_first(block_hashes[0])
+        if not engine_ids:
+            return {}
+        lru, slot_keys, slots_of = self._lru, self._slot_keys, self._candidates()[2]
         held_by = lru.keys().__contains__
-        if self._match_slots is None:  # every slot, lowest first (the order entries are touched)
-            slots = sorted(slot_keys)
-            self._match_slots = (slots, [slot << 64 for slot in slots], len({e for e, _ in slot_keys.values()}))
-        slots, highs, num_engines = self._match_slots
+        columns: list[tuple[int, list[int | None]]] = []  # (slot, its key per matched block)
+        out: dict[str, EngineMatch] = {}
+        for engine_id in engine_ids:
+            slots = slots_of[engine_id]
+            if len(slots) == 1:  # one medium: its run of consecutive blocks, C-level
+                keys: list[int | None] = list(takewhile(held_by, map(or_, repeat(slots[0] << 64), block_hashes)))
+                media: Sequence[frozenset[str]] = (frozenset((slot_keys[slots[0]][1],)),) * len(keys)
+                columns.append((slots[0], keys))
+            else:
+                engine_columns, media = self._match_media(block_hashes, slots)
+                columns += zip(slots, engine_columns, strict=True)
+            out[engine_id] = EngineMatch(engine_id, self._engines[engine_id].epoch, len(media), tuple(media))
+        lru.touch_many(columns[0][1] if len(columns) == 1 else _block_major(columns))  # type: ignore[arg-type]
+        return out
+
+    def _holders_of_first(self, h: int) -> list[str]:
+        """The engines holding `h` in some medium (every live slot probed), lowest slot first."""
+        slots, highs, _ = self._candidates()
+        held = compress(slots, map(self._lru.keys().__contains__, map(or_, highs, repeat(h))))
+        return list(dict.fromkeys(self._slot_keys[slot][0] for slot in held))
+
+    def _candidates(self) -> tuple[list[int], list[int], dict[str, list[int]]]:
+        """Every live slot, lowest first; their keys' high parts; each engine's slots."""
+        if self._match_slots is None:
+            slots = sorted(self._slot_keys)
+            slots_of: dict[str, list[int]] = {}
+            for slot in slots:
+                slots_of.setdefault(self._slot_keys[slot][0], []).append(slot)
+            self._match_slots = (slots, [slot << 64 for slot in slots], slots_of)
+        return self._match_slots
+
+    def _match_media(self, block_hashes: Sequence[int], slots: list[int]
+                     ) -> tuple[list[list[int | None]], list[frozenset[str]]]:
+        """One engine's match over its several slots (media): per slot the key of each matched
+        block (None where that medium lacks it), and the media holding each matched block."""
+        held_by = self._lru.keys().__contains__
+        names = [self._slot_keys[slot][1] for slot in slots]
+        highs = [slot << 64 for slot in slots]
+        columns: list[list[int | None]] = [[] for _ in slots]
+        media: list[frozenset[str]] = []
         for h in block_hashes:
-            candidates = list(map(or_, highs, repeat(h)))
-            keys = list(compress(candidates, map(held_by, candidates)))
-            if not keys:
+            keys = list(map(or_, highs, repeat(h)))
+            flags = list(map(held_by, keys))
+            if True not in flags:
                 break
-            holders: dict[str, set[str]] = {}
-            for key in keys:
-                engine_id, medium = slot_keys[key >> 64]
-                holders.setdefault(engine_id, set()).add(medium)
-            lru.touch_many(keys)
-            for engine_id, held in holders.items():
-                media.setdefault(engine_id, []).append(frozenset(held))
-            if len(holders) < num_engines:  # only these engines can match further
-                slots = [slot for slot in slots if slot_keys[slot][0] in holders]
-                highs = [slot << 64 for slot in slots]
-                num_engines = len(holders)
-        return {e: EngineMatch(e, self._engines[e].epoch, len(ms), tuple(ms)) for e, ms in media.items()}
+            for column, key, flag in zip(columns, keys, flags, strict=True):
+                column.append(key if flag else None)
+            media.append(frozenset(compress(names, flags)))
+        return columns, media
 
     def snapshot(self) -> list[IndexSnapshotPart]:
         grouped: dict[int, list[int]] = {}
