@@ -35,6 +35,9 @@ from connectors.kv_events import (
 )
 
 DEFAULT_MAX_ENTRIES = 1_000_000
+# How many block hashes `InMemoryPrefixIndex.match` remembers the holders of (a small dict,
+# so that checking a stored run against it stays in the CPU's cache)
+_MAX_FIRST_HOLDERS = 4096
 _MASK64 = (1 << 64) - 1
 # Events without a medium come from producers older than vLLM's `medium` field: the GPU pool.
 DEFAULT_MEDIUM = MEDIUM_GPU
@@ -260,7 +263,9 @@ class InMemoryPrefixIndex:
     `slot << 64 | hash`, held in the LRU (`IntLru`: one dict entry and two list items) and
     nowhere else: storing, evicting and removing an entry is one insertion or deletion in one
     large dict, done for a whole run with C-level maps. `match` asks the LRU for block 0's key
-    under every live slot, then walks each engine holding it on its own slots only: one
+    under every live slot, or, for a block 0 asked about before, only under the slots that
+    held it then (`_first_holders`: a store of the hash forgets it, so a slot holding it that
+    is not named there cannot exist), then walks each engine holding it on its own slots only: one
     `takewhile` over the prompt's keys for an engine with one medium (no Python step per
     block), a loop over its media otherwise; the matched entries are touched in one
     `touch_many`, block by block and in slot order within a block (`_block_major`). Only
@@ -286,6 +291,10 @@ class InMemoryPrefixIndex:
         # `match`'s candidates: the live slots in order, their keys' high parts, each engine's
         # slots (None after a slot is added or freed)
         self._match_slots: tuple[list[int], list[int], dict[str, list[int]]] | None = None
+        # Block hashes `match` was asked about -> the slots that held them then, lowest first,
+        # and no other slot since (a store of a hash forgets it): `match` probes only those.
+        # Oldest asked first; at most _MAX_FIRST_HOLDERS.
+        self._first_holders: dict[int, list[int]] = {}
         # slot -> how many entries it holds (the index-size metric; what a dropped slot
         # leaves in the LRU)
         self._slot_sizes: dict[int, int] = {}
@@ -421,7 +430,7 @@ class InMemoryPrefixIndex:
     def match(self, block_hashes: Sequence[int]) -> dict[str, EngineMatch]:
         if not block_hashes:
             return {}
-        engine_ids = self._holders_of_first(block_hashes[0])
+        engine_ids = self._engines_holding(block_hashes[0])
         if not engine_ids:
             return {}
         lru, slot_keys, slots_of = self._lru, self._slot_keys, self._candidates()[2]
@@ -441,11 +450,21 @@ class InMemoryPrefixIndex:
         lru.touch_many(columns[0][1] if len(columns) == 1 else _block_major(columns))  # type: ignore[arg-type]
         return out
 
-    def _holders_of_first(self, h: int) -> list[str]:
-        """The engines holding `h` in some medium (every live slot probed), lowest slot first."""
-        slots, highs, _ = self._candidates()
-        held = compress(slots, map(self._lru.keys().__contains__, map(or_, highs, repeat(h))))
-        return list(dict.fromkeys(self._slot_keys[slot][0] for slot in held))
+    def _engines_holding(self, h: int) -> list[str]:
+        """The engines holding `h` in some medium, by their lowest slot holding it. Probes the
+        slots `_first_holders` names for `h` (dropping those that hold it no more), or, for an
+        `h` it does not know, every live slot (and remembers those that hold it)."""
+        lru, slot_keys, first = self._lru, self._slot_keys, self._first_holders
+        known = first.get(h)
+        if known is None:
+            slots, highs, _ = self._candidates()
+            holders = list(compress(slots, map(lru.keys().__contains__, map(or_, highs, repeat(h)))))
+            if len(first) >= _MAX_FIRST_HOLDERS:
+                del first[next(iter(first))]
+        else:
+            holders = [slot for slot in known if slot in slot_keys and slot << 64 | h in lru]
+        first[h] = holders
+        return list(dict.fromkeys(slot_keys[slot][0] for slot in holders))
 
     def _candidates(self) -> tuple[list[int], list[int], dict[str, list[int]]]:
         """Every live slot, lowest first; their keys' high parts; each engine's slots."""
@@ -509,10 +528,13 @@ class InMemoryPrefixIndex:
         # The path of a block stored again (or a run of one event): locals, no helper calls
         # per hash.
         slot = self._slot(engine_id, medium)
-        high, lru = slot << 64, self._lru
+        high, lru, first = slot << 64, self._lru, self._first_holders
         held = len(lru)
         for raw in hashes:
-            lru.touch(high | (raw if type(raw) is int else block_key(raw)))
+            h = raw if type(raw) is int else block_key(raw)
+            lru.touch(high | h)
+            if first:
+                first.pop(h, None)
         self._slot_sizes[slot] = self._slot_sizes.get(slot, 0) + len(lru) - held
         if len(lru) - self._num_retired > self._max_entries:
             self._evict(len(lru) - self._num_retired - self._max_entries)
@@ -532,6 +554,9 @@ class InMemoryPrefixIndex:
             return False
         held = len(lru)
         lru.touch_many(keys)
+        first = self._first_holders
+        if first and not first.keys().isdisjoint(hs):  # a new holder: ask every slot again
+            _consume(map(first.pop, hs, repeat(None)))  # type: ignore[arg-type]
         self._slot_sizes[slot] = self._slot_sizes.get(slot, 0) + len(lru) - held
         if len(lru) - self._num_retired > self._max_entries:
             self._evict(len(lru) - self._num_retired - self._max_entries)

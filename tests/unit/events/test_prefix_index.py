@@ -123,6 +123,22 @@ def test_match_touches_block_by_block_each_block_in_slot_order() -> None:
                                    (2, "a", "GPU"), (2, "b", "GPU")]
 
 
+def test_match_after_its_holders_change() -> None:
+    """A block 0 asked about before is matched afresh after its holders drop out (a dropped
+    engine's entries may still sit in the LRU), store it or store it again."""
+    idx = InMemoryPrefixIndex()
+    idx.apply("a", 1, [stored([1])])
+    idx.apply("b", 1, [stored([2, 3, 4])])
+    assert set(idx.match([1])) == {"a"} and idx.match([5]) == {}
+    idx.remove_engine("a")
+    assert idx.match([1]) == {}
+    idx.apply("b", 1, [stored([1])])
+    idx.apply_compact("c", 1, "GPU", [5, 6], [1, 1])
+    assert set(idx.match([1])) == {"b"} and idx.match([5, 6])["c"].num_blocks == 2
+    idx.apply("a", 1, [stored([1]), stored([7], "CPU")])
+    assert set(idx.match([1])) == {"a", "b"}
+
+
 # -- IntLru: the index's LRU order, against OrderedDict as the reference ---------------------------
 
 @settings(max_examples=200, deadline=None)
