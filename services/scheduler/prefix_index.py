@@ -35,8 +35,8 @@ from connectors.kv_events import (
 )
 
 DEFAULT_MAX_ENTRIES = 1_000_000
-# How many block hashes `InMemoryPrefixIndex.match` remembers the holders of (a small dict,
-# so that checking a stored run against it stays in the CPU's cache)
+# How many block hashes `InMemoryPrefixIndex.match` remembers the holders of (few, so that
+# testing each stored run against them stays in the CPU's cache)
 _MAX_FIRST_HOLDERS = 4096
 _MASK64 = (1 << 64) - 1
 # Events without a medium come from producers older than vLLM's `medium` field: the GPU pool.
@@ -265,9 +265,9 @@ class InMemoryPrefixIndex:
     large dict, done for a whole run with C-level maps. `match` asks the LRU for block 0's key
     under every live slot, or, for a block 0 asked about before, only under the slots that
     held it then (`_first_holders`: a store of the hash forgets it, so a slot holding it that
-    is not named there cannot exist), then walks each engine holding it on its own slots only: one
-    `takewhile` over the prompt's keys for an engine with one medium (no Python step per
-    block), a loop over its media otherwise; the matched entries are touched in one
+    is not named there cannot exist), then walks each engine holding it on its own slots
+    only: one `takewhile` over the prompt's keys for an engine with one medium (no Python step
+    per block), a loop over its media otherwise; the matched entries are touched in one
     `touch_many`, block by block and in slot order within a block (`_block_major`). Only
     ints are stored per entry, which the garbage collector never tracks, so a full collection
     does not walk a million small containers.
