@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator, KeysView, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, repeat
+from itertools import chain, compress, repeat, takewhile, zip_longest
 from operator import eq, not_, or_, rshift
 from typing import Protocol, runtime_checkable
 
@@ -35,6 +35,9 @@ from connectors.kv_events import (
 )
 
 DEFAULT_MAX_ENTRIES = 1_000_000
+# How many block hashes `InMemoryPrefixIndex.match` remembers the holders of (few, so that
+# testing each stored run against them stays in the CPU's cache)
+_MAX_FIRST_HOLDERS = 4096
 _MASK64 = (1 << 64) - 1
 # Events without a medium come from producers older than vLLM's `medium` field: the GPU pool.
 DEFAULT_MEDIUM = MEDIUM_GPU
@@ -233,6 +236,13 @@ def _consume(it: Iterable[object]) -> None:
     deque(it, maxlen=0)
 
 
+def _block_major(columns: list[tuple[int, list[int | None]]]) -> list[int]:
+    """The keys of (slot, key per block) columns block by block, lowest slot first within a
+    block: the order `match` touches them in, as if each block were matched in turn."""
+    columns = sorted(columns, key=lambda column: column[0])
+    return [key for key in chain.from_iterable(zip_longest(*(keys for _, keys in columns))) if key is not None]
+
+
 @dataclass(slots=True)
 class _EngineState:
     epoch: int
@@ -252,10 +262,15 @@ class InMemoryPrefixIndex:
     Layout: each (engine, medium) pair gets a small slot number and an entry is one int,
     `slot << 64 | hash`, held in the LRU (`IntLru`: one dict entry and two list items) and
     nowhere else: storing, evicting and removing an entry is one insertion or deletion in one
-    large dict, done for a whole run with C-level maps. `match` asks the LRU for the block's
-    key under each candidate slot (every live slot for block 0, then only those of the
-    engines still matching). Only ints are stored per entry, which the garbage collector never
-    tracks, so a full collection does not walk a million small containers.
+    large dict, done for a whole run with C-level maps. `match` asks the LRU for block 0's key
+    under every live slot, or, for a block 0 asked about before, only under the slots that
+    held it then (`_first_holders`: a store of the hash forgets it, so a slot holding it that
+    is not named there cannot exist), then walks each engine holding it on its own slots
+    only: one `takewhile` over the prompt's keys for an engine with one medium (no Python step
+    per block), a loop over its media otherwise; the matched entries are touched in one
+    `touch_many`, block by block and in slot order within a block (`_block_major`). Only
+    ints are stored per entry, which the garbage collector never tracks, so a full collection
+    does not walk a million small containers.
 
     Dropping an engine's or a medium's entries retires their slots (`_drop`): the entries are
     gone from every answer at once, and leave the LRU as eviction reaches them or in one pass
@@ -273,9 +288,15 @@ class InMemoryPrefixIndex:
         # (engine id, medium) <-> slot
         self._slots: dict[tuple[str, str], int] = {}
         self._slot_keys: dict[int, tuple[str, str]] = {}
-        # `match`'s candidates: the slots in order, their keys' high parts, how many engines
-        # (None after a slot is added or freed)
-        self._match_slots: tuple[list[int], list[int], int] | None = None
+        # `match`'s candidates: every live slot's keys' high part, each engine's slots, lowest
+        # first (None after a slot is added or freed)
+        self._match_slots: tuple[list[int], dict[str, list[int]]] | None = None
+        # Block hashes `match` was asked about -> the slots that held them then, lowest first,
+        # and no other slot since (a store of a hash forgets it): `match` probes only those.
+        # Oldest asked first; at most _MAX_FIRST_HOLDERS. `_asked`: its keys, as a set (the
+        # store paths test every stored hash against it: a set's test is ~30 % cheaper).
+        self._first_holders: dict[int, list[int]] = {}
+        self._asked: set[int] = set()
         # slot -> how many entries it holds (the index-size metric; what a dropped slot
         # leaves in the LRU)
         self._slot_sizes: dict[int, int] = {}
@@ -409,30 +430,74 @@ class InMemoryPrefixIndex:
         self._engines.pop(engine_id, None)
 
     def match(self, block_hashes: Sequence[int]) -> dict[str, EngineMatch]:
-        media: dict[str, list[frozenset[str]]] = {}
-        lru, slot_keys = self._lru, self._slot_keys
+        if not block_hashes:
+            return {}
+        engine_ids = self._engines_holding(block_hashes[0])
+        if not engine_ids:
+            return {}
+        lru, slot_keys, slots_of = self._lru, self._slot_keys, self._candidates()[1]
         held_by = lru.keys().__contains__
-        if self._match_slots is None:  # every slot, lowest first (the order entries are touched)
-            slots = sorted(slot_keys)
-            self._match_slots = (slots, [slot << 64 for slot in slots], len({e for e, _ in slot_keys.values()}))
-        slots, highs, num_engines = self._match_slots
+        columns: list[tuple[int, list[int | None]]] = []  # (slot, its key per matched block)
+        out: dict[str, EngineMatch] = {}
+        for engine_id in engine_ids:
+            slots = slots_of[engine_id]
+            if len(slots) == 1:  # one medium: its run of consecutive blocks, C-level
+                keys: list[int | None] = list(takewhile(held_by, map(or_, repeat(slots[0] << 64), block_hashes)))
+                media: Sequence[frozenset[str]] = (frozenset((slot_keys[slots[0]][1],)),) * len(keys)
+                columns.append((slots[0], keys))
+            else:
+                engine_columns, media = self._match_media(block_hashes, slots)
+                columns += zip(slots, engine_columns, strict=True)
+            out[engine_id] = EngineMatch(engine_id, self._engines[engine_id].epoch, len(media), tuple(media))
+        lru.touch_many(columns[0][1] if len(columns) == 1 else _block_major(columns))  # type: ignore[arg-type]
+        return out
+
+    def _engines_holding(self, h: int) -> list[str]:
+        """The engines holding `h` in some medium, by their lowest slot holding it. Probes the
+        slots `_first_holders` names for `h` (dropping those that hold it no more), or, for an
+        `h` it does not know, every live slot (and remembers those that hold it)."""
+        lru, slot_keys, first = self._lru, self._slot_keys, self._first_holders
+        known = first.get(h)
+        if known is None:
+            highs = self._candidates()[0]  # one C-level intersection: no Python step per slot
+            holders = sorted(map(rshift, lru.keys() & map(or_, highs, repeat(h)), repeat(64)))
+            if len(first) >= _MAX_FIRST_HOLDERS:
+                self._asked.remove(oldest := next(iter(first)))
+                del first[oldest]
+            self._asked.add(h)
+        else:
+            holders = [slot for slot in known if slot in slot_keys and slot << 64 | h in lru]
+        first[h] = holders
+        return list(dict.fromkeys(slot_keys[slot][0] for slot in holders))
+
+    def _candidates(self) -> tuple[list[int], dict[str, list[int]]]:
+        """Every live slot's keys' high part; each engine's slots, lowest first."""
+        if self._match_slots is None:
+            slots = sorted(self._slot_keys)
+            slots_of: dict[str, list[int]] = {}
+            for slot in slots:
+                slots_of.setdefault(self._slot_keys[slot][0], []).append(slot)
+            self._match_slots = ([slot << 64 for slot in slots], slots_of)
+        return self._match_slots
+
+    def _match_media(self, block_hashes: Sequence[int], slots: list[int]
+                     ) -> tuple[list[list[int | None]], list[frozenset[str]]]:
+        """One engine's match over its several slots (media): per slot the key of each matched
+        block (None where that medium lacks it), and the media holding each matched block."""
+        held_by = self._lru.keys().__contains__
+        names = [self._slot_keys[slot][1] for slot in slots]
+        highs = [slot << 64 for slot in slots]
+        columns: list[list[int | None]] = [[] for _ in slots]
+        media: list[frozenset[str]] = []
         for h in block_hashes:
-            candidates = list(map(or_, highs, repeat(h)))
-            keys = list(compress(candidates, map(held_by, candidates)))
-            if not keys:
+            keys = list(map(or_, highs, repeat(h)))
+            flags = list(map(held_by, keys))
+            if True not in flags:
                 break
-            holders: dict[str, set[str]] = {}
-            for key in keys:
-                engine_id, medium = slot_keys[key >> 64]
-                holders.setdefault(engine_id, set()).add(medium)
-            lru.touch_many(keys)
-            for engine_id, held in holders.items():
-                media.setdefault(engine_id, []).append(frozenset(held))
-            if len(holders) < num_engines:  # only these engines can match further
-                slots = [slot for slot in slots if slot_keys[slot][0] in holders]
-                highs = [slot << 64 for slot in slots]
-                num_engines = len(holders)
-        return {e: EngineMatch(e, self._engines[e].epoch, len(ms), tuple(ms)) for e, ms in media.items()}
+            for column, key, flag in zip(columns, keys, flags, strict=True):
+                column.append(key if flag else None)
+            media.append(frozenset(compress(names, flags)))
+        return columns, media
 
     def snapshot(self) -> list[IndexSnapshotPart]:
         grouped: dict[int, list[int]] = {}
@@ -467,10 +532,13 @@ class InMemoryPrefixIndex:
         # The path of a block stored again (or a run of one event): locals, no helper calls
         # per hash.
         slot = self._slot(engine_id, medium)
-        high, lru = slot << 64, self._lru
+        high, lru, asked = slot << 64, self._lru, self._asked
         held = len(lru)
         for raw in hashes:
-            lru.touch(high | (raw if type(raw) is int else block_key(raw)))
+            h = raw if type(raw) is int else block_key(raw)
+            lru.touch(high | h)
+            if h in asked:
+                self._forget([h])
         self._slot_sizes[slot] = self._slot_sizes.get(slot, 0) + len(lru) - held
         if len(lru) - self._num_retired > self._max_entries:
             self._evict(len(lru) - self._num_retired - self._max_entries)
@@ -490,10 +558,18 @@ class InMemoryPrefixIndex:
             return False
         held = len(lru)
         lru.touch_many(keys)
+        if self._asked and not self._asked.isdisjoint(hs):
+            self._forget(hs)  # type: ignore[arg-type]
         self._slot_sizes[slot] = self._slot_sizes.get(slot, 0) + len(lru) - held
         if len(lru) - self._num_retired > self._max_entries:
             self._evict(len(lru) - self._num_retired - self._max_entries)
         return True
+
+    def _forget(self, hashes: Sequence[int]) -> None:
+        """Forgets the holders of `hashes` (just stored: a new holder), so that `match` asks
+        every slot about them again."""
+        _consume(map(self._first_holders.pop, hashes, repeat(None)))
+        self._asked.difference_update(hashes)
 
     def _evict(self, n: int) -> None:
         """Drops the `n` least recently used entries (one alone without the bulk path's

@@ -110,6 +110,35 @@ def test_snapshot_groups_by_engine_and_medium() -> None:
     assert parts == {("a", 3, "GPU"): (1, 2), ("a", 3, "CPU"): (9,), ("b", 4, "GPU"): (1,)}
 
 
+def test_match_touches_block_by_block_each_block_in_slot_order() -> None:
+    """Within a block, entries are touched in the order their (engine, medium) pairs first
+    stored (slot order), across engines and media alike; then the next block."""
+    idx = InMemoryPrefixIndex()
+    idx.apply("a", 1, [stored([1, 2], "GPU")])
+    idx.apply("b", 1, [stored([1, 2], "GPU")])
+    idx.apply("a", 1, [stored([1], "CPU")])
+    idx.apply("c", 1, [stored([9], "GPU")])
+    assert set(idx.match([1, 2])) == {"a", "b"}
+    assert list(idx.entries()) == [(9, "c", "GPU"), (1, "a", "GPU"), (1, "b", "GPU"), (1, "a", "CPU"),
+                                   (2, "a", "GPU"), (2, "b", "GPU")]
+
+
+def test_match_after_its_holders_change() -> None:
+    """A block 0 asked about before is matched afresh after its holders drop out (a dropped
+    engine's entries may still sit in the LRU), store it or store it again."""
+    idx = InMemoryPrefixIndex()
+    idx.apply("a", 1, [stored([1])])
+    idx.apply("b", 1, [stored([2, 3, 4])])
+    assert set(idx.match([1])) == {"a"} and idx.match([5]) == {}
+    idx.remove_engine("a")
+    assert idx.match([1]) == {}
+    idx.apply("b", 1, [stored([1])])
+    idx.apply_compact("c", 1, "GPU", [5, 6], [1, 1])
+    assert set(idx.match([1])) == {"b"} and idx.match([5, 6])["c"].num_blocks == 2
+    idx.apply("a", 1, [stored([1]), stored([7], "CPU")])
+    assert set(idx.match([1])) == {"a", "b"}
+
+
 # -- IntLru: the index's LRU order, against OrderedDict as the reference ---------------------------
 
 @settings(max_examples=200, deadline=None)
@@ -203,3 +232,84 @@ def test_index_equals_a_reference_lru_of_entries(ops: list[tuple[str, str, str, 
         assert list(idx.entries()) == list(ref)
         assert idx.stats().num_evicted == evicted
         assert idx.blocks_by_medium() == dict(Counter(m for _, _, m in ref))
+
+
+# -- match against a naive reference after random histories -----------------------------------------
+
+_match_ops = st.lists(st.tuples(st.sampled_from(["compact", "stored", "removed", "cleared", "epoch", "gone", "match"]),
+                                st.sampled_from(["a", "b", "c"]), st.sampled_from(["GPU", "CPU"]),
+                                st.lists(st.integers(0, 4), min_size=1, max_size=5)), max_size=50)
+
+
+def _reference_match(ref: dict[tuple[int, str, str], None], prompt: list[int]) -> dict[str, tuple[frozenset[str], ...]]:
+    """Per engine, the media of each block of its longest run of held blocks from block 0."""
+    out = {}
+    for engine in sorted({e for _, e, _ in ref}):
+        media = []
+        for h in prompt:
+            held = frozenset(m for hh, e, m in ref if hh == h and e == engine)
+            if not held:
+                break
+            media.append(held)
+        if media:
+            out[engine] = tuple(media)
+    return out
+
+
+def _match_and_touch(idx: InMemoryPrefixIndex, ref: dict[tuple[int, str, str], None], prompt: list[int],
+                     epochs: dict[str, int]) -> None:
+    """Checks one `match` against the reference and touches the reference's matched entries
+    block by block, in the index's slot order within a block."""
+    expected = _reference_match(ref, prompt)
+    got = idx.match(prompt)
+    assert {e: m.media for e, m in got.items()} == expected
+    assert all(m.num_blocks == len(m.media) and m.epoch == epochs[e] for e, m in got.items())
+    slot = idx._slots  # the order of touches within a block
+    for i, h in enumerate(prompt):
+        for key in sorted((k for k in ref if k[0] == h and k[1] in expected and i < len(expected[k[1]])),
+                          key=lambda k: slot[(k[1], k[2])]):
+            ref.move_to_end(key)  # type: ignore[attr-defined]
+
+
+@given(_match_ops, st.integers(1, 12))
+@settings(max_examples=200, deadline=None)
+def test_match_equals_a_reference_after_random_histories(ops: list[tuple[str, str, str, list[int]]],
+                                                         bound: int) -> None:
+    """After any history of stores, removals, clears, new epochs and dropped engines, `match`
+    gives each engine's longest run of held blocks with their media and live epoch, and touches
+    the matched entries block by block, in slot order within a block (the reference reads the
+    slots from the index), so the LRU order and every later eviction stay those of the
+    reference. Cost: about 2 s."""
+    from collections import OrderedDict
+
+    idx, ref = InMemoryPrefixIndex(max_entries=bound), OrderedDict[tuple[int, str, str], None]()
+    epochs = {"a": 1, "b": 1, "c": 1}
+    for op, engine, medium, hashes in ops:
+        if op == "match":  # the prompt and each of its suffixes in turn
+            for prompt in [hashes[i:] for i in range(len(hashes))]:
+                _match_and_touch(idx, ref, prompt, epochs)
+        elif op in ("compact", "stored"):
+            if op == "stored":
+                idx.apply(engine, epochs[engine], [stored([h], medium) for h in hashes])
+            else:
+                idx.apply_compact(engine, epochs[engine], medium, list(hashes), [1] * len(hashes))
+            for h in hashes:
+                ref[(h, engine, medium)] = None
+                ref.move_to_end((h, engine, medium))
+                while len(ref) > bound:
+                    ref.popitem(last=False)
+        elif op == "removed":
+            idx.apply_compact(engine, epochs[engine], medium, list(hashes), [1] * len(hashes), b"\x02" * len(hashes))
+            for h in hashes:
+                ref.pop((h, engine, medium), None)
+        else:
+            if op == "cleared":
+                idx.apply(engine, epochs[engine], [AllBlocksCleared(medium=medium)])
+            elif op == "epoch":
+                epochs[engine] += 1
+                idx.apply(engine, epochs[engine], [])
+            else:
+                idx.remove_engine(engine)
+            for key in [k for k in ref if k[1] == engine and (op != "cleared" or k[2] == medium)]:
+                del ref[key]
+        assert list(idx.entries()) == list(ref)
