@@ -326,6 +326,21 @@ class SchedulerMetrics(_Group):
               "pdserve_scheduler_client_refused_total", "pdserve_scheduler_client_streams",
               "pdserve_scheduler_http_requests_total")
 
+    def __init__(self, registry: CollectorRegistry) -> None:
+        super().__init__(registry)
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def _labelled(self, name: str, *values: str) -> Any:
+        """The child of labelled metric `name` for `values` (in the order of its labels), kept:
+        `labels()` checks and stringifies its arguments and takes a lock on every call, and
+        the request path counts several labelled metrics per request. Children are never
+        removed from these metrics, so a kept one is the one `labels()` would return."""
+        key = (name, *values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self._m[name].labels(*values)
+        return child
+
     def request_started(self, num_prompt_tokens: int) -> None:
         """A Generate call was accepted (validated and tokenized)."""
         self._m["pdserve_scheduler_requests_in_flight"].inc()
@@ -334,8 +349,8 @@ class SchedulerMetrics(_Group):
     def request_finished(self, outcome: str, e2e_seconds: float, path: str = "disaggregated") -> None:
         """A started request ended: outcome success|cancelled|deadline|error; path as in observe_ttft."""
         self._m["pdserve_scheduler_requests_in_flight"].dec()
-        self._m["pdserve_scheduler_requests_total"].labels(outcome=outcome).inc()
-        self._m["pdserve_scheduler_e2e_request_latency_seconds"].labels(path=path).observe(e2e_seconds)
+        self._labelled("pdserve_scheduler_requests_total", outcome).inc()
+        self._labelled("pdserve_scheduler_e2e_request_latency_seconds", path).observe(e2e_seconds)
 
     def request_rejected(self) -> None:
         """A Generate call was refused before it started (bad input, overload, auth)."""
@@ -346,7 +361,7 @@ class SchedulerMetrics(_Group):
 
     def observe_ttft(self, seconds: float, path: str = "disaggregated") -> None:
         """First token sent; path is `disaggregated` or `decode_only`."""
-        self._m["pdserve_scheduler_time_to_first_token_seconds"].labels(path=path).observe(seconds)
+        self._labelled("pdserve_scheduler_time_to_first_token_seconds", path).observe(seconds)
 
     def observe_inter_token_latency(self, seconds: float, num_tokens: int = 1) -> None:
         """A message with `num_tokens` tokens went out `seconds` after the previous one."""
@@ -362,18 +377,17 @@ class SchedulerMetrics(_Group):
 
     def count_routing_decision(self, role: str, engine: str, policy: str, reason: str) -> None:
         """e.g. ("prefill", "prefill-0", "prefix", "longest_prefix") or ("decode", "decode-1", "load", "least_kv")."""
-        self._m["pdserve_scheduler_routing_decisions_total"].labels(
-            role=role, engine=engine, policy=policy, reason=reason).inc()
+        self._labelled("pdserve_scheduler_routing_decisions_total", role, engine, policy, reason).inc()
 
     def count_path_decision(self, path: str, reason: str) -> None:
         """path decode_local | remote; reason the path policy's, e.g. "decode_local:short_prompt"."""
-        self._m["pdserve_scheduler_path_decisions_total"].labels(path=path, reason=reason).inc()
+        self._labelled("pdserve_scheduler_path_decisions_total", path, reason).inc()
 
     def count_transferred_tokens(self, num_tokens: int) -> None:
         self._m["pdserve_scheduler_transferred_tokens_total"].inc(num_tokens)
 
     def count_decode_only(self, reason: str) -> None:
-        self._m["pdserve_scheduler_decode_only_total"].labels(reason=reason).inc()
+        self._labelled("pdserve_scheduler_decode_only_total", reason).inc()
 
     def count_migration(self, reason: str) -> None:
         self._m["pdserve_scheduler_migrations_total"].labels(reason=reason).inc()
@@ -383,7 +397,7 @@ class SchedulerMetrics(_Group):
 
     def count_lease_outcome(self, outcome: str) -> None:
         """released | aborted | expired | duplicate (a later, no-op release)."""
-        self._m["pdserve_scheduler_lease_outcomes_total"].labels(outcome=outcome).inc()
+        self._labelled("pdserve_scheduler_lease_outcomes_total", outcome).inc()
 
     def count_control_reconnect(self, engine: str) -> None:
         self._m["pdserve_scheduler_control_reconnects_total"].labels(engine=engine).inc()

@@ -29,6 +29,9 @@ Contracts (see control.proto):
   one heartbeat interval, is dead: its engine is down (transfers touching it
   fail over, an AllBlocksCleared for its epoch goes to the event sink, `on_engine_down` hooks
   run). A rank of a live epoch that speaks again brings its engine back.
+- Messages reach a stream in the order they were sent. KVReady and KVFailed go out from the
+  turn of the report that completed the transfer: written by that report's reader while the
+  engine's rank-0 stream has nothing queued and no write in flight, else queued behind what is.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import operator
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -100,6 +103,11 @@ class RankConnection:
     # trailing one is scheduled.
     acked_at: float = float("-inf")
     ack_scheduled: bool = False
+    # The stream's call, and its writes one at a time: the stream's own task writes what
+    # `queue` holds; another stream's reader may write a transfer outcome at once (see
+    # ControlServicer.deliver) while the queue is empty and no write holds the lock.
+    context: grpc.aio.ServicerContext | None = None
+    write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 def hello_from_proto(m: pb.Hello) -> RankHello:
@@ -348,6 +356,10 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self.connections: dict[RankId, RankConnection] = {}
         # Messages for ranks of a live epoch that are between streams, delivered after Welcome.
         self.held: dict[tuple[RankId, int], list[pb.SchedulerMessage]] = {}
+        # Set while a reader applies a message: transfer outcomes it produces collect in
+        # `_outcomes_now` and are written before it reads the next one (`_write_now`).
+        self._reading = False
+        self._outcomes_now: list[tuple[RankConnection, pb.SchedulerMessage]] = []
         # Hooks (set by the scheduler service): what to do with a transfer outcome (default:
         # deliver it to the engine), and who to tell when an engine goes down or comes back.
         self.on_transfer_outcome: Callable[[TransferOutcome], None] = self.deliver
@@ -451,7 +463,43 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         else:
             msg = pb.SchedulerMessage(release=pb.ReleaseBlocks(request_id=outcome.request_id))
         self.counters[f"sent_{outcome.kind}"] += 1
+        if outcome.kind != OutcomeKind.RELEASE and self._reading:
+            conn = self.connections.get(RankId(outcome.engine.engine_id, 0, 0))
+            if conn is not None and conn.epoch == outcome.engine.epoch and self._idle(conn):
+                self._outcomes_now.append((conn, msg))
+                return
         self.send_to_leader(outcome.engine, msg)
+
+    def _queue_outcomes(self, outcomes: list[tuple[RankConnection, pb.SchedulerMessage]]) -> None:
+        for conn, msg in outcomes:
+            conn.queue.put_nowait(msg)
+        outcomes.clear()
+
+    def _idle(self, conn: RankConnection) -> bool:
+        """Nothing is queued on the stream and no write is in flight: a message written now
+        keeps the stream's order."""
+        return conn.context is not None and conn.queue.empty() and not conn.write_lock.locked() \
+            and self.connections.get(conn.rank_id) is conn
+
+    async def _write_now(self, outcomes: list[tuple[RankConnection, pb.SchedulerMessage]]) -> None:
+        """Writes the transfer outcomes one message produced, each at once if its stream is
+        still idle, else queued. A write that fails (the stream ended meanwhile) is dropped, as
+        a queued message of an ended stream is."""
+        for i, (conn, msg) in enumerate(outcomes):
+            if not self._idle(conn):
+                conn.queue.put_nowait(msg)
+                continue
+            assert conn.context is not None
+            try:
+                async with conn.write_lock:
+                    await conn.context.write(msg)
+                self.counters["sent_at_once"] += 1
+            except asyncio.CancelledError:  # this reader is ending: the rest go by the queues
+                self._queue_outcomes(outcomes[i + 1:])
+                raise
+            except Exception as e:  # noqa: BLE001 - whatever ended the other stream ends its writes
+                self.counters["sent_at_once_failed"] += 1
+                logger.debug("KV outcome for %s not written: %s", conn.rank_id, e)
 
     def release(self, engine: EngineRef, request_id: str) -> bool:
         return self.send_to_leader(engine, pb.SchedulerMessage(release=pb.ReleaseBlocks(request_id=request_id)))
@@ -526,20 +574,24 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
     # -- the stream ---------------------------------------------------------------------------
 
-    async def Connect(self, request_iterator: AsyncIterator[pb.RankMessage],
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SchedulerMessage]:
+    async def Connect(self, request_iterator: AsyncIterator[pb.RankMessage],  # type: ignore[override]
+                      context: grpc.aio.ServicerContext) -> None:
+        """Writes (`context.write`, not yields) so that another stream's reader can write a
+        transfer outcome to this stream between two of its writes (`RankConnection.write_lock`)."""
         conn = await self._handshake(request_iterator, context)
         if conn is None:
             return
+        conn.context = context
         reader = asyncio.get_running_loop().create_task(self._read(conn, request_iterator))
         try:
             while True:
                 item = await conn.queue.get()
-                if isinstance(item, _Close):
-                    if item.code == grpc.StatusCode.OK:
-                        return
-                    await context.abort(item.code, item.reason)
-                yield item
+                async with conn.write_lock:
+                    if isinstance(item, _Close):
+                        if item.code == grpc.StatusCode.OK:
+                            return
+                        await context.abort(item.code, item.reason)
+                    await context.write(item)
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -637,21 +689,17 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                 if engine is None:
                     return
                 self._engine_up(engine)
-                kind = msg.WhichOneof("payload")
-                if kind == "report":
-                    self._on_report(conn, engine, msg.report)
-                    self._ack(conn, msg.report.seq)
-                elif kind == "reports":
-                    reports = msg.reports.reports
-                    for report in reports:
-                        self._on_report(conn, engine, report)
-                    if reports:
-                        self._ack(conn, reports[-1].seq)
-                    self.counters["report_batches"] += 1
-                elif kind == "heartbeat":
-                    self._on_heartbeat(conn, engine, msg.heartbeat)
-                else:
-                    self.counters["unexpected_message"] += 1
+                self._reading = True
+                try:
+                    self._apply_message(conn, engine, msg)
+                except BaseException:
+                    self._queue_outcomes(self._outcomes_now)
+                    raise
+                finally:
+                    self._reading = False
+                outcomes, self._outcomes_now = self._outcomes_now, []
+                if outcomes:
+                    await self._write_now(outcomes)
         except grpc.aio.AioRpcError:
             pass
         finally:
@@ -659,6 +707,23 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                 asyncio.get_running_loop().call_later(self.reconnect_grace_s, self._check_reconnected,
                                                       conn.rank_id, conn.conn_id)
             conn.queue.put_nowait(_Close(grpc.StatusCode.OK, "stream closed by the rank"))
+
+    def _apply_message(self, conn: RankConnection, engine: EngineState, msg: pb.RankMessage) -> None:
+        kind = msg.WhichOneof("payload")
+        if kind == "report":
+            self._on_report(conn, engine, msg.report)
+            self._ack(conn, msg.report.seq)
+        elif kind == "reports":
+            reports = msg.reports.reports
+            for report in reports:
+                self._on_report(conn, engine, report)
+            if reports:
+                self._ack(conn, reports[-1].seq)
+            self.counters["report_batches"] += 1
+        elif kind == "heartbeat":
+            self._on_heartbeat(conn, engine, msg.heartbeat)
+        else:
+            self.counters["unexpected_message"] += 1
 
     def _check_reconnected(self, rank_id: RankId, conn_id: int) -> None:
         """A rank whose stream closed and did not come back within the grace period takes its

@@ -84,7 +84,9 @@ class PrefixAwarePolicy:
         self._turn = itertools.count()
 
     def choose_prefill(self, request: RoutingRequest, engines: Sequence[EngineView]) -> RoutingDecision:
-        matches = self.index.match(request.block_hashes) if request.block_hashes else {}
+        matches = request.prefix_matches
+        if matches is None:
+            matches = self.index.match(request.block_hashes) if request.block_hashes else {}
         num_blocks = max(len(request.block_hashes), 1)
         scored: list[tuple[float, int, EngineView]] = []
         for engine in engines:

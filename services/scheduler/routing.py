@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 from connectors.head_map import mapping_problem
@@ -29,7 +29,7 @@ from services.scheduler.path_policy import (
     PathPolicy,
     PathRequest,
 )
-from services.scheduler.prefix_index import PrefixIndex
+from services.scheduler.prefix_index import EngineMatch, PrefixIndex
 
 # Decision reasons (metric label values; keep them low-cardinality).
 REASON_LOAD = "load"
@@ -43,13 +43,16 @@ REASON_UNMAPPABLE_TP = "decode_only_unmappable_tp"
 
 @dataclass(frozen=True, slots=True)
 class RoutingRequest:
-    """What a policy may look at: the prompt's 64-bit block hashes and its length, and the
-    request's own latency targets (None: not set)."""
+    """What a policy may look at: the prompt's 64-bit block hashes and its length, the
+    request's own latency targets (None: not set), and the prefix index's answer for
+    `block_hashes` when the caller already asked it (`Router.route` does, once per request;
+    None: a policy that needs it asks its index itself)."""
 
     block_hashes: list[int]
     num_tokens: int
     ttft_target_s: float | None = None
     itl_target_s: float | None = None
+    prefix_matches: Mapping[str, EngineMatch] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +147,9 @@ class Router:
     decisions: `decisions` by the prefill reason (a path reason when decode-local), `paths` by
     path reason. Without an explicit `path` policy every prompt is prefilled remotely (the
     scheduler service builds one from its configuration, cost mode by default). `index`, when
-    set, tells the path policy which prompt blocks each engine (decode engines too) holds."""
+    set, tells the path policy which prompt blocks each engine (decode engines too) holds; it
+    must be the index a prefix-aware policy reads, as the Router looks each prompt up once and
+    hands the answer to the policy (`RoutingRequest.prefix_matches`)."""
 
     policy: RoutingPolicy
     decode_only_threshold: int = 0
@@ -169,6 +174,8 @@ class Router:
         if not decodes:
             none = RoutingDecision(None, REASON_NO_DECODE)
             return Route(none, none)
+        if self.index is not None and request.block_hashes and request.prefix_matches is None:
+            request = replace(request, prefix_matches=self.index.match(request.block_hashes))
         matched = self._matched_blocks(request, [*prefill_engines, *decodes])
         want = PathRequest(request.num_tokens, request.ttft_target_s, request.itl_target_s)
         chosen: RoutingDecision | None = None
@@ -196,9 +203,9 @@ class Router:
 
     def _matched_blocks(self, request: RoutingRequest, engines: Sequence[EngineView]) -> dict[str, int]:
         """Engine id -> consecutive prompt blocks it holds, for the engines' live epochs."""
-        if self.index is None or not request.block_hashes:
+        matches = request.prefix_matches
+        if not matches:
             return {}
-        matches = self.index.match(request.block_hashes)
         return {e.engine_id: m.num_blocks for e in engines
                 if (m := matches.get(e.engine_id)) is not None and m.epoch == e.epoch}
 

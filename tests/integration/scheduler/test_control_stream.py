@@ -23,6 +23,7 @@ from services.engine.control_client import (
     Welcome,
 )
 from services.scheduler.lifecycle import EngineRef
+from services.scheduler.registry import RankId
 
 
 class Inbox:
@@ -141,6 +142,32 @@ async def test_transfer_completion_needs_every_decode_rank(harness: ControlHarne
     assert failed.request_id == "bad" and failed.invalid_block_ids == [2, 4]
     await eventually(lambda: ReleaseBlocks("bad") in p_in.of(ReleaseBlocks))
     assert servicer.tracker.transfers == {}
+
+
+async def test_kv_ready_is_written_by_the_completing_report_s_reader_in_stream_order(harness: ControlHarness) -> None:
+    servicer = harness.servicer
+    assert servicer is not None
+    p = await harness.connect(hello("p0", "prefill"))
+    d = [await harness.connect(hello("d0", "decode", r, 2, epoch=778)) for r in range(2)]
+    pref, dref = EngineRef("p0", p.hello.identity.epoch), EngineRef("d0", 778)
+    d0_in = Inbox(d[0])
+    await eventually(lambda: servicer.connections[RankId("d0", 0, 0)].queue.empty())
+    # An idle rank-0 stream: the reader of the report that completes the transfer writes it.
+    servicer.tracker.start("now", pref, dref)
+    for rank in d:
+        assert await asyncio.to_thread(rank.wait_acked, rank.report(StepReport(finished_recving=["now"])))
+    await eventually(lambda: d0_in.of(KVReady) == [KVReady("now")])
+    assert servicer.counters["sent_at_once"] == 1
+    # A write in flight (the lock held) and a message queued: the outcome goes behind them.
+    conn = servicer.connections[RankId("d0", 0, 0)]
+    async with conn.write_lock:
+        assert servicer.send_to_leader(dref, pb.SchedulerMessage(kv_ready=pb.KVReady(request_id="first")))
+        servicer.tracker.start("later", pref, dref)
+        for rank in d:
+            rank.report(StepReport(finished_recving=["later"]))
+        await eventually(lambda: servicer.tracker.transfers.get("later") is None)
+    await eventually(lambda: d0_in.of(KVReady) == [KVReady("now"), KVReady("first"), KVReady("later")])
+    assert servicer.counters["sent_at_once"] == 1
 
 
 async def test_engine_and_worker_events_reach_the_sink(harness: ControlHarness) -> None:

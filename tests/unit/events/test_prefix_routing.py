@@ -1,10 +1,12 @@
 """PrefixAwarePolicy: the engine holding the prefix wins, load counts, ties spread, epochs."""
 
+from collections.abc import Sequence
+
 import pytest
 
 from connectors.hashing import BlockHasher
 from connectors.kv_events import AllBlocksCleared, BlockStored
-from services.scheduler.prefix_index import InMemoryPrefixIndex
+from services.scheduler.prefix_index import EngineMatch, InMemoryPrefixIndex
 from services.scheduler.prefix_routing import PrefixAwarePolicy, parse_medium_weights
 from services.scheduler.routing import (
     REASON_LOAD,
@@ -94,6 +96,31 @@ def test_router_counts_prefix_decisions() -> None:
     router = Router(PrefixAwarePolicy(idx))
     router.route(request(list(range(8))), engines(p0=0, p1=0), [EngineView("d0", 1, "decode")])
     assert router.decisions[REASON_PREFIX] == 1
+
+
+class CountingIndex(InMemoryPrefixIndex):
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_matches = 0
+
+    def match(self, block_hashes: Sequence[int]) -> dict[str, EngineMatch]:
+        self.num_matches += 1
+        return super().match(block_hashes)
+
+
+def test_router_looks_the_prompt_up_once_for_path_and_policy() -> None:
+    idx = CountingIndex()
+    store(idx, "p1", 1, list(range(8)))
+    store(idx, "d1", 1, list(range(4)))
+    router = Router(PrefixAwarePolicy(idx), index=idx)
+    route = router.route(request(list(range(8))), engines(p0=0, p1=0),
+                         [EngineView("d0", 1, "decode"), EngineView("d1", 1, "decode")])
+    assert idx.num_matches == 1
+    assert (route.prefill.engine_id, route.prefill.reason, route.prefill.matched_blocks) == ("p1", REASON_PREFIX, 2)
+    assert (route.decode.engine_id, route.decode.matched_blocks) == ("d1", 1)
+    # a policy asked directly still looks the prompt up itself
+    assert PrefixAwarePolicy(idx).choose_prefill(request(list(range(8))), engines(p0=0, p1=0)).engine_id == "p1"
+    assert idx.num_matches == 2
 
 
 def test_parse_medium_weights() -> None:
