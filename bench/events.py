@@ -41,6 +41,7 @@ import asyncio
 import json
 import os
 import queue
+import statistics
 import struct
 import subprocess
 import sys
@@ -945,12 +946,20 @@ def _variant(result: dict[str, Any]) -> str:
     """A saved result's pdserve variant, as a legend label: event source, encoding, removals."""
     p = result.get("pdserve") or {}
     label = f"{p.get('event_source', 'worker')} events, {p.get('report_encoding', 'packed')}"
-    share = (result.get("config") or {}).get("removed_share") or 0
-    return f"{label}, {share:.0%} removed" if share else label
+    config = result.get("config") or {}
+    share = config.get("removed_share") or 0
+    label = f"{label}, {share:.0%} removed" if share else label
+    return label + _subscribers_label(result)
+
+
+def _subscribers_label(result: dict[str, Any]) -> str:
+    """How the run's ZMQ subscribers decoded (saved runs from before the option decoded fully)."""
+    return ", subscribers read heads" if (result.get("config") or {}).get("subscriber_decode") == "head" else ""
 
 
 def plot_results(results: list[dict[str, Any]], path: str) -> None:
-    """Draws saved `--json` results against their offered rate: p99 (pdserve per variant and
+    """Draws saved `--json` results against their offered rate (several runs of a variant at
+    one rate: a line through their median and a dot per run): p99 (pdserve per variant and
     vLLM's publisher, issue 18's 50 ms goal dotted), the share of events lost, and the
     scheduler's CPU per event. Results without a pdserve section are skipped; ValueError when
     none has one."""
@@ -965,7 +974,10 @@ def plot_results(results: list[dict[str, Any]], path: str) -> None:
     series: dict[str, list[tuple[float, dict[str, Any]]]] = {}
     for r in runs:
         series.setdefault(_variant(r), []).append((r["config"]["rate"] / 1000, r["pdserve"]))
-    baseline = sorted(((r["config"]["rate"] / 1000, r["vllm"]) for r in runs if r.get("vllm")), key=lambda point: point[0])
+    baselines: dict[str, list[tuple[float, dict[str, Any]]]] = {}
+    for r in runs:
+        if r.get("vllm"):
+            baselines.setdefault(_subscribers_label(r), []).append((r["config"]["rate"] / 1000, r["vllm"]))
     subscribers = runs[0]["config"].get("subscribers", 4)
 
     def lost_share(side: dict[str, Any]) -> float:
@@ -978,11 +990,23 @@ def plot_results(results: list[dict[str, Any]], path: str) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
     for i, (ax, (title, value)) in enumerate(zip(axes, panels, strict=True)):
         for label, points in sorted(series.items()):
-            points.sort(key=lambda point: point[0])
-            ax.plot([x for x, _ in points], [value(side) for _, side in points], marker="o", label=label)
-        if i < 2 and baseline:
-            ax.plot([x for x, _ in baseline], [value(side) for _, side in baseline], marker="s", color="black",
-                    linestyle="--", label=f"{runs[0].get('baseline') or 'vLLM publisher'} alone")
+            # Several runs at one rate: the line goes through their median, each run a dot.
+            by_rate: dict[float, list[float]] = {}
+            for x, side in points:
+                by_rate.setdefault(x, []).append(value(side))
+            rates = sorted(by_rate)
+            line, = ax.plot(rates, [statistics.median(by_rate[x]) for x in rates], marker="o", label=label)
+            if any(len(v) > 1 for v in by_rate.values()):
+                ax.scatter([x for x in rates for _ in by_rate[x]], [y for x in rates for y in by_rate[x]],
+                           s=10, alpha=0.5, color=line.get_color())
+        for j, (subs, baseline) in enumerate(sorted(baselines.items()) if i < 2 else ()):
+            base_by_rate: dict[float, list[float]] = {}
+            for x, side in baseline:
+                base_by_rate.setdefault(x, []).append(value(side))
+            base_rates = sorted(base_by_rate)
+            ax.plot(base_rates, [statistics.median(base_by_rate[x]) for x in base_rates], marker="s",
+                    color="black" if not j else "dimgrey", linestyle="--" if not j else ":",
+                    label=f"{runs[0].get('baseline') or 'vLLM publisher'} alone{subs}")
         if i == 0:
             ax.set_yscale("log")
             ax.axhline(50.0, color="grey", linestyle=":", linewidth=1)
@@ -1030,7 +1054,8 @@ def run(args: argparse.Namespace) -> int:
         "load_average": os.getloadavg(),
         "config": {"engines": args.engines, "tp": args.tp, "batch_events": args.batch_events,
                    "rate": args.rate, "direct_rate": args.direct_rate, "duration_s": args.duration,
-                   "subscribers": args.subscribers, "removed_share": args.removed_share},
+                   "subscribers": args.subscribers, "removed_share": args.removed_share,
+                   "subscriber_decode": args.subscriber_decode},
         # Ratios at equal offered rates (each pdserve section against the baseline paced alike).
         "p99_ratio_vs_vllm": _ratio(head, baseline, "p99_ms"),
         "delivered_ratio_vs_vllm": _ratio(head, baseline, "events_per_s"),
