@@ -415,7 +415,8 @@ def stamped_compact_wire(now: float, n: int, prev: float | None = None, removed:
     stored = n - removed
     total = stored + removing
     base = step_base(now)
-    if base >> 32 and stored:  # msgpack uint64: 0xcf, 8 bytes big-endian; i changes the last one only
+    if base >> 32 and 0 < stored <= 1 << STAMP_BITS:  # msgpack uint64: 0xcf, 8 bytes big-endian;
+        # i (< 2^7, base's low 7 bits clear) changes the last byte only
         head = _MSGPACK_HEAD + b"\xcf" + (base >> 8).to_bytes(7, "big")
         low = base & 0xFF
         parts = [head + (_MSGPACK_TAIL + head).join(_BYTES[low:low + stored]) + _MSGPACK_TAIL]

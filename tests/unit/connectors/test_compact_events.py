@@ -318,8 +318,9 @@ def test_the_bench_builds_what_the_encoder_gives() -> None:
     from connectors.kv_events import event_to_proto
     from pdserve.v1 import kv_events_pb2 as kpb
 
-    for now in (2.5, 1764770000.123456):
-        for n, prev, gone in ((8, 1.25, 2), (20, 1.25, 10), (8, None, 2), (4, 3.5, 0), (64, None, 0), (1, None, 0)):
+    # The send time's last microsecond odd or even: the hashes' last byte starts at 128 or 0.
+    for now in (2.5, 2.500001, 1764770000.123456, 1764770000.123457):
+        for n, prev, gone in ((8, 1.25, 2), (20, 1.25, 10), (8, None, 2), (4, 3.5, 0), (64, None, 0), (1, None, 0), (128, None, 0), (200, None, 0)):
             events = step_events(now, n, prev, gone)
             assert sum(type(e) is BlockRemoved for e in events) == (gone if prev is not None else 0)
             assert stamped_compact_wire(now, n, prev, gone) == \
