@@ -1,5 +1,7 @@
 """InMemoryPrefixIndex: longest consecutive match, epochs, AllBlocksCleared, eviction bound."""
 
+from collections import OrderedDict
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -146,8 +148,6 @@ def test_match_after_its_holders_change() -> None:
        st.sampled_from([0, 4, 1024]))
 def test_int_lru_matches_ordered_dict(ops: list[tuple[str, int]], slack: int) -> None:
     """Cost: about 1 s."""
-    from collections import OrderedDict
-
     from services.scheduler.prefix_index import IntLru
 
     lru, ref = IntLru(slack), OrderedDict[int, None]()
@@ -193,42 +193,52 @@ _ops = st.lists(st.tuples(st.sampled_from(["stored", "compact", "removed", "clea
                           st.lists(st.integers(0, 12), min_size=1, max_size=6)), max_size=40)
 
 
+def _apply_to_both(idx: InMemoryPrefixIndex, ref: OrderedDict[tuple[int, str, str], None], op: str, engine: str,
+                   medium: str, hashes: list[int], epochs: dict[str, int], bound: int) -> int:
+    """Applies one history step (stored, compact, removed, cleared, epoch, gone) to the index
+    and to the reference OrderedDict of (hash, engine, medium), which evicts after each event;
+    returns how many entries the reference evicted."""
+    evicted = 0
+    if op in ("stored", "compact"):
+        if op == "stored":
+            idx.apply(engine, epochs[engine], [stored([h], medium) for h in hashes])
+        else:
+            idx.apply_compact(engine, epochs[engine], medium, list(hashes), [1] * len(hashes))
+        for h in hashes:  # one event per hash: evict after each
+            ref[(h, engine, medium)] = None
+            ref.move_to_end((h, engine, medium))
+            while len(ref) > bound:
+                ref.popitem(last=False)
+                evicted += 1
+    elif op == "removed":
+        idx.apply_compact(engine, epochs[engine], medium, list(hashes), [1] * len(hashes), b"\x02" * len(hashes))
+        for h in hashes:
+            ref.pop((h, engine, medium), None)
+    else:
+        if op == "cleared":
+            idx.apply(engine, epochs[engine], [AllBlocksCleared(medium=medium)])
+        elif op == "epoch":
+            epochs[engine] += 1
+            idx.apply(engine, epochs[engine], [])
+        else:
+            idx.remove_engine(engine)
+        for key in [k for k in ref if k[1] == engine and (op != "cleared" or k[2] == medium)]:
+            del ref[key]
+    return evicted
+
+
 @given(_ops, st.integers(1, 10))
 @settings(max_examples=150, deadline=None)
 def test_index_equals_a_reference_lru_of_entries(ops: list[tuple[str, str, str, list[int]]], bound: int) -> None:
     """Stores (object and compact paths, runs new or not), removals, clears, new epochs and
     dropped engines leave the entries, their LRU order, the evictions and the per-medium sizes
     of an OrderedDict of (hash, engine, medium) that evicts after each event. Cost: about 1 s."""
-    from collections import Counter, OrderedDict
+    from collections import Counter
 
     idx, ref = InMemoryPrefixIndex(max_entries=bound), OrderedDict[tuple[int, str, str], None]()
     epochs, evicted = {"a": 1, "b": 1}, 0
     for op, engine, medium, hashes in ops:
-        if op in ("stored", "compact"):
-            if op == "stored":
-                idx.apply(engine, epochs[engine], [stored([h], medium) for h in hashes])
-            else:
-                idx.apply_compact(engine, epochs[engine], medium, list(hashes), [1] * len(hashes))
-            for h in hashes:  # one event per hash: evict after each
-                ref[(h, engine, medium)] = None
-                ref.move_to_end((h, engine, medium))
-                while len(ref) > bound:
-                    ref.popitem(last=False)
-                    evicted += 1
-        elif op == "removed":
-            idx.apply_compact(engine, epochs[engine], medium, list(hashes), [1] * len(hashes), b"\x02" * len(hashes))
-            for h in hashes:
-                ref.pop((h, engine, medium), None)
-        else:
-            if op == "cleared":
-                idx.apply(engine, epochs[engine], [AllBlocksCleared(medium=medium)])
-            elif op == "epoch":
-                epochs[engine] += 1
-                idx.apply(engine, epochs[engine], [])
-            else:
-                idx.remove_engine(engine)
-            for key in [k for k in ref if k[1] == engine and (op != "cleared" or k[2] == medium)]:
-                del ref[key]
+        evicted += _apply_to_both(idx, ref, op, engine, medium, hashes, epochs, bound)
         assert list(idx.entries()) == list(ref)
         assert idx.stats().num_evicted == evicted
         assert idx.blocks_by_medium() == dict(Counter(m for _, _, m in ref))
@@ -280,36 +290,12 @@ def test_match_equals_a_reference_after_random_histories(ops: list[tuple[str, st
     the matched entries block by block, in slot order within a block (the reference reads the
     slots from the index), so the LRU order and every later eviction stay those of the
     reference. Cost: about 2 s."""
-    from collections import OrderedDict
-
     idx, ref = InMemoryPrefixIndex(max_entries=bound), OrderedDict[tuple[int, str, str], None]()
     epochs = {"a": 1, "b": 1, "c": 1}
     for op, engine, medium, hashes in ops:
         if op == "match":  # the prompt and each of its suffixes in turn
             for prompt in [hashes[i:] for i in range(len(hashes))]:
                 _match_and_touch(idx, ref, prompt, epochs)
-        elif op in ("compact", "stored"):
-            if op == "stored":
-                idx.apply(engine, epochs[engine], [stored([h], medium) for h in hashes])
-            else:
-                idx.apply_compact(engine, epochs[engine], medium, list(hashes), [1] * len(hashes))
-            for h in hashes:
-                ref[(h, engine, medium)] = None
-                ref.move_to_end((h, engine, medium))
-                while len(ref) > bound:
-                    ref.popitem(last=False)
-        elif op == "removed":
-            idx.apply_compact(engine, epochs[engine], medium, list(hashes), [1] * len(hashes), b"\x02" * len(hashes))
-            for h in hashes:
-                ref.pop((h, engine, medium), None)
         else:
-            if op == "cleared":
-                idx.apply(engine, epochs[engine], [AllBlocksCleared(medium=medium)])
-            elif op == "epoch":
-                epochs[engine] += 1
-                idx.apply(engine, epochs[engine], [])
-            else:
-                idx.remove_engine(engine)
-            for key in [k for k in ref if k[1] == engine and (op != "cleared" or k[2] == medium)]:
-                del ref[key]
+            _apply_to_both(idx, ref, op, engine, medium, hashes, epochs, bound)
         assert list(idx.entries()) == list(ref)
