@@ -76,11 +76,13 @@ class LLMEngine:
                  hash_seed: str = DEFAULT_HASH_SEED, kv_medium: str = "", torch_threads: int = 0,
                  num_blocks: int | None = None, rank_init: RankInitHook | None = None,
                  scheduler_connector: SchedulerConnector | None = None, load_tokenizer: bool = True,
-                 devices: str = "", gpu_memory_fraction: float = 0.0) -> None:
+                 devices: str = "", gpu_memory_fraction: float = 0.0, tp_timeout_s: float = 300.0) -> None:
         if tp < 1:
             raise ValueError(f"tp must be >= 1, got {tp}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if tp_timeout_s <= 0:
+            raise ValueError(f"tp_timeout_s must be > 0, got {tp_timeout_s}")
         if model is None or str(model) == "":
             from engine.demo_model import demo_model_dir
 
@@ -109,7 +111,7 @@ class LLMEngine:
         self._order = 0
         logger.info("engine on %s (tp %d)", self.device_plan.describe(), tp)
         self.workers = Workers(RankSetup(self.model_config, self.kv_cache_spec, self.device_plan.rank_devices,
-                                         threads, rank_init))
+                                         threads, rank_init, timeout_s=tp_timeout_s))
         # Finished ids reach the worker connectors even in a step with nothing to compute.
         self._has_connectors = rank_init is not None
         self._closed = False

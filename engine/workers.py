@@ -11,6 +11,13 @@ Per step, every rank drives its optional worker-side connector: `start_load_kv(m
 forward, `wait_for_save()` after, then `collect_output(...)`; a non-empty output is handed to
 the connector's `report_output(output)` when it has one (the services wire that to the rank's
 control stream), otherwise rank 0 keeps it for `LLMEngine.take_connector_outputs()`.
+
+Idle ranks never time out: ranks 1..N wait for the next plan in a gloo broadcast bounded by the
+group's timeout (`RankSetup.timeout_s`, which also bounds every all-reduce of a step), and rank 0
+broadcasts only when there is work — so while the engine is idle, a keepalive thread on rank 0
+broadcasts `KEEPALIVE` every `keepalive_s` (a quarter of the timeout, at most 30 s). The waits
+stay bounded, so a rank whose peer died or hung still fails within the timeout; a rank 0 killed
+outright closes its gloo connections and the others fail at once.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +49,15 @@ RankInitHook = Callable[[int, int, torch.Tensor, KVCacheSpec], WorkerConnector |
 """(rank, tp_size, kv_cache, spec) -> WorkerConnector | None; must be picklable for tp > 1."""
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+KEEPALIVE = "keepalive"
+"""What rank 0 broadcasts instead of a plan while idle; the other ranks wait again."""
+MAX_KEEPALIVE_S = 30.0
+
+
+def keepalive_interval(timeout_s: float) -> float:
+    """How often an idle rank 0 broadcasts: well inside the ranks' wait timeout."""
+    return min(MAX_KEEPALIVE_S, timeout_s / 4)
 
 
 @dataclass(slots=True)
@@ -177,7 +194,8 @@ def _rank_main(setup: RankSetup, rank: int) -> None:
             plan = group.broadcast_object(None)
             if plan is None:
                 break
-            worker.execute(plan)
+            if plan != KEEPALIVE:
+                worker.execute(plan)
     finally:
         worker.shutdown()
 
@@ -205,9 +223,17 @@ class Workers:
             self._wait_for_ranks(store, "started", setup.timeout_s)
             self.group = TPGroup(0, tp, store, setup.timeout_s, setup.devices[0])
         self.rank0 = RankWorker(setup, 0, self.group)
+        # Every broadcast and every step's collectives run under this lock, in one order on all ranks.
+        self._lock = threading.Lock()
+        self._last_broadcast = time.monotonic()
+        self._stop_keepalive = threading.Event()
+        self._keepalive: threading.Thread | None = None
         if self.group is not None:
             self._wait_for_ranks(store, "loaded", setup.timeout_s)
             self.group.broadcast_object("ready")
+            self._keepalive = threading.Thread(target=self._keep_alive, args=(keepalive_interval(setup.timeout_s),),
+                                               name="pdserve-tp-keepalive", daemon=True)
+            self._keepalive.start()
         logger.info("engine ranks ready (tp=%d, devices %s, %s, pid %d)", tp, ",".join(setup.devices),
                     setup.model_config.dtype, os.getpid())
 
@@ -244,13 +270,35 @@ class Workers:
         return self.rank0.kv_cache
 
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
-        if self.group is not None:
-            self.group.broadcast_object(plan)
-        return self.rank0.execute(plan)
+        with self._lock:
+            if self.group is not None:
+                self.group.broadcast_object(plan)
+                self._last_broadcast = time.monotonic()
+            return self.rank0.execute(plan)
+
+    def _keep_alive(self, interval_s: float) -> None:
+        """Broadcasts KEEPALIVE whenever no plan went out for `interval_s`; ends on shutdown or
+        when a broadcast fails (a dead rank: the engine loop's rank check reports it)."""
+        while not self._stop_keepalive.wait(interval_s / 4):
+            if time.monotonic() - self._last_broadcast < interval_s:
+                continue
+            with self._lock:
+                if self.group is None or self._stop_keepalive.is_set():
+                    return
+                try:
+                    self.group.broadcast_object(KEEPALIVE)
+                except RuntimeError as e:
+                    logger.error("tp keepalive broadcast failed (a rank died?): %s", e)
+                    return
+                self._last_broadcast = time.monotonic()
 
     def shutdown(self) -> None:
         # A collective with a dead rank can block until the gloo timeout: with one rank gone,
         # the others are terminated instead of asked.
+        self._stop_keepalive.set()
+        if self._keepalive is not None:
+            with self._lock:  # a keepalive in flight finishes first
+                pass
         all_alive = all(p.is_alive() for p in self.procs)
         if self.group is not None:
             if all_alive:

@@ -196,6 +196,8 @@ class EngineConfig:
     ucx_tls: str = opt("", "UCX_TLS for the KV data plane (empty: UCX's choice)")
     ucx_net_devices: str = opt("", "UCX_NET_DEVICES for the KV data plane")
     transfer_timeout_s: float = opt(5.0, "a KV pull not finished in this time fails")
+    tp_timeout_s: float = opt(300.0, "longest wait of one collective between an engine's TP ranks (a step's "
+                                     "all-reduce, a plan); idle ranks are kept alive, so idling is unbounded")
     lease_s: float = opt(30.0, "prefill blocks not pulled within the lease are freed")
     max_inflight_transfers: int = opt(64, "concurrent KV pulls per decode rank")
     drain_timeout_s: float = opt(60.0, "longest SIGTERM drain before exiting")
@@ -238,6 +240,7 @@ class EngineConfig:
         _require(self.max_num_batched_tokens >= self.block_size, "max_num_batched_tokens",
                  "must be >= block_size")
         _require(self.transfer_timeout_s > 0, "transfer_timeout_s", "must be > 0")
+        _require(self.tp_timeout_s > 0, "tp_timeout_s", "must be > 0")
         _require(self.lease_s > 0, "lease_s", "must be > 0")
         try:
             parse_size(self.kv_cache_memory)

@@ -59,7 +59,7 @@ def build_native_engine(cfg: EngineConfig, epoch: int, engine_address: str) -> N
                        max_model_len=cfg.max_model_len, dtype=cfg.dtype, device=cfg.device,
                        hash_seed=cfg.hash_seed, kv_medium=cfg.kv_medium, torch_threads=cfg.torch_threads,
                        rank_init=factory, scheduler_connector=connector, devices=cfg.devices,
-                       gpu_memory_fraction=cfg.gpu_memory_fraction)
+                       gpu_memory_fraction=cfg.gpu_memory_fraction, tp_timeout_s=cfg.tp_timeout_s)
     agent = engine.workers.rank0.connector
     assert isinstance(agent, RankAgent)
     return NativeEngine(engine, agent, connector)

@@ -73,3 +73,18 @@ def test_tp2_matches_tp1(tiny_model, make_engine, prompts_of) -> None:
     assert connector.calls[0] == "register" and connector.calls[1:3] == ["load", "save"]
     finished = [o for o in tp2.take_connector_outputs() if o.finished_sending]
     assert any("p" in o.finished_sending for o in finished)
+
+
+def test_tp2_idle_past_collective_timeout_then_serves(tiny_model, make_engine, prompts_of) -> None:
+    """Idle far longer than the ranks' collective timeout: the keepalive keeps rank 1 waiting,
+    and the engine still serves (without it rank 1 times out in its plan wait and exits)."""
+    import time
+
+    model = tiny_model("llama_gqa_llama3")
+    prompts = prompts_of([7], seed=3)
+    params = SamplingParams(max_tokens=8)
+    engine = make_engine(model.path, block_size=8, tp=2, torch_threads=1, tp_timeout_s=2.0)
+    before = engine.generate(prompts, params)
+    time.sleep(5.0)  # 2.5x the timeout, nothing to do
+    assert all(p.is_alive() for p in engine.workers.procs)
+    assert engine.generate(prompts, params) == before
