@@ -328,6 +328,14 @@ class LocalCluster:
         if sig == signal.SIGKILL:
             comp.proc.wait()
 
+    def component_names(self) -> list[str]:
+        return list(self.components)
+
+    def exit_status(self, name: str) -> int | None:
+        """None while the component runs (or was never started), else its exit status."""
+        proc = self.components[name].proc
+        return None if proc is None else proc.poll()
+
     def restart(self, name: str) -> None:
         comp = self.components[name]
         if comp.alive:

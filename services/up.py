@@ -12,6 +12,7 @@ from services.common.config import ENGINES, check_vllm_args, parse_vllm_args
 from services.common.logs import setup_logging
 from services.common.security import check_plaintext
 from services.local_cluster import ClusterSpec, LocalCluster
+from services.supervisor import Supervisor
 
 # The share of each GPU `pdserve up` gives to KV caches, split among the engine ranks on it;
 # the rest holds weights and activations.
@@ -192,11 +193,9 @@ def run(args: argparse.Namespace) -> int:
         for comp in cluster.components.values():
             if comp.metrics_port:
                 print(f"  metrics        http://{args.host}:{comp.metrics_port}/metrics   ({comp.name})")
-        print("Ctrl-C stops everything.", flush=True)
+        print("Ctrl-C stops everything; a component that exits is restarted (with backoff).", flush=True)
+        supervisor = Supervisor(cluster)
         while not stop.wait(0.5):
-            dead = [c.name for c in cluster.components.values() if not c.alive]
-            if dead:
-                print(f"pdserve up: {', '.join(dead)} exited; stopping the cluster", flush=True)
-                return 1
+            supervisor.poll()
     print("pdserve up: stopped", flush=True)
     return 0
