@@ -8,8 +8,14 @@ engines): the KV connector (`PdserveConnector`, `kv_role=kv_both`, the engine's 
 epoch in its extra config), the worker extension (`PdserveWorkerExtension`), prefix caching with
 `sha256_cbor` block hashes and `PYTHONHASHSEED` = the cluster's hash seed (vLLM's NONE_HASH), the
 block size, KV-cache events on a private `ipc://` ZMQ endpoint (forwarded by rank 0), the KV cache
-budget (`kv_cache_memory_bytes`), dtype (`auto` means float32 on CPU, as pdserve's engine), and
-`tensor_parallel_size`. Everything else is vLLM's default or the user's `--vllm-arg`.
+budget, dtype and `tensor_parallel_size`. Everything else is vLLM's default or the user's `--vllm-arg`.
+
+Defaults mean vLLM's own, so the defaults serve: `--dtype auto` is vLLM's auto (the checkpoint's
+dtype where the platform supports it); an unset `--max-model-len` is vLLM's auto-fit (`-1`: the
+model's context if the KV budget holds one such sequence, else the longest that fits — on CPU the
+budget is `--kv-cache-memory`, 256 MiB by default, smaller than a float32 8k-token context of the
+demo model). On CUDA the KV budget is `--gpu-memory-fraction` of the device's memory when set,
+else vLLM's `gpu_memory_utilization`; `--devices` becomes the workers' `CUDA_VISIBLE_DEVICES`.
 """
 
 from __future__ import annotations
@@ -59,6 +65,8 @@ class VllmEngineSettings:
     # vLLM's CPU worker forbids torch.set_num_threads, so this is OMP_NUM_THREADS of its workers
     # unless the environment sets that already.
     torch_threads: int = 0
+    gpu_memory_fraction: float = 0.0  # CUDA: each rank's KV budget as a share of its GPU; 0: vLLM's own
+    devices: str = ""  # CUDA: the GPUs of this engine's ranks ("0,1"), vLLM's CUDA_VISIBLE_DEVICES
 
 
 @dataclass(slots=True)
@@ -104,12 +112,36 @@ def events_endpoint(engine_id: str, epoch: int) -> str:
     return f"ipc://{tempfile.gettempdir()}/pdserve-kv-events-{safe}-{epoch:x}"
 
 
-def engine_args(s: VllmEngineSettings) -> AsyncEngineArgs:
-    dtype = "float32" if s.dtype == "auto" else s.dtype
+AUTO_FIT_MAX_MODEL_LEN = -1  # vLLM: the longest context the KV budget holds, up to the model's
+
+
+def kv_budget(s: VllmEngineSettings, *, cuda: bool, device_memory_bytes: int = 0) -> dict[str, Any]:
+    """vLLM's KV-budget arguments: on CPU `kv_cache_memory_bytes` from --kv-cache-memory; on CUDA
+    the --gpu-memory-fraction share of the device's memory, or nothing (vLLM's
+    `gpu_memory_utilization`, which --vllm-arg may set) when the fraction is 0."""
+    if not cuda:
+        return {"kv_cache_memory_bytes": s.kv_cache_bytes}
+    if s.gpu_memory_fraction > 0:
+        return {"kv_cache_memory_bytes": int(device_memory_bytes * s.gpu_memory_fraction)}
+    return {}
+
+
+def _cuda_memory_bytes() -> tuple[bool, int]:
+    """Whether vLLM runs on CUDA here, and the total memory of the first visible GPU."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda_alike():
+        return False, 0
+    import torch
+
+    return True, int(torch.cuda.get_device_properties(0).total_memory)
+
+
+def engine_args(s: VllmEngineSettings, *, cuda: bool = False, device_memory_bytes: int = 0) -> AsyncEngineArgs:
     kwargs: dict[str, Any] = dict(
-        model=s.model, tensor_parallel_size=s.tp, dtype=dtype, block_size=s.block_size,
-        kv_cache_memory_bytes=s.kv_cache_bytes, max_num_seqs=s.max_num_seqs,
-        max_num_batched_tokens=s.max_num_batched_tokens, max_model_len=s.max_model_len or None,
+        model=s.model, tensor_parallel_size=s.tp, dtype=s.dtype, block_size=s.block_size,
+        **kv_budget(s, cuda=cuda, device_memory_bytes=device_memory_bytes), max_num_seqs=s.max_num_seqs,
+        max_num_batched_tokens=s.max_num_batched_tokens, max_model_len=s.max_model_len or AUTO_FIT_MAX_MODEL_LEN,
         enable_prefix_caching=True, prefix_caching_hash_algo="sha256_cbor",
         worker_extension_cls=EXTENSION_CLS,
         kv_transfer_config=KVTransferConfig(kv_connector="PdserveConnector", kv_connector_module_path=CONNECTOR_MODULE,
@@ -149,14 +181,18 @@ class VllmEngine:
         self.view = SchedulerView()
 
     async def start(self) -> None:
-        if self.settings.block_size % CPU_BLOCK_MULTIPLE:
+        if self.settings.devices:
+            # Before vLLM (or torch) first touches CUDA in this process: its workers inherit it.
+            os.environ["CUDA_VISIBLE_DEVICES"] = self.settings.devices
+        cuda, device_memory = _cuda_memory_bytes()
+        if not cuda and self.settings.block_size % CPU_BLOCK_MULTIPLE:
             raise ValueError(f"block_size {self.settings.block_size}: vLLM's CPU attention needs a multiple of "
                              f"{CPU_BLOCK_MULTIPLE}; run the whole cluster (scheduler and engines) with "
                              f"--block-size {CPU_BLOCK_MULTIPLE}")
         os.environ["PYTHONHASHSEED"] = self.settings.connector.hash_seed  # vLLM's NONE_HASH, in its processes
         if self.settings.torch_threads > 0:
             os.environ.setdefault("OMP_NUM_THREADS", str(self.settings.torch_threads))
-        args = engine_args(self.settings)
+        args = engine_args(self.settings, cuda=cuda, device_memory_bytes=device_memory)
         self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger(self.view)])
         await self.llm.collective_rpc("pdserve_connect")
         logger.info("vLLM engine %s ready (%d KV blocks of %d tokens)", self.settings.connector.engine_id,

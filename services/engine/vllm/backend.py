@@ -104,7 +104,8 @@ class VllmBackend:
             model=cfg.model or _demo_model(), tp=cfg.tp, dtype=cfg.dtype, block_size=cfg.block_size,
             kv_cache_bytes=cfg.kv_cache_bytes, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len, connector=connector,
-            vllm_args=dict(getattr(cfg, "vllm", {}) or {}), torch_threads=cfg.torch_threads)
+            vllm_args=dict(getattr(cfg, "vllm", {}) or {}), torch_threads=cfg.torch_threads,
+            gpu_memory_fraction=cfg.gpu_memory_fraction, devices=cfg.devices)
         self.engine = VllmEngine(settings)
         await self.engine.start()
         await self._refresh_load()
