@@ -113,6 +113,10 @@ def test_every_process_exports_the_metrics_the_dashboards_use(tmp_path_factory: 
     assert "pdserve_scheduler_aggregator_pending_reports" in scheduler
     assert _total(scheduler, "pdserve_scheduler_registered_engines") >= 2
     assert _total(scheduler, "pdserve_events_published_total") > 0
+    # The native engine (tp 1 here) reports rank by rank: no report carries other ranks' events.
+    kinds = {labels["kind"]: v for name, labels, v in scheduler.get("pdserve_scheduler_rank_reports", [])
+             if name == "pdserve_scheduler_rank_reports_total"}
+    assert kinds.get("rank", 0) > 0 and kinds.get("merged", 0) == 0, kinds
     # Engines: load gauges, steps, finished requests, KV events.
     for fams in (prefill, decode):
         assert "pdserve_engine_kv_cache_usage_ratio" in fams
