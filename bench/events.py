@@ -4,10 +4,11 @@ pdserve (section "pdserve"): a scheduler in this process (real Control servicer 
 registry and per-rank aggregator, the republisher, the KVEvents gRPC service and the ZMQ PUB);
 a second process runs `--engines` x `--tp` simulated ranks, each a real `ControlClient` with its
 own control stream. Every engine step has `--batch-events` worker-side BlockStored events
-(medium CPU_OFFLOAD, one hash each: every rank holds its shard); with `--report-per engine` (the
-default) rank 0 reports them once for all its ranks (`StepReport.merged_event_ranks`), with
-`--report-per rank` each rank reports them itself; the aggregator publishes them once every rank
-is counted. With `--event-source engine` the same events are rank 0's engine events instead
+(medium CPU_OFFLOAD, one hash each: every rank holds its shard); with `--report-per rank` (the
+default: what pdserve's and vLLM's engines send) each rank reports them itself, with
+`--report-per engine` rank 0 reports them once for all its ranks (`StepReport.merged_event_ranks`,
+a protocol the scheduler accepts but no engine speaks yet); the aggregator publishes them once
+every rank is counted. With `--event-source engine` the same events are rank 0's engine events instead
 (`StepReport.engine_events`, or `compact_engine_events` with `--report-encoding compact`: the
 block pool's events as vLLM's forwarder hands them on), one report per engine step, not
 aggregated. With `--removed-share F` a fraction F (at most a half) of each step's events are
@@ -96,10 +97,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verify-compact", action="store_true",
                         help="the scheduler checks every compact report's three forms event by event "
                              "(a full decode: for tests, not for figures)")
-    parser.add_argument("--report-per", choices=["engine", "rank"], default="engine",
-                        help="one report per engine step (rank 0 carries every rank's identical worker "
-                             "events: StepReport.merged_event_ranks) or one per rank and step (the "
-                             "pre-issue-18 protocol)")
+    parser.add_argument("--report-per", choices=["engine", "rank"], default="rank",
+                        help="one report per rank and step (default: the protocol pdserve's and vLLM's "
+                             "engines speak) or one per engine step (rank 0 carries every rank's identical "
+                             "worker events: StepReport.merged_event_ranks; no engine sends these yet)")
     parser.add_argument("--rank-client", choices=["stream", "control-client"], default="stream",
                         help="simulated ranks as raw Control streams on one loop, or one ControlClient "
                              "(thread + loop) per rank")

@@ -10,10 +10,10 @@ demo model's tokenizer facts) and:
   always, with the engine load; other ranks only when they sent nothing since). Each engine steps at `--step-hz`; each step has `--events-per-step` worker-side BlockStored events
   (medium CPU_OFFLOAD, the same on every rank, encoded once per step into
   `packed_worker_events`: the aggregator publishes them once all ranks counted). With
-  `--report-per engine` (default) rank 0 reports every step, carrying the events for all its
-  ranks (`merged_event_ranks`), and the other ranks report a step only when it has transfer
-  results; with `--report-per rank` every rank reports every step, events and transfer
-  results. Rank 0 of each engine serves a real Engine gRPC service with no model: Prefill
+  `--report-per rank` (default: what pdserve's and vLLM's engines send) every rank reports every
+  step, events and transfer results; with `--report-per engine` rank 0 reports every step,
+  carrying the events for all its ranks (`merged_event_ranks`, accepted by the scheduler but
+  sent by no engine yet), and the other ranks report a step only when it has transfer results. Rank 0 of each engine serves a real Engine gRPC service with no model: Prefill
   answers a transfer descriptor with the prompt's leading blocks it already holds as cached
   tokens, and publishes the new ones (GPU BlockStored, on rank 0's next report) so prefix
   routing sees them (`prefix_hit_rate`: requests that found cached blocks); every prefill rank reports
@@ -75,10 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-hz", type=float, default=2.0, help="engine steps per second (each rank reports)")
     parser.add_argument("--events-per-step", type=int, default=16,
                         help="worker-side BlockStored events per rank report")
-    parser.add_argument("--report-per", choices=["engine", "rank"], default="engine",
-                        help="worker events once per engine step from rank 0 (StepReport.merged_event_ranks; "
-                             "other ranks report only transfer results) or from every rank (the "
-                             "pre-issue-18 protocol)")
+    parser.add_argument("--report-per", choices=["engine", "rank"], default="rank",
+                        help="worker events from every rank (default: the protocol the engines speak) or "
+                             "once per engine step from rank 0 (StepReport.merged_event_ranks; other ranks "
+                             "report only transfer results; no engine sends these yet)")
     parser.add_argument("--worker-events", choices=["packed", "compact"], default="packed",
                         help="the form of the events in rank reports: packed (packed_worker_events and "
                              "engine_events.events, every pass's figures) or compact (compact_worker_events and "

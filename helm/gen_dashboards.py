@@ -199,6 +199,8 @@ def disaggregation() -> Board:
                                         "{{engine}}")])
     b.ts("Oldest pending report age", [q("max by (engine) (pdserve_scheduler_aggregator_oldest_pending_age_seconds)",
                                          "{{engine}}")], "s")
+    b.ts("Step reports / s by kind (rank: one rank's events; merged: several ranks')", [
+        q(f"sum by (kind) (rate(pdserve_scheduler_rank_reports_total[{RI}]))", "{{kind}}")], "ops")
     b.ts("Ranks by role and state", [q("sum by (role, state) (pdserve_scheduler_registered_ranks)",
                                        "{{role}} {{state}}")])
     b.ts("Control-stream reconnects", [

@@ -1,5 +1,5 @@
 """Micro-measure: the per-READ setup of the NIXL transport, one-off descriptor lists against
-prepared ones (docs/benchmarks.md, "KV pull across TP sizes").
+prepared ones (docs/decisions/0009-nixl-rma-transport.md).
 
 In one process, two NIXL agents (a writer region and a reader region of the benchmark's block
 geometry: 30 layers, 4 KV heads, head_dim 64, 16-token blocks, fp32). For a pull of N blocks,

@@ -35,7 +35,7 @@ validation, refusal, renewal and release are the tag transport's, message for me
 The handshake's worker-address slot carries a msgpack map {ucx: the UCX worker address of the
 control path, nixl: the NIXL agent metadata (its registered region's remote key), base: the
 region's address, nbytes}. nixl is optional at runtime: `NixlUnavailable` names the package.
-Why NIXL, and what it measured: docs/architecture.md, "RMA transport (NIXL READ)".
+Why NIXL, and what it measured: docs/decisions/0009-nixl-rma-transport.md.
 """
 
 from __future__ import annotations

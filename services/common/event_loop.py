@@ -6,7 +6,7 @@ completion-queue poller thread through a socket the loop reads, which any loop i
 `add_reader` serves), uvicorn (it supports uvloop itself) and the ZMQ publisher (plain blocking
 sockets and a thread, no loop integration). asyncio is the default: on the machine this was
 measured on, uvloop did not lower the request path's cost, which sits in grpc aio's own layers
-(docs/architecture.md, "The per-request floor, fifth pass").
+(docs/decisions/0006-request-path-floor.md).
 """
 
 from __future__ import annotations

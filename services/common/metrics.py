@@ -126,6 +126,10 @@ _SPECS = (
                "Per-rank reports waiting for the rest of their engine's ranks", ("engine",)),
     MetricSpec("pdserve_scheduler_aggregator_oldest_pending_age_seconds", _G,
                "Age of the oldest incomplete per-rank report (0 when none is pending)", ("engine",)),
+    MetricSpec("pdserve_scheduler_rank_reports_total", _C,
+               "StepReports applied, by kind: rank (one rank's own events) or merged (carrying other ranks' "
+               "events too, StepReport.merged_event_ranks): which reporting protocol the engines speak",
+               ("kind",)),
     MetricSpec("pdserve_scheduler_registered_engines", _G, "Engines known to the scheduler, by role and state",
                ("role", "state")),
     MetricSpec("pdserve_scheduler_registered_ranks", _G, "Ranks known to the scheduler, by role and state",
@@ -324,7 +328,7 @@ class SchedulerMetrics(_Group):
               "pdserve_scheduler_retries_total", "pdserve_scheduler_lease_outcomes_total",
               "pdserve_scheduler_control_reconnects_total", "pdserve_scheduler_registrations_refused_total",
               "pdserve_scheduler_client_refused_total", "pdserve_scheduler_client_streams",
-              "pdserve_scheduler_http_requests_total")
+              "pdserve_scheduler_http_requests_total", "pdserve_scheduler_rank_reports_total")
 
     def __init__(self, registry: CollectorRegistry) -> None:
         super().__init__(registry)
@@ -398,6 +402,10 @@ class SchedulerMetrics(_Group):
     def count_lease_outcome(self, outcome: str) -> None:
         """released | aborted | expired | duplicate (a later, no-op release)."""
         self._labelled("pdserve_scheduler_lease_outcomes_total", outcome).inc()
+
+    def count_rank_report(self, merged: bool) -> None:
+        """A StepReport applied: kind "merged" when it carries other ranks' events, else "rank"."""
+        self._labelled("pdserve_scheduler_rank_reports_total", "merged" if merged else "rank").inc()
 
     def count_control_reconnect(self, engine: str) -> None:
         self._m["pdserve_scheduler_control_reconnects_total"].labels(engine=engine).inc()

@@ -751,6 +751,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             try:
                 self.apply_report(engine, conn.rank_id, report)
                 self.counters["reports_applied"] += 1
+                self.telemetry.metrics.count_rank_report(bool(report.merged_event_ranks))
             except CompactEventsError as e:
                 self.counters["reports_malformed"] += 1
                 self.counters["reports_malformed_compact_events"] += 1

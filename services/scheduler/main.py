@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
 # generation fills with ~6 live objects per stream heard from, not with garbage: at 1,024 ranks
 # a young collection walked 8-12k objects (2-5 ms) about four times a second. At 5,000 they run
 # ~4x less often, each walking about as many (bounded by the streams' pending reads), and the
-# middle generation's passes, every tenth young one, likewise (docs/benchmarks.md, sixth pass).
+# middle generation's passes, every tenth young one, likewise (docs/decisions/0004-gc-untracked-long-lived-state.md).
 GC_YOUNG_THRESHOLD = 5000
 
 

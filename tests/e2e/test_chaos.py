@@ -49,10 +49,12 @@ def test_chaos_killed_rank_takes_its_engine_down_and_loses_nothing(tmp_path: Pat
     assert report.completed > 0 and report.leaks == {}, summary
 
 
-@pytest.mark.parametrize("bad", [dict(duration_s=0.0), dict(num_decode=0), dict(concurrency=0),
-                                 dict(tp=0)])
-def test_chaos_config_refuses_bad_values(bad: dict[str, float]) -> None:
-    with pytest.raises(ValueError, match='must be > 0|must be >= 1|need >= 1 decode'):
+@pytest.mark.parametrize(("bad", "message"), [(dict(duration_s=0.0), "deadline must be > 0"),
+                                              (dict(num_decode=0), "need >= 1 decode"),
+                                              (dict(concurrency=0), "max_tokens must be >= 1"),
+                                              (dict(tp=0), "tp must be >= 1")])
+def test_chaos_config_refuses_bad_values(bad: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
         ChaosConfig(**bad).validate()  # type: ignore[arg-type]
 
 

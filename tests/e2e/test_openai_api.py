@@ -82,7 +82,9 @@ def test_completions_with_token_ids_match_the_grpc_api(cluster: LocalCluster, cl
         assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
             len(prompt), MAX_TOKENS, len(prompt) + MAX_TOKENS)
         assert usage.prompt_tokens_details.cached_tokens == usage.cached_tokens
-        assert usage.transferred_tokens + usage.cached_tokens >= len(prompt) - 1, "the KV came over UCX or a cache"
+        # The remote path (the cluster forces it): the decode engine pulled what it lacked over UCX,
+        # at least the prompt's last block (a sum with cached_tokens held on any path).
+        assert usage.transferred_tokens > 0, usage
     batch = client.completions.create(model=model, prompt=prompts[:2], max_tokens=MAX_TOKENS, temperature=0,
                                       extra_body=extra)
     assert [c.token_ids for c in sorted(batch.choices, key=lambda c: c.index)] == reference[:2]  # type: ignore[attr-defined]

@@ -27,31 +27,45 @@ def _generate(target: str, prompt: list[int], max_tokens: int = 4) -> Generation
 
 def test_requests_follow_the_prefill_engine_that_holds_their_prefix(
         tmp_path_factory: pytest.TempPathFactory) -> None:
-    c = start_cluster(tmp_path_factory, "routing", num_prefill=2, scheduler_args=["--routing-policy", "prefix"])
+    c = start_cluster(tmp_path_factory, "routing", num_prefill=2, metrics=True,
+                      scheduler_args=["--routing-policy", "prefix"])
     try:
+        scheduler_port = c.components["scheduler"].metrics_port or 0
         prefix_a = [1000 + i for i in range(6 * BLOCK)]
         prefix_b = [5000 + i for i in range(6 * BLOCK)]
         first_a = _generate(c.target, prefix_a + [7, 8, 9])
         first_b = _generate(c.target, prefix_b + [7, 8, 9])
         holders = {"a": first_a.prefill_engine_id, "b": first_b.prefill_engine_id}
         assert holders["a"] and holders["b"]
+        # Cold prompts: nobody holds block 0, so both went by load.
+        assert _prefill_reasons(scheduler_port) == {"load": 2}
         for i in range(4):
             for name, prefix in (("a", prefix_a), ("b", prefix_b)):
                 result = _generate(c.target, prefix + [11 + i, 12 + i, 13 + i])
                 assert result.prefill_engine_id == holders[name], f"prefix {name} left its engine"
                 assert result.cached_tokens >= 6 * BLOCK - BLOCK, result
+        # Every warm prompt was routed because of its prefix, not by load or in turn.
+        assert _prefill_reasons(scheduler_port) == {"load": 2, "prefix": 8}
         # A new epoch of the engine holding prefix a: its index entries vanish at once, so the
-        # next prefix-a request is routed by load and finds no cached prefix on the prefill side.
+        # next prefix-a request is routed by load (no live engine holds its block 0).
         c.restart(holders["a"])
         c.wait_ready(2, 1, timeout=120)
         _wait_for_epoch_change(c, holders["a"])
         again = _generate(c.target, prefix_a + [99, 98])
         assert again.prefill_engine_id in ("prefill-0", "prefill-1")
-        if again.prefill_engine_id == holders["a"]:
-            assert again.cached_tokens < 6 * BLOCK - BLOCK or again.transferred_tokens > 0
+        assert _prefill_reasons(scheduler_port) == {"load": 3, "prefix": 8}
         assert c.wait_no_leaks() == {}
     finally:
         c.stop()
+
+
+def _prefill_reasons(port: int) -> dict[str, int]:
+    """The scheduler's prefill routing decisions so far, by reason (zero counts left out)."""
+    counts: dict[str, int] = {}
+    for name, labels, value in _scrape(port).get("pdserve_scheduler_routing_decisions", []):
+        if name == "pdserve_scheduler_routing_decisions_total" and labels["role"] == "prefill" and value:
+            counts[labels["reason"]] = counts.get(labels["reason"], 0) + int(value)
+    return counts
 
 
 def _wait_for_epoch_change(c, name: str) -> None:  # type: ignore[no-untyped-def]
@@ -99,6 +113,10 @@ def test_every_process_exports_the_metrics_the_dashboards_use(tmp_path_factory: 
     assert "pdserve_scheduler_aggregator_pending_reports" in scheduler
     assert _total(scheduler, "pdserve_scheduler_registered_engines") >= 2
     assert _total(scheduler, "pdserve_events_published_total") > 0
+    # The native engine (tp 1 here) reports rank by rank: no report carries other ranks' events.
+    kinds = {labels["kind"]: v for name, labels, v in scheduler.get("pdserve_scheduler_rank_reports", [])
+             if name == "pdserve_scheduler_rank_reports_total"}
+    assert kinds.get("rank", 0) > 0 and kinds.get("merged", 0) == 0, kinds
     # Engines: load gauges, steps, finished requests, KV events.
     for fams in (prefill, decode):
         assert "pdserve_engine_kv_cache_usage_ratio" in fams

@@ -20,6 +20,7 @@ def test_bench_events_quick(capsys: pytest.CaptureFixture[str]) -> None:
     result = json.loads(capsys.readouterr().out)
     pdserve, baseline = result["pdserve"], result["vllm"]
     assert pdserve["lost"] == 0 and pdserve["published_events"] > 0
+    assert pdserve["report_per"] == "rank"  # the default: the protocol the engines speak
     # the ranks' compact reports were taken whole (their three forms checked event by event)
     assert pdserve["report_encoding"] == "compact" and pdserve["reports_malformed"] == 0
     assert pdserve["subscribers"][0]["events"] == pdserve["published_events"]
@@ -73,10 +74,11 @@ def test_bench_events_plots_saved_results(capsys: pytest.CaptureFixture[str], tm
 
 
 def test_bench_scale_quick(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    # the non-default protocols and loop: one report per engine for a transfer, compact events, uvloop
+    # the non-default protocols and loop: merged reports (rank 0 carries every rank's events), one report
+    # per engine for a transfer, compact events, uvloop
     assert main(["bench", "scale", "--ranks", "8", "--tp", "2", "--duration", "2", "--sim-procs", "1",
-                 "--request-rate", "2", "--step-hz", "4", "--transfer-per", "engine", "--scheduler-loop", "uvloop",
-                 "--worker-events", "compact", "--json"]) == 0
+                 "--request-rate", "2", "--step-hz", "4", "--report-per", "engine", "--transfer-per", "engine",
+                 "--scheduler-loop", "uvloop", "--worker-events", "compact", "--json"]) == 0
     out = capsys.readouterr().out
     result = json.loads(out)
     saved = tmp_path / "run.json"
@@ -89,7 +91,7 @@ def test_bench_scale_quick(capsys: pytest.CaptureFixture[str], tmp_path: Path) -
     point = result["points"][0]
     assert result["ranks"] == 8 and point["engines"] == 4 and point["event_loop"] == "uvloop"
     assert result["config"]["transfer_per"] == point["transfer_per"] == "engine"
-    assert result["config"]["worker_events"] == "compact"
+    assert result["config"]["worker_events"] == "compact" and result["config"]["report_per"] == "engine"
     assert result["false_down"] == 0 and point["request_errors"] == {}
     assert point["requests_ok"] == point["requests_sent"] > 0
     assert result["events_per_s"] > 0 and point["rank_reports_per_s"] > 0

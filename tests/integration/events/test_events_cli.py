@@ -86,6 +86,8 @@ def test_zmq_replay_then_live_without_duplicates(capsys: pytest.CaptureFixture[s
 
 
 def test_bad_arguments_are_refused() -> None:
-    for argv in (["--from-seq", "-1"], ["--zmq-replay", "tcp://127.0.0.1:1"], ["--limit", "-2"]):
-        with pytest.raises(ValueError, match='--from-seq must be >= 0|--zmq-replay needs --zmq|--limit and --duration must be >= 0'):
+    for argv, message in ((["--from-seq", "-1"], "--from-seq must be >= 0"),
+                          (["--zmq-replay", "tcp://127.0.0.1:1"], "--zmq-replay needs --zmq"),
+                          (["--limit", "-2"], "--limit and --duration must be >= 0")):
+        with pytest.raises(ValueError, match=message):
             events_cli.run(parse(argv))

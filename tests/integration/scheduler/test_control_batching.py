@@ -156,6 +156,13 @@ def _stored(*hashes: int) -> list:  # type: ignore[type-arg]
     return [BlockStored((h,), None, (), 16, medium=MEDIUM_CPU_OFFLOAD) for h in hashes]
 
 
+def _reports_by_kind(servicer: ControlServicer | None) -> dict[str, float | None]:
+    """pdserve_scheduler_rank_reports_total by kind (None: that kind never counted)."""
+    assert servicer is not None
+    read = servicer.telemetry.prometheus.get_sample_value
+    return {kind: read("pdserve_scheduler_rank_reports_total", {"kind": kind}) for kind in ("rank", "merged")}
+
+
 async def test_one_report_per_engine_step_counts_the_events_for_every_merged_rank(harness: ControlHarness) -> None:
     ranks = [await harness.connect(hello("p0", "prefill", tp_rank=r, tp_size=4, epoch=78)) for r in range(4)]
     assert all(c.welcome is not None and c.welcome.accepts_merged_worker_events for c in ranks)
@@ -180,6 +187,8 @@ async def test_one_report_per_engine_step_counts_the_events_for_every_merged_ran
     ranks[2].report(StepReport(worker_events=_stored(23)))
     await eventually(lambda: servicer.counters["reports_applied"] == 7)
     assert len(harness.sink.batches) == 2
+    # The metric tells which protocol the engine speaks: two merged reports, five of one rank.
+    assert _reports_by_kind(servicer) == {"rank": 5.0, "merged": 2.0}
 
 
 async def test_malformed_merged_event_ranks_are_dropped_and_acked(harness: ControlHarness) -> None:
@@ -197,6 +206,7 @@ async def test_malformed_merged_event_ranks_are_dropped_and_acked(harness: Contr
     counters = harness.servicer.counters  # type: ignore[union-attr]
     assert counters["reports_malformed"] == 4 and counters["reports_applied"] == 1
     assert [b.events[0].block_hashes for _, _, b in harness.sink.batches] == [(5,)]
+    assert _reports_by_kind(harness.servicer) == {"rank": None, "merged": 1.0}  # dropped reports are not counted
 
 
 async def test_control_client_refuses_merged_events_the_scheduler_does_not_accept(harness: ControlHarness) -> None:

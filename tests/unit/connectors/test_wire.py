@@ -136,15 +136,20 @@ def test_map_event_missing_optional_keys_are_nil() -> None:
     assert event == BlockStored((1,), None, (), 16)
 
 
-@pytest.mark.parametrize("data", [
-    b"", b"\xc1", pack(5), pack([1.0]), pack(["x", []]), pack([1.0, {}]), pack([1.0, [7]]),
-    pack([1.0, [[]]]), pack([1.0, [["BlockRemoved", [-1], None]]]),
-    pack([1.0, [["BlockRemoved", ["h"], None]]]), pack([1.0, [], "dp"]),
-    pack([1.0, [{"type": "BlockStored", "block_hashes": [1], "token_ids": "abc"}]]),
-    pack([1.0, []]) + b"\x00",
+@pytest.mark.parametrize(("data", "message"), [
+    (b"", "not a msgpack document"), (b"\xc1", "not a msgpack document"),
+    (pack(5), "batch must be an array or a map, got int"),
+    (pack([1.0]), r"batch array needs at least \[ts, events\], got 1 elements"),
+    (pack(["x", []]), "ts must be a number, got str"), (pack([1.0, {}]), "events must be an array, got dict"),
+    (pack([1.0, [7]]), "event must be an array or a map, got int"), (pack([1.0, [[]]]), "empty event array"),
+    (pack([1.0, [["BlockRemoved", [-1], None]]]), "block hash must be uint64 or bin, got int"),
+    (pack([1.0, [["BlockRemoved", ["h"], None]]]), "block hash must be uint64 or bin, got str"),
+    (pack([1.0, [], "dp"]), "data_parallel_rank must be an int or nil, got str"),
+    (pack([1.0, [{"type": "BlockStored", "block_hashes": [1], "token_ids": "abc"}]]), "token_ids must be an array of ints"),
+    (pack([1.0, []]) + b"\x00", "not a msgpack document: .*extra data"),
 ])
-def test_malformed_batches_raise_wire_format_error(data: bytes) -> None:
-    with pytest.raises(WireFormatError, match='must be|not a msgpack document|empty event array|needs at least'):
+def test_malformed_batches_raise_wire_format_error(data: bytes, message: str) -> None:
+    with pytest.raises(WireFormatError, match=message):
         decode_batch(data)
 
 
