@@ -13,6 +13,12 @@ after the wheels are installed, on one H200 from a bare machine):
   a device-to-device copy in one process (the physical limit), the explicit host bounce
   (`--kv-staging host`, labelled) and NIXL's VRAM READ where its wheel is installed.
 
+Every section runs in a process of its own under a hard time limit (`--section-limit-s`, never
+past the overall budget): a section that stalls — a hung collective, a UCX endpoint that never
+connects — is ended (SIGTERM, which stops a cluster it started, then SIGKILL) and reported with
+the reason, and the report is written either way. `PDSERVE_GPU_CHECK_STALL=<section>` makes that
+section hang, to exercise this path.
+
 `--dry-run` runs every section on the CPU at tiny sizes (what `make test` runs, so the script
 cannot rot while no GPU is lent); the report says `"device": "cpu", "dry_run": true` and the
 transfer baseline is then a host memcpy. Exit status 0 only when every section passed.
@@ -23,7 +29,9 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import platform
+import signal
 import statistics
 import sys
 import tempfile
@@ -58,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="every section on the CPU at tiny sizes (no GPU)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of " + ",".join(SECTIONS))
     parser.add_argument("--budget-s", type=float, default=420.0, help="time for all sections; later ones are skipped")
+    parser.add_argument("--section-limit-s", type=float, default=240.0,
+                        help="hard limit of one section (also never past the budget): a stalled section is ended "
+                             "and reported")
     parser.add_argument("--new-tokens", type=int, default=24, help="greedy tokens per parity / cluster prompt")
     parser.add_argument("--sizes", default="16,64,256,1024", help="blocks per KV pull in the transfer section")
     parser.add_argument("--iters", type=int, default=5, help="timed pulls per size and method (median)")
@@ -66,8 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     sections = [s for s in args.sections.split(",") if s]
-    if set(sections) - set(SECTIONS) or args.iters < 1 or args.budget_s <= 0:
-        raise ValueError(f"--sections must name only {SECTIONS}; --iters >= 1; --budget-s > 0")
+    if set(sections) - set(SECTIONS) or args.iters < 1 or args.budget_s <= 0 or args.section_limit_s <= 0:
+        raise ValueError(f"--sections must name only {SECTIONS}; --iters >= 1; --budget-s > 0; --section-limit-s > 0")
     device = "cpu" if args.dry_run else "cuda"
     if device == "cuda":
         _require_cuda()
@@ -94,20 +105,65 @@ def _require_cuda() -> None:
         raise DeviceUnavailableError(missing_cuda_message(host) + " (or run with --dry-run)")
 
 
+STALL_ENV = "PDSERVE_GPU_CHECK_STALL"
+TERM_GRACE_S = 20.0
+
+
 def _run_section(name: str, ctx: CheckContext) -> dict[str, Any]:
-    runners: dict[str, Callable[[CheckContext], dict[str, Any]]] = {
-        "parity": check_parity, "cluster": check_cluster, "transfer": check_transfer}
+    """Runs one section in a spawned process under min(--section-limit-s, budget left); its
+    result, or why it has none (an exception, a stall ended at the limit, a crash)."""
     if ctx.remaining_s() <= 0:
         return {"ok": False, "skipped": "the time budget ran out before this section"}
-    _log(f"{name}: starting ({ctx.remaining_s():.0f} s of budget left)")
+    limit = min(ctx.args.section_limit_s, ctx.remaining_s())
+    _log(f"{name}: starting (limit {limit:.0f} s, {ctx.remaining_s():.0f} s of budget left)")
     t0 = time.monotonic()
-    try:
-        result = runners[name](ctx)
-    except Exception as e:
-        result = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+    spawn = mp.get_context("spawn")
+    receiver, sender = spawn.Pipe(duplex=False)
+    proc = spawn.Process(target=_section_main, args=(name, ctx, sender), name=f"gpu-check-{name}")
+    proc.start()
+    sender.close()
+    result = _await_section(proc, receiver, limit)
     result["seconds"] = round(time.monotonic() - t0, 2)
     _log(f"{name}: {'ok' if result.get('ok') else 'FAILED'} in {result['seconds']} s")
     return result
+
+
+def _await_section(proc: Any, receiver: Connection, limit: float) -> dict[str, Any]:
+    result: dict[str, Any] | None = None
+    if receiver.poll(limit):
+        try:
+            result = receiver.recv()
+        except EOFError:  # the process died without an answer
+            result = None
+    if result is None and proc.is_alive():
+        proc.terminate()  # SIGTERM: the section's `with` blocks stop what they started
+        proc.join(TERM_GRACE_S)
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+        return {"ok": False, "error": f"stalled: no result within the section's limit of {limit:.0f} s; ended"}
+    proc.join(TERM_GRACE_S)
+    if result is None:
+        return {"ok": False, "error": f"the section's process exited with status {proc.exitcode} and no result"}
+    return result
+
+
+def _section_main(name: str, ctx: CheckContext, sender: Connection) -> None:
+    signal.signal(signal.SIGTERM, _exit_on_term)
+    runners: dict[str, Callable[[CheckContext], dict[str, Any]]] = {
+        "parity": check_parity, "cluster": check_cluster, "transfer": check_transfer}
+    try:
+        if os.environ.get(STALL_ENV) == name:
+            while True:
+                time.sleep(3600)
+        result = runners[name](ctx)
+    except Exception as e:
+        result = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+    sender.send(result)
+
+
+def _exit_on_term(signum: int, frame: Any) -> None:
+    raise SystemExit(f"ended by signal {signum}")
 
 
 def _write(report: dict[str, Any], started: float, out: Path) -> None:
