@@ -78,6 +78,9 @@ class VllmDelta:
     finish_reason: str | None
     num_cached_tokens: int
     kv_transfer_params: dict[str, Any] | None
+    # Of num_cached_tokens, those vLLM loaded through the KV connector (its PrefillStats'
+    # num_external_cached_tokens), on the request's first delta; None on the others.
+    num_external_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -172,6 +175,24 @@ def sampling_params(p: SamplingParams, *, max_tokens: int, kv_transfer_params: d
         extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None)
 
 
+def _record_external_tokens(processor: Any, into: dict[str, int]) -> None:
+    """Wraps vLLM's output processor so that each request's first output records how many of its
+    prompt tokens vLLM loaded through the KV connector (`PrefillStats.num_external_cached_tokens`,
+    by external request id) before the output reaches the request's stream. vLLM's
+    RequestOutput carries only the sum of local prefix hits and loaded tokens."""
+    process_outputs = processor.process_outputs
+
+    def recording(engine_core_outputs: list[Any], *args: Any, **kwargs: Any) -> Any:
+        for output in engine_core_outputs:
+            stats = output.prefill_stats
+            state = processor.request_states.get(output.request_id) if stats is not None else None
+            if state is not None:
+                into[state.external_req_id] = int(stats.num_external_cached_tokens)
+        return process_outputs(engine_core_outputs, *args, **kwargs)
+
+    processor.process_outputs = recording
+
+
 class VllmEngine:
     """vLLM's async engine with pdserve's connector (see the module docstring)."""
 
@@ -179,6 +200,7 @@ class VllmEngine:
         self.settings = settings
         self.llm: AsyncLLM | None = None
         self.view = SchedulerView()
+        self._external_tokens: dict[str, int] = {}  # vLLM's external request id -> connector-loaded tokens
 
     async def start(self) -> None:
         if self.settings.devices:
@@ -194,6 +216,7 @@ class VllmEngine:
             os.environ.setdefault("OMP_NUM_THREADS", str(self.settings.torch_threads))
         args = engine_args(self.settings, cuda=cuda, device_memory_bytes=device_memory)
         self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger(self.view)])
+        _record_external_tokens(self.llm.output_processor, self._external_tokens)
         await self.llm.collective_rpc("pdserve_connect")
         logger.info("vLLM engine %s ready (%d KV blocks of %d tokens)", self.settings.connector.engine_id,
                     self.num_blocks(), self.settings.block_size)
@@ -210,10 +233,14 @@ class VllmEngine:
                        ) -> AsyncIterator[VllmDelta]:
         """Streams the request's deltas; cancelling the iteration aborts it in vLLM."""
         assert self.llm is not None
-        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids), params, request_id):
-            completion = out.outputs[0]
-            yield VllmDelta(list(completion.token_ids), completion.text, completion.finish_reason,
-                            int(out.num_cached_tokens or 0), out.kv_transfer_params)
+        try:
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids), params, request_id):
+                completion = out.outputs[0]
+                yield VllmDelta(list(completion.token_ids), completion.text, completion.finish_reason,
+                                int(out.num_cached_tokens or 0), out.kv_transfer_params,
+                                self._external_tokens.pop(request_id, None))
+        finally:
+            self._external_tokens.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
         assert self.llm is not None

@@ -223,3 +223,18 @@ def test_kill_9_vllm_decode_migrates_and_kill_9_vllm_prefill_recomputes(cluster:
             assert any(r.num_migrations > 0 for r, _ in outcomes), f"no request migrated off {victim}"
     survivors = [n for n in ("prefill-0", "prefill-1", "decode-0", "decode-1") if n not in killed]
     assert cluster.wait_no_leaks(survivors, timeout=60) == {}
+
+
+def test_transferred_tokens_count_only_kv_that_came_over_the_data_plane(cluster: LocalCluster) -> None:
+    """`transferred_tokens` is what vLLM loaded through the connector: the whole prompt's KV on a
+    cold decode engine (vLLM computes only the prefill's first token); with a local prefix hit on
+    the decode engine only the part after it — the hit is cached, not transferred (counted as
+    transferred before)."""
+    cold = [3000 + i for i in range(3 * BLOCK + 5)]
+    first = _generate(cluster.target, cold)
+    warm = [7000 + i for i in range(3 * BLOCK + 5)]
+    for name in ("decode-0", "decode-1"):  # whichever decode engine serves it holds its prefix
+        colocated(cluster, warm[:2 * BLOCK + 3], 1, name=name)
+    second = _generate(cluster.target, warm)
+    assert (first.cached_tokens, first.transferred_tokens) == (0, len(cold)), first
+    assert (second.cached_tokens, second.transferred_tokens) == (2 * BLOCK, len(warm) - 2 * BLOCK), second

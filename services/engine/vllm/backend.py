@@ -263,13 +263,11 @@ async def _generate(engine: VllmEngine, rid: str, prompt: list[int], params: Any
 
 
 def _split_cached(first: Any, request: DecodeInput) -> tuple[int, int]:
-    """(cached, transferred) prompt tokens. vLLM counts KV loaded by the connector as cached; the
-    part of it the descriptor covered counts as transferred (vLLM does not expose the split
-    between its local prefix hit and the pulled blocks, so a local hit inside the descriptor's
-    range is counted as transferred)."""
-    if request.descriptor is None:
+    """(cached, transferred) prompt tokens. vLLM counts both its local prefix hit and the KV its
+    connector loaded as cached; the loaded part (vLLM's own per-request count) is transferred."""
+    if request.descriptor is None or first.num_external_tokens is None:
         return first.num_cached_tokens, 0
-    transferred = min(first.num_cached_tokens, request.descriptor.num_tokens)
+    transferred = min(first.num_external_tokens, first.num_cached_tokens)
     return first.num_cached_tokens - transferred, transferred
 
 
