@@ -170,3 +170,16 @@ def plan_devices(device: str, dtype: str, tp: int, devices: str = "", host: Host
     kind = resolve_kind(device, host)
     ids = parse_devices(devices)
     return DevicePlan(kind, rank_devices(kind, tp, ids, host.num_gpus), resolve_dtype(dtype, kind, host.native_bf16))
+
+
+def bind_thread_device(device: str) -> None:
+    """Makes `device` ("cuda:N") the calling thread's current CUDA device; a no-op for "cpu".
+
+    CUDA's current device is per thread: binding it in the thread that built the engine leaves
+    every other thread on GPU 0, where a bare `torch.cuda.current_stream()` or synchronize
+    would wait on the wrong GPU and open a stray context. Each thread that steps a rank calls
+    this first."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(torch.device(device))
