@@ -179,6 +179,8 @@ def gpu_placement(args: argparse.Namespace, host: HostDevices | None = None) -> 
             raise ValueError("--gpus pretends a GPU count; it needs --plan")
         if args.gpus < 0:
             raise ValueError(f"--gpus must be >= 0, got {args.gpus}")
+        if args.gpus == 0 and args.device == "cuda":
+            raise ValueError("--device cuda with --gpus 0: no GPU to place engines on")
         host = HostDevices(args.gpus, "pretended" if args.gpus else None, cpu_has_native_bf16())
     host = host if host is not None else probe_host()
     kind = resolve_kind(args.device, host)

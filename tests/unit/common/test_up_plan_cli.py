@@ -45,7 +45,7 @@ def test_plan_with_shared_gpus_and_on_cpu() -> None:
      "1 prefill x tp 2 + 1 decode x tp 1 = 3 ranks need 3 GPUs, 2 available: add --share-gpus"),
     (("--gpus", "2", "--device", "cuda", "--decode-tp", "4", "--share-gpus"),
      "decode tp 4 needs 4 GPUs (one per rank), 2 available"),
-    (("--gpus", "0", "--device", "cuda"), "--device cuda: CUDA is not available"),
+    (("--gpus", "0", "--device", "cuda"), "--device cuda with --gpus 0: no GPU to place engines on"),
     (("--gpus", "-1",), "--gpus must be >= 0, got -1"),
 ])
 def test_a_shape_that_cannot_be_placed_exits_2_with_the_reason(argv: tuple[str, ...], reason: str) -> None:
