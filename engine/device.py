@@ -7,8 +7,8 @@ Contracts:
 - Rank r of an engine uses the r-th entry of `--devices` (indices among the GPUs
   `CUDA_VISIBLE_DEVICES` leaves visible; torch numbers them from 0), default the r-th visible
   GPU. A tensor-parallel engine needs as many distinct GPUs as ranks (NCCL runs one rank per
-  GPU); several engines may share one GPU (`pdserve up` on a single GPU), each with its own
-  share of memory.
+  GPU); several engines may share one GPU, each with its own share of memory (where
+  `pdserve up` puts every engine's ranks is services/placement.py).
 - dtype `auto`: bfloat16 on CUDA; on CPU bfloat16 where the CPU computes it natively (AVX512-BF16
   / AMX-BF16 on x86, the `bf16` feature on Arm), float32 elsewhere. Parity tests pin float32.
 """
@@ -172,21 +172,14 @@ def plan_devices(device: str, dtype: str, tp: int, devices: str = "", host: Host
     return DevicePlan(kind, rank_devices(kind, tp, ids, host.num_gpus), resolve_dtype(dtype, kind, host.native_bf16))
 
 
-def assign_gpus(num_engines: int, tp: int, num_gpus: int) -> list[tuple[int, ...]]:
-    """GPUs for `num_engines` engines of `tp` ranks on one host: ranks round-robin over the
-    GPUs, so one GPU carries several engines when there are more ranks than GPUs. Raises
-    ValueError when tp exceeds the GPUs (one engine's ranks need distinct GPUs)."""
-    if num_gpus < 1:
-        raise ValueError("no GPU to assign")
-    if tp > num_gpus:
-        raise ValueError(f"tp {tp} needs {tp} GPUs per engine; {num_gpus} visible")
-    return [tuple((e * tp + r) % num_gpus for r in range(tp)) for e in range(num_engines)]
+def bind_thread_device(device: str) -> None:
+    """Makes `device` ("cuda:N") the calling thread's current CUDA device; a no-op for "cpu".
 
+    CUDA's current device is per thread: binding it in the thread that built the engine leaves
+    every other thread on GPU 0, where a bare `torch.cuda.current_stream()` or synchronize
+    would wait on the wrong GPU and open a stray context. Each thread that steps a rank calls
+    this first."""
+    if device.startswith("cuda"):
+        import torch
 
-def engines_per_gpu(num_engines: int, tp: int, num_gpus: int) -> int:
-    """The most engine ranks `assign_gpus` puts on one GPU (each gets 1/that of its memory share)."""
-    counts = [0] * num_gpus
-    for gpus in assign_gpus(num_engines, tp, num_gpus):
-        for g in gpus:
-            counts[g] += 1
-    return max(counts)
+        torch.cuda.set_device(torch.device(device))

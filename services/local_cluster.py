@@ -100,6 +100,8 @@ class ClusterSpec:
     tls_dir: str = ""  # where the certificates go (default: a temporary directory, removed by stop())
     auth_tokens: list[str] = field(default_factory=list)  # bearer tokens of the client API and KV events
     engine_devices: list[str] = field(default_factory=list)  # --devices of engine i (prefill first); empty: none
+    # --gpu-memory-fraction of engine i, same order (services/placement.py); empty: none
+    engine_memory_fractions: list[float] = field(default_factory=list)
     dtype: str = ""  # --dtype of every engine; empty: the engines' default (parity tests pin float32)
     engine: str = "native"  # engine backend of every prefill and decode engine (--engine)
     vllm_args: list[str] = field(default_factory=list)  # KEY=VALUE, passed to every engine as --vllm-arg
@@ -209,11 +211,14 @@ class LocalCluster:
         port = free_port(s.host)
         slot = index if role == "prefill" else s.num_prefill + index
         devices = s.engine_devices[slot] if slot < len(s.engine_devices) else ""
+        fraction = s.engine_memory_fractions[slot] if slot < len(s.engine_memory_fractions) else 0.0
         argv = self._cli(role, "--engine-id", engine_id, "--scheduler", f"{s.host}:{self.control_port}",
                          "--host", s.host, "--port", str(port), "--tp", str(self.role_tp(role)), "--torch-threads", str(self.torch_threads),
                          "--metrics-port", str(metrics_port), "--kv-cache-memory", s.kv_cache_memory,
                          *(["--model", s.model] if s.model else []), *(["--dtype", s.dtype] if s.dtype else []),
-                         *(["--devices", devices] if devices else []), *self._backend_args(), *s.engine_args)
+                         *(["--devices", devices] if devices else []),
+                         *(["--gpu-memory-fraction", f"{fraction:.4f}"] if fraction else []),
+                         *self._backend_args(), *s.engine_args)
         return Component(engine_id, argv, metrics_port or None, f"{s.host}:{port}")
 
     def start(self, timeout: float = 180.0) -> None:

@@ -7,16 +7,14 @@ import signal
 import threading
 from dataclasses import dataclass
 
-from engine.device import HostDevices, assign_gpus, engines_per_gpu, probe_host, resolve_dtype, resolve_kind
+from engine.device import HostDevices, cpu_has_native_bf16, probe_host, resolve_dtype, resolve_kind
 from services.common.config import ENGINES, check_vllm_args, parse_vllm_args
 from services.common.logs import setup_logging
 from services.common.security import check_plaintext
 from services.local_cluster import ClusterSpec, LocalCluster
+from services.placement import DEFAULT_KV_SHARE, PlacementPlan, plan_placement
 from services.supervisor import Supervisor
 
-# The share of each GPU `pdserve up` gives to KV caches, split among the engine ranks on it;
-# the rest holds weights and activations.
-UP_GPU_KV_SHARE = 0.5
 VLLM_BLOCK_SIZE = 32  # vLLM 0.32's CPU attention takes block sizes that are multiples of 32
 
 
@@ -43,8 +41,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto",
                         help="float32, bfloat16, float16 or auto (bfloat16 on CUDA and on CPUs with native bf16)")
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.0,
-                        help=f"share of a GPU's memory each engine rank's KV cache takes; 0: {UP_GPU_KV_SHARE} "
+                        help=f"share of a GPU's memory each engine rank's KV cache takes; 0: {DEFAULT_KV_SHARE} "
                              "divided by the engine ranks sharing the GPU")
+    parser.add_argument("--exclusive-gpus", action="store_true",
+                        help="refuse a shape with more engine ranks than GPUs (default: engines then share "
+                             "GPUs, ranks round-robin, the KV share split between them)")
+    parser.add_argument("--plan", action="store_true",
+                        help="print which GPU every rank of every engine takes and each engine's KV share, "
+                             "start nothing, exit 0 (2 when the shape cannot be placed)")
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="with --plan: pretend this many GPUs instead of probing the host")
     parser.add_argument("--kv-staging", default="none", choices=("none", "host"),
                         help="host: GPU KV moves through pinned host memory (when UCX has no CUDA transport)")
     parser.add_argument("--kv-transport", default="ucx-tag", choices=("ucx-tag", "nixl"),
@@ -103,8 +109,6 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         engine_args += ["--kv-staging", args.kv_staging]
     if args.kv_transport != "ucx-tag":
         engine_args += ["--kv-transport", args.kv_transport]
-    if placement.kind == "cuda":
-        engine_args += ["--gpu-memory-fraction", f"{placement.memory_fraction:.4f}"]
     block_size = args.block_size or (VLLM_BLOCK_SIZE if args.engine == "vllm" else 0)
     if block_size:
         scheduler_args += ["--block-size", str(block_size)]
@@ -112,6 +116,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     return ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode, tp=args.tp,
                        prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
                        engine_devices=placement.engine_devices,
+                       engine_memory_fractions=placement.memory_fractions,
                        host=args.host, port=args.port, control_port=args.control_port,
                        events_port=args.events_port, http_port=args.http_port, metrics=args.metrics, torch_threads=args.torch_threads,
                        kv_cache_memory=args.kv_cache_memory, scheduler_args=scheduler_args,
@@ -134,49 +139,91 @@ def _check_engine(engine: str, vllm_args: list[str]) -> None:
 
 @dataclass(frozen=True, slots=True)
 class GpuPlacement:
-    """Where `pdserve up` puts the engines: kind, `--devices` per engine, each rank's KV share."""
+    """Where `pdserve up` puts the engines: kind, dtype and, on CUDA, every rank's GPU."""
 
     kind: str
     dtype: str
-    engine_devices: list[str]
-    memory_fraction: float
-    num_gpus: int
-    ranks_per_gpu: int = 0
+    plan: PlacementPlan | None = None  # None on CPU
+    pretended: bool = False  # the GPU count came from --gpus, not from the host
+
+    @property
+    def engine_devices(self) -> list[str]:
+        return self.plan.engine_devices() if self.plan is not None else []
+
+    @property
+    def memory_fractions(self) -> list[float]:
+        return self.plan.memory_fractions() if self.plan is not None else []
 
     def describe(self) -> str:
-        if self.kind == "cpu":
+        if self.plan is None:
             return f"cpu, dtype {self.dtype}"
-        return (f"cuda ({self.num_gpus} GPU(s), up to {self.ranks_per_gpu} engine rank(s) per GPU, KV "
-                f"{self.memory_fraction:.2f} of GPU memory per rank), dtype {self.dtype}")
+        busiest = max(len(self.plan.ranks_on(g)) for g in range(self.plan.num_gpus))
+        shares = sorted(set(self.memory_fractions))
+        return (f"cuda ({self.plan.num_gpus} GPU(s), up to {busiest} engine rank(s) per GPU, KV "
+                f"{'/'.join(f'{f:.2f}' for f in shares)} of GPU memory per rank), dtype {self.dtype}")
+
+    def render(self) -> list[str]:
+        """What `pdserve up --plan` prints."""
+        if self.plan is None:
+            return [f"cpu, dtype {self.dtype}: every rank on the CPU"]
+        source = "pretended by --gpus" if self.pretended else "visible"
+        return [f"cuda, {self.plan.num_gpus} GPU(s) {source}, dtype {self.dtype}", *self.plan.render()]
 
 
 def gpu_placement(args: argparse.Namespace, host: HostDevices | None = None) -> GpuPlacement:
-    """Resolves --device / --dtype for the whole cluster and spreads engine ranks over the GPUs.
-    Raises DeviceUnavailableError (exit 2, no process started) for --device cuda without CUDA."""
+    """Resolves --device / --dtype for the whole cluster and places every engine rank on the
+    GPUs (services/placement.py) by its role's TP. Raises DeviceUnavailableError for --device
+    cuda without CUDA and PlacementError for a shape the GPUs cannot hold (both ValueErrors:
+    exit 2, no process started)."""
+    if args.gpus is not None:
+        if not args.plan:
+            raise ValueError("--gpus pretends a GPU count; it needs --plan")
+        if args.gpus < 0:
+            raise ValueError(f"--gpus must be >= 0, got {args.gpus}")
+        if args.gpus == 0 and args.device == "cuda":
+            raise ValueError("--device cuda with --gpus 0: no GPU to place engines on")
+        host = HostDevices(args.gpus, "pretended" if args.gpus else None, cpu_has_native_bf16())
     host = host if host is not None else probe_host()
     kind = resolve_kind(args.device, host)
     dtype = resolve_dtype(args.dtype, kind, host.native_bf16)
-    num_engines = args.prefill + args.decode
+    pretended = args.gpus is not None
     if kind == "cpu":
-        return GpuPlacement(kind, dtype, [], 0.0, 0)
-    gpus = assign_gpus(num_engines, args.tp, host.num_gpus)
-    sharing = engines_per_gpu(num_engines, args.tp, host.num_gpus)
-    fraction = args.gpu_memory_fraction or UP_GPU_KV_SHARE / sharing
-    if not 0 < fraction * sharing < 1:
-        raise ValueError(f"--gpu-memory-fraction {fraction} times {sharing} ranks per GPU must stay below 1")
-    return GpuPlacement(kind, dtype, [",".join(map(str, g)) for g in gpus], fraction, host.num_gpus, sharing)
+        return GpuPlacement(kind, dtype, None, pretended)
+    plan = plan_placement(host.num_gpus, args.prefill, args.decode, args.prefill_tp or args.tp,
+                          args.decode_tp or args.tp, share_gpus=not args.exclusive_gpus,
+                          memory_fraction=args.gpu_memory_fraction)
+    return GpuPlacement(kind, dtype, plan, pretended)
+
+
+def print_plan(args: argparse.Namespace) -> int:
+    """`pdserve up --plan`: the placement, nothing started; a shape that cannot be placed raises
+    (exit 2 with the reason)."""
+    if args.prefill < 0 or args.decode < 1 or args.tp < 1 or args.prefill_tp < 0 or args.decode_tp < 0:
+        raise ValueError("need --prefill >= 0, --decode >= 1 and --tp, --prefill-tp, --decode-tp >= 1")
+    placement = gpu_placement(args)
+    print(f"pdserve up --plan: {args.prefill} prefill (tp {args.prefill_tp or args.tp}) and {args.decode} decode "
+          f"(tp {args.decode_tp or args.tp}) engine(s)")
+    for line in placement.render():
+        print(f"  {line}")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plan:
+        return print_plan(args)
     setup_logging(args.log_level, "up")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     spec = spec_from_args(args)
     cluster = LocalCluster(spec)
+    placement = gpu_placement(args)
     print("pdserve up: starting scheduler, "
           f"{args.prefill} prefill (tp {cluster.role_tp('prefill')}) and {args.decode} decode "
-          f"(tp {cluster.role_tp('decode')}) engine(s) on {gpu_placement(args).describe()} ...", flush=True)
+          f"(tp {cluster.role_tp('decode')}) engine(s) on {placement.describe()} ...", flush=True)
+    if placement.plan is not None:
+        for line in placement.plan.render():
+            print(f"  {line}")
     with cluster:
         flags = ""
         if cluster.pki is not None:

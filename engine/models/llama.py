@@ -1,6 +1,8 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2) over the paged KV cache, with TP sharding.
 
 Weights come from Hugging Face safetensors; q/k/v and gate/up are fused into one matrix each.
+Each rank reads only its own slices of the sharded tensors from the checkpoint and moves only
+those to its device (engine/models/checkpoint.py).
 Under tensor parallelism rank r holds attention heads [r*H/T, (r+1)*H/T), the KV heads of
 `connectors.head_map.rank_heads` (a split, or one replicated head when KV heads < T, as for
 MQA) and the matching MLP columns; o_proj and down_proj outputs are all-reduced. Embeddings and the LM head
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from connectors.head_map import rank_heads
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.config import ModelConfig, ModelLoadError, RopeConfig
+from engine.models.checkpoint import Checkpoint, Range
 
 AllReduce = Callable[[torch.Tensor], None]
 
@@ -70,7 +73,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 class LlamaModel:
     """One rank's shard of the model. `forward` returns the final hidden states [T, hidden]."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], *, rank: int = 0,
+    def __init__(self, config: ModelConfig, checkpoint: Checkpoint, *, rank: int = 0,
                  tp_size: int = 1, all_reduce: AllReduce | None = None, device: str = "cpu",
                  dtype: torch.dtype = torch.float32) -> None:
         config.check_tp(tp_size)
@@ -83,10 +86,10 @@ class LlamaModel:
         self.head_dim = config.head_dim
         self.scale = config.head_dim ** -0.5
         self.dtype, self.device = dtype, device
-        take = _Taker(weights, dtype, device)
+        take = _Taker(checkpoint, dtype, device)
         self.embed = take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
         self.norm = take("model.norm.weight", (config.hidden_size,))
-        if config.tie_word_embeddings and "lm_head.weight" not in weights:
+        if config.tie_word_embeddings and "lm_head.weight" not in checkpoint:
             self.lm_head = self.embed
         else:
             self.lm_head = take("lm_head.weight", (config.vocab_size, config.hidden_size))
@@ -102,28 +105,29 @@ class LlamaModel:
         c, r, t = self.config, self.rank, self.tp_size
         p = f"model.layers.{i}."
         hd = c.head_dim
-        q_rows = _shard_rows(take(p + "self_attn.q_proj.weight", (c.num_heads * hd, c.hidden_size)), r, t)
+        q = _shard(c.num_heads * hd, r, t)
         kv = (self.kv_heads[0] * hd, self.kv_heads[1] * hd)
-        k_rows = take(p + "self_attn.k_proj.weight", (c.num_kv_heads * hd, c.hidden_size))[kv[0]:kv[1]]
-        v_rows = take(p + "self_attn.v_proj.weight", (c.num_kv_heads * hd, c.hidden_size))[kv[0]:kv[1]]
+        inter = _shard(c.intermediate_size, r, t)
+        q_shape, kv_shape = (c.num_heads * hd, c.hidden_size), (c.num_kv_heads * hd, c.hidden_size)
+        qkv = torch.cat([take(p + "self_attn.q_proj.weight", q_shape, rows=q),
+                         take(p + "self_attn.k_proj.weight", kv_shape, rows=kv),
+                         take(p + "self_attn.v_proj.weight", kv_shape, rows=kv)])
         qkv_bias = None
         if c.qkv_bias:
-            qkv_bias = torch.cat([
-                _shard_rows(take(p + "self_attn.q_proj.bias", (c.num_heads * hd,)), r, t),
-                take(p + "self_attn.k_proj.bias", (c.num_kv_heads * hd,))[kv[0]:kv[1]],
-                take(p + "self_attn.v_proj.bias", (c.num_kv_heads * hd,))[kv[0]:kv[1]]])
-        o_bias = take.optional(p + "self_attn.o_proj.bias", (c.hidden_size,))
-        gate = _shard_rows(take(p + "mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size)), r, t)
-        up = _shard_rows(take(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size)), r, t)
+            qkv_bias = torch.cat([take(p + "self_attn.q_proj.bias", q_shape[:1], rows=q),
+                                  take(p + "self_attn.k_proj.bias", kv_shape[:1], rows=kv),
+                                  take(p + "self_attn.v_proj.bias", kv_shape[:1], rows=kv)])
+        mlp_shape = (c.intermediate_size, c.hidden_size)
         return LayerWeights(
             input_norm=take(p + "input_layernorm.weight", (c.hidden_size,)),
-            qkv=torch.cat([q_rows, k_rows, v_rows]).contiguous(),
+            qkv=qkv,
             qkv_bias=qkv_bias,
-            o_proj=_shard_cols(take(p + "self_attn.o_proj.weight", (c.hidden_size, c.num_heads * hd)), r, t),
-            o_bias=o_bias,
+            o_proj=take(p + "self_attn.o_proj.weight", (c.hidden_size, c.num_heads * hd), cols=q),
+            o_bias=take.optional(p + "self_attn.o_proj.bias", (c.hidden_size,)),
             post_norm=take(p + "post_attention_layernorm.weight", (c.hidden_size,)),
-            gate_up=torch.cat([gate, up]).contiguous(),
-            down=_shard_cols(take(p + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size)), r, t),
+            gate_up=torch.cat([take(p + "mlp.gate_proj.weight", mlp_shape, rows=inter),
+                               take(p + "mlp.up_proj.weight", mlp_shape, rows=inter)]),
+            down=take(p + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size), cols=inter),
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -162,43 +166,43 @@ class LlamaModel:
         return F.linear(hidden, self.lm_head)
 
 
-def _shard_rows(w: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
-    n = w.shape[0] // tp
-    return w[rank * n:(rank + 1) * n]
-
-
-def _shard_cols(w: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
-    n = w.shape[1] // tp
-    return w[:, rank * n:(rank + 1) * n].contiguous()
+def _shard(size: int, rank: int, tp: int) -> Range:
+    """Rank `rank`'s equal part [start, end) of `size` split over `tp` ranks."""
+    n = size // tp
+    return rank * n, (rank + 1) * n
 
 
 class _Taker:
-    """Pulls named tensors out of a checkpoint, checking shapes and reporting leftovers."""
+    """Reads named tensors (or their rank's slices) from a checkpoint, checking shapes and
+    reporting leftovers."""
 
     IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
-    def __init__(self, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str) -> None:
-        self.weights = weights
+    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, device: str) -> None:
+        self.checkpoint = checkpoint
         self.used: set[str] = set()
         self.dtype, self.device = dtype, device
 
-    def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if name not in self.weights:
+    def __call__(self, name: str, shape: tuple[int, ...], *, rows: Range | None = None,
+                 cols: Range | None = None) -> torch.Tensor:
+        """The tensor `name` of the full shape `shape`, or rows [a, b) / columns [c, d) of it,
+        in the model's dtype on its device (only the slice is read and moved)."""
+        if name not in self.checkpoint:
             raise ModelLoadError(f"checkpoint is missing tensor {name!r}")
-        return self._get(name, shape)
+        return self._get(name, shape, rows, cols)
 
     def optional(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
-        return self._get(name, shape) if name in self.weights else None
+        return self._get(name, shape, None, None) if name in self.checkpoint else None
 
-    def _get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        w = self.weights[name]
-        if tuple(w.shape) != shape:
-            raise ModelLoadError(f"tensor {name!r} has shape {tuple(w.shape)}, config implies {shape}")
+    def _get(self, name: str, shape: tuple[int, ...], rows: Range | None, cols: Range | None) -> torch.Tensor:
+        actual = self.checkpoint.shape(name)
+        if actual != shape:
+            raise ModelLoadError(f"tensor {name!r} has shape {actual}, config implies {shape}")
         self.used.add(name)
-        return w.to(dtype=self.dtype, device=self.device)
+        return self.checkpoint.read(name, rows, cols).to(dtype=self.dtype, device=self.device)
 
     def check_unused(self) -> None:
-        left = [n for n in self.weights if n not in self.used and not n.endswith(self.IGNORED_SUFFIXES)
+        left = [n for n in self.checkpoint.names if n not in self.used and not n.endswith(self.IGNORED_SUFFIXES)
                 and n != "lm_head.weight"]
         if left:
             raise ModelLoadError(f"checkpoint has {len(left)} tensors the model does not use, e.g. {left[:3]} "

@@ -2,7 +2,8 @@
 
 The engine is synchronous and not thread-safe; gRPC handlers, the control stream and timers
 hand it work with `call(fn)` (fn runs on the loop thread between steps) and receive outputs
-through the `deliver` callback. The loop steps only while there is schedulable work, so an
+through the `deliver` callback. On CUDA the loop thread makes rank 0's GPU its current device
+before anything else runs on it. The loop steps only while there is schedulable work, so an
 idle engine — or one whose requests all wait for remote KV — costs no CPU.
 
 Data-plane commands queued on the scheduler-side connector during a step (a prefill request
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from engine.device import bind_thread_device
 from engine.llm_engine import LLMEngine
 from engine.request import RequestOutput
 
@@ -94,6 +96,9 @@ class EngineLoop:
 
     def _main(self) -> None:
         try:
+            # The thread that built the engine bound rank 0's GPU for itself only (CUDA's current
+            # device is per thread); the step's bare current-stream synchronize runs here.
+            bind_thread_device(self.engine.device_plan.device_for(0))
             self._run()
         except BaseException:
             self.failed.set()

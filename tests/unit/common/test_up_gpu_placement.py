@@ -1,5 +1,6 @@
-"""`pdserve up --device cuda`: engines spread over the visible GPUs, each rank's KV share, the
-dtype and device printed — with hand-built hosts (no CUDA needed)."""
+"""`pdserve up --device cuda`: engines placed on the visible GPUs by their role's TP
+(services/placement.py), each engine's KV share, the dtype and device printed — with hand-built
+hosts (no CUDA needed)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from engine.device import DeviceUnavailableError, HostDevices
 from services import up
 
 ONE_GPU = HostDevices(num_gpus=1, cuda_build="13.0", native_bf16=False)
-TWO_GPUS = HostDevices(num_gpus=2, cuda_build="13.0", native_bf16=False)
+FOUR_GPUS = HostDevices(num_gpus=4, cuda_build="13.0", native_bf16=False)
 NO_GPU = HostDevices(num_gpus=0, cuda_build=None, native_bf16=True)
 
 
@@ -21,29 +22,45 @@ def parse(*argv: str) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
-def test_one_gpu_carries_one_prefill_and_one_decode_engine_with_split_kv_memory(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_gpu_carries_prefill_and_decode_unless_exclusive_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(up, "probe_host", lambda: ONE_GPU)
+    with pytest.raises(ValueError, match="2 ranks need 2 GPUs, 1 available: drop --exclusive-gpus"):
+        up.spec_from_args(parse("--device", "cuda", "--exclusive-gpus"))
     args = parse("--device", "cuda")
     placement = up.gpu_placement(args)
-    assert placement.engine_devices == ["0", "0"] and placement.memory_fraction == pytest.approx(0.25)
+    assert placement.engine_devices == ["0", "0"] and placement.memory_fractions == [0.25, 0.25]
     assert placement.describe() == ("cuda (1 GPU(s), up to 2 engine rank(s) per GPU, KV 0.25 of GPU memory per "
                                     "rank), dtype bfloat16")
     spec = up.spec_from_args(args)
-    assert spec.engine_devices == ["0", "0"]
-    assert spec.engine_args == ["--device", "cuda", "--gpu-memory-fraction", "0.2500"]
+    assert (spec.engine_devices, spec.engine_memory_fractions) == (["0", "0"], [0.25, 0.25])
+    assert spec.engine_args == ["--device", "cuda"]
 
 
-def test_tp_engines_take_distinct_gpus_and_explicit_settings_pass_through(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(up, "probe_host", lambda: TWO_GPUS)
+def test_each_role_places_by_its_own_tp_and_explicit_settings_pass_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(up, "probe_host", lambda: FOUR_GPUS)
+    spec = up.spec_from_args(parse("--prefill-tp", "2", "--decode-tp", "1"))
+    assert (spec.engine_devices, spec.engine_memory_fractions) == (["0,1", "2"], [0.5, 0.5])
     args = parse("--tp", "2", "--dtype", "float16", "--kv-staging", "host", "--gpu-memory-fraction", "0.3")
     spec = up.spec_from_args(args)
-    assert spec.engine_devices == ["0,1", "0,1"]
-    assert spec.engine_args == ["--device", "cuda", "--dtype", "float16", "--kv-staging", "host",
-                                "--gpu-memory-fraction", "0.3000"]
+    assert (spec.engine_devices, spec.engine_memory_fractions) == (["0,1", "2,3"], [0.3, 0.3])
+    assert spec.engine_args == ["--device", "cuda", "--dtype", "float16", "--kv-staging", "host"]
     monkeypatch.setattr(up, "probe_host", lambda: ONE_GPU)
-    with pytest.raises(ValueError, match=r"0.6 times 2 ranks per GPU must stay below 1"):
+    with pytest.raises(ValueError, match=r"0.6 times 2 ranks on GPU 0 must stay below 1"):
         up.spec_from_args(parse("--gpu-memory-fraction", "0.6"))
+
+
+def test_engines_receive_their_own_devices_and_memory_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.local_cluster import LocalCluster
+
+    monkeypatch.setattr(up, "probe_host", lambda: FOUR_GPUS)
+    cluster = LocalCluster(up.spec_from_args(parse("--prefill-tp", "2", "--decode-tp", "1", "--port", "0",
+                                                   "--control-port", "0", "--events-port", "0",
+                                                   "--http-port", "0")))
+    prefill = cluster._engine_component("prefill", 0).argv
+    decode = cluster._engine_component("decode", 0).argv
+    assert prefill[prefill.index("--tp") + 1] == "2" and decode[decode.index("--tp") + 1] == "1"
+    assert prefill[prefill.index("--devices") + 1] == "0,1" and decode[decode.index("--devices") + 1] == "2"
+    assert decode[decode.index("--gpu-memory-fraction") + 1] == "0.5000"
 
 
 def test_cpu_cluster_states_its_dtype_and_cuda_without_a_gpu_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -53,7 +70,7 @@ def test_cpu_cluster_states_its_dtype_and_cuda_without_a_gpu_is_refused(monkeypa
     assert up.spec_from_args(parse()).engine_args == []
     with pytest.raises(DeviceUnavailableError, match="CUDA is not available"):
         up.spec_from_args(parse("--device", "cuda"))
-    with pytest.raises(ValueError, match="tp 2 needs 2 GPUs per engine; 1 visible"):
+    with pytest.raises(ValueError, match=r"prefill tp 2 needs 2 GPUs \(one per rank\), 1 available"):
         monkeypatch.setattr(up, "probe_host", lambda: ONE_GPU)
         up.spec_from_args(parse("--tp", "2"))
 

@@ -7,10 +7,8 @@ import pytest
 from engine.device import (
     DeviceUnavailableError,
     HostDevices,
-    assign_gpus,
     cpu_flags,
     cpu_has_native_bf16,
-    engines_per_gpu,
     parse_devices,
     plan_devices,
     rank_devices,
@@ -109,18 +107,6 @@ def test_plan_on_cpu_and_on_gpus() -> None:
     assert plan.describe() == "cuda:2,cuda:3 bfloat16"
     with pytest.raises(DeviceUnavailableError, match="CUDA is not available"):
         plan_devices("cuda", "float32", 1, "", NO_GPU_CPU_TORCH)
-
-
-def test_up_spreads_engine_ranks_over_the_gpus() -> None:
-    assert assign_gpus(2, 1, 1) == [(0,), (0,)]  # one GPU: prefill and decode share it
-    assert engines_per_gpu(2, 1, 1) == 2
-    assert assign_gpus(2, 2, 4) == [(0, 1), (2, 3)]
-    assert assign_gpus(3, 2, 2) == [(0, 1), (0, 1), (0, 1)]
-    assert engines_per_gpu(3, 1, 2) == 2
-    with pytest.raises(ValueError, match="tp 2 needs 2 GPUs per engine; 1 visible"):
-        assign_gpus(2, 2, 1)
-    with pytest.raises(ValueError, match="no GPU to assign"):
-        assign_gpus(1, 1, 0)
 
 
 def test_compatibility_hash_covers_dtype_and_device_kind() -> None:

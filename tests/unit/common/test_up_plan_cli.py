@@ -1,0 +1,61 @@
+"""`pdserve up --plan` as a user runs it (a subprocess): the placement printed, nothing started,
+exit 0; a shape that cannot be placed exits 2 with the reason. `--gpus` pretends the count."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def pdserve_up(*argv: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "services.common.cli", "up", "--plan", *argv], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_plan_prints_every_rank_gpu_and_share_and_exits_0() -> None:
+    out = pdserve_up("--gpus", "4", "--device", "cuda", "--prefill-tp", "2", "--decode-tp", "1")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "pdserve up --plan: 1 prefill (tp 2) and 1 decode (tp 1) engine(s)",
+        "  cuda, 4 GPU(s) pretended by --gpus, dtype bfloat16",
+        "  engine       rank  gpu  kv-share",
+        "  prefill-0       0    0  0.5000",
+        "  prefill-0       1    1  0.5000",
+        "  decode-0        0    2  0.5000",
+        "  unused GPU(s): 3"]
+
+
+def test_plan_with_shared_gpus_and_on_cpu() -> None:
+    out = pdserve_up("--gpus", "1", "--device", "cuda", "--dtype", "float16")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[3:] == ["  prefill-0       0    0  0.2500", "  decode-0        0    0  0.2500"]
+    cpu = pdserve_up("--gpus", "0", "--dtype", "float32")
+    assert (cpu.returncode, cpu.stdout.splitlines()[1]) == (0, "  cpu, dtype float32: every rank on the CPU")
+
+
+@pytest.mark.parametrize("argv,reason", [
+    (("--gpus", "2", "--device", "cuda", "--prefill-tp", "2", "--decode-tp", "1", "--exclusive-gpus"),
+     "1 prefill x tp 2 + 1 decode x tp 1 = 3 ranks need 3 GPUs, 2 available: drop --exclusive-gpus"),
+    (("--gpus", "2", "--device", "cuda", "--decode-tp", "4"),
+     "decode tp 4 needs 4 GPUs (one per rank), 2 available"),
+    (("--gpus", "0", "--device", "cuda"), "--device cuda with --gpus 0: no GPU to place engines on"),
+    (("--gpus", "-1",), "--gpus must be >= 0, got -1"),
+])
+def test_a_shape_that_cannot_be_placed_exits_2_with_the_reason(argv: tuple[str, ...], reason: str) -> None:
+    out = pdserve_up(*argv)
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr.startswith("pdserve up: ") and reason in out.stderr
+
+
+def test_gpus_without_plan_is_refused() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "services.common.cli", "up", "--gpus", "2"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--gpus pretends a GPU count; it needs --plan" in out.stderr
