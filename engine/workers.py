@@ -39,6 +39,7 @@ import torch.distributed as dist
 from connectors.base import WorkerConnector, collect_output
 from engine.batch_scheduler import StepPlan
 from engine.config import KVCacheSpec, ModelConfig
+from engine.device import bind_thread_device
 from engine.kv_cache import allocate_kv_cache
 from engine.model_runner import ModelRunner
 from engine.models import load_model
@@ -109,12 +110,6 @@ def _nccl_group(store: Any, rank: int, size: int, timeout: datetime.timedelta) -
     return dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size, options)
 
 
-def bind_device(device: str) -> None:
-    """Makes `device` this process's current CUDA device (no-op on CPU) before any CUDA work."""
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
-
-
 class RankWorker:
     """One rank's model shard, KV cache and worker connector."""
 
@@ -176,7 +171,7 @@ def _rank_main(setup: RankSetup, rank: int) -> None:
     store = dist.TCPStore("127.0.0.1", setup.store_port, setup.spec.tp_size, False,
                           timeout=datetime.timedelta(seconds=setup.timeout_s))
     try:
-        bind_device(setup.devices[rank])
+        bind_thread_device(setup.devices[rank])
     except Exception as e:
         store.set(f"error{rank}", f"{type(e).__name__}: {e}")
         raise
@@ -209,7 +204,7 @@ class Workers:
             raise ValueError(f"{len(setup.devices)} devices for {tp} ranks")
         self.procs: list[Any] = []
         self.group: TPGroup | None = None
-        bind_device(setup.devices[0])
+        bind_thread_device(setup.devices[0])
         if tp > 1:
             store = dist.TCPStore("127.0.0.1", 0, tp, True, timeout=datetime.timedelta(seconds=setup.timeout_s),
                                   wait_for_workers=False)
