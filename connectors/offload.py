@@ -228,7 +228,7 @@ class OffloadWorker(WorkerConnector):
 
     report_output: Callable[[KVConnectorOutput], None] | None = None
 
-    def __init__(self, num_cpu_blocks: int, medium: str = MEDIUM_CPU, pin_memory: bool = False,
+    def __init__(self, num_cpu_blocks: int, medium: str = MEDIUM_CPU, pin_memory: bool = True,
                  report: Callable[[KVConnectorOutput], None] | None = None) -> None:
         if num_cpu_blocks < 1:
             raise ValueError(f"num_cpu_blocks must be >= 1, got {num_cpu_blocks}")

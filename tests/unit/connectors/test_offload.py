@@ -210,3 +210,17 @@ def test_build_offload_for_an_engine() -> None:
         build_offload(memory_bytes=10, block_size=BS, block_nbytes=96, working_medium="CPU")
     with pytest.raises(ValueError, match="report callables"):
         OffloadRankInit(4, reports=(print,))(0, 2, torch.zeros(SHAPE), None)
+
+
+def test_pool_is_pinned_where_the_cache_is_on_a_gpu() -> None:
+    """The tier's host pool is page-locked by default when the KV cache lives on a GPU (the
+    copies to and from it are then true async DMA); a CPU cache's pool is plain memory."""
+    worker = OffloadRankInit(num_cpu_blocks=4)(0, 1, torch.zeros(8, 2, 3), None)
+    assert worker.pin_memory
+    worker.register_kv_caches(torch.zeros(8, 2, 3), None)
+    assert not worker.pool.is_pinned()
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA here: the pinned pool of a GPU cache is checked only on a GPU")
+    gpu = OffloadRankInit(num_cpu_blocks=4)(0, 1, None, None)
+    gpu.register_kv_caches(torch.zeros(8, 2, 3, device="cuda"), None)
+    assert gpu.pool.is_pinned() and gpu.pool.device.type == "cpu"
