@@ -184,6 +184,12 @@ def disaggregation() -> Board:
     b.row("Transfers over time")
     b.ts("Bandwidth by pair", [q(f"sum by ({pair}) (rate(pdserve_transfer_bytes_total[{RI}]))",
                                  "{{src_engine}} → {{dst_engine}}")], "Bps")
+    b.ts("Bandwidth by UCX transport (what really carried the KV)", [
+        q(f"sum by ({pair}, transport) (rate(pdserve_transfer_bytes_total[{RI}]))",
+          "{{src_engine}} → {{dst_engine}} over {{transport}}")], "Bps")
+    b.ts("Pulls slower than the expected transport (fallbacks)", [
+        q(f"sum by ({pair}, expected, actual) (rate(pdserve_transfer_transport_fallbacks_total[{RI}]))",
+          "{{src_engine}} → {{dst_engine}}: {{actual}} (expected {{expected}})")], "ops")
     b.ts("Pull latency", [q(pct(p, "pdserve_transfer_duration_seconds"), f"p{int(p * 100)}") for p in (0.5, 0.99)],
          "s")
     b.ts("Failures by reason", [q(f"sum by (reason) (rate(pdserve_transfer_failures_total[{RI}]))", "{{reason}}")],

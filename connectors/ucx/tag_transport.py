@@ -42,6 +42,7 @@ from connectors.ucx.device_memory import (
     is_device_region,
     region_nbytes,
 )
+from connectors.ucx.ep_info import UNKNOWN, EndpointInfo
 from connectors.ucx.handshake import PeerKey
 from connectors.ucx.transport import (
     HeadGeometry,
@@ -164,6 +165,10 @@ class UcxTagTransport(KVTransport):
         # order, so reaping checks each lane's head only (a pull of thousands of head-range
         # pieces would make a full scan per progress round quadratic).
         self._lanes: dict[Any, deque[_Tracked]] = {}
+        # The UCX transport each writer endpoint uses (read once from UCX, on this thread).
+        self._ep_info = EndpointInfo()
+        self._memory_type = "cuda" if is_device_region(region) else "host"
+        self._transports: dict[PeerKey, str] = {}
 
     # -- public API (any thread) ---------------------------------------------------------------
 
@@ -375,6 +380,7 @@ class UcxTagTransport(KVTransport):
             if pull.op.peer == key and not pull.finished:
                 self._finish(pull, "peer_gone", notify_peer=False)
         ep = self._peers.pop(key, None)
+        self._transports.pop(key, None)
         if ep is not None:
             _close(ep)
         address = self._reader_addr.pop(key, None)
@@ -470,10 +476,23 @@ class UcxTagTransport(KVTransport):
         done = tuple(seg for seg, left in zip(pull.op.segments, pull.seg_left or [1] * len(pull.op.segments),
                                               strict=True) if left == 0)
         result = PullResult(pull.op.xfer_id, reason is None, reason, done,
-                            sum(pull.pieces[i][1] for i in pull.done), time.monotonic() - pull.started)
+                            sum(pull.pieces[i][1] for i in pull.done), time.monotonic() - pull.started,
+                            self._transport_to(pull.op.peer))
         self._forget_if_idle(pull)
         if self._listener is not None:
             self._listener.on_pull_finished(result)
+
+    def _transport_to(self, peer: PeerKey) -> str:
+        """The UCX transport of the endpoint to `peer` ("" without one), asked once per endpoint."""
+        transport = self._transports.get(peer)
+        if transport is None:
+            ep = self._peers.get(peer)
+            if ep is None:
+                return ""
+            transport = self._ep_info.transport(ep.handle, self._memory_type)
+            if transport != UNKNOWN:  # (asked again next time: UCX may still be wiring it up)
+                self._transports[peer] = transport
+        return transport
 
     def _forget_if_idle(self, pull: _Pull) -> None:
         # A failed pull stays known while receives into its blocks are in flight, so late

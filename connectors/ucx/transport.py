@@ -119,6 +119,7 @@ class PullResult:
     done_segments: tuple[Segment, ...]  # segments whose bytes fully arrived
     num_bytes: int
     seconds: float
+    transport: str = ""  # the UCX transport that carried it (connectors/ucx/ep_info.py); "" if not known
 
 
 class TransportListener(Protocol):

@@ -45,6 +45,7 @@ from connectors.base import KVConnectorMetadata, WorkerConnector
 from connectors.head_map import HeadRead, mapping_problem, rank_heads, read_plan
 from connectors.kv_events import KVCacheEvent
 from connectors.outputs import KVConnectorStats, TransferResults
+from connectors.ucx.ep_info import UNKNOWN, TransportExpectation
 from connectors.ucx.handshake import (
     DEFAULT_KV_TRANSPORT,
     KV_LAYOUT,
@@ -84,6 +85,8 @@ class UcxConnectorConfig:
     instead of UCX's CUDA transports; "none" registers the GPU tensor itself.
     `kv_transport` "ucx-tag" (`UcxTagTransport`: the writer sends tagged messages) or "nixl"
     (`NixlTransport`: the reader posts one NIXL READ per pull; needs nixl-cu12).
+    `expected_transports` (e.g. "rdma"): a pull over a slower UCX transport is a fallback,
+    counted and logged once per peer pair (connectors/ucx/ep_info.py); empty expects nothing.
     """
 
     transfer_timeout_s: float = 5.0
@@ -93,6 +96,7 @@ class UcxConnectorConfig:
     ucx_net_devices: str = ""
     kv_staging: str = "none"
     kv_transport: str = DEFAULT_KV_TRANSPORT
+    expected_transports: str = ""
 
     def validate(self) -> None:
         if self.transfer_timeout_s <= 0:
@@ -105,6 +109,7 @@ class UcxConnectorConfig:
             raise ValueError(f"kv_staging: must be none or host, got {self.kv_staging!r}")
         if self.kv_transport not in KV_TRANSPORTS:
             raise ValueError(f"kv_transport: must be one of {', '.join(KV_TRANSPORTS)}, got {self.kv_transport!r}")
+        TransportExpectation.parse(self.expected_transports)
 
     def ucx_options(self) -> dict[str, str]:
         """UCX context options (UCX_ names without the prefix)."""
@@ -137,6 +142,10 @@ class PairTransferStats:
     num_operations: int = 0
     durations: list[float] = field(default_factory=list)  # seconds of each successful pull
     failures_by_reason: dict[str, int] = field(default_factory=dict)
+    # num_bytes by the UCX transport that carried them ("unknown" where it could not be read)
+    bytes_by_transport: dict[str, int] = field(default_factory=dict)
+    # (expected, actual) transports -> pulls that fell back to a slower one than expected
+    fallbacks: dict[tuple[str, str], int] = field(default_factory=dict)
 
     @property
     def seconds(self) -> float:
@@ -157,6 +166,10 @@ class PairTransferStats:
         self.durations.extend(other.durations)
         for reason, n in other.failures_by_reason.items():
             self.failures_by_reason[reason] = self.failures_by_reason.get(reason, 0) + n
+        for transport, n in other.bytes_by_transport.items():
+            self.bytes_by_transport[transport] = self.bytes_by_transport.get(transport, 0) + n
+        for pair, n in other.fallbacks.items():
+            self.fallbacks[pair] = self.fallbacks.get(pair, 0) + n
 
 
 @dataclass(slots=True)
@@ -206,6 +219,7 @@ class _Recv:
     reason: str | None = None  # the first failure
     num_bytes: int = 0
     seconds: float = 0.0
+    bytes_by_transport: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -247,6 +261,9 @@ class UcxWorkerConnector(WorkerConnector):
         self._stats = UcxTransferStats()
         self._last_renew = time.monotonic()
         self._staging: Any = None  # HostStaging when config.kv_staging == "host"
+        self._expected = TransportExpectation.parse(self.config.expected_transports)
+        self._peer_transports: dict[PeerKey, str] = {}  # the transport of the last pull from each writer
+        self._warned_fallbacks: set[PeerKey] = set()
         if kv_cache is not None:
             self.register_kv_caches(kv_cache, None)
 
@@ -361,6 +378,8 @@ class UcxWorkerConnector(WorkerConnector):
 
     def _drop_peer_locked(self, key: PeerKey) -> None:
         del self._peers[key]
+        self._peer_transports.pop(key, None)
+        self._warned_fallbacks.discard(key)
         if self._transport is not None:
             self._transport.remove_peer(key)
         for rid, op in [(rid, op) for rid, op in self._queued if op.peer == key]:
@@ -476,12 +495,36 @@ class UcxWorkerConnector(WorkerConnector):
             self._inflight -= 1
             recv = self._recvs[request_id]
             op = next(o for o in recv.ops if o.xfer_id == result.xfer_id)
+            self._note_transport_locked(recv, op, result)
             if result.ok:
                 self._op_ended_locked(recv, op, None, (), result.num_bytes, result.seconds)
             else:
                 self._op_ended_locked(recv, op, result.reason or "unknown", _block_ids(result.done_segments),
                                       result.num_bytes, result.seconds)
             self._dispatch_locked()
+
+    def _note_transport_locked(self, recv: _Recv, op: PullOp, result: PullResult) -> None:
+        """Records the transport a pull used; a fallback below `expected_transports` is counted
+        per pull and logged once per writer rank."""
+        transport = result.transport or UNKNOWN
+        recv.bytes_by_transport[transport] = recv.bytes_by_transport.get(transport, 0) + result.num_bytes
+        if result.transport:
+            self._peer_transports[op.peer] = transport
+        if not self._expected.fallback(transport):
+            return
+        stats = self._stats.pair(recv.engine_id, self.key.engine_id)
+        key = (self._expected.label, transport)
+        stats.fallbacks[key] = stats.fallbacks.get(key, 0) + 1
+        if op.peer not in self._warned_fallbacks:
+            self._warned_fallbacks.add(op.peer)
+            logger.warning("KV pulls from %s rank %d to %s rank %d use UCX transport %s, slower than the expected %s "
+                           "(--expected-transports): check the NIC, UCX_TLS and UCX_NET_DEVICES", op.peer.engine_id,
+                           op.peer.tp_rank, self.key.engine_id, self.key.tp_rank, transport, self._expected.label)
+
+    def peer_transports(self) -> dict[PeerKey, str]:
+        """Every known writer rank -> the UCX transport its last pull used ("" before any pull)."""
+        with self._lock:
+            return {key: self._peer_transports.get(key, "") for key in self._peers}
 
     def _op_ended_locked(self, recv: _Recv, op: PullOp, reason: str | None, received: Any, num_bytes: int,
                          seconds: float) -> None:
@@ -502,6 +545,8 @@ class UcxWorkerConnector(WorkerConnector):
         del self._recvs[recv.request_id]
         if recv.reason is None:
             stats.num_bytes += recv.num_bytes
+            for transport, n in recv.bytes_by_transport.items():
+                stats.bytes_by_transport[transport] = stats.bytes_by_transport.get(transport, 0) + n
             stats.num_blocks += len(recv.local_block_ids)
             stats.durations.append(recv.seconds)
             self._stats.record("transfer_duration", recv.seconds)

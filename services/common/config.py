@@ -195,6 +195,10 @@ class EngineConfig:
                                        "a cluster must use the same")
     ucx_tls: str = opt("", "UCX_TLS for the KV data plane (empty: UCX's choice)")
     ucx_net_devices: str = opt("", "UCX_NET_DEVICES for the KV data plane")
+    expected_transports: str = opt("", "UCX transports KV pulls are expected to use, e.g. rdma (or tcp, shm, "
+                                       "cuda, or UCX names such as rc_mlx5); a pull over a slower one is counted "
+                                       "(pdserve_transfer_transport_fallbacks_total) and logged once per peer "
+                                       "pair; empty expects nothing")
     transfer_timeout_s: float = opt(5.0, "a KV pull not finished in this time fails")
     tp_timeout_s: float = opt(300.0, "longest wait of one collective between an engine's TP ranks (a step's "
                                      "all-reduce, a plan); idle ranks are kept alive, so idling is unbounded")
@@ -230,6 +234,12 @@ class EngineConfig:
                  f"must be ucx-tag or nixl, got {self.kv_transport!r}")
         _require(self.kv_transport == "ucx-tag" or self.engine == "native", "kv_transport",
                  f"{self.kv_transport} is wired up for the native engine only; use ucx-tag with --engine vllm")
+        try:
+            from connectors.ucx.ep_info import TransportExpectation
+
+            TransportExpectation.parse(self.expected_transports)
+        except ValueError as e:
+            raise ValueError(f"expected_transports: {e}") from None
         try:
             from engine.device import parse_devices
 

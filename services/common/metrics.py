@@ -186,7 +186,11 @@ _SPECS = (
     # --- KV transfer, per prefill→decode pair ---
     MetricSpec("pdserve_transfer_operations_total", _C,
                "KV pulls started by a decode rank (one per rank per request)", _PAIR),
-    MetricSpec("pdserve_transfer_bytes_total", _C, "KV bytes received by decode ranks", _PAIR),
+    MetricSpec("pdserve_transfer_bytes_total", _C, "KV bytes received by decode ranks, by the UCX transport "
+               "that carried them (sysv, cma, tcp, rc_mlx5, cuda_ipc...; unknown where UCX could not say)",
+               (*_PAIR, "transport")),
+    MetricSpec("pdserve_transfer_transport_fallbacks_total", _C, "KV pulls over a slower UCX transport than "
+               "--expected-transports allows, by expected and actual transport", (*_PAIR, "expected", "actual")),
     MetricSpec("pdserve_transfer_blocks_total", _C, "KV blocks received by decode ranks", _PAIR),
     MetricSpec("pdserve_transfer_duration_seconds", _H, "Duration of one successful rank's KV pull",
                _PAIR, TRANSFER_BUCKETS),
@@ -587,7 +591,7 @@ class TransferMetrics(_Group):
     _names = ("pdserve_transfer_operations_total", "pdserve_transfer_bytes_total",
               "pdserve_transfer_blocks_total", "pdserve_transfer_duration_seconds",
               "pdserve_transfer_failures_total", "pdserve_transfer_inflight_operations",
-              "pdserve_transfer_lease_expiries_total")
+              "pdserve_transfer_lease_expiries_total", "pdserve_transfer_transport_fallbacks_total")
 
     def transfer_started(self, src_engine: str, dst_engine: str) -> None:
         """A decode rank of `dst_engine` began pulling from `src_engine`."""
@@ -595,10 +599,10 @@ class TransferMetrics(_Group):
         self._m["pdserve_transfer_inflight_operations"].labels(engine=dst_engine).inc()
 
     def transfer_succeeded(self, src_engine: str, dst_engine: str, num_bytes: int, num_blocks: int,
-                           seconds: float) -> None:
+                           seconds: float, transport: str = "unknown") -> None:
         """The pull started by `transfer_started` finished with every block received."""
         pair = {"src_engine": src_engine, "dst_engine": dst_engine}
-        self._m["pdserve_transfer_bytes_total"].labels(**pair).inc(num_bytes)
+        self._m["pdserve_transfer_bytes_total"].labels(**pair, transport=transport).inc(num_bytes)
         self._m["pdserve_transfer_blocks_total"].labels(**pair).inc(num_blocks)
         self._m["pdserve_transfer_duration_seconds"].labels(**pair).observe(seconds)
         self._m["pdserve_transfer_inflight_operations"].labels(engine=dst_engine).dec()
@@ -610,15 +614,27 @@ class TransferMetrics(_Group):
         self._m["pdserve_transfer_inflight_operations"].labels(engine=dst_engine).dec()
 
     def record_interval(self, src_engine: str, dst_engine: str, *, num_bytes: int, num_blocks: int,
-                        durations: Iterable[float], failures_by_reason: Mapping[str, int]) -> None:
+                        durations: Iterable[float], failures_by_reason: Mapping[str, int],
+                        bytes_by_transport: Mapping[str, int] | None = None,
+                        fallbacks: Mapping[tuple[str, str], int] | None = None) -> None:
         """What one rank's pulls from `src_engine` did since its last drain: every finished
-        pull's duration, the bytes and blocks they moved, and failures by reason."""
+        pull's duration, the bytes and blocks they moved (split by UCX transport when
+        `bytes_by_transport` is given, else "unknown"), failures by reason, and pulls that fell
+        back below the expected transport by (expected, actual)."""
         pair = {"src_engine": src_engine, "dst_engine": dst_engine}
         durations = list(durations)
         num_ops = len(durations) + sum(failures_by_reason.values())
         if num_ops:
             self._m["pdserve_transfer_operations_total"].labels(**pair).inc(num_ops)
-        self._m["pdserve_transfer_bytes_total"].labels(**pair).inc(num_bytes)
+        by_transport = dict(bytes_by_transport) if bytes_by_transport else {}
+        rest = num_bytes - sum(by_transport.values())
+        if rest > 0 or not by_transport:
+            by_transport["unknown"] = by_transport.get("unknown", 0) + max(rest, 0)
+        for transport, n in by_transport.items():
+            self._m["pdserve_transfer_bytes_total"].labels(**pair, transport=transport).inc(n)
+        for (expected, actual), n in (fallbacks or {}).items():
+            self._m["pdserve_transfer_transport_fallbacks_total"].labels(**pair, expected=expected,
+                                                                          actual=actual).inc(n)
         self._m["pdserve_transfer_blocks_total"].labels(**pair).inc(num_blocks)
         for seconds in durations:
             self._m["pdserve_transfer_duration_seconds"].labels(**pair).observe(seconds)

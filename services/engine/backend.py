@@ -107,10 +107,21 @@ class BackendLoad:
         return self.num_running + self.num_waiting + self.num_pinned + self.num_waiting_for_remote_kv
 
 
+@dataclass(frozen=True, slots=True)
+class PeerTransport:
+    """A prefill rank this engine pulls KV from, and the UCX transport of its last pull ("" before one)."""
+
+    engine_id: str
+    epoch: int
+    tp_rank: int
+    transport: str
+
+
 @dataclass(slots=True)
 class Inspection:
     load: BackendLoad
     leaks: list[str]  # empty when nothing is held that should not be
+    peer_transports: list[PeerTransport] = field(default_factory=list)  # rank 0's KV sources
 
 
 class EngineBackend(Protocol):

@@ -100,6 +100,7 @@ class RankAgentFactory:
     max_inflight: int
     ucx_tls: str = ""
     ucx_net_devices: str = ""
+    expected_transports: str = ""  # connectors/ucx/ep_info.py TransportExpectation
     dtype: str = ""  # stated in Hello beside the compatibility hash (which covers it too)
     device_kind: str = ""
     kv_transport: str = "ucx-tag"  # or "nixl" (connectors/ucx/nixl_transport.py)
@@ -121,7 +122,8 @@ class RankAgent(WorkerConnector):
         config = UcxConnectorConfig(transfer_timeout_s=factory.transfer_timeout_s, lease_s=factory.lease_s,
                                     max_inflight_transfers=factory.max_inflight, ucx_tls=factory.ucx_tls,
                                     ucx_net_devices=factory.ucx_net_devices, kv_staging=factory.kv_staging,
-                                    kv_transport=factory.kv_transport)
+                                    kv_transport=factory.kv_transport,
+                                    expected_transports=factory.expected_transports)
         self.ucx = UcxWorkerConnector(engine_id=factory.engine_id, epoch=factory.epoch, tp_rank=rank,
                                       tp_size=tp_size, num_kv_heads=factory.num_kv_heads,
                                       compatibility_hash=factory.compat_hash, config=config)
@@ -352,7 +354,8 @@ class RankAgent(WorkerConnector):
             return
         for (src, dst), pair in stats.pairs.items():
             self.metrics.record_interval(src, dst, num_bytes=pair.num_bytes, num_blocks=pair.num_blocks,
-                                         durations=pair.durations, failures_by_reason=pair.failures_by_reason)
+                                         durations=pair.durations, failures_by_reason=pair.failures_by_reason,
+                                         bytes_by_transport=pair.bytes_by_transport, fallbacks=pair.fallbacks)
         if stats.lease_expiries:
             self.metrics.count_lease_expiry(self.identity.engine_id, stats.lease_expiries)
 

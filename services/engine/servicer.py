@@ -165,4 +165,7 @@ class EngineServicer(pb_grpc.EngineServicer):
         return pb.InspectResponse(engine_id=self.config.engine_id, epoch=self.backend.epoch, role=self.role,
                                   num_running=load.num_running, num_waiting=load.num_waiting,
                                   num_pinned=load.num_pinned, num_waiting_for_remote_kv=load.num_waiting_for_remote_kv,
-                                  num_free_blocks=load.num_free_blocks, num_blocks=load.num_blocks, leaks=found.leaks)
+                                  num_free_blocks=load.num_free_blocks, num_blocks=load.num_blocks, leaks=found.leaks,
+                                  peer_transports=[pb.PeerTransport(engine_id=p.engine_id, epoch=p.epoch,
+                                                                    tp_rank=p.tp_rank, transport=p.transport)
+                                                   for p in found.peer_transports])

@@ -366,6 +366,7 @@ class InspectResponse(_message.Message):
     NUM_FREE_BLOCKS_FIELD_NUMBER: _builtins.int
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     LEAKS_FIELD_NUMBER: _builtins.int
+    PEER_TRANSPORTS_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     epoch: _builtins.int
     role: _builtins.str
@@ -377,6 +378,12 @@ class InspectResponse(_message.Message):
     num_blocks: _builtins.int
     @_builtins.property
     def leaks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def peer_transports(self) -> _containers.RepeatedCompositeFieldContainer[Global___PeerTransport]:
+        """Every prefill rank this engine's rank 0 knows as a KV source, with the UCX transport its
+        last pull used (decode engines; empty elsewhere).
+        """
+
     def __init__(
         self,
         *,
@@ -390,11 +397,45 @@ class InspectResponse(_message.Message):
         num_free_blocks: _builtins.int = ...,
         num_blocks: _builtins.int = ...,
         leaks: _abc.Iterable[_builtins.str] | None = ...,
+        peer_transports: _abc.Iterable[Global___PeerTransport] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "epoch", b"epoch", "leaks", b"leaks", "num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_pinned", b"num_pinned", "num_running", b"num_running", "num_waiting", b"num_waiting", "num_waiting_for_remote_kv", b"num_waiting_for_remote_kv", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "epoch", b"epoch", "leaks", b"leaks", "num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_pinned", b"num_pinned", "num_running", b"num_running", "num_waiting", b"num_waiting", "num_waiting_for_remote_kv", b"num_waiting_for_remote_kv", "peer_transports", b"peer_transports", "role", b"role"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___InspectResponse: _TypeAlias = InspectResponse  # noqa: Y015
+
+@_typing.final
+class PeerTransport(_message.Message):
+    """The UCX transport that carried KV from one prefill rank (connectors/ucx/ep_info.py): e.g.
+    sysv, cma, tcp, rc_mlx5, cuda_ipc, several joined by "+", "unknown" where UCX could not say,
+    empty before the first pull.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    TP_RANK_FIELD_NUMBER: _builtins.int
+    TRANSPORT_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    epoch: _builtins.int
+    tp_rank: _builtins.int
+    transport: _builtins.str
+    def __init__(
+        self,
+        *,
+        engine_id: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        tp_rank: _builtins.int = ...,
+        transport: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "epoch", b"epoch", "tp_rank", b"tp_rank", "transport", b"transport"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerTransport: _TypeAlias = PeerTransport  # noqa: Y015

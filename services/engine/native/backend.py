@@ -47,6 +47,7 @@ from services.engine.backend import (
     InvalidRequest,
     NotReady,
     OutOfBlocks,
+    PeerTransport,
     PrefillInput,
     PrefillResult,
     RequestAborted,
@@ -340,7 +341,11 @@ class NativeBackend:
             ucx = self.parts.agent.ucx if self.parts is not None else None
             if ucx is not None and ucx.num_pending():
                 leaks.append(f"data plane: {ucx.num_pending()} transfers or leases pending")
-            return Inspection(_backend_load(engine.load()), leaks)
+            peers = ([PeerTransport(key.engine_id, key.epoch, key.tp_rank, transport)
+                      for key, transport in sorted(ucx.peer_transports().items(),
+                                                   key=lambda item: (item[0].engine_id, item[0].tp_rank))]
+                     if ucx is not None else [])
+            return Inspection(_backend_load(engine.load()), leaks, peers)
 
         return await self._call(inspect)
 

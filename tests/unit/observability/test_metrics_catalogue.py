@@ -117,7 +117,7 @@ def test_recording_methods_move_the_right_series() -> None:
     assert v("pdserve_engine_step_tokens_sum", {"engine": "decode-0", "role": "decode"}) == 32
     pair = {"src_engine": "prefill-0", "dst_engine": "decode-0"}
     assert v("pdserve_transfer_operations_total", pair) == 2
-    assert v("pdserve_transfer_bytes_total", pair) == 4096
+    assert v("pdserve_transfer_bytes_total", {**pair, "transport": "unknown"}) == 4096
     assert v("pdserve_transfer_duration_seconds_count", pair) == 1
     assert v("pdserve_transfer_failures_total", {**pair, "reason": "timeout"}) == 1
     assert v("pdserve_transfer_inflight_operations", {"engine": "decode-0"}) == 0
@@ -203,3 +203,16 @@ def test_metrics_server_serves_the_registry_over_http() -> None:
     assert names <= exported_series()
     with pytest.raises(ValueError, match='metrics port must be 0..65535, got 70000'):
         start_metrics_server(70000, registry)
+
+
+def test_transfer_bytes_carry_the_ucx_transport_and_fallbacks_are_counted() -> None:
+    registry, _, _, transfer, _ = full_registry()
+    transfer.record_interval("prefill-0", "decode-0", num_bytes=5000, num_blocks=3, durations=[0.01, 0.02],
+                             failures_by_reason={}, bytes_by_transport={"tcp": 4000, "sysv": 600},
+                             fallbacks={("rdma", "tcp"): 2})
+    v = registry.get_sample_value
+    pair = {"src_engine": "prefill-0", "dst_engine": "decode-0"}
+    assert v("pdserve_transfer_bytes_total", {**pair, "transport": "tcp"}) == 4000
+    assert v("pdserve_transfer_bytes_total", {**pair, "transport": "sysv"}) == 600
+    assert v("pdserve_transfer_bytes_total", {**pair, "transport": "unknown"}) == 400  # not attributed
+    assert v("pdserve_transfer_transport_fallbacks_total", {**pair, "expected": "rdma", "actual": "tcp"}) == 2
