@@ -15,8 +15,13 @@ CMA) and `ucxx-cma` is (b) with `UCX_TLS=all`, same polling. Ratios compare pdse
 `ucxx` and `pdserve-cma` with `ucxx-cma` (each pair on one transport); pdserve's default
 configuration (SysV shared memory, see docs/architecture.md) against NIXL and gRPC.
 
+With `--hosts 2` every writer runs in host a and every reader in host b of bench/two_hosts.py
+(network namespaces joined by a veth link, each process in its own IPC, PID, mount and UTS
+namespace), so UCX goes over TCP on that link for all of pdserve, raw ucxx and NIXL; the
+report names the transport each reader's endpoint used (connectors/ucx/ep_info.py).
+
 Cases: one request of 1, 16, 256 and 1024 blocks, and 32 requests of 16 blocks concurrently.
-Each timing is the median of `--iters` runs after one warm-up, measured on the reader from the
+Each timing is the median of `--iters` runs after one warm-up (with the fastest and slowest), measured on the reader from the
 request to the last byte (a control round trip included for every method but memcpy). All
 methods' processes live for the whole run and their samples are interleaved, so load drift on a
 shared machine affects them alike.
@@ -28,7 +33,10 @@ import argparse
 import functools
 import json
 import multiprocessing as mp
+import os
+import socket
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -45,6 +53,7 @@ COMPARED_WITH = {"ucxx-cma": "pdserve-cma"}
 TRANSPORTS = {"pdserve": "SysV shared memory (UCX_TLS=^cma)", "ucxx": "SysV shared memory (UCX_TLS=^cma)",
               "pdserve-cma": "CMA (UCX_TLS=all)", "ucxx-cma": "CMA (UCX_TLS=all)",
               "nixl": "NIXL's UCX backend, UCX's default transports", "grpc": "TCP loopback", "memcpy": "one process"}
+HOSTS_METHODS = ("pdserve", "ucxx", "nixl")  # what --hosts 2 runs (each side in its own host)
 CHUNK = 4 << 20
 DEFAULT_SIZES = "1,16,256,1024"
 # Throughput, not failure detection, is measured: a loaded machine may take seconds per pull.
@@ -97,8 +106,10 @@ class Row:
     case: str
     num_blocks: int
     num_bytes: int
-    gbps: dict[str, float | None] = field(default_factory=dict)
+    gbps: dict[str, float | None] = field(default_factory=dict)  # median
     ratios: dict[str, float | None] = field(default_factory=dict)
+    gbps_min: dict[str, float | None] = field(default_factory=dict)  # slowest sample
+    gbps_max: dict[str, float | None] = field(default_factory=dict)  # fastest sample
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -109,6 +120,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "whose ratio is the median of paired samples)")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="blocks of the single-request cases")
+    parser.add_argument("--hosts", type=int, default=1, choices=(1, 2),
+                        help="2: each writer in host a and each reader in host b of bench/two_hosts.py (network "
+                             "namespaces joined by a veth link; UCX over TCP), methods " + ",".join(HOSTS_METHODS)
+                        + " by default; needs root")
     parser.add_argument("--concurrent", type=int, default=32, help="requests of the concurrent case (0: none)")
     parser.add_argument("--concurrent-blocks", type=int, default=16, help="blocks per concurrent request")
     # Default block: the demo model's (SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64), 16 tokens, fp32.
@@ -143,6 +158,8 @@ def run(args: argparse.Namespace) -> int:
         return transfer_tp.run(args, sizes)
     args.kv_heads = args.kv_heads or 3
     args.iters = args.iters or 5
+    if args.hosts == 2 and args.methods == ",".join(METHODS):
+        args.methods = ",".join(HOSTS_METHODS)
     cases = [Case(str(n), (n,)) for n in _int_list(args.sizes)]
     if args.concurrent:
         cases.append(Case(f"{args.concurrent}x{args.concurrent_blocks}", (args.concurrent_blocks,) * args.concurrent))
@@ -150,16 +167,31 @@ def run(args: argparse.Namespace) -> int:
     unknown = set(methods) - set(METHODS)
     if unknown or "pdserve" not in methods or args.iters < 1:
         raise ValueError(f"--methods must include pdserve and name only {METHODS}; --iters >= 1")
+    if args.hosts == 2 and set(methods) - set(HOSTS_METHODS):
+        raise ValueError(f"--hosts 2 runs only {', '.join(HOSTS_METHODS)}")
     shape = Shape(args.num_layers, args.kv_heads, args.head_dim, args.block_size,
                   max(c.num_blocks for c in cases))
     _log(args, f"starting {', '.join(methods)} (block {shape.block_nbytes} bytes) ...")
-    timings = _measure(methods, shape, cases, args.iters)
-    rows = _rows(cases, shape, methods, timings)
+    if args.hosts == 2:
+        from bench.two_hosts import TwoHosts, unavailable
+
+        problem = unavailable()
+        if problem is not None:
+            print(f"bench transfer --hosts 2: two namespaced hosts cannot be made here: {problem}", file=sys.stderr)
+            return 2
+        with TwoHosts() as hosts:
+            samples, used = _measure(methods, shape, cases, args.iters, hosts)
+    else:
+        samples, used = _measure(methods, shape, cases, args.iters)
+    rows = _rows(cases, shape, methods, samples)
     summary = _summary(rows, shape, args)
+    summary["transports_used"] = used
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "transfer.json").write_text(json.dumps(summary, indent=2))
-    _plot(rows, methods, out / "transfer.png")
+    title = ("KV transfer between two namespaced hosts over a veth link (median, min-max)" if args.hosts == 2
+             else "KV transfer between two processes (memcpy: one process)")
+    _plot(rows, methods, out / "transfer.png", title)
     if args.json:
         print(json.dumps(summary))
     else:
@@ -179,14 +211,16 @@ def _log(args: argparse.Namespace, text: str) -> None:
 
 
 def _rows(cases: list[Case], shape: Shape, methods: list[str],
-          timings: dict[str, dict[str, float | None]]) -> list[Row]:
+          samples: dict[str, dict[str, list[float]]]) -> list[Row]:
     rows = []
     for case in cases:
         nbytes = case.num_blocks * shape.block_nbytes
         row = Row(case.label, case.num_blocks, nbytes)
         for m in methods:
-            seconds = timings[m].get(case.label)
-            row.gbps[m] = nbytes / seconds / 1e9 if seconds else None
+            seconds = samples.get(m, {}).get(case.label) or []
+            row.gbps[m] = nbytes / statistics.median(seconds) / 1e9 if seconds else None
+            row.gbps_min[m] = nbytes / max(seconds) / 1e9 if seconds else None
+            row.gbps_max[m] = nbytes / min(seconds) / 1e9 if seconds else None
         for m in methods:
             if m != "pdserve":
                 ours, theirs = row.gbps.get(COMPARED_WITH.get(m, "pdserve")), row.gbps[m]
@@ -196,12 +230,15 @@ def _rows(cases: list[Case], shape: Shape, methods: list[str],
 
 
 def _summary(rows: list[Row], shape: Shape, args: argparse.Namespace) -> dict[str, Any]:
+    transports = {m: TRANSPORTS[m] for m in rows[0].gbps} if rows else {}
+    if args.hosts == 2:
+        transports = {m: "host a -> host b over the veth link (UCX_NET_DEVICES=pdv0)" for m in transports}
     summary: dict[str, Any] = {
-        "block_nbytes": shape.block_nbytes, "iters": args.iters,
-        "transports": {m: TRANSPORTS[m] for m in rows[0].gbps} if rows else {},
+        "block_nbytes": shape.block_nbytes, "iters": args.iters, "hosts": args.hosts,
+        "transports": transports,
         "compared_with": {m: COMPARED_WITH.get(m, "pdserve") for m in BASELINES},
         "rows": [{"case": r.case, "num_blocks": r.num_blocks, "num_bytes": r.num_bytes, "gbps": r.gbps,
-                  "ratio_vs": r.ratios} for r in rows],
+                  "gbps_min": r.gbps_min, "gbps_max": r.gbps_max, "ratio_vs": r.ratios} for r in rows],
     }
     for method, key in BASELINES.items():
         ratios = [r.ratios.get(method) for r in rows if r.num_blocks >= 16]
@@ -211,9 +248,11 @@ def _summary(rows: list[Row], shape: Shape, args: argparse.Namespace) -> dict[st
 
 
 def _print_table(rows: list[Row], methods: list[str], summary: dict[str, Any], out: Path) -> None:
-    print(f"KV transfer, block = {summary['block_nbytes']} bytes, GB/s (median of {summary['iters']})")
+    print(f"KV transfer, block = {summary['block_nbytes']} bytes, GB/s (median of {summary['iters']}), "
+          f"{summary['hosts']} host(s)")
     for m in methods:
-        print(f"  {m:>11}: {TRANSPORTS[m]}")
+        used = summary["transports_used"].get(m)
+        print(f"  {m:>11}: {summary['transports'].get(m, TRANSPORTS[m])}" + (f"; UCX used {used}" if used else ""))
     print(f"{'case':>8} {'MiB':>8} " + " ".join(f"{m:>11}" for m in methods) + "   ratio vs "
           + " / ".join(f"{m} ({COMPARED_WITH.get(m, 'pdserve')})" for m in methods if m != "pdserve"))
     for r in rows:
@@ -226,7 +265,7 @@ def _print_table(rows: list[Row], methods: list[str], summary: dict[str, Any], o
     print(f"wrote {out / 'transfer.json'} and {out / 'transfer.png'}")
 
 
-def _plot(rows: list[Row], methods: list[str], path: Path) -> None:
+def _plot(rows: list[Row], methods: list[str], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -236,10 +275,13 @@ def _plot(rows: list[Row], methods: list[str], path: Path) -> None:
     width = 0.8 / len(methods)
     for i, m in enumerate(methods):
         xs = [j + i * width for j in range(len(rows))]
-        ax.bar(xs, [r.gbps[m] or 0.0 for r in rows], width, label=m)
+        med = [r.gbps[m] or 0.0 for r in rows]
+        low = [med[j] - (r.gbps_min.get(m) or med[j]) for j, r in enumerate(rows)]
+        high = [(r.gbps_max.get(m) or med[j]) - med[j] for j, r in enumerate(rows)]
+        ax.bar(xs, med, width, label=m, yerr=[low, high], capsize=2)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], [f"{r.case} blk" for r in rows])
     ax.set_ylabel("GB/s")
-    ax.set_title("KV transfer between two processes (memcpy: one process)")
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -248,13 +290,16 @@ def _plot(rows: list[Row], methods: list[str], path: Path) -> None:
 
 # -- orchestration ------------------------------------------------------------------------------
 
-def _measure(methods: list[str], shape: Shape, cases: list[Case], iters: int) -> dict[str, dict[str, float | None]]:
-    """Interleaves the methods sample by sample, so drifting load on a shared machine hits all
-    of them alike; each sample is one (case, method) run, the first of each case a warm-up."""
+def _measure(methods: list[str], shape: Shape, cases: list[Case], iters: int,
+             hosts: Any = None) -> tuple[dict[str, dict[str, list[float]]], dict[str, str]]:
+    """Seconds of every sample by method and case, and the UCX transport each method's reader
+    reported. Interleaves the methods sample by sample, so drifting load on a shared machine hits
+    all of them alike; each sample is one (case, method) run, the first of each case a warm-up.
+    With `hosts` (bench/two_hosts.py TwoHosts) writers run in host a, readers in host b."""
     runners: dict[str, _Runner] = {}
     try:
         for m in methods:
-            runners[m] = _Runner(m, shape)
+            runners[m] = _Runner(m, shape, hosts)
         for m in list(runners):
             try:
                 runners[m].connect()
@@ -268,8 +313,8 @@ def _measure(methods: list[str], shape: Shape, cases: list[Case], iters: int) ->
                     seconds = runner.sample(case, f"{case.label}-{i}")
                     if i:
                         samples[m][case.label].append(seconds)
-        return {m: {c.label: (statistics.median(samples[m][c.label]) if m in samples else None) for c in cases}
-                for m in methods}
+        used = {m: runner.transport() for m, runner in runners.items()}
+        return samples, {m: t for m, t in used.items() if t}
     finally:
         for runner in runners.values():
             runner.close()
@@ -278,17 +323,28 @@ def _measure(methods: list[str], shape: Shape, cases: list[Case], iters: int) ->
 class _Runner:
     """The processes of one method: a writer and a reader (memcpy: one process)."""
 
-    def __init__(self, method: str, shape: Shape) -> None:
+    def __init__(self, method: str, shape: Shape, hosts: Any = None) -> None:
         ctx = mp.get_context("spawn")
         mains = _PAIRS[method] if method != "memcpy" else (None, _memcpy_main)
         self.procs: list[tuple[Connection, Any]] = []
-        for main in mains:
+        for role, main in enumerate(mains):
             if main is None:
+                continue
+            if hosts is not None:
+                self.procs.append(_spawn_in_host(hosts.a if role == 0 else hosts.b, method, role, shape,
+                                                 hosts.ucx_env))
                 continue
             conn, child = ctx.Pipe()
             proc = ctx.Process(target=main, args=(child, shape), daemon=True)
             proc.start()
             self.procs.append((conn, proc))
+
+    def transport(self) -> str | None:
+        """The UCX transport the reader's endpoint used (None where the method cannot say)."""
+        conn = self.procs[-1][0]
+        conn.send(("transport", None, ""))
+        used: str | None = _expect(conn)
+        return used
 
     def connect(self) -> None:
         if len(self.procs) == 1:
@@ -320,6 +376,13 @@ class _Runner:
                 conn.send(("stop", None, ""))
             except (BrokenPipeError, OSError):
                 pass
+            if isinstance(proc, subprocess.Popen):
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                continue
             proc.join(timeout=20)
             if proc.is_alive():
                 proc.kill()
@@ -328,6 +391,27 @@ class _Runner:
 
 class _MethodUnavailable(RuntimeError):
     pass
+
+
+def _spawn_in_host(host: Any, method: str, role: int, shape: Shape,
+                   env: dict[str, str]) -> tuple[Connection, subprocess.Popen[bytes]]:
+    """One side of `method` as a process in `host` (bench/two_hosts.py), talked to over a
+    socket pair inherited across the namespaces."""
+    parent, child = socket.socketpair()
+    fd = child.fileno()
+    argv = [sys.executable, "-m", "bench.transfer", "--child", method, str(role), str(fd),
+            json.dumps([shape.num_layers, shape.kv_heads, shape.head_dim, shape.block_size, shape.num_blocks])]
+    proc = subprocess.Popen(host.command(argv), env={**os.environ, **env, "UCX_WARN_UNUSED_ENV_VARS": "n"},
+                            pass_fds=(fd,), start_new_session=True)
+    child.close()
+    return Connection(parent.detach()), proc
+
+
+def _child_main(argv: list[str]) -> None:
+    """`python -m bench.transfer --child METHOD ROLE FD SHAPE`: one side of a method in a host."""
+    method, role, fd, shape = argv[0], int(argv[1]), int(argv[2]), Shape(*json.loads(argv[3]))
+    main = _PAIRS[method][role]
+    main(Connection(fd), shape)
 
 
 def _expect(conn: Connection, timeout: float = 300.0) -> Any:
@@ -425,7 +509,10 @@ def _pdserve_reader(conn: Connection, shape: Shape, ucx_tls: str = "") -> None:
             want -= r.finished_recving
         return time.perf_counter() - t0
 
-    _serve(conn, {"run": run})
+    def transport(case: Case, tag: str) -> str:
+        return "+".join(sorted(set(c.peer_transports().values())))
+
+    _serve(conn, {"run": run, "transport": transport})
     c.shutdown()
 
 
@@ -517,7 +604,12 @@ def _ucxx_reader(conn: Connection, shape: Shape, tls: str = "^cma") -> None:
         _ucxx_wait(worker, recvs)
         return time.perf_counter() - t0
 
-    _serve(conn, {"run": run})
+    def transport(case: Case, tag: str) -> str:
+        from connectors.ucx.ep_info import EndpointInfo
+
+        return EndpointInfo().transport(ep.handle)
+
+    _serve(conn, {"run": run, "transport": transport})
 
 
 # -- (c) NIXL READ --------------------------------------------------------------------------------
@@ -678,3 +770,7 @@ _PAIRS: dict[str, tuple[Callable[[Connection, Shape], None], Callable[[Connectio
     "nixl": (_nixl_writer, _nixl_reader),
     "grpc": (_grpc_writer, _grpc_reader),
 }
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--child"]:
+    _child_main(sys.argv[2:])

@@ -1,8 +1,8 @@
 """Which UCX transport an endpoint uses (`ucp_ep_print_info`, parsed) and when it is a fallback.
 
 The samples are what libucp 1.21 (the ucxx-cu12 wheel's) printed for endpoints between two
-workers of one host under UCX_TLS=^cma, tcp,cma and tcp; the RDMA one is that format with
-mlx5 lanes. The last test asks the real libucp about a real endpoint."""
+workers of one host under UCX_TLS=^cma and tcp,cma, and between the two namespaced hosts of
+bench/two_hosts.py; the RDMA one is that format with mlx5 lanes. The last test asks the real libucp about a real endpoint."""
 
 from __future__ import annotations
 
@@ -55,14 +55,16 @@ CMA = """#
 """
 
 TCP_VETH = """#
-#                 lane[0]:  1:tcp/pdv0.0 md[0]              -> md[0]/tcp/sysdev[255] seg 4294967295 rma_bw#0 am wireup
+#                 lane[0]:  1:tcp/pdv0.0 md[1]              -> md[1]/tcp/sysdev[255] seg 4294967295 rma_bw#0 am wireup
 #
-# +-------------------------------+-----------------------------------------------------+
-# | ucp_context_0 inter-node cfg#0 | tagged message by ucp_tag_send* from host memory   |
-# +-------------------------------+--------------------------------------------+--------+
-# |                       0..8184 | eager short                                | tcp/pdv0 |
-# |                    16353..inf | (?) rendezvous fragmented copy-in copy-out | tcp/pdv0 |
-# +-------------------------------+--------------------------------------------+--------+
+# +--------------------------------+------------------------------------------------------------+
+# | ucp_context_0 inter-node cfg#0 | tagged message by ucp_tag_send* from host memory           |
+# +--------------------------------+-------------------------------------------------+----------+
+# |                              0 | eager short                                     | tcp/pdv0 |
+# |                        1..8191 | eager zero-copy copy-out                        | tcp/pdv0 |
+# |                      8K..65520 | (?) rendezvous zero-copy                        | tcp/pdv0 |
+# |                     65521..inf | (?) rendezvous zero-copy fenced write to remote | tcp/pdv0 |
+# +--------------------------------+-------------------------------------------------+----------+
 """
 
 RDMA_TWO_RAILS = """#
