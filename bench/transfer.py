@@ -34,6 +34,7 @@ import functools
 import json
 import multiprocessing as mp
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -58,6 +59,8 @@ CHUNK = 4 << 20
 DEFAULT_SIZES = "1,16,256,1024"
 # Throughput, not failure detection, is measured: a loaded machine may take seconds per pull.
 BENCH_TIMEOUT_S = 120.0
+NIXL_SAMPLE_TIMEOUT_S = 30.0
+_HOSTS_ENV = "PDSERVE_BENCH_HOSTS"  # set to 2 in the processes of a --hosts 2 run
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
         if problem is not None:
             print(f"bench transfer --hosts 2: two namespaced hosts cannot be made here: {problem}", file=sys.stderr)
             return 2
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so the namespaces are removed on SIGTERM too
         with TwoHosts() as hosts:
             samples, used = _measure(methods, shape, cases, args.iters, hosts)
     else:
@@ -197,6 +201,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_table(rows, methods, summary, out)
     return 0
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _int_list(text: str) -> list[int]:
@@ -307,14 +315,24 @@ def _measure(methods: list[str], shape: Shape, cases: list[Case], iters: int,
                 print(f"{m}: unavailable ({e})", file=sys.stderr)
                 runners.pop(m).close()
         samples: dict[str, dict[str, list[float]]] = {m: {c.label: [] for c in cases} for m in runners}
+        failed: dict[str, str] = {}
         for case in cases:
             for i in range(iters + 1):
-                for m, runner in runners.items():
-                    seconds = runner.sample(case, f"{case.label}-{i}")
+                for m, runner in list(runners.items()):
+                    try:
+                        seconds = runner.sample(case, f"{case.label}-{i}")
+                    except (RuntimeError, TimeoutError) as e:
+                        if m == "pdserve":
+                            raise
+                        print(f"{m}: failed, dropped from the run ({e})", file=sys.stderr)
+                        failed[m] = f"failed: {e}"
+                        runners.pop(m).close()
+                        samples.pop(m)
+                        continue
                     if i:
                         samples[m][case.label].append(seconds)
         used = {m: runner.transport() for m, runner in runners.items()}
-        return samples, {m: t for m, t in used.items() if t}
+        return samples, {**{m: t for m, t in used.items() if t}, **failed}
     finally:
         for runner in runners.values():
             runner.close()
@@ -401,7 +419,8 @@ def _spawn_in_host(host: Any, method: str, role: int, shape: Shape,
     fd = child.fileno()
     argv = [sys.executable, "-m", "bench.transfer", "--child", method, str(role), str(fd),
             json.dumps([shape.num_layers, shape.kv_heads, shape.head_dim, shape.block_size, shape.num_blocks])]
-    proc = subprocess.Popen(host.command(argv), env={**os.environ, **env, "UCX_WARN_UNUSED_ENV_VARS": "n"},
+    proc = subprocess.Popen(host.command(argv), env={**os.environ, **env, "UCX_WARN_UNUSED_ENV_VARS": "n",
+                                                     _HOSTS_ENV: "2"},
                             pass_fds=(fd,), start_new_session=True)
     child.close()
     return Connection(parent.detach()), proc
@@ -614,14 +633,16 @@ def _ucxx_reader(conn: Connection, shape: Shape, tls: str = "^cma") -> None:
 
 # -- (c) NIXL READ --------------------------------------------------------------------------------
 
-def _nixl_agent(name: str) -> Any:
+def _nixl_agent(name: str, progress_thread: bool = False) -> Any:
     try:
         from nixl_cu12._api import nixl_agent, nixl_agent_config
     except ImportError as e:
         raise _MethodUnavailable(f"nixl-cu12 not installed: {e}") from None
-    # No progress thread: the reader polls its transfers, and a spinning thread would steal
-    # CPU from the other methods measured in the same run.
-    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+    # No progress thread on one host: the reader polls its transfers, CMA reads need no writer
+    # CPU, and a spinning thread would steal CPU from the other methods measured in the same
+    # run. Across hosts over TCP a READ is served by the writer's UCX worker, which only a
+    # progress thread drives while the writer waits for commands (`progress_thread`).
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=[]))
     agent.create_backend("UCX", {"ucx_error_handling_mode": "none"})
     return agent
 
@@ -629,7 +650,7 @@ def _nixl_agent(name: str) -> Any:
 def _nixl_writer(conn: Connection, shape: Shape) -> None:
     _child_setup()
     try:
-        agent = _nixl_agent("bench-writer")
+        agent = _nixl_agent("bench-writer", progress_thread=os.environ.get(_HOSTS_ENV) == "2")
     except _MethodUnavailable as e:
         conn.send(("unavailable", str(e)))
         return
@@ -668,6 +689,8 @@ def _nixl_reader(conn: Connection, shape: Shape) -> None:
             handles.append(handle)
         pending = list(handles)
         while pending:
+            if time.perf_counter() - t0 > NIXL_SAMPLE_TIMEOUT_S:
+                raise TimeoutError(f"NIXL READ not done in {NIXL_SAMPLE_TIMEOUT_S:.0f}s")
             states = [agent.check_xfer_state(h) for h in pending]
             if "ERR" in states:
                 raise RuntimeError("NIXL transfer failed")
