@@ -103,6 +103,21 @@ def test_bench_transfer_smoke_reports_both_like_for_like_pairs(tmp_path: Path,
     assert row["ratio_vs"]["ucxx-cma"] == pytest.approx(row["gbps"]["pdserve-cma"] / row["gbps"]["ucxx-cma"])
 
 
+def test_bench_transfer_two_hosts_smoke_names_the_transport(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.two_hosts import unavailable
+
+    problem = unavailable()
+    if problem is not None:
+        pytest.skip(f"two namespaced hosts cannot be made here: {problem}")
+    report = run_json(capsys, ["bench", "transfer", "--hosts", "2", "--out", str(tmp_path), "--iters", "1",
+                               "--sizes", "2", "--concurrent", "0", "--num-layers", "2", "--methods", "pdserve,ucxx"])
+    (row,) = report["rows"]
+    assert report["hosts"] == 2 and row["gbps"]["pdserve"] > 0 and row["gbps"]["ucxx"] > 0
+    # Across the namespaces neither shared memory nor CMA is reachable: both went over TCP.
+    assert report["transports_used"] == {"pdserve": "tcp", "ucxx": "tcp"}
+
+
 def test_bench_events_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     report = run_json(capsys, ["bench", "events", "--engines", "1", "--tp", "2", "--batch-events", "4", "--rate", "200",
                                "--direct-rate", "400", "--duration", "1", "--subscribers", "2",
