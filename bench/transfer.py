@@ -395,10 +395,12 @@ class _Runner:
             except (BrokenPipeError, OSError):
                 pass
             if isinstance(proc, subprocess.Popen):
+                # A process in a host: its samples are in; one still closing UCX endpoints to a
+                # peer already gone (ucxx waits on the close) is ended with its namespace's init.
                 try:
-                    proc.wait(timeout=20)
+                    proc.wait(timeout=3)
                 except subprocess.TimeoutExpired:
-                    proc.kill()
+                    os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
                 continue
             proc.join(timeout=20)
