@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, zmq_endpoint: str) -> Iter
     with vllm_cluster(tmp_path_factory, "vllm", num_prefill=2, num_decode=2, kv_cache_memory="96MiB",
                       scheduler_args=["--routing-policy", "prefix", "--zmq-endpoint", zmq_endpoint,
                                       "--path-policy", "remote"],  # these tests check the KV transfer path
-                      max_model_len=1024, max_num_seqs=8) as c:
+                      max_model_len=1024, max_num_seqs=8, metrics=True) as c:
         yield c
 
 
@@ -91,6 +92,27 @@ def test_disaggregated_vllm_matches_vllm_colocated_greedy(cluster: LocalCluster,
         assert result.prefill_engine_id in ("prefill-0", "prefill-1"), result
         assert result.transferred_tokens > 0, f"prompt {i}: no KV came over the data plane: {result}"
     assert cluster.wait_no_leaks(timeout=60) == {}
+
+
+KV_BUDGET = 96 << 20
+
+
+def _engine_gauge(cluster: LocalCluster, name: str, metric: str) -> float:
+    port = cluster.components[name].metrics_port
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(metric + "{")]
+    assert len(values) == 1, (name, metric, values)
+    return values[0]
+
+
+def test_vllm_kv_is_registered_in_place_without_a_mirror(cluster: LocalCluster) -> None:
+    """Each engine registered vLLM's own KV allocation (its --kv-cache-memory budget, in whole
+    blocks of 30 layers x 3 KV heads x 32 tokens x K,V x 64 x fp32) and copies none of it."""
+    block_nbytes = 30 * 3 * BLOCK * 2 * 64 * 4
+    for name in ("prefill-0", "prefill-1", "decode-0", "decode-1"):
+        registered = _engine_gauge(cluster, name, "pdserve_engine_kv_bytes_registered")
+        assert KV_BUDGET - block_nbytes < registered <= KV_BUDGET and registered % block_nbytes == 0, (name, registered)
+        assert _engine_gauge(cluster, name, "pdserve_engine_kv_mirror_bytes") == 0, name
 
 
 def _generate(target: str, prompt: list[int], max_tokens: int = 4) -> GenerationResult:
