@@ -6,7 +6,8 @@ per-layer views at the layout's strides), registers it as the vLLM connector doe
 whole blocks between equal TP, and head ranges from a TP-1 prefill rank into two TP-2 decode
 ranks. LBHNC is vLLM's CPU layout (one range per layer and run of blocks); BHLNC a
 block-outermost one (a run of blocks is one range). Per layout: four rank processes, started
-together; the writer is killed mid-pull at the end.
+together; the writer is killed mid-pull at the end. The CUDA cases (vLLM's GPU layouts, pins
+behind a CUDA event on the stream) run where a GPU is visible and are skipped otherwise.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import signal
 from typing import Any
 
 import pytest
+import torch
 from ucx_rank_proc import RankProc
 
 from connectors.head_map import read_plan
@@ -30,10 +32,16 @@ def _descriptor(p: RankProc, rid: str, block_ids: list[int]) -> dict[str, Any]:
             "block_size": 4, "num_kv_heads": HEADS}
 
 
-@pytest.fixture(params=["LBHNC", "BHLNC"])
+NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: vLLM's GPU layouts in GPU "
+                             "memory run where a GPU is visible")
+
+
+@pytest.fixture(params=["LBHNC-cpu", "BHLNC-cpu", pytest.param("BHLNC-cuda", marks=NO_CUDA),
+                        pytest.param("BLHNC-cuda", marks=NO_CUDA), pytest.param("LBHNC-cuda", marks=NO_CUDA)])
 def ranks(request: pytest.FixtureRequest) -> Any:
-    layout = request.param
-    common = {"vllm_layout": layout, "num_kv_heads": HEADS, "num_layers": 3, "num_blocks": 64, "timeout_s": 1.5}
+    layout, device = request.param.split("-")
+    common = {"vllm_layout": layout, "num_kv_heads": HEADS, "num_layers": 3, "num_blocks": 64, "timeout_s": 1.5,
+              "device": device}
     prefill = RankProc(f"prefill-{layout}", 5, seed=7, **common)
     decode = RankProc(f"decode-{layout}", 6, **common)
     halves = [RankProc(f"decode2-{layout}", 8, tp_rank=r, tp_size=2, **common) for r in range(2)]
@@ -61,7 +69,7 @@ def _jobs(seed: int, prefix: str) -> dict[str, tuple[list[int], list[int]]]:
 
 def _pull_all(prefill: RankProc, readers: list[RankProc], jobs: dict[str, tuple[list[int], list[int]]]) -> None:
     for rid, (remote, _) in jobs.items():
-        prefill.call("expect_send", rid, remote, None, len(readers))
+        prefill.call("expect_send_fenced", rid, remote, len(readers))
     for rank in readers:
         for rid, (remote, local) in jobs.items():
             rank.call("start_pull", rid, _descriptor(prefill, rid, remote), local)

@@ -102,8 +102,18 @@ def _vllm_region(spec: dict[str, Any], heads: int) -> tuple[Any, Any]:
     region = describe_kv_caches(caches, num_blocks=spec["num_blocks"], block_size=spec["block_size"],
                                 head_dim=spec["head_dim"], layout_name=spec["vllm_layout"])
     if spec["seed"]:
-        region.memory.random_(0, 256, generator=torch.Generator().manual_seed(spec["seed"]))
+        noise = torch.randint(0, 256, (region.nbytes,), dtype=torch.uint8,
+                              generator=torch.Generator().manual_seed(spec["seed"]))
+        region.memory.copy_(noise.to(region.memory.device))
     return region, logical_view(region).permute(1, 2, 0, 3, 4)
+
+
+def _fence(device: str) -> Any:
+    import torch
+
+    from connectors.vllm.kv_region import ComputeFence
+
+    return ComputeFence.record(torch.device(device))
 
 
 def rank_main(conn: Connection, spec: dict[str, Any]) -> None:
@@ -167,7 +177,7 @@ def rank_main(conn: Connection, spec: dict[str, Any]) -> None:
 
     def head_digests(ids: list[int]) -> dict[int, list[str]]:
         """Per global KV head this rank holds: a digest of that head's K and V (every layer) per block."""
-        return {head_start + h: [hashlib.blake2b(kv[b, h].contiguous().numpy().tobytes(),
+        return {head_start + h: [hashlib.blake2b(kv[b, h].contiguous().cpu().numpy().tobytes(),
                                                  digest_size=16).hexdigest() for b in ids] for h in range(heads)}
 
     def zero(ids: list[int]) -> None:
@@ -179,6 +189,10 @@ def rank_main(conn: Connection, spec: dict[str, Any]) -> None:
         "add_peer": lambda m: asdict(connector.add_peer(m)),
         "remove_peer": connector.remove_peer,
         "expect_send": connector.expect_send,
+        # pinned behind a CUDA event on the current stream (as the vLLM connector pins): a
+        # no-op fence on the CPU
+        "expect_send_fenced": lambda rid, ids, readers=1: connector.expect_send(
+            rid, ids, None, readers, ready=_fence(spec["device"])),
         "start_pull": lambda rid, d, local: connector.start_pull(rid, KVTransferDescriptor(**d), local),
         "cancel": connector.cancel,
         "wait_results": wait_results,
