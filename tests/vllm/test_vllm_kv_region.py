@@ -66,3 +66,27 @@ def test_a_stated_layout_that_the_strides_contradict_is_refused() -> None:
     with pytest.raises(ValueError, match="says its KV layout is BHLNC"):
         describe_kv_caches(_vllm_caches("LBHNC"), num_blocks=BLOCKS, block_size=BLOCK, head_dim=HEAD_DIM,
                            layout_name="BHLNC")
+
+
+def test_kv_the_connector_cannot_move_whole_is_refused_with_the_reason() -> None:
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+
+    from connectors.vllm.connector import _check_kv_cache_groups
+
+    full = FullAttentionSpec(BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float16)
+    window = SlidingWindowSpec(BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float16, sliding_window=64)
+    _check_kv_cache_groups(KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[],
+                                         kv_cache_groups=[KVCacheGroupSpec(["a"], full)]))
+    hybrid = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[],
+                           kv_cache_groups=[KVCacheGroupSpec(["a"], full), KVCacheGroupSpec(["b"], window)])
+    with pytest.raises(ValueError, match="moves one KV cache group; this model has 2 .*SlidingWindowSpec"):
+        _check_kv_cache_groups(hybrid)
+    with pytest.raises(ValueError, match="full-attention KV only; this model's cache is SlidingWindowSpec"):
+        _check_kv_cache_groups(KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[],
+                                             kv_cache_groups=[KVCacheGroupSpec(["b"], window)]))
