@@ -181,6 +181,22 @@ def test_cancel_mid_stream_frees_blocks_on_both_vllm_engines(cluster: LocalClust
     assert cluster.wait_no_leaks(timeout=60) == {}
 
 
+# Before the kill -9 test: it uses both decode engines, which that test leaves dead.
+def test_transferred_tokens_count_only_kv_that_came_over_the_data_plane(cluster: LocalCluster) -> None:
+    """`transferred_tokens` is what vLLM loaded through the connector: the whole prompt's KV on a
+    cold decode engine (vLLM computes only the prefill's first token); with a local prefix hit on
+    the decode engine only the part after it — the hit is cached, not transferred (counted as
+    transferred before)."""
+    cold = [3000 + i for i in range(3 * BLOCK + 5)]
+    first = _generate(cluster.target, cold)
+    warm = [7000 + i for i in range(3 * BLOCK + 5)]
+    for name in ("decode-0", "decode-1"):  # whichever decode engine serves it holds its prefix
+        colocated(cluster, warm[:2 * BLOCK + 3], 1, name=name)
+    second = _generate(cluster.target, warm)
+    assert (first.cached_tokens, first.transferred_tokens) == (0, len(cold)), first
+    assert (second.cached_tokens, second.transferred_tokens) == (2 * BLOCK, len(warm) - 2 * BLOCK), second
+
+
 def _stream_with_indexes(client: AsyncClient, prompt: list[int], max_tokens: int,
                          decoding: asyncio.Event | None = None) -> Any:
     """Streams one request, noting each chunk's (index, length); sets `decoding` once a token
@@ -245,18 +261,3 @@ def test_kill_9_vllm_decode_migrates_and_kill_9_vllm_prefill_recomputes(cluster:
             assert any(r.num_migrations > 0 for r, _ in outcomes), f"no request migrated off {victim}"
     survivors = [n for n in ("prefill-0", "prefill-1", "decode-0", "decode-1") if n not in killed]
     assert cluster.wait_no_leaks(survivors, timeout=60) == {}
-
-
-def test_transferred_tokens_count_only_kv_that_came_over_the_data_plane(cluster: LocalCluster) -> None:
-    """`transferred_tokens` is what vLLM loaded through the connector: the whole prompt's KV on a
-    cold decode engine (vLLM computes only the prefill's first token); with a local prefix hit on
-    the decode engine only the part after it — the hit is cached, not transferred (counted as
-    transferred before)."""
-    cold = [3000 + i for i in range(3 * BLOCK + 5)]
-    first = _generate(cluster.target, cold)
-    warm = [7000 + i for i in range(3 * BLOCK + 5)]
-    for name in ("decode-0", "decode-1"):  # whichever decode engine serves it holds its prefix
-        colocated(cluster, warm[:2 * BLOCK + 3], 1, name=name)
-    second = _generate(cluster.target, warm)
-    assert (first.cached_tokens, first.transferred_tokens) == (0, len(cold)), first
-    assert (second.cached_tokens, second.transferred_tokens) == (2 * BLOCK, len(warm) - 2 * BLOCK), second
