@@ -197,6 +197,9 @@ def disaggregation() -> Board:
     b.ts("Pulls in flight", [q("sum by (engine) (pdserve_transfer_inflight_operations)", "{{engine}}")])
     b.ts("Blocks / s by pair", [q(f"sum by ({pair}) (rate(pdserve_transfer_blocks_total[{RI}]))",
                                   "{{src_engine}} → {{dst_engine}}")])
+    b.ts("KV memory registered with the data plane (mirror: --kv-staging host copies)", [
+        q("sum by (engine) (pdserve_engine_kv_bytes_registered)", "{{engine}} registered"),
+        q("sum by (engine) (pdserve_engine_kv_mirror_bytes)", "{{engine}} mirror")], "bytes")
     b.ts("KV holds: how they ended", [
         q(f"sum by (outcome) (rate(pdserve_scheduler_lease_outcomes_total[{RI}]))", "{{outcome}}"),
         q(f"sum(rate(pdserve_transfer_lease_expiries_total[{RI}]))", "expired (prefill side)")], "ops")

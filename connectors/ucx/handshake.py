@@ -25,9 +25,14 @@ from typing import Any
 import msgpack
 
 from connectors.head_map import partition_problem, rank_heads
+from connectors.kv_layout import LAYOUT_PREFIX, VLLM_LAYOUTS
 
 HANDSHAKE_VERSION = 1
 KV_LAYOUT = "NHL2BD"
+# Layouts a region may have: pdserve's own, or vLLM's KV registered in place ("vllm:LBHNC"...,
+# `connectors/kv_layout.py`); a region in a vLLM layout is addressed by its owner only, so a
+# reader needs just the name (both ends must have the same, which the compatibility hash checks).
+KV_LAYOUTS = (KV_LAYOUT, *(LAYOUT_PREFIX + name for name in VLLM_LAYOUTS))
 MEMORY_TYPES = ("cpu", "cuda")
 KV_TRANSPORTS = ("ucx-tag", "nixl")
 DEFAULT_KV_TRANSPORT = "ucx-tag"
@@ -82,8 +87,8 @@ class KVRegionLayout:
         if not 0 <= self.head_start < self.head_end <= self.num_kv_heads:
             raise ValueError(f"handshake: heads [{self.head_start}, {self.head_end}) not within "
                              f"[0, {self.num_kv_heads})")
-        if self.layout != KV_LAYOUT:
-            raise ValueError(f"handshake: unsupported KV layout {self.layout!r} (expected {KV_LAYOUT!r})")
+        if self.layout not in KV_LAYOUTS:
+            raise ValueError(f"handshake: unsupported KV layout {self.layout!r} (expected one of {KV_LAYOUTS})")
         if self.memory_type not in MEMORY_TYPES:
             raise ValueError(f"handshake: unknown KV memory type {self.memory_type!r} (expected one of {MEMORY_TYPES})")
         per_elem, rem = divmod(self.block_nbytes, self.num_layers * 2 * self.num_local_heads

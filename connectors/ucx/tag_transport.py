@@ -45,6 +45,7 @@ from connectors.ucx.device_memory import (
 from connectors.ucx.ep_info import UNKNOWN, EndpointInfo
 from connectors.ucx.handshake import PeerKey
 from connectors.ucx.transport import (
+    BlockAddressing,
     HeadGeometry,
     KVTransport,
     PullOp,
@@ -115,21 +116,24 @@ class UcxTagTransport(KVTransport):
     `serve_timeout_s` after its pull is presumed dead: its endpoint is closed (cancelling
     its sends) and every request it was reading is reported done with ok=False. `geometry`
     (the region's layers and heads) is needed for head-range segments; without it they are
-    refused (writer) or fail (reader) with `bad_segments`."""
+    refused (writer) or fail (reader) with `bad_segments`. `addressing` replaces the NHL2BD
+    arithmetic for a region in another layout (vLLM's KV in place: a segment is then several
+    ranges, posted together and complete together)."""
 
     def __init__(self, region: Any, block_nbytes: int, local_key: PeerKey, *,
                  ucx_config: dict[str, str] | None = None, serve_timeout_s: float = 30.0, name: str = "ucx",
-                 geometry: HeadGeometry | None = None) -> None:
+                 geometry: HeadGeometry | None = None, addressing: BlockAddressing | None = None) -> None:
         import ucxx._lib.libucxx as ucx_api
         from ucxx._lib.arr import Array
 
         nbytes = region_nbytes(region)
-        if block_nbytes < 1 or nbytes % block_nbytes:
+        if addressing is None and (block_nbytes < 1 or nbytes % block_nbytes):
             raise ValueError("region must be a flat uint8 array of whole blocks")
+        self._addressing = addressing
         self._api = ucx_api
         self._array = Array
         self._region = region
-        self._num_blocks = nbytes // block_nbytes
+        self._num_blocks = addressing.num_blocks if addressing is not None else nbytes // block_nbytes
         self._block_nbytes = block_nbytes
         if geometry is not None and geometry.block_nbytes != block_nbytes:
             raise ValueError(f"geometry {geometry} does not make blocks of {block_nbytes} bytes")
@@ -575,6 +579,8 @@ class UcxTagTransport(KVTransport):
             self._track_in_lane(key, sent, on_sent, view)
 
     def _pieces(self, seg: Segment, *, remote: bool) -> list[tuple[int, int]]:
+        if self._addressing is not None:
+            return self._addressing.pieces(seg, remote=remote)
         if seg.num_heads == 0:
             first = seg.remote_block if remote else seg.local_block
             return [(first * self._block_nbytes, seg.num_blocks * self._block_nbytes)]
@@ -591,10 +597,11 @@ class UcxTagTransport(KVTransport):
                 return "out_of_range"
             if seg.num_heads:
                 head = seg.remote_head if remote else seg.local_head
-                if (self._geometry.head_nbytes == 0 or seg.num_heads < 0 or head < 0
-                        or head + seg.num_heads > self._geometry.num_local_heads):
+                heads = self._geometry.num_local_heads if self._addressing is None else self._addressing.num_local_heads
+                if ((self._addressing is None and self._geometry.head_nbytes == 0) or seg.num_heads < 0 or head < 0
+                        or head + seg.num_heads > heads):
                     return "bad_segments"
-            total += num_pieces(seg)
+            total += num_pieces(seg) if self._addressing is None else self._addressing.num_pieces(seg)
         return None if total <= MAX_SEGMENTS else "bad_segments"
 
     def _refusal(self, request: PullRequest) -> str | None:

@@ -67,6 +67,22 @@ def pieces(seg: Segment, geometry: HeadGeometry, *, remote: bool) -> list[tuple[
     return [((first + b) * block_nbytes + skip, length) for b in range(seg.num_blocks)]
 
 
+class BlockAddressing(Protocol):
+    """Where blocks and heads lie in a region that is not NHL2BD (`connectors.kv_layout.StridedKVLayout`,
+    vLLM's own KV in place): a segment moves as `pieces(seg, remote=...)`, the same count of
+    the same lengths on both sides."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def num_local_heads(self) -> int: ...
+
+    def pieces(self, seg: Segment, *, remote: bool) -> list[tuple[int, int]]: ...
+
+    def num_pieces(self, seg: Segment) -> int: ...
+
+
 def num_pieces(seg: Segment) -> int:
     """How many messages `seg` moves (see `pieces`)."""
     return 1 if seg.num_heads == 0 else seg.num_blocks

@@ -37,13 +37,14 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from connectors.base import KVConnectorMetadata, WorkerConnector
 from connectors.head_map import HeadRead, mapping_problem, rank_heads, read_plan
 from connectors.kv_events import KVCacheEvent
+from connectors.kv_layout import LAYOUT_PREFIX, KVRegion
 from connectors.outputs import KVConnectorStats, TransferResults
 from connectors.ucx.ep_info import UNKNOWN, TransportExpectation
 from connectors.ucx.handshake import (
@@ -56,6 +57,7 @@ from connectors.ucx.handshake import (
     UcxHandshakeMetadata,
 )
 from connectors.ucx.transport import (
+    BlockAddressing,
     HeadGeometry,
     KVTransport,
     PullOp,
@@ -222,12 +224,20 @@ class _Recv:
     bytes_by_transport: dict[str, int] = field(default_factory=dict)
 
 
+class ReadyFence(Protocol):
+    """Completion of the compute that wrote a prefill's blocks (a CUDA event on the engine's
+    stream: `connectors/vllm/kv_region.py`); `wait()` returns once it is done."""
+
+    def wait(self) -> None: ...
+
+
 @dataclass(slots=True)
 class _Lease:
     block_ids: frozenset[int]
     expires_at: float
     readers_left: int
     active: int = 0
+    ready: ReadyFence | None = None  # waited on before the first byte is served
 
 
 class UcxWorkerConnector(WorkerConnector):
@@ -274,22 +284,23 @@ class UcxWorkerConnector(WorkerConnector):
 
         The tensor must be contiguous with shape [num_blocks, heads_local, num_layers, 2,
         block_size, head_dim] (NHL2BD), on the CPU or on a GPU; everything the handshake needs is read
-        from it (`spec` is accepted for the base API and not needed). A GPU tensor is
+        from it (`spec` is accepted for the base API and not needed). A `KVRegion` (vLLM's own
+        KV allocation and its layout, `connectors/kv_layout.py`) is registered as it is, in place. A GPU tensor is
         registered with UCX's CUDA transports (start-up fails naming what is missing), or with
         `kv_staging="host"` mirrored in pinned host memory. `transport` overrides the UCX tag
         transport (e.g. an RMA backend).
         """
         if self._transport is not None:
             raise RuntimeError("KV caches are already registered")
-        tensor = _single_tensor(kv_cache)
-        if self.config.kv_staging == "host":
+        tensor = kv_cache if isinstance(kv_cache, KVRegion) else _single_tensor(kv_cache)
+        if self.config.kv_staging == "host" and not isinstance(tensor, KVRegion):
             from connectors.ucx.host_staging import HostStaging
 
             self._staging = HostStaging(tensor)
             tensor = self._staging.mirror
-        region, layout = self._describe(tensor)
+        region, layout = self._describe_in_place(tensor) if isinstance(tensor, KVRegion) else self._describe(tensor)
         if transport is None:
-            transport = self._make_transport(region, layout)
+            transport = self._make_transport(region, layout, tensor.layout if isinstance(tensor, KVRegion) else None)
         self._metadata = UcxHandshakeMetadata(self.key.engine_id, self.key.epoch, self.key.tp_rank, self.tp_size,
                                               self.compatibility_hash, transport.worker_address, layout,
                                               kv_transport=self.config.kv_transport)
@@ -299,18 +310,42 @@ class UcxWorkerConnector(WorkerConnector):
         transport.start(self)
         self._transport = transport
 
-    def _make_transport(self, region: Any, layout: KVRegionLayout) -> KVTransport:
+    def _make_transport(self, region: Any, layout: KVRegionLayout, addressing: BlockAddressing | None = None
+                        ) -> KVTransport:
         """The configured transport (`kv_transport`); NixlUnavailable when nixl is asked for and
-        not installed."""
+        not installed. `addressing`: a region in another layout than NHL2BD (tag transport only)."""
         geometry = HeadGeometry(layout.num_local_heads, layout.head_block_nbytes)
-        kind: type[KVTransport]
+        name = f"{self.config.kv_transport}-{self.key.engine_id}-{self.key.tp_rank}"
         if self.config.kv_transport == "nixl":
-            from connectors.ucx.nixl_transport import NixlTransport as kind
-        else:
-            from connectors.ucx.tag_transport import UcxTagTransport as kind
-        return kind(region, layout.block_nbytes, self.key, ucx_config=self.config.ucx_options(),  # type: ignore[call-arg]
-                    serve_timeout_s=self.config.lease_s, name=f"{self.config.kv_transport}-{self.key.engine_id}-"
-                    f"{self.key.tp_rank}", geometry=geometry)
+            if addressing is not None:
+                raise ValueError(f"--kv-transport nixl moves NHL2BD regions only, this one is {layout.layout}; "
+                                 "use ucx-tag")
+            from connectors.ucx.nixl_transport import NixlTransport
+
+            return NixlTransport(region, layout.block_nbytes, self.key, ucx_config=self.config.ucx_options(),
+                                 serve_timeout_s=self.config.lease_s, name=name, geometry=geometry)
+        from connectors.ucx.tag_transport import UcxTagTransport
+
+        return UcxTagTransport(region, layout.block_nbytes, self.key, ucx_config=self.config.ucx_options(),
+                               serve_timeout_s=self.config.lease_s, name=name, geometry=geometry,
+                               addressing=addressing)
+
+    def _describe_in_place(self, kv: KVRegion) -> tuple[Any, KVRegionLayout]:
+        """A `KVRegion`: its whole allocation is the region UCX moves (zero copy) and its
+        layout's name goes to the handshake ("vllm:LBHNC"...)."""
+        if kv.memory.dim() != 1 or kv.memory.element_size() != 1 or kv.memory_type not in ("cpu", "cuda"):
+            raise ValueError("KVRegion.memory must be a flat uint8 CPU or CUDA tensor")
+        kv.layout.validate(kv.nbytes)
+        head_start, head_end = rank_heads(self.key.tp_rank, self.tp_size, self.num_kv_heads)
+        if kv.layout.num_local_heads != head_end - head_start:
+            raise ValueError(f"the KV region holds {kv.layout.num_local_heads} heads, rank {self.key.tp_rank}/"
+                             f"{self.tp_size} of {self.num_kv_heads} KV heads holds {head_end - head_start}")
+        region = kv.memory.detach() if kv.memory_type == "cuda" else kv.memory.numpy()
+        layout = KVRegionLayout(num_blocks=kv.layout.num_blocks, block_nbytes=kv.layout.block_nbytes,
+                                num_layers=kv.layout.num_layers, block_size=kv.block_size, head_dim=kv.head_dim,
+                                num_kv_heads=self.num_kv_heads, head_start=head_start, head_end=head_end,
+                                dtype=kv.dtype, layout=LAYOUT_PREFIX + kv.layout.name, memory_type=kv.memory_type)
+        return region, layout
 
     def _describe(self, tensor: Any) -> tuple[Any, KVRegionLayout]:
         """The region UCX moves (a flat uint8 view: numpy for host memory, the CUDA tensor
@@ -358,9 +393,10 @@ class UcxWorkerConnector(WorkerConnector):
             raise ValueError(f"peer {meta.engine_id}: compatibility hash differs from ours")
         meta.validate()
         mine = self.handshake_metadata.region
-        if (meta.region.num_layers, meta.region.dtype, meta.region.block_size, meta.region.head_dim) != (
-                mine.num_layers, mine.dtype, mine.block_size, mine.head_dim):
-            raise ValueError(f"peer {meta.engine_id}: KV layout differs (layers, dtype, block size or head dim)")
+        if (meta.region.num_layers, meta.region.dtype, meta.region.block_size, meta.region.head_dim,
+                meta.region.layout) != (mine.num_layers, mine.dtype, mine.block_size, mine.head_dim, mine.layout):
+            raise ValueError(f"peer {meta.engine_id}: KV layout differs (layers, dtype, block size, head dim or "
+                             f"layout {meta.region.layout} vs {mine.layout})")
         transport = self._require_transport()
         with self._lock:
             stale = [k for k in self._peers if k.engine_id == meta.engine_id and k.epoch != meta.epoch]
@@ -573,13 +609,15 @@ class UcxWorkerConnector(WorkerConnector):
     # -- prefill side --------------------------------------------------------------------------
 
     def expect_send(self, request_id: str, block_ids: list[int], lease_s: float | None = None,
-                    num_readers: int = 1) -> None:
+                    num_readers: int = 1, ready: ReadyFence | None = None) -> None:
         """Pins `block_ids` of `request_id` for `num_readers` readers until they are done or the
         lease (default `config.lease_s`, renewed by live readers) runs out. Call it before the
         descriptor is handed out. `num_readers` is how many decode ranks read this rank
         (`head_map.readers_of`); 0 (a rank no reader needs, e.g. a replica of an MQA head) pins
         nothing and reports the id in `finished_sending` at the next drain. Raises ValueError
-        (no state change) on a known id, ids out of range, or a bad lease / reader count."""
+        (no state change) on a known id, ids out of range, or a bad lease / reader count.
+        `ready`: the blocks' bytes are final only once it is done (GPU compute still queued);
+        the first pull of them waits for it on the transport's thread before a byte moves."""
         num_blocks = self.handshake_metadata.region.num_blocks
         ids = frozenset(int(b) for b in block_ids)
         if any(not 0 <= b < num_blocks for b in ids):
@@ -599,14 +637,16 @@ class UcxWorkerConnector(WorkerConnector):
         with self._lock:
             if request_id in self._leases:
                 raise ValueError(f"request {request_id} is already pinned for sending")
-            self._leases[request_id] = _Lease(ids, time.monotonic() + lease, num_readers)
+            self._leases[request_id] = _Lease(ids, time.monotonic() + lease, num_readers, ready=ready)
         if self._transport is not None:
             # The reader's pull usually follows within milliseconds: poll briefly for it
             # instead of paying a wake-up on a busy host.
             self._transport.expect_activity(_EXPECT_PULL_S)
 
     def on_pull_request(self, request: PullRequest) -> str | None:
-        """Transport callback: validates a reader's pull against our epoch and leases."""
+        """Transport callback: validates a reader's pull against our epoch and leases (after
+        the lease's `ready` fence, if any, is done: the bytes are served right after)."""
+        self._wait_ready(request.request_id)
         with self._lock:
             why = self._pull_problem_locked(request)
             if why is not None:
@@ -628,6 +668,19 @@ class UcxWorkerConnector(WorkerConnector):
                                                                                s.remote_block + s.num_blocks)):
             return "not_pinned"
         return None
+
+    def _wait_ready(self, request_id: str) -> None:
+        """Waits (outside the lock) for the compute that wrote the request's blocks; once done,
+        the fence is dropped so later readers do not wait again."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            fence = lease.ready if lease is not None else None
+        if fence is None:
+            return
+        fence.wait()
+        with self._lock:
+            if lease is not None:
+                lease.ready = None
 
     def on_reader_done(self, request_id: str, reader: PeerKey, ok: bool) -> None:
         """Transport callback: a reader finished and every send of it completed."""

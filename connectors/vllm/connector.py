@@ -4,6 +4,17 @@ It only translates between vLLM's `KVConnectorBase_V1` API and pdserve's two hal
 `VllmSchedulerHalf` (role SCHEDULER, in the engine core) and `VllmWorkerHalf` (role WORKER, in
 each worker rank). `kv_connector_extra_config` is a `PdserveConnectorConfig`; `kv_role` must be
 `kv_both` (the pdserve scheduler, not the config, decides who prefills and who decodes).
+
+KV layout: vLLM resolves one physical layout per engine from its attention backends' supported
+sets; the connector states a preference (`get_required_kvcache_layout`): block-outermost BHLNC
+off the CPU (a run of blocks, or a head range of it, is one contiguous range; vLLM drops the
+preference with a warning where a backend cannot take it), none on the CPU, whose attention
+takes LBHNC only. The worker half registers whatever was allocated (`kv_region.py`).
+
+Refused at start, with the reason: more than one KV cache group (hybrid attention / Mamba, or
+sliding-window layers under vLLM's hybrid allocator) and groups that are not full attention
+(sliding-window or chunked-local blocks are freed behind the window, so a prefill's block list
+would not hold its whole prompt's KV).
 """
 
 from __future__ import annotations
@@ -40,6 +51,28 @@ SCHEDULER_HALVES: list[VllmSchedulerHalf] = []
 WORKER_HALVES: list[VllmWorkerHalf] = []
 
 
+PREFERRED_GPU_LAYOUT = "BHLNC"
+
+
+def _check_kv_cache_groups(kv_cache_config: KVCacheConfig | None) -> None:
+    """Raises ValueError, naming why, for KV the connector cannot move whole."""
+    if kv_cache_config is None:
+        return
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) > 1:
+        kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
+        raise ValueError(f"PdserveConnector moves one KV cache group; this model has {len(groups)} ({', '.join(kinds)}: "
+                         "hybrid attention, Mamba or sliding-window layers). Serve it colocated, or with a vLLM "
+                         "connector that transfers per group")
+    for group in groups:
+        spec = group.kv_cache_spec
+        if not isinstance(spec, FullAttentionSpec):
+            raise ValueError(f"PdserveConnector moves full-attention KV only; this model's cache is "
+                             f"{type(spec).__name__}, whose blocks behind the window are freed")
+
+
 class PdserveMetadata(PdserveConnectorMetadata, KVConnectorMetadata):
     """The step plan as vLLM's metadata type."""
 
@@ -63,6 +96,9 @@ class PdserveConnector(KVConnectorBase_V1):
         if transfer.kv_role != "kv_both":
             raise ValueError(f"PdserveConnector needs kv_role kv_both, got {transfer.kv_role!r}")
         self.config = PdserveConnectorConfig.from_extra(transfer.kv_connector_extra_config)
+        _check_kv_cache_groups(kv_cache_config)
+        self._vllm_config = vllm_config
+        self._num_blocks = int(kv_cache_config.num_blocks) if kv_cache_config is not None else None
         block_size = int(vllm_config.cache_config.block_size)
         shape = model_shape(vllm_config)
         self._scheduler: VllmSchedulerHalf | None = None
@@ -91,7 +127,15 @@ class PdserveConnector(KVConnectorBase_V1):
         return self._worker
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._w().register_kv_caches(kv_caches)
+        self._w().register_kv_caches(kv_caches, num_blocks=self._num_blocks,
+                                     layout_name=self._vllm_config.cache_config.kv_cache_layout)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """Block-outermost (BHLNC) where the platform's attention may take it (see the module docstring)."""
+        from vllm.platforms import current_platform
+
+        return None if current_platform.is_cpu() else PREFERRED_GPU_LAYOUT
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -49,6 +49,9 @@ class PdserveConnectorConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_server_name: str = ""
+    # "none": vLLM's KV is registered in place; "host": a block-major mirror of it is (CPU only),
+    # copied in and out per transfer (the measured fallback, `pdserve_engine_kv_mirror_bytes`).
+    kv_staging: str = "none"
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> PdserveConnectorConfig:
@@ -73,6 +76,8 @@ class PdserveConnectorConfig:
             raise ValueError("PdserveConnector: transfer_timeout_s and lease_s must be > 0")
         if self.max_inflight_transfers < 1:
             raise ValueError("PdserveConnector: max_inflight_transfers must be >= 1")
+        if self.kv_staging not in ("none", "host"):
+            raise ValueError(f"PdserveConnector: kv_staging must be none or host, got {self.kv_staging!r}")
 
 
 def descriptor_to_params(d: KVTransferDescriptor) -> dict[str, Any]:

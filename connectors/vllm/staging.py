@@ -1,4 +1,5 @@
-"""`KVStaging`: the rank's transfer region, a block-major mirror of vLLM's per-layer KV tensors.
+"""`KVStaging`: the `--kv-staging host` fallback — a block-major mirror of vLLM's per-layer KV
+tensors registered instead of them (by default vLLM's KV is registered in place: `kv_region.py`).
 
 vLLM's CPU attention keeps one tensor per layer, `[num_blocks, num_kv_heads, block_size,
 2 * head_size]`, where each head's block holds its K rows then its V rows (the backend views it
@@ -15,9 +16,9 @@ transpose), indexed by vLLM's own block ids:
 - decode: pulls land in the region; `scatter(block_ids)` copies them out into vLLM's tensors
   before vLLM is told they arrived.
 
-The price is one memcpy per block on each side and a second copy of the KV memory (measured
-in docs/benchmarks.md); the region is the layout the handshake describes, so pdserve engines and
-heterogeneous-TP head slicing read it exactly like a pdserve engine's cache.
+The price is one memcpy per block on each side and a second copy of the KV memory (reported as
+`pdserve_engine_kv_mirror_bytes`); the region is the layout the handshake describes
+(`NHL2BD/vllm-staging`).
 """
 
 from __future__ import annotations

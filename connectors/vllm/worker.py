@@ -1,8 +1,9 @@
 """`VllmWorkerHalf`: the worker side of `PdserveConnector`, one per vLLM worker rank.
 
-At `register_kv_caches` it builds the rank's `KVStaging` region (pdserve's block-major layout,
-indexed by vLLM's block ids) and a `RankAgent` over it — the same agent a pdserve engine's rank
-runs: UCX worker connector over the region, the rank's own control stream (Hello with engine id,
+At `register_kv_caches` it registers vLLM's own KV allocation with the data plane, in place
+(`kv_region.describe_kv_caches`: its layout read off the tensors, CPU or CUDA; no copy), and
+starts a `RankAgent` over it — the same agent a pdserve engine's rank runs: UCX worker
+connector over the region, the rank's own control stream (Hello with engine id,
 epoch, rank, tp size and the UCX handshake metadata), a drain thread that reports
 finished_sending / finished_recving / failed_recving with invalid block ids and per-pair stats
 to the pdserve scheduler as they happen. Ranks 1..tp-1 register at once; rank 0 registers on
@@ -11,15 +12,22 @@ routable before it can serve. Rank 0 also forwards vLLM's block-pool KV events
 (`BlockPoolEventForwarder`) and receives the scheduler's ReleaseBlocks / KVFailed.
 
 Per step (vLLM calls these on the worker's step thread):
-- `start_load_kv`: starts the plan's pulls (one UCX message per run of consecutive blocks, into
-  the region) and applies its cancels;
-- `wait_for_save` (after the forward wrote the KV): gathers each finished prompt's blocks into
-  the region and pins them (`expect_send`) — before the step's output leaves the engine;
-- `take_finished`: what vLLM must hear this step. A finished pull is scattered from the region
-  into vLLM's tensors *before* it is reported (failed ones too, with their invalid block ids, so
-  vLLM recomputes from the first invalid block); a held prefill is reported finished_sending once
-  its readers are done, its lease ran out, the pdserve scheduler released it, or it was
+- `start_load_kv`: starts the plan's pulls (each run of consecutive blocks as the ranges the
+  layout makes of it — one per layer for vLLM's CPU layout, one for a block-outermost one —
+  written straight into vLLM's blocks) and applies its cancels;
+- `wait_for_save` (after the forward was queued): pins each finished prompt's blocks
+  (`expect_send`) with a `ComputeFence` — a CUDA event recorded on vLLM's stream, which the
+  data plane waits for before serving the first byte (None on the CPU, where the forward has
+  run) — before the step's output leaves the engine;
+- `take_finished`: what vLLM must hear this step (failed pulls with their invalid block ids,
+  so vLLM recomputes from the first invalid block); a held prefill is reported finished_sending
+  once its readers are done, its lease ran out, the pdserve scheduler released it, or it was
   cancelled.
+
+With `kv_staging="host"` (the explicit, measured fallback) the rank registers a block-major
+mirror instead (`staging.KVStaging`, CPU tensors only): finished prompts are gathered into it
+at `wait_for_save`, finished pulls scattered out of it before they are reported; its bytes show
+in `pdserve_engine_kv_mirror_bytes`.
 
 Contracts: every pull vLLM waits on is reported to vLLM exactly once; every pinned prefill is
 reported finished_sending exactly once; vLLM ids are reported, pdserve ids travel on the wire.
@@ -36,6 +44,7 @@ from connectors.kv_events import KVCacheEvent
 from connectors.outputs import TransferResults
 from connectors.ucx.handshake import KV_LAYOUT
 from connectors.vllm.events import BlockPoolEventForwarder
+from connectors.vllm.kv_region import ComputeFence, FenceFactory, describe_kv_caches
 from connectors.vllm.params import PdserveConnectorConfig, PdserveConnectorMetadata, PullSpec
 from connectors.vllm.staging import KVStaging
 from services.common.metrics import EngineMetrics
@@ -72,8 +81,19 @@ class ModelShape:
 @dataclass(frozen=True, slots=True)
 class _KVSpec:
     block_size: int
+    layout: str  # the registered region's: "vllm:LBHNC"..., or "NHL2BD/vllm-staging" (the mirror)
+    device_kind: str  # where vLLM's KV lives (read from its tensors)
+
+
+@dataclass(frozen=True, slots=True)
+class KVMemory:
+    """What a rank registered with the data plane: `num_bytes_registered`, and of those the bytes
+    of a copy of vLLM's KV (`num_mirror_bytes`, 0 unless `kv_staging="host"`)."""
+
     layout: str
-    device_kind: str = "cpu"  # the transfer region lives in host memory (vLLM's CPU backend)
+    device_kind: str
+    num_bytes_registered: int
+    num_mirror_bytes: int
 
 
 class _TeeRankAgent(RankAgent):
@@ -98,6 +118,9 @@ class VllmWorkerHalf:
         self.model = model
         self.block_size = block_size
         self.staging: KVStaging | None = None
+        self.memory: KVMemory | None = None
+        self.fences: FenceFactory = ComputeFence.record
+        self._device: Any = None
         self.agent: _TeeRankAgent | None = None
         self.events: BlockPoolEventForwarder | None = None
         self._lock = threading.Lock()
@@ -114,14 +137,38 @@ class VllmWorkerHalf:
     # -- set-up ----------------------------------------------------------------------------------
 
     def compatibility_hash(self) -> str:
-        return compatibility_hash(self.model, _KVSpec(self.block_size, f"{KV_LAYOUT}/vllm-staging"),
+        """Covers the registered layout and device kind, so only engines whose KV lies alike pair."""
+        memory = self._require_memory()
+        return compatibility_hash(self.model, _KVSpec(self.block_size, memory.layout, memory.device_kind),
                                   self.config.hash_seed)
 
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self.staging = KVStaging(kv_caches)
-        if self.staging.block_size != self.block_size:
-            raise ValueError(f"vLLM's KV tensors hold {self.staging.block_size}-token blocks, the engine is "
-                             f"configured for {self.block_size}")
+    def register_kv_caches(self, kv_caches: dict[str, Any], *, num_blocks: int | None = None,
+                           layout_name: str | None = None) -> None:
+        """Registers vLLM's KV in place (or its mirror with `kv_staging="host"`) and starts the
+        rank's agent. `num_blocks`: vLLM's block count (None: the views' first dim);
+        `layout_name`: the KVCacheLayout vLLM resolved, checked against the strides."""
+        region: Any
+        if self.config.kv_staging == "host":
+            self.staging = KVStaging(kv_caches)
+            if self.staging.block_size != self.block_size:
+                raise ValueError(f"vLLM's KV tensors hold {self.staging.block_size}-token blocks, the engine is "
+                                 f"configured for {self.block_size}")
+            region = self.staging.region
+            nbytes = region.numel() * region.element_size()
+            self.memory = KVMemory(f"{KV_LAYOUT}/vllm-staging", "cpu", nbytes, nbytes)
+            self._device = region.device
+        else:
+            first = next(iter(kv_caches.values()), None)
+            region = describe_kv_caches(kv_caches, num_blocks=num_blocks or (int(first.shape[0]) if first is not None
+                                                                              else 1),
+                                        block_size=self.block_size, head_dim=self.model.head_dim,
+                                        layout_name=layout_name)
+            self.memory = KVMemory(f"vllm:{region.layout.name}", region.memory_type, region.nbytes, 0)
+            self._device = region.memory.device
+        self._start_agent(region)
+
+    def _start_agent(self, region: Any) -> None:
+        memory = self._require_memory()
         c = self.config
         security = ChannelSecurity(c.tls_ca, c.tls_cert, c.tls_key, c.tls_server_name) if c.tls_ca else None
         factory = RankAgentFactory(
@@ -136,9 +183,20 @@ class VllmWorkerHalf:
             if self.agent.registry is not None:
                 self.metrics = EngineMetrics(self.agent.registry, c.engine_id, c.role, tp_size=self.tp_size)
                 self.metrics.track_load(lambda: self._last_load)
-        self.agent.register_kv_caches(self.staging.region)
-        logger.info("vLLM rank %d/%d: %d layers, %d blocks registered with the UCX data plane", self.rank,
-                    self.tp_size, self.staging.num_layers, self.staging.num_blocks)
+        self.agent.register_kv_caches(region)
+        if self.agent.registry is not None:
+            from services.common.metrics import KVMemoryMetrics
+
+            KVMemoryMetrics(self.agent.registry).set(c.engine_id, c.role, self.rank, memory.num_bytes_registered,
+                                                     memory.num_mirror_bytes)
+        logger.info("vLLM rank %d/%d: %d bytes of %s KV (%s) registered with the UCX data plane, %d mirrored",
+                    self.rank, self.tp_size, memory.num_bytes_registered, memory.device_kind, memory.layout,
+                    memory.num_mirror_bytes)
+
+    def _require_memory(self) -> KVMemory:
+        if self.memory is None:
+            raise RuntimeError("register_kv_caches() first")
+        return self.memory
 
     def connect(self) -> None:
         """Rank 0: registers with the pdserve scheduler and starts forwarding vLLM's KV events
@@ -187,6 +245,12 @@ class VllmWorkerHalf:
     def start_load_kv(self, meta: PdserveConnectorMetadata) -> None:
         agent = self._require_agent()
         self._meta = meta
+        if any(pull.local_block_ids for pull in meta.pulls):
+            # Blocks just given to these requests may still be touched by compute queued before
+            # (their previous owner's): write into them only after it ran.
+            fence = self.fences(self._device)
+            if fence is not None:
+                fence.wait()
         for pull in meta.pulls:
             with self._lock:
                 self._pulls[pull.request_id] = pull
@@ -208,13 +272,14 @@ class VllmWorkerHalf:
         if meta is None or not meta.sends:
             return
         agent = self._require_agent()
-        assert self.staging is not None
+        fence = self.fences(self._device)  # after the forward that wrote these blocks was queued
         for send in meta.sends:
-            self.staging.gather(send.block_ids)
+            if self.staging is not None:
+                self.staging.gather(send.block_ids)
             with self._lock:
                 self._sends[send.request_id] = send.vllm_id
             try:
-                agent.ucx.expect_send(send.request_id, list(send.block_ids))
+                agent.ucx.expect_send(send.request_id, list(send.block_ids), ready=fence)
             except ValueError as e:  # held by vLLM all the same: report it sent at once
                 logger.error("cannot pin %s for sending: %s", send.request_id, e)
                 with self._lock:
@@ -234,7 +299,6 @@ class VllmWorkerHalf:
 
     def _finish_pulls(self, done: TransferResults, failed_by_scheduler: set[str], out: VllmFinished) -> None:
         agent = self._require_agent()
-        assert self.staging is not None
         failed = set(done.failed_recving)
         for request_id in failed_by_scheduler:  # the scheduler gave up on it (e.g. its prefill engine died)
             if request_id in self._pulls and request_id not in done.finished_recving:
@@ -245,7 +309,8 @@ class VllmWorkerHalf:
             ended = [(rid, self._pulls.pop(rid)) for rid in (done.finished_recving | failed) if rid in self._pulls]
         for request_id, pull in ended:
             if pull.vllm_waits:
-                self.staging.scatter(pull.local_block_ids)
+                if self.staging is not None:
+                    self.staging.scatter(pull.local_block_ids)
                 out.finished_recving.add(pull.vllm_id)
                 if request_id in failed:
                     out.failed_recving.add(pull.vllm_id)

@@ -183,6 +183,12 @@ _SPECS = (
                (*_ER, "type", "medium")),
     MetricSpec("pdserve_engine_control_reconnects_total", _C,
                "Control streams this engine's ranks re-opened to the scheduler", _ER),
+    MetricSpec("pdserve_engine_kv_bytes_registered", _G,
+               "KV bytes this rank registered with the data plane (vLLM engines: vLLM's own KV, in place)",
+               (*_ER, "rank")),
+    MetricSpec("pdserve_engine_kv_mirror_bytes", _G,
+               "Bytes of a copy of the engine's KV the data plane moves instead (--kv-staging host; 0 in place)",
+               (*_ER, "rank")),
     # --- KV transfer, per prefill→decode pair ---
     MetricSpec("pdserve_transfer_operations_total", _C,
                "KV pulls started by a decode rank (one per rank per request)", _PAIR),
@@ -580,6 +586,17 @@ class EngineMetrics(_Group):
             return families
 
         self._track(_CallbackCollector("engine load", read, fields))
+
+
+class KVMemoryMetrics(_Group):
+    """What one rank registered with the data plane (each rank process its own)."""
+
+    _names = ("pdserve_engine_kv_bytes_registered", "pdserve_engine_kv_mirror_bytes")
+
+    def set(self, engine: str, role: str, rank: int, num_bytes_registered: int, num_mirror_bytes: int) -> None:
+        labels = {"engine": engine, "role": role, "rank": str(rank)}
+        self._m["pdserve_engine_kv_bytes_registered"].labels(**labels).set(num_bytes_registered)
+        self._m["pdserve_engine_kv_mirror_bytes"].labels(**labels).set(num_mirror_bytes)
 
 
 class TransferMetrics(_Group):

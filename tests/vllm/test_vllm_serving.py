@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, zmq_endpoint: str) -> Iter
     with vllm_cluster(tmp_path_factory, "vllm", num_prefill=2, num_decode=2, kv_cache_memory="96MiB",
                       scheduler_args=["--routing-policy", "prefix", "--zmq-endpoint", zmq_endpoint,
                                       "--path-policy", "remote"],  # these tests check the KV transfer path
-                      max_model_len=1024, max_num_seqs=8) as c:
+                      max_model_len=1024, max_num_seqs=8, metrics=True) as c:
         yield c
 
 
@@ -91,6 +92,27 @@ def test_disaggregated_vllm_matches_vllm_colocated_greedy(cluster: LocalCluster,
         assert result.prefill_engine_id in ("prefill-0", "prefill-1"), result
         assert result.transferred_tokens > 0, f"prompt {i}: no KV came over the data plane: {result}"
     assert cluster.wait_no_leaks(timeout=60) == {}
+
+
+KV_BUDGET = 96 << 20
+
+
+def _engine_gauge(cluster: LocalCluster, name: str, metric: str) -> float:
+    port = cluster.components[name].metrics_port
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(metric + "{")]
+    assert len(values) == 1, (name, metric, values)
+    return values[0]
+
+
+def test_vllm_kv_is_registered_in_place_without_a_mirror(cluster: LocalCluster) -> None:
+    """Each engine registered vLLM's own KV allocation (its --kv-cache-memory budget, in whole
+    blocks of 30 layers x 3 KV heads x 32 tokens x K,V x 64 x fp32) and copies none of it."""
+    block_nbytes = 30 * 3 * BLOCK * 2 * 64 * 4
+    for name in ("prefill-0", "prefill-1", "decode-0", "decode-1"):
+        registered = _engine_gauge(cluster, name, "pdserve_engine_kv_bytes_registered")
+        assert KV_BUDGET - block_nbytes < registered <= KV_BUDGET and registered % block_nbytes == 0, (name, registered)
+        assert _engine_gauge(cluster, name, "pdserve_engine_kv_mirror_bytes") == 0, name
 
 
 def _generate(target: str, prompt: list[int], max_tokens: int = 4) -> GenerationResult:
@@ -159,6 +181,22 @@ def test_cancel_mid_stream_frees_blocks_on_both_vllm_engines(cluster: LocalClust
     assert cluster.wait_no_leaks(timeout=60) == {}
 
 
+# Before the kill -9 test: it uses both decode engines, which that test leaves dead.
+def test_transferred_tokens_count_only_kv_that_came_over_the_data_plane(cluster: LocalCluster) -> None:
+    """`transferred_tokens` is what vLLM loaded through the connector: the whole prompt's KV on a
+    cold decode engine (vLLM computes only the prefill's first token); with a local prefix hit on
+    the decode engine only the part after it — the hit is cached, not transferred (counted as
+    transferred before)."""
+    cold = [3000 + i for i in range(3 * BLOCK + 5)]
+    first = _generate(cluster.target, cold)
+    warm = [7000 + i for i in range(3 * BLOCK + 5)]
+    for name in ("decode-0", "decode-1"):  # whichever decode engine serves it holds its prefix
+        colocated(cluster, warm[:2 * BLOCK + 3], 1, name=name)
+    second = _generate(cluster.target, warm)
+    assert (first.cached_tokens, first.transferred_tokens) == (0, len(cold)), first
+    assert (second.cached_tokens, second.transferred_tokens) == (2 * BLOCK, len(warm) - 2 * BLOCK), second
+
+
 def _stream_with_indexes(client: AsyncClient, prompt: list[int], max_tokens: int,
                          decoding: asyncio.Event | None = None) -> Any:
     """Streams one request, noting each chunk's (index, length); sets `decoding` once a token
@@ -223,18 +261,3 @@ def test_kill_9_vllm_decode_migrates_and_kill_9_vllm_prefill_recomputes(cluster:
             assert any(r.num_migrations > 0 for r, _ in outcomes), f"no request migrated off {victim}"
     survivors = [n for n in ("prefill-0", "prefill-1", "decode-0", "decode-1") if n not in killed]
     assert cluster.wait_no_leaks(survivors, timeout=60) == {}
-
-
-def test_transferred_tokens_count_only_kv_that_came_over_the_data_plane(cluster: LocalCluster) -> None:
-    """`transferred_tokens` is what vLLM loaded through the connector: the whole prompt's KV on a
-    cold decode engine (vLLM computes only the prefill's first token); with a local prefix hit on
-    the decode engine only the part after it — the hit is cached, not transferred (counted as
-    transferred before)."""
-    cold = [3000 + i for i in range(3 * BLOCK + 5)]
-    first = _generate(cluster.target, cold)
-    warm = [7000 + i for i in range(3 * BLOCK + 5)]
-    for name in ("decode-0", "decode-1"):  # whichever decode engine serves it holds its prefix
-        colocated(cluster, warm[:2 * BLOCK + 3], 1, name=name)
-    second = _generate(cluster.target, warm)
-    assert (first.cached_tokens, first.transferred_tokens) == (0, len(cold)), first
-    assert (second.cached_tokens, second.transferred_tokens) == (2 * BLOCK, len(warm) - 2 * BLOCK), second

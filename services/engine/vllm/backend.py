@@ -99,7 +99,7 @@ class VllmBackend:
             lease_s=cfg.lease_s, max_inflight_transfers=cfg.max_inflight_transfers, ucx_tls=cfg.ucx_tls,
             ucx_net_devices=cfg.ucx_net_devices, metrics_port=cfg.metrics_port,
             events_endpoint=events_endpoint(cfg.engine_id, self._epoch), tls_ca=cfg.tls_ca, tls_cert=cfg.tls_cert,
-            tls_key=cfg.tls_key, tls_server_name=cfg.tls_server_name)
+            tls_key=cfg.tls_key, tls_server_name=cfg.tls_server_name, kv_staging=cfg.kv_staging)
         settings = VllmEngineSettings(
             model=cfg.model or _demo_model(), tp=cfg.tp, dtype=cfg.dtype, block_size=cfg.block_size,
             kv_cache_bytes=cfg.kv_cache_bytes, max_num_seqs=cfg.max_num_seqs,

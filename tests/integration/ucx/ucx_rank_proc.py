@@ -18,6 +18,7 @@ SPEC_DEFAULTS: dict[str, Any] = {
     "tp_rank": 0, "tp_size": 1, "num_kv_heads": 2, "num_blocks": 256, "num_layers": 2, "block_size": 4,
     "head_dim": 8, "seed": 0, "timeout_s": 2.0, "lease_s": 30.0, "max_inflight": 64, "hash": "compat-test",
     "device": "cpu", "kv_staging": "none", "kv_transport": "ucx-tag",
+    "vllm_layout": None,  # a KVCacheLayout name: vLLM's own tensors (allocate_like_vllm), registered in place
 }
 
 
@@ -87,6 +88,34 @@ def connector_stats_data(connector: Any) -> dict[str, list[float]]:
     return {k: list(v) for k, v in data.items() if k.startswith("host_")}
 
 
+def _vllm_region(spec: dict[str, Any], heads: int) -> tuple[Any, Any]:
+    """vLLM's KV tensors in `spec["vllm_layout"]` (random bytes with a seed) as the `KVRegion`
+    the vLLM connector registers, and its logical [B, H, L, N, C] byte view (a block's digest
+    is then the same whatever the layout)."""
+    import torch
+
+    from connectors.vllm.kv_region import allocate_like_vllm, describe_kv_caches, logical_view
+
+    caches = allocate_like_vllm(spec["vllm_layout"], num_layers=spec["num_layers"], num_blocks=spec["num_blocks"],
+                                num_heads=heads, block_size=spec["block_size"], head_dim=spec["head_dim"],
+                                dtype=torch.float16, device=spec["device"])
+    region = describe_kv_caches(caches, num_blocks=spec["num_blocks"], block_size=spec["block_size"],
+                                head_dim=spec["head_dim"], layout_name=spec["vllm_layout"])
+    if spec["seed"]:
+        noise = torch.randint(0, 256, (region.nbytes,), dtype=torch.uint8,
+                              generator=torch.Generator().manual_seed(spec["seed"]))
+        region.memory.copy_(noise.to(region.memory.device))
+    return region, logical_view(region).permute(1, 2, 0, 3, 4)
+
+
+def _fence(device: str) -> Any:
+    import torch
+
+    from connectors.vllm.kv_region import ComputeFence
+
+    return ComputeFence.record(torch.device(device))
+
+
 def rank_main(conn: Connection, spec: dict[str, Any]) -> None:
     import torch
 
@@ -97,16 +126,19 @@ def rank_main(conn: Connection, spec: dict[str, Any]) -> None:
 
     heads = num_local_heads(spec["tp_size"], spec["num_kv_heads"])
     head_start = rank_heads(spec["tp_rank"], spec["tp_size"], spec["num_kv_heads"])[0]
-    kv = torch.zeros(spec["num_blocks"], heads, spec["num_layers"], 2, spec["block_size"], spec["head_dim"])
-    if spec["seed"]:
-        kv.uniform_(generator=torch.Generator().manual_seed(spec["seed"]))
-    kv = kv.to(spec["device"])
+    if spec["vllm_layout"]:
+        region, kv = _vllm_region(spec, heads)
+    else:
+        kv = torch.zeros(spec["num_blocks"], heads, spec["num_layers"], 2, spec["block_size"], spec["head_dim"])
+        if spec["seed"]:
+            kv.uniform_(generator=torch.Generator().manual_seed(spec["seed"]))
+        kv = region = kv.to(spec["device"])
     config = UcxConnectorConfig(transfer_timeout_s=spec["timeout_s"], lease_s=spec["lease_s"],
                                 max_inflight_transfers=spec["max_inflight"], kv_staging=spec["kv_staging"],
                                 kv_transport=spec["kv_transport"])
     connector = UcxWorkerConnector(engine_id=spec["engine_id"], epoch=spec["epoch"], tp_rank=spec["tp_rank"],
                                    tp_size=spec["tp_size"], num_kv_heads=spec["num_kv_heads"],
-                                   compatibility_hash=spec["hash"], kv_cache=kv, config=config)
+                                   compatibility_hash=spec["hash"], kv_cache=region, config=config)
     seen = _Seen()
 
     def drain() -> None:
@@ -141,11 +173,11 @@ def rank_main(conn: Connection, spec: dict[str, Any]) -> None:
         return ids
 
     def digests(ids: list[int]) -> list[str]:
-        return [hashlib.blake2b(kv[b].cpu().numpy().tobytes(), digest_size=16).hexdigest() for b in ids]
+        return [hashlib.blake2b(kv[b].contiguous().cpu().numpy().tobytes(), digest_size=16).hexdigest() for b in ids]
 
     def head_digests(ids: list[int]) -> dict[int, list[str]]:
         """Per global KV head this rank holds: a digest of that head's K and V (every layer) per block."""
-        return {head_start + h: [hashlib.blake2b(kv[b, h].contiguous().numpy().tobytes(),
+        return {head_start + h: [hashlib.blake2b(kv[b, h].contiguous().cpu().numpy().tobytes(),
                                                  digest_size=16).hexdigest() for b in ids] for h in range(heads)}
 
     def zero(ids: list[int]) -> None:
@@ -157,6 +189,10 @@ def rank_main(conn: Connection, spec: dict[str, Any]) -> None:
         "add_peer": lambda m: asdict(connector.add_peer(m)),
         "remove_peer": connector.remove_peer,
         "expect_send": connector.expect_send,
+        # pinned behind a CUDA event on the current stream (as the vLLM connector pins): a
+        # no-op fence on the CPU
+        "expect_send_fenced": lambda rid, ids, readers=1: connector.expect_send(
+            rid, ids, None, readers, ready=_fence(spec["device"])),
         "start_pull": lambda rid, d, local: connector.start_pull(rid, KVTransferDescriptor(**d), local),
         "cancel": connector.cancel,
         "wait_results": wait_results,
@@ -167,6 +203,7 @@ def rank_main(conn: Connection, spec: dict[str, Any]) -> None:
         "stats": lambda: _stats(connector.get_kv_connector_stats()),
         "pending": connector.num_pending,
         "region_memory_type": lambda: connector.handshake_metadata.region.memory_type,
+        "region_layout": lambda: connector.handshake_metadata.region.layout,
         "staging": lambda: {k: sum(v) for k, v in connector_stats_data(connector).items()},
     }
     while True:

@@ -15,6 +15,7 @@ from services.common.metrics import (
     EngineMetrics,
     EventMetrics,
     Kind,
+    KVMemoryMetrics,
     RegisteredCount,
     SchedulerMetrics,
     SubscriberLag,
@@ -58,6 +59,7 @@ def full_registry() -> tuple[CollectorRegistry, SchedulerMetrics, EngineMetrics,
     engine.track_load(Load)
     events.track_subscribers(lambda: [SubscriberLag("grpc", 4), SubscriberLag("grpc", 9)])
     events.track_index(lambda: {"GPU": 10, "CPU_OFFLOAD": 3})
+    KVMemoryMetrics(registry).set("decode-0", "decode", 0, 1 << 20, 0)
     return registry, sched, engine, transfer, events
 
 
