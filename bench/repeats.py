@@ -12,7 +12,7 @@ The combined report:
   whose length differs between runs, are the first run's), so readers of a single run's keys
   read medians;
 - `repeat`: `n`, `orders` (each run's side order), `load_average` before and after, and
-  `summary`: for every ratio (a key containing "ratio" or "speedup") and every headline key the
+  `summary`: for every ratio (a key with the word "ratio" or "speedup") and every headline key the
   benchmark names, `{"median", "min", "max", "runs": [per-run values]}`;
 - `runs`: each run's own report.
 """
@@ -24,12 +24,14 @@ import contextlib
 import io
 import json
 import os
+import re
 import statistics
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
-RATIO_WORDS = ("ratio", "speedup")
+# A ratio key: "ratio" or "speedup" as a word of the snake_case name ("duration" is not one).
+RATIO = re.compile(r"(^|_)(ratio|speedup)(_|$)")
 
 
 def abba_orders(n: int) -> list[bool]:
@@ -87,7 +89,7 @@ def summarize(reports: list[dict[str, Any]], headline: tuple[str, ...] = ()) -> 
     for f in flat:
         for k in f:
             leaf = k.rsplit(".", 1)[-1]
-            if k not in keys and (k in headline or any(w in leaf for w in RATIO_WORDS)):
+            if k not in keys and (k in headline or RATIO.search(leaf)):
                 keys.append(k)
     return {k: spread(f.get(k) for f in flat) for k in keys}
 

@@ -27,15 +27,15 @@ def test_spread_is_median_min_max_of_the_measured_runs() -> None:
 
 
 def test_summary_takes_every_ratio_and_the_named_headlines() -> None:
-    runs = [{"ratio": 2.0, "p99_ms": 10, "a": {"throughput_ratio": 1.0, "tok_s": 5}, "name": "x"},
-            {"ratio": 1.0, "p99_ms": 30, "a": {"throughput_ratio": 3.0, "tok_s": 7}, "name": "x"},
-            {"ratio": 4.0, "p99_ms": 20, "a": {"throughput_ratio": 2.0, "tok_s": 6}, "name": "x"}]
+    runs = [{"ratio": 2.0, "p99_ms": 10, "a": {"throughput_ratio": 1.0, "tok_s": 5}, "name": "x", "duration_s": 5},
+            {"ratio": 1.0, "p99_ms": 30, "a": {"throughput_ratio": 3.0, "tok_s": 7}, "name": "x", "duration_s": 5},
+            {"ratio": 4.0, "p99_ms": 20, "a": {"throughput_ratio": 2.0, "tok_s": 6}, "name": "x", "duration_s": 5}]
     s = summarize(runs, headline=("p99_ms",))
     assert set(s) == {"ratio", "p99_ms", "a.throughput_ratio"}
     assert (s["ratio"]["median"], s["ratio"]["min"], s["ratio"]["max"]) == (2.0, 1.0, 4.0)
     assert s["a.throughput_ratio"]["runs"] == [1.0, 3.0, 2.0]
     assert median_report(runs) == {"ratio": 2.0, "p99_ms": 20, "a": {"throughput_ratio": 2.0, "tok_s": 6},
-                                   "name": "x"}
+                                   "name": "x", "duration_s": 5}
 
 
 def test_combined_report_names_each_runs_order() -> None:
