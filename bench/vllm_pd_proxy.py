@@ -12,7 +12,7 @@ Beside that, `GET /proxy_stats` returns each request's prefill leg and the decod
 streamed byte (ms, from the request's arrival), which locate where a slow 1P1D spends its time.
 
 Run: `python -m bench.vllm_pd_proxy --port P --prefill URL --decode URL` (an environment with
-fastapi, uvicorn and httpx: vLLM's). Prints `ready` once it listens.
+starlette, uvicorn and httpx: vLLM's or pdserve's).
 """
 
 from __future__ import annotations
@@ -37,17 +37,16 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 
 def make_app(prefill: str, decode: str) -> Any:
     import httpx
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
 
-    app = FastAPI()
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     clients = {"p": httpx.AsyncClient(base_url=prefill, timeout=None, limits=limits),
                "d": httpx.AsyncClient(base_url=decode, timeout=None, limits=limits)}
     stats: list[dict[str, float]] = []
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Any:
+    async def completions(request: Any) -> Any:
         t0 = time.perf_counter()
         body = await request.json()
         first = await clients["p"].post("/v1/completions", json=prefill_body(body))
@@ -66,15 +65,14 @@ def make_app(prefill: str, decode: str) -> Any:
 
         return StreamingResponse(relay(), media_type="text/event-stream")
 
-    @app.get("/proxy_stats")
-    async def proxy_stats() -> Any:
+    async def proxy_stats(request: Any) -> Any:
         return JSONResponse(stats)
 
-    @app.get("/health")
-    async def health() -> Any:
+    async def health(request: Any) -> Any:
         return JSONResponse({"ok": True})
 
-    return app
+    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
+                             Route("/proxy_stats", proxy_stats), Route("/health", health)])
 
 
 def main() -> None:
