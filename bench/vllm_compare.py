@@ -4,8 +4,8 @@ Systems (each started fresh, measured, stopped, one after another, on the same p
 the same total of compute threads):
 - `vllm_colocated`: one vLLM OpenAI server (`python -m vllm.entrypoints.openai.api_server`),
   all threads (`VLLM_CPU_OMP_THREADS_BIND` = every core).
-- `vllm_pd_nixl`: vLLM's own 1P1D: two servers with `NixlConnector` (`kv_role` kv_both,
-  `kv_buffer_device` cpu), half the cores each, behind a proxy speaking the protocol of the toy
+- `vllm_pd_nixl`: vLLM's own 1P1D: two servers with `NixlConnector` (`kv_role` kv_producer and
+  kv_consumer, `kv_buffer_device` cpu), half the cores each, behind a proxy speaking the protocol of the toy
   proxy vLLM's NixlConnector documentation uses (bench/vllm_pd_proxy.py: prefill with
   `max_tokens` 1 and `do_remote_decode`, then the decode server streams).
 - `pdserve`: a pdserve 1P1D cluster with its own engine, every request on the remote path
@@ -241,12 +241,13 @@ def run_vllm_colocated(args: argparse.Namespace, wl: Workload, share: CpuShare, 
 
 def run_vllm_pd(args: argparse.Namespace, wl: Workload, share: CpuShare, log_dir: Path) -> dict[str, Any]:
     """vLLM's 1P1D as its NixlConnector documentation sets it up: two servers with
-    `NixlConnector` (`kv_role` kv_both; `kv_buffer_device` cpu, the CPU platform's), half the
-    cores each, behind the toy proxy's protocol (bench/vllm_pd_proxy.py)."""
-    kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+    `NixlConnector` (`kv_role` kv_producer / kv_consumer; `kv_buffer_device` cpu, the CPU
+    platform's), half the cores each, behind the toy proxy's protocol (bench/vllm_pd_proxy.py)."""
+    # vLLM 0.32 deprecates kv_both for NixlConnector: kv_producer on prefill, kv_consumer on decode.
+    kv = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
     half = len(share.cpus) // 2
-    servers = [start_vllm("vllm_prefill", args, list(share.cpus[:half]), kv, log_dir),
-               start_vllm("vllm_decode", args, list(share.cpus[half:]), kv, log_dir)]
+    servers = [start_vllm("vllm_prefill", args, list(share.cpus[:half]), {**kv, "kv_role": "kv_producer"}, log_dir),
+               start_vllm("vllm_decode", args, list(share.cpus[half:]), {**kv, "kv_role": "kv_consumer"}, log_dir)]
     proxy: VllmServer | None = None
     try:
         for s in servers:
