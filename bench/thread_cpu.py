@@ -39,9 +39,9 @@ def _label(pid: int, comm: str) -> str:
 
 @dataclass(slots=True)
 class ThreadCpu:
-    """CPU seconds by (process label, thread name) of this process tree at one moment."""
+    """CPU seconds by (process label, thread name, thread id) of this process tree at one moment."""
 
-    seconds: dict[tuple[str, str], float]
+    seconds: dict[tuple[str, str, str], float]
 
     @classmethod
     def sample(cls, root: int | None = None) -> ThreadCpu:
@@ -57,25 +57,24 @@ class ThreadCpu:
                 if ppid == parent and pid not in tree:
                     tree.add(pid)
                     frontier.append(pid)
-        seconds: dict[tuple[str, str], float] = {}
+        seconds: dict[tuple[str, str, str], float] = {}
         for pid in tree:
             label = _label(pid, procs[pid][0])
             for task in Path(f"/proc/{pid}/task").glob("*"):
                 if (st := _stat(task / "stat")) is not None:
-                    key = (label, st[0])
-                    seconds[key] = seconds.get(key, 0.0) + st[2]
+                    seconds[(label, st[0], task.name)] = st[2]
         return cls(seconds)
 
     def since(self, before: ThreadCpu, wall_s: float, top: int = 12) -> dict[str, Any]:
         """What was used between `before` and this sample: cores used in all, per process, and
-        the `top` threads (threads of one name in one process summed)."""
+        the `top` threads (`process/thread name#tid`; a thread born since counts from zero)."""
         used = {k: v - before.seconds.get(k, 0.0) for k, v in self.seconds.items()}
         used = {k: v for k, v in used.items() if v > 0}
         by_proc: dict[str, float] = {}
-        for (proc, _), v in used.items():
+        for (proc, _, _), v in used.items():
             by_proc[proc] = by_proc.get(proc, 0.0) + v
         wall = max(wall_s, 1e-9)
         return {"cores_used": round(sum(used.values()) / wall, 2),
                 "processes_cores": {p: round(v / wall, 3) for p, v in sorted(by_proc.items(), key=lambda x: -x[1])},
-                "threads_cores": {f"{p}/{t}": round(v / wall, 3)
-                                  for (p, t), v in sorted(used.items(), key=lambda x: -x[1])[:top]}}
+                "threads_cores": {f"{p}/{t}#{tid}": round(v / wall, 3)
+                                  for (p, t, tid), v in sorted(used.items(), key=lambda x: -x[1])[:top]}}
