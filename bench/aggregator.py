@@ -19,7 +19,9 @@ re-implementation of those semantics (reference spec §1.7 and §2.2), labelled 
 output (`baseline`), never reported under the `vllm_*` keys.
 
 Times are CPU seconds of this process (`time.process_time`), so other processes on a shared
-machine do not distort the ratio; the best of `--repeat` runs is reported.
+machine do not distort the ratio. One run times both sides on the same steps, in the order
+`args.baseline_first` gives; `--repeat N` (default 3, bench/repeats.py) interleaves N runs ABBA and
+reports the median and min–max of the ratio.
 """
 
 from __future__ import annotations
@@ -43,7 +45,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ids", type=int, default=256, help="finished ids per rank per step, per direction")
     parser.add_argument("--events", type=int, default=512, help="BlockStored events per rank per step")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per repetition")
-    parser.add_argument("--repeat", type=int, default=3, help="repetitions; the best is reported")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -284,28 +285,28 @@ def _time_pdserve(steps: list[_Step], tp: int) -> tuple[float, int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("tp", "ids", "events", "steps", "repeat"):
+    for name in ("tp", "ids", "events", "steps"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1")
     baseline = load_baseline()
-    best = {"pdserve": float("inf"), "baseline": float("inf")}
+    seconds: dict[str, float] = {}
     counts: dict[str, tuple[int, int]] = {}
-    for rep in range(args.repeat):
-        steps = [_make_step(rep * args.steps + s, args, baseline) for s in range(args.steps)]
-        for name, fn in (("pdserve", _time_pdserve),
-                         ("baseline", lambda st, tp: baseline.time([s.baseline_outputs for s in st], tp))):
-            seconds, num_ids, num_events = fn(steps, args.tp)
-            best[name] = min(best[name], seconds)
-            counts[name] = (num_ids, num_events)
+    steps = [_make_step(s, args, baseline) for s in range(args.steps)]
+    sides = [("pdserve", _time_pdserve),
+             ("baseline", lambda st, tp: baseline.time([s.baseline_outputs for s in st], tp))]
+    baseline_first = getattr(args, "baseline_first", False)
+    for name, fn in sides[::-1] if baseline_first else sides:
+        seconds[name], num_ids, num_events = fn(steps, args.tp)
+        counts[name] = (num_ids, num_events)
     want = (2 * args.ids * args.steps, args.events * args.steps)
     if counts["pdserve"] != want or counts["baseline"] != want:
-        raise RuntimeError(f"aggregators released {counts}, expected {want} (ids, events) per repetition")
-    _report(args, baseline, best)
+        raise RuntimeError(f"aggregators released {counts}, expected {want} (ids, events)")
+    _report(args, baseline, seconds, baseline_first)
     return 0
 
 
 def _report(args: argparse.Namespace, baseline: RealVllmBaseline | ReimplementedBaseline,
-            best: dict[str, float]) -> None:
+            best: dict[str, float], baseline_first: bool) -> None:
     reports = args.tp * args.steps
     ours, theirs = reports / best["pdserve"], reports / best["baseline"]
     result: dict[str, Any] = {
@@ -316,7 +317,7 @@ def _report(args: argparse.Namespace, baseline: RealVllmBaseline | Reimplemented
         "ms_per_aggregated_step": round(1000 * best["pdserve"] / args.steps, 3),
         "baseline_ms_per_aggregated_step": round(1000 * best["baseline"] / args.steps, 3),
         "tp": args.tp, "ids_per_rank_per_step": args.ids, "events_per_rank_per_step": args.events,
-        "steps": args.steps, "repeat": args.repeat, "clock": "process_time",
+        "steps": args.steps, "baseline_first": baseline_first, "clock": "process_time",
     }
     if baseline.version is not None:
         result.update(vllm_rank_reports_per_s=result["baseline_rank_reports_per_s"], vllm_version=baseline.version,

@@ -14,11 +14,16 @@ block pool's events as vLLM's forwarder hands them on), one report per engine st
 aggregated. With `--removed-share F` a fraction F (at most a half) of each step's events are
 BlockRemoved instead, after its BlockStored, of blocks the same engine stored in its previous
 step (as an engine at full cache evicts as it stores): such mixed steps go compact too (the
-`kinds` bytes). A third process holds `--subscribers`
-subscribers, half gRPC `Subscribe`, half ZMQ SUB decoding vLLM's msgpack. The rank stamps its
-send time into the block hashes, so latency is from the rank's send (the engine step's first
-report) to the subscriber's receipt. Steps are paced to `--rate` published events/s.
-`lost` = events published but not received, summed over subscribers (resyncs count as lost).
+`kinds` bytes). A third process holds `--subscribers` ZMQ SUB subscribers decoding vLLM's
+msgpack (plus `--grpc-subscribers` gRPC `Subscribe` ones, pdserve's side only, 0 by default).
+The rank stamps its send time into the block hashes, so latency is from the rank's send (the
+engine step's first report) to the subscriber's receipt. Steps are paced to `--rate` events/s.
+
+Every side is measured alike (`delivery`): the same ZMQ subscribers, one stop rule (when pacing
+ends the subscribers keep reading until each holds every event offered, or `--drain-s` passed),
+`lost` = events offered while paced that a subscriber did not receive by then, summed over
+subscribers (a resync's skipped events count), `events_per_s` = events a subscriber received
+over the paced time plus the drain time used.
 
 Baseline (section "vllm"): vLLM's own `vllm.distributed.kv_events.ZmqEventPublisher` (msgspec
 encoding, its publisher thread and queue, PUB + replay buffer), imported from the vLLM
@@ -62,6 +67,7 @@ from connectors.wire import encode_batch
 from connectors.wire.protobuf_bytes import length_delimited, varint
 
 SECTIONS = ("pdserve", "decode_per_rank", "direct", "vllm", "overload")
+HEADLINE_KEYS = ("events_per_s", "p99_ms", "lost", "vllm.events_per_s", "vllm.p99_ms", "vllm.lost")
 # Block hash of the i-th event of a step: step_base(send time) + i. The send time (µs) is
 # scrambled by an invertible multiplication into bits 7..63 and i (< 128) fills bits 0..6, so
 # the hashes spread over every bit as real (sha256) block hashes do: hashes with constant low
@@ -104,7 +110,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rank-client", choices=["stream", "control-client"], default="stream",
                         help="simulated ranks as raw Control streams on one loop, or one ControlClient "
                              "(thread + loop) per rank")
-    parser.add_argument("--subscribers", type=int, default=4, help="subscribers (half gRPC, half ZMQ)")
+    parser.add_argument("--subscribers", type=int, default=4,
+                        help="ZMQ subscribers, on every side alike (pdserve's ZMQ PUB and vLLM's publisher)")
+    parser.add_argument("--grpc-subscribers", type=int, default=0,
+                        help="gRPC Subscribe subscribers added on pdserve's side only (vLLM has none): the "
+                             "comparison is then no longer like for like, and the JSON says so")
+    parser.add_argument("--drain-s", type=float, default=2.0,
+                        help="the stop rule of every side: subscribers stop when each holds every event offered "
+                             "while paced, or this many seconds after pacing ended")
     parser.add_argument("--subscriber-decode", choices=["head", "full"], default="head",
                         help="ZMQ subscribers read each message's event count and first event (they stand "
                              "in for consumers on other hosts, so they take little of the cores the "
@@ -206,6 +219,7 @@ class SubStats:
     resyncs: int = 0
     gaps: int = 0
     last_seq: int | None = None
+    last_at: float = 0.0  # time.monotonic() of the last batch received
 
     def seen(self, seq: int, n_events: int, first_hash: int, now: float, latencies: list[float]) -> None:
         if self.last_seq is not None and seq != self.last_seq + 1:
@@ -226,7 +240,6 @@ async def _grpc_subscriber(target: str, stats: SubStats, latencies: list[float],
         call = pb_grpc.KVEventsStub(channel).Subscribe(pb.SubscribeRequest(max_batches_per_message=64))
         reader = asyncio.ensure_future(_grpc_read(call, pb, stats, latencies))
         await stop.wait()
-        await asyncio.sleep(1.0)
         call.cancel()
         reader.cancel()
 
@@ -246,6 +259,7 @@ async def _grpc_read(call: Any, pb: Any, stats: SubStats, latencies: list[float]
         now = time.time()
         for b in msg.batches if msg.batches else (msg.batch,):
             stats.seen(b.seq, len(b.events), b.events[0].block_stored.block_hashes[0], now, latencies)
+        stats.last_at = time.monotonic()
 
 
 def zmq_batch_head(payload: bytes) -> tuple[int, int]:
@@ -271,16 +285,13 @@ def zmq_batch_full(payload: bytes) -> tuple[int, int]:
 def _zmq_subscriber(ctx: zmq.Context, endpoint: str, stats: SubStats, latencies: list[float],
                     stop: threading.Event, decode: Callable[[bytes], tuple[int, int]]) -> None:
     """A ZMQ SUB on its own thread (a blocking socket: no event-loop round per message), taking
-    every message that is ready at each wake-up; runs until a second after `stop`."""
+    every message that is ready at each wake-up; runs until `stop`."""
     sock = ctx.socket(zmq.SUB)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.connect(endpoint)
-    stop_at: float | None = None
-    while stop_at is None or time.monotonic() < stop_at:
-        if stop.is_set() and stop_at is None:
-            stop_at = time.monotonic() + 1.0
-        if not sock.poll(50):
+    while not stop.is_set():
+        if not sock.poll(10):
             continue
         while True:
             try:
@@ -289,11 +300,16 @@ def _zmq_subscriber(ctx: zmq.Context, endpoint: str, stats: SubStats, latencies:
                 break
             n, first_hash = decode(payload)
             stats.seen(int.from_bytes(seq, "big"), n, first_hash, time.time(), latencies)
+            stats.last_at = time.monotonic()
     sock.close(linger=0)
 
 
 async def _subscribers_main(grpc_target: str, zmq_endpoint: str, n_grpc: int, n_zmq: int,
-                            decode: str = "head") -> None:
+                            decode: str = "head", drain_s: float = 2.0) -> None:
+    """Subscribers until told `go OFFERED` (pacing has ended; OFFERED events were handed to the
+    publisher), then until every subscriber holds OFFERED events or `drain_s` passed: the one
+    stop rule of both sides. Prints their counts, latencies and `drain_used_s` (pacing's end to
+    the last batch received)."""
     ctx = zmq.Context()
     stop = asyncio.Event()
     zmq_stop = threading.Event()
@@ -309,7 +325,11 @@ async def _subscribers_main(grpc_target: str, zmq_endpoint: str, n_grpc: int, n_
     await asyncio.sleep(1.0)
     print("ready", flush=True)
     cpu0, wall0 = time.process_time(), time.monotonic()
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    told = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    paced_end = time.monotonic()
+    offered = int(told.split()[1]) if len(told.split()) > 1 else None
+    while time.monotonic() < paced_end + drain_s and (offered is None or any(s.events < offered for s in stats)):
+        await asyncio.sleep(0.01)
     cpu_share = (time.process_time() - cpu0) / max(1e-9, time.monotonic() - wall0)
     stop.set()
     zmq_stop.set()
@@ -319,7 +339,9 @@ async def _subscribers_main(grpc_target: str, zmq_endpoint: str, n_grpc: int, n_
     ctx.destroy(linger=0)
     latencies = grpc_lat + zmq_lat
     by_transport = {t: [x * 1e3 for x in lat] for t, lat in (("grpc", grpc_lat), ("zmq", zmq_lat))}
+    drain_used = max([s.last_at - paced_end for s in stats if s.last_at], default=0.0)
     print(json.dumps({"subscribers": [vars(s) for s in stats], "cpu_share": cpu_share,
+                      "drain_used_s": max(0.0, drain_used),
                       "p50_ms": percentile(latencies, 50) * 1e3,
                       "p99_ms_by_transport": {t: percentile(v, 99) for t, v in by_transport.items() if v},
                       "p99_ms": percentile(latencies, 99) * 1e3, "max_ms": max(latencies, default=0.0) * 1e3}),
@@ -346,12 +368,14 @@ def _ranks_main(target: str, engines: int, tp: int, batch_events: int, rate: flo
     sys.stdin.readline()
     others = tuple(range(1, tp))
     prev: list[float | None] = [None] * engines
+    offered = [0]
 
     def step() -> None:
         now = time.time()
         e = pacer.done % engines
         events = step_events(now, batch_events, prev[e], removed)
         prev[e] = now
+        offered[0] += len(events)
         if engine_events:  # rank 0's alone (the client encodes them compactly where the scheduler accepts it)
             clients[pacer.done % engines][0].report(StepReport(engine_events=KVEventBatch(now, events)))
             return
@@ -363,11 +387,13 @@ def _ranks_main(target: str, engines: int, tp: int, batch_events: int, rate: flo
 
     pacer = Pacer(rate / batch_events)
     steps = pacer.run(duration, step)
+    # Pacing has ended: the parent starts the drain window now; the streams keep going.
+    print(json.dumps({"steps": steps, "rank_reports": steps * tp, "offered_events": offered[0],
+                      "send_s": time.monotonic() - pacer.start,
+                      "messages": steps * (1 if merged or engine_events else tp)}), flush=True)
     for ranks in clients:
         for client in ranks:
             client.wait_acked(client.last_seq, 30.0)
-    print(json.dumps({"steps": steps, "rank_reports": steps * tp,
-                      "messages": steps * (1 if merged or engine_events else tp)}), flush=True)
     for ranks in clients:
         for client in ranks:
             client.close(1.0)
@@ -522,7 +548,7 @@ async def _stream_ranks_main(target: str, engines: int, tp: int, batch_events: i
     pacer = Pacer(rate / batch_events)
     cpu0 = time.process_time()
     end = time.monotonic() + duration
-    steps = 0
+    steps = offered = 0
     seqs = [[0] * tp for _ in range(engines)]
     prevs: list[float | None] = [None] * engines
     # StepReport.merged_event_ranks (field 11, packed varints): every rank but rank 0.
@@ -536,6 +562,7 @@ async def _stream_ranks_main(target: str, engines: int, tp: int, batch_events: i
             e = steps % engines
             now = time.time()
             prev, prevs[e] = prevs[e], now
+            offered += batch_events - (removed if prev is None else 0)  # as step_events builds them
             if engine_events:
                 header = engine_events_header(now, f"bench-p{e}", 1000 + e)
                 seqs[e][0] += 1
@@ -562,13 +589,14 @@ async def _stream_ranks_main(target: str, engines: int, tp: int, batch_events: i
         await asyncio.sleep(0)
     send_s = time.monotonic() - pacer.start
     send_cpu = time.process_time() - cpu0
+    # Pacing has ended: the parent starts the drain window now; the streams keep going.
+    print(json.dumps({"steps": steps, "rank_reports": steps * tp, "offered_events": offered,
+                      "messages": steps * (1 if merged or engine_events else tp), "send_s": send_s,
+                      "send_cpu_s": send_cpu}), flush=True)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and any(acked.get((e, r), 0) < seqs[e][r]
                                               for e in range(engines) for r in range(tp)):
         await asyncio.sleep(0.01)
-    print(json.dumps({"steps": steps, "rank_reports": steps * tp,
-                      "messages": steps * (1 if merged or engine_events else tp), "send_s": send_s, "send_cpu_s": send_cpu,
-                      "ack_wait_s": time.monotonic() - pacer.start - send_s}), flush=True)
     for boxes in outboxes:
         for box in boxes:
             box.put_nowait(None)
@@ -646,14 +674,32 @@ async def _readline(proc: subprocess.Popen[str]) -> str:
     return line.strip()
 
 
-def _tell(proc: subprocess.Popen[str]) -> None:
+def _tell(proc: subprocess.Popen[str], line: str = "go") -> None:
     assert proc.stdin is not None
-    proc.stdin.write("go\n")
+    proc.stdin.write(line + "\n")
     proc.stdin.flush()
 
 
-def _split(n: int) -> tuple[int, int]:
-    return (n + 1) // 2, n // 2
+def _subscribers(args: argparse.Namespace, grpc_target: str, zmq_endpoint: str, grpc: bool) -> subprocess.Popen[str]:
+    """The subscriber process: `--subscribers` ZMQ subscribers on every side (the mix vLLM's
+    publisher serves), plus `--grpc-subscribers` gRPC ones where the side has gRPC (pdserve)."""
+    return _spawn("--role", "subscribers", "--grpc", grpc_target, "--zmq", zmq_endpoint,
+                  "--n-grpc", str(args.grpc_subscribers if grpc else 0), "--n-zmq", str(args.subscribers),
+                  "--decode", args.subscriber_decode, "--drain", str(args.drain_s))
+
+
+def delivery(got: dict[str, Any], offered: int, paced_s: float) -> dict[str, Any]:
+    """The figures every side reports alike from its subscribers' counts: `lost` = events offered
+    (handed to the publisher while paced) that a subscriber did not receive by the stop rule,
+    summed over subscribers; `events_per_s` = events a subscriber received (the mean) over the
+    paced time plus the drain time used."""
+    received = [s["events"] for s in got["subscribers"]]
+    seconds = paced_s + got.get("drain_used_s", 0.0)
+    return {"offered_events": offered, "lost": sum(max(0, offered - r) for r in received),
+            "events_per_s": statistics.fmean(received) / seconds if received and seconds > 0 else 0.0,
+            "paced_s": paced_s, "drain_used_s": got.get("drain_used_s"),
+            "p50_ms": got["p50_ms"], "p99_ms": got["p99_ms"], "max_ms": got["max_ms"],
+            "p99_ms_by_transport": got["p99_ms_by_transport"], "subscribers": got["subscribers"]}
 
 
 async def _pdserve_section(args: argparse.Namespace, decode_per_rank: bool = False) -> dict[str, Any]:
@@ -687,10 +733,7 @@ async def _pdserve_section(args: argparse.Namespace, decode_per_rank: bool = Fal
     control.start_monitor()
     settle_gc()  # as `pdserve scheduler` does after start-up
     assert plane.zmq is not None
-    n_grpc, n_zmq = _split(args.subscribers)
-    subs = _spawn("--role", "subscribers", "--grpc", f"127.0.0.1:{port}", "--zmq", plane.zmq.bound_endpoint,
-                  "--n-grpc", str(n_grpc), "--n-zmq", str(n_zmq),
-                  "--decode", args.subscriber_decode)
+    subs = _subscribers(args, f"127.0.0.1:{port}", plane.zmq.bound_endpoint, grpc=True)
     ranks = _spawn("--role", "ranks" if args.rank_client == "control-client" else "stream-ranks",
                    "--grpc", f"127.0.0.1:{port}", "--engines", str(args.engines),
                    "--tp", str(args.tp), "--batch-events", str(args.batch_events), "--rate", str(args.rate),
@@ -705,10 +748,10 @@ async def _pdserve_section(args: argparse.Namespace, decode_per_rank: bool = Fal
         start_batches = plane.republisher.stats().num_batches
         _tell(ranks)
         t0, cpu0 = time.monotonic(), time.process_time()
-        sent = json.loads(await _readline(ranks))
+        sent = json.loads(await _readline(ranks))  # pacing has ended
+        _tell(subs, f"go {sent['offered_events']}")
+        got = json.loads(await _readline(subs))  # delivered, or the drain window passed
         elapsed, cpu_s = time.monotonic() - t0, time.process_time() - cpu0
-        _tell(subs)
-        got = json.loads(await _readline(subs))
     finally:
         for p in (subs, ranks):
             p.kill() if p.poll() is None else None
@@ -718,14 +761,11 @@ async def _pdserve_section(args: argparse.Namespace, decode_per_rank: bool = Fal
     stats = plane.republisher.stats()
     published = stats.num_events
     batches = stats.num_batches - start_batches
-    lost = sum(max(0, published - s["events"]) for s in got["subscribers"])
-    return {"events_per_s": published / elapsed, "rank_events_per_s": sent["rank_reports"] * args.batch_events / elapsed,
-            "p50_ms": got["p50_ms"], "p99_ms": got["p99_ms"], "max_ms": got["max_ms"], "lost": lost,
-            "p99_ms_by_transport": got["p99_ms_by_transport"],
+    paced_s = sent["send_s"]
+    return {**delivery(got, sent["offered_events"], paced_s),
+            "rank_events_per_s": sent["rank_reports"] * args.batch_events / paced_s,
             "published_events": published, "published_batches": batches, "engine_steps": sent["steps"],
-            "seconds": elapsed, "setup_s": setup_s, "rank_send_s": sent.get("send_s"),
-            "rank_ack_wait_s": sent.get("ack_wait_s"), "subscribers": got["subscribers"],
-            "resyncs": stats.num_resyncs,
+            "seconds": elapsed, "setup_s": setup_s, "resyncs": stats.num_resyncs,
             # CPU of the whole scheduler process (all threads: gRPC, loop, republisher) per
             # published event: robust to other load on the machine, unlike latency.
             "scheduler_cpu_us_per_event": cpu_s / published * 1e6 if published else None,
@@ -762,10 +802,7 @@ async def _direct_section(args: argparse.Namespace) -> dict[str, Any]:
     await server.start()
     plane.start()
     assert plane.zmq is not None
-    n_grpc, n_zmq = _split(args.subscribers)
-    subs = _spawn("--role", "subscribers", "--grpc", f"127.0.0.1:{port}", "--zmq", plane.zmq.bound_endpoint,
-                  "--n-grpc", str(n_grpc), "--n-zmq", str(n_zmq),
-                  "--decode", args.subscriber_decode)
+    subs = _subscribers(args, f"127.0.0.1:{port}", plane.zmq.bound_endpoint, grpc=True)
     engines = [f"bench-p{e}" for e in range(args.engines)]
     turn = iter(range(1 << 62))
 
@@ -777,16 +814,14 @@ async def _direct_section(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.monotonic()
         published = await asyncio.to_thread(_drive, publish, args.direct_rate, args.batch_events, args.duration)
         elapsed = time.monotonic() - t0
-        _tell(subs)
+        _tell(subs, f"go {published}")
         got = json.loads(await _readline(subs))
     finally:
         subs.kill() if subs.poll() is None else None
         await server.stop(0)
         plane.close()
-    lost = sum(max(0, published - s["events"]) for s in got["subscribers"])
-    return {"events_per_s": published / elapsed, "p50_ms": got["p50_ms"], "p99_ms": got["p99_ms"],
-            "max_ms": got["max_ms"], "lost": lost, "published_events": published,
-            "p99_ms_by_transport": got["p99_ms_by_transport"], "resyncs": plane.republisher.stats().num_resyncs, "subscribers": got["subscribers"]}
+    return {**delivery(got, published, elapsed), "published_events": published,
+            "resyncs": plane.republisher.stats().num_resyncs}
 
 
 # -- baseline: vLLM's own ZmqEventPublisher, or its design re-implemented -------------------------
@@ -872,21 +907,18 @@ async def _baseline_section(args: argparse.Namespace, rate: float) -> dict[str, 
             reimpl.publish(KVEventBatch(ts, [BlockStored((h,), None, (), 0, medium=MEDIUM_CPU_OFFLOAD)
                                              for h in hashes]))
 
-    subs = _spawn("--role", "subscribers", "--grpc", "", "--zmq", endpoint, "--n-grpc", "0",
-                  "--n-zmq", str(args.subscribers), "--decode", args.subscriber_decode)
+    subs = _subscribers(args, "", endpoint, grpc=False)
     try:
         await _readline(subs)
         t0 = time.monotonic()
         published = await asyncio.to_thread(_drive_hashes, publish, rate, args.batch_events, args.duration)
         elapsed = time.monotonic() - t0
-        _tell(subs)
+        _tell(subs, f"go {published}")
         got = json.loads(await _readline(subs))
     finally:
         subs.kill() if subs.poll() is None else None
         close()
-    lost = sum(max(0, published - s["events"]) for s in got["subscribers"])
-    return {"baseline": name, "offered_rate": rate, "events_per_s": published / elapsed, "p50_ms": got["p50_ms"],
-            "p99_ms": got["p99_ms"], "max_ms": got["max_ms"], "lost": lost, "published_events": published}
+    return {"baseline": name, "offered_rate": rate, **delivery(got, published, elapsed), "published_events": published}
 
 
 def _drive(publish: Callable[[KVEventBatch], Any], rate: float, batch_events: int, duration: float) -> int:
@@ -983,7 +1015,7 @@ def plot_results(results: list[dict[str, Any]], path: str) -> None:
     subscribers = runs[0]["config"].get("subscribers", 4)
 
     def lost_share(side: dict[str, Any]) -> float:
-        return 100 * side["lost"] / max(1, side["published_events"] * subscribers)
+        return 100 * side["lost"] / max(1, side.get("offered_events", side["published_events"]) * subscribers)
 
     panels: list[tuple[str, Callable[[dict[str, Any]], float]]] = [
         ("p99 publish → subscriber (ms)", lambda side: side["p99_ms"]),
@@ -1037,15 +1069,18 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--event-source engine: engine events have no packed form (--report-encoding "
                          "compact or proto) and no per-rank decode (drop the decode_per_rank section)")
     removed_count(args.removed_share, args.batch_events)  # ValueError before anything starts
+    if args.subscribers < 1 or args.grpc_subscribers < 0 or args.drain_s < 0:
+        raise ValueError("--subscribers must be >= 1, --grpc-subscribers and --drain-s >= 0")
+    baseline_first = getattr(args, "baseline_first", False)
+    ours = ("pdserve" in sections or "decode_per_rank" in sections, "direct" in sections)
+    baseline = baseline_direct = None
+    if baseline_first and "vllm" in sections:
+        baseline, baseline_direct = _baselines(args, *ours)
     pdserve = asyncio.run(_pdserve_section(args)) if "pdserve" in sections else None
     per_rank = asyncio.run(_pdserve_section(args, decode_per_rank=True)) if "decode_per_rank" in sections else None
     direct = asyncio.run(_direct_section(args)) if "direct" in sections else None
-    baseline = baseline_direct = None
-    if "vllm" in sections:
-        if pdserve or per_rank or not direct:
-            baseline = asyncio.run(_baseline_section(args, args.rate))
-        if direct:
-            baseline_direct = asyncio.run(_baseline_section(args, args.direct_rate))
+    if not baseline_first and "vllm" in sections:
+        baseline, baseline_direct = _baselines(args, *ours)
     overload = _overload_section(args) if "overload" in sections else None
     head = pdserve or per_rank or {}
     result: dict[str, Any] = {
@@ -1053,10 +1088,13 @@ def run(args: argparse.Namespace) -> int:
         "pdserve": pdserve, "pdserve_decode_per_rank": per_rank, "event_plane_direct": direct,
         "vllm": baseline, "vllm_at_direct_rate": baseline_direct, "overload": overload,
         "baseline": (baseline or baseline_direct or {}).get("baseline"),
-        "load_average": os.getloadavg(),
+        "load_average": os.getloadavg(), "baseline_first": baseline_first,
+        # Like for like: the same ZMQ subscribers on both sides, the same stop rule and loss count.
+        "symmetric": args.grpc_subscribers == 0,
         "config": {"engines": args.engines, "tp": args.tp, "batch_events": args.batch_events,
                    "rate": args.rate, "direct_rate": args.direct_rate, "duration_s": args.duration,
-                   "subscribers": args.subscribers, "removed_share": args.removed_share,
+                   "subscribers": args.subscribers, "grpc_subscribers": args.grpc_subscribers,
+                   "drain_s": args.drain_s, "removed_share": args.removed_share,
                    "subscriber_decode": args.subscriber_decode},
         # Ratios at equal offered rates (each pdserve section against the baseline paced alike).
         "p99_ratio_vs_vllm": _ratio(head, baseline, "p99_ms"),
@@ -1075,7 +1113,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     removed = f" ({args.removed_share:.0%} BlockRemoved)" if args.removed_share else ""
     print(f"KV-event plane, {args.engines} engines x tp {args.tp}, {args.batch_events}-event batches{removed}, "
-          f"{args.subscribers} subscribers (half gRPC, half ZMQ)")
+          f"{args.subscribers} ZMQ subscribers on each side"
+          + (f" + {args.grpc_subscribers} gRPC on pdserve's (not like for like)" if args.grpc_subscribers else "")
+          + f"; every side stops when each subscriber holds every offered event or {args.drain_s:g} s after pacing")
     label = "vLLM ZmqEventPublisher" if result["baseline"] and result["baseline"].startswith("vllm") \
         else "vLLM-style re-implementation"
     if result["baseline"]:
@@ -1108,6 +1148,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _baselines(args: argparse.Namespace, end_to_end: bool, direct: bool
+               ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """vLLM's publisher at `--rate` (beside the end-to-end sections, or alone) and at
+    `--direct-rate` (beside the event plane alone)."""
+    at_rate = asyncio.run(_baseline_section(args, args.rate)) if end_to_end or not direct else None
+    at_direct = asyncio.run(_baseline_section(args, args.direct_rate)) if direct else None
+    return at_rate, at_direct
+
+
 def _ratio(mine: dict[str, Any] | None, base: dict[str, Any] | None, key: str) -> float | None:
     if not mine or not base or not base.get(key):
         return None
@@ -1122,6 +1171,7 @@ def _main() -> None:
     p.add_argument("--n-grpc", type=int, default=0)
     p.add_argument("--n-zmq", type=int, default=0)
     p.add_argument("--decode", choices=["head", "full"], default="head")
+    p.add_argument("--drain", type=float, default=2.0)
     p.add_argument("--engines", type=int, default=1)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--batch-events", type=int, default=64)
@@ -1136,7 +1186,7 @@ def _main() -> None:
     engine_events = a.event_source == "engine"
     merged = a.report_per == "engine"
     if a.role == "subscribers":
-        asyncio.run(_subscribers_main(a.grpc, a.zmq, a.n_grpc, a.n_zmq, a.decode))
+        asyncio.run(_subscribers_main(a.grpc, a.zmq, a.n_grpc, a.n_zmq, a.decode, a.drain))
     elif a.role == "stream-ranks":
         asyncio.run(_stream_ranks_main(a.grpc, a.engines, a.tp, a.batch_events, a.rate, a.duration,
                                        encoding=a.report_encoding, merged=merged, engine_events=engine_events,

@@ -63,6 +63,11 @@ from typing import Any
 from services.common.event_loop import EVENT_LOOPS
 
 _MODULE = "bench.scale"
+# What `--repeat` (bench/repeats.py) summarizes beside ratios: the largest point's figures and
+# their growth from the smallest point (the baseline).
+HEADLINE_KEYS = ("overhead_p50_ms", "overhead_p99_ms", "events_per_s", "rss_mib", "false_down",
+                 "growth_first_to_last.overhead_p50_ms", "growth_first_to_last.overhead_p99_ms",
+                 "growth_first_to_last.cpu_ms_per_rank_s")
 _COMPAT = "bench-scale"
 _BLOCK = 16
 
@@ -730,7 +735,10 @@ def run(args: argparse.Namespace) -> int:
     if not transfers or any(x not in ("rank", "engine") for x in transfers):
         raise ValueError(f"--transfer-per: expected a comma-separated list of rank, engine, got {args.transfer_per!r}")
     points = []
-    for n in sizes:
+    # The smallest point is the baseline: with --repeat (bench/repeats.py) every other run
+    # measures the points largest first, so a machine drifting during the runs charges both ends.
+    baseline_first = getattr(args, "baseline_first", True)
+    for n in sizes if baseline_first else sizes[::-1]:
         for loop in loops:
             for transfer in transfers:
                 what = f"{n} ranks, scheduler on {loop}, transfer results per {transfer}"
@@ -740,10 +748,12 @@ def run(args: argparse.Namespace) -> int:
                 p = points[-1]
                 print(f"bench scale: {what} done: setup {p['setup_s']:.0f} s, overhead p50 "
                       f"{p['overhead_p50_ms']:.2f} ms, false down {p['false_down']}", file=sys.stderr, flush=True)
+    points.sort(key=lambda p: sizes.index(p["ranks"]))  # stable: loops and transfer modes keep their order
     config = {k: getattr(args, k) for k in ("scheduler_loop", "tp", "duration", "step_hz", "events_per_step", "report_per",
                                             "worker_events", "transfer_per", "request_rate",
                                             "prompt_blocks", "output_tokens", "sim_procs", "heartbeat_interval",
                                             "heartbeat_timeout")}
+    config["baseline_first"] = baseline_first
     return _report(args, points, config, list(os.getloadavg()))
 
 
@@ -758,6 +768,8 @@ def _report(args: argparse.Namespace, points: list[dict[str, Any]], config: dict
     result: dict[str, Any] = {k: last[k] for k in ("ranks", "overhead_p50_ms", "overhead_p99_ms", "events_per_s",
                                                    "rss_mib", "false_down")}
     result |= {"points": points, "growth_first_to_last": growth, "config": config, "load_average": load}
+    if len({p["ranks"] for p in points}) > 1:
+        result["baseline_first"] = config.get("baseline_first", True)
     if args.plot:
         _plot(points, args.plot)
     if args.json:

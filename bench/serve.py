@@ -37,7 +37,7 @@ import sys
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -226,7 +226,8 @@ async def _http_stream(client: Any, body: dict[str, Any], request_id: str) -> Ge
             usage = event.get("usage")
             if usage:
                 r.prompt_tokens, r.generated_tokens = usage["prompt_tokens"], usage["completion_tokens"]
-                r.cached_tokens, r.transferred_tokens = usage["cached_tokens"], usage["transferred_tokens"]
+                # pdserve's own usage fields; other servers (vLLM) have none
+                r.cached_tokens, r.transferred_tokens = usage.get("cached_tokens", 0), usage.get("transferred_tokens", 0)
             if "error" in event:
                 raise RuntimeError(f"in-band error: {event['error']}")
     r.e2e_s = time.perf_counter() - start
@@ -457,6 +458,18 @@ def run_mode_results(name: str, args: argparse.Namespace, wl: Workload, **cluste
     """Starts one local cluster on its CPU share, warms it up, drives the workload; returns the
     results, the wall time, and (share, prefill cache counters before, after)."""
     share = cpu_share(args, cluster.get("num_prefill", 1) + cluster.get("num_decode", 1))
+    with started_cluster(name, args, **cluster) as c:
+        asyncio.run(_drive(c.target, warm_up_workload(), 2, 0.0))
+        before = _prefill_cache_counters(c)
+        results, wall = asyncio.run(_drive(c.target, wl, args.concurrency, args.request_rate))
+        after = _prefill_cache_counters(c)
+    return results, wall, (share, before, after)
+
+
+@contextlib.contextmanager
+def started_cluster(name: str, args: argparse.Namespace, **cluster: Any) -> Iterator[LocalCluster]:
+    """A local cluster of `cluster`'s engines on their CPU share (pinned), ready to serve."""
+    share = cpu_share(args, cluster.get("num_prefill", 1) + cluster.get("num_decode", 1))
     pin(share)
     # A benchmark measures latency; the scheduler's default deadline (60 s) would only drop
     # requests on a loaded machine, so it gets the client's own 600 s.
@@ -467,13 +480,13 @@ def run_mode_results(name: str, args: argparse.Namespace, wl: Workload, **cluste
                        torch_threads=share.threads_per_engine, kv_cache_memory=args.kv_cache_memory, metrics=True,
                        **cluster)
     with _started(spec) as c:
-        rng = random.Random(-1)  # warm-up prompts share nothing with the workload
-        warm = Workload([[rng.randrange(100, 1000) for _ in range(24)] for _ in range(2)], [2, 2])
-        asyncio.run(_drive(c.target, warm, 2, 0.0))
-        before = _prefill_cache_counters(c)
-        results, wall = asyncio.run(_drive(c.target, wl, args.concurrency, args.request_rate))
-        after = _prefill_cache_counters(c)
-    return results, wall, (share, before, after)
+        yield c
+
+
+def warm_up_workload() -> Workload:
+    """Every system's warm-up: two 24-token prompts that share nothing with the workload, 2 tokens each."""
+    rng = random.Random(-1)
+    return Workload([[rng.randrange(100, 1000) for _ in range(24)] for _ in range(2)], [2, 2])
 
 
 def _prefill_cache_counters(cluster: LocalCluster) -> tuple[float, float]:
@@ -526,8 +539,11 @@ def _plot(report: dict[str, Any], path: Path) -> None:
 def _compare_paths(args: argparse.Namespace, wl: Workload) -> dict[str, Any]:
     """Always-remote vs the path policy on the same engines and workload, one after the other."""
     engines = {"num_prefill": max(1, args.prefill), "num_decode": max(1, args.decode)}
-    remote = _run_mode("always_remote", args, wl, scheduler_args=ALWAYS_REMOTE, **engines)
-    policy = _run_mode("path_policy", args, wl, scheduler_args=["--path-policy", args.path_policy], **engines)
+    runs = _in_order(args, {
+        "always_remote": lambda: _run_mode("always_remote", args, wl, scheduler_args=ALWAYS_REMOTE, **engines),
+        "path_policy": lambda: _run_mode("path_policy", args, wl, scheduler_args=["--path-policy", args.path_policy],
+                                         **engines)})
+    remote, policy = runs["always_remote"], runs["path_policy"]
     out: dict[str, Any] = {"always_remote": remote, "path_policy": policy, "decisions": policy["decisions"]}
     by_r, by_p = remote.get("by_kind", {}), policy.get("by_kind", {})
     if "short" in by_r and "short" in by_p:
@@ -537,6 +553,13 @@ def _compare_paths(args: argparse.Namespace, wl: Workload) -> dict[str, Any]:
     out["throughput_ratio"] = _ratio(policy["throughput_tok_s"], remote["throughput_tok_s"])
     out["transferred_tokens_ratio"] = _ratio(policy["transferred_tokens"], remote["transferred_tokens"])
     return out
+
+
+def _in_order(args: argparse.Namespace, modes: dict[str, Callable[[], dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Runs `modes` (the baseline first in the dict) in that order, or pdserve's first when
+    `--repeat` (bench/repeats.py) sets `args.baseline_first` False for this run."""
+    names = list(modes) if getattr(args, "baseline_first", True) else list(modes)[::-1]
+    return {name: modes[name]() for name in names}
 
 
 def _ratio(a: float, b: float) -> float:
@@ -574,18 +597,23 @@ def run(args: argparse.Namespace) -> int:
         report["target"] = summarize(results, wall, args)
     elif args.compare_paths:
         report.update(_compare_paths(args, wl))
+        report["baseline_first"] = getattr(args, "baseline_first", True)
     elif args.compare_routing:
         n = max(2, args.prefill)
-        report["prefix_aware"] = _run_mode("prefix_aware", args, wl, num_prefill=n,
-                                           scheduler_args=["--routing-policy", "prefix", *ALWAYS_REMOTE])
-        report["round_robin"] = _run_mode("round_robin", args, wl, num_prefill=n,
-                                          scheduler_args=["--routing-policy", "round_robin", *ALWAYS_REMOTE])
+        report.update(_in_order(args, {
+            "round_robin": lambda: _run_mode("round_robin", args, wl, num_prefill=n,
+                                             scheduler_args=["--routing-policy", "round_robin", *ALWAYS_REMOTE]),
+            "prefix_aware": lambda: _run_mode("prefix_aware", args, wl, num_prefill=n,
+                                              scheduler_args=["--routing-policy", "prefix", *ALWAYS_REMOTE])}))
+        report["baseline_first"] = getattr(args, "baseline_first", True)
         a, b = report["prefix_aware"]["ttft_ms"]["p50"], report["round_robin"]["ttft_ms"]["p50"]
         report["ttft_p50_speedup"] = round(b / a, 2) if a else 0.0
     else:
-        report["disaggregated"] = _run_mode("disaggregated", args, wl, num_prefill=args.prefill,
-                                            scheduler_args=ALWAYS_REMOTE)
-        report["colocated"] = _run_mode("colocated", args, wl, num_prefill=0)
+        report.update(_in_order(args, {
+            "colocated": lambda: _run_mode("colocated", args, wl, num_prefill=0),
+            "disaggregated": lambda: _run_mode("disaggregated", args, wl, num_prefill=args.prefill,
+                                               scheduler_args=ALWAYS_REMOTE)}))
+        report["baseline_first"] = getattr(args, "baseline_first", True)
         report["control_plane_overhead_ms_p50"] = report["disaggregated"]["control_plane_overhead_ms_p50"]
         d, c = report["disaggregated"], report["colocated"]
         report["ratios"] = {

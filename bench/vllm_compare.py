@@ -4,12 +4,12 @@ Systems (each started fresh, measured, stopped, one after another, on the same p
 the same total of compute threads):
 - `vllm_colocated`: one vLLM OpenAI server (`python -m vllm.entrypoints.openai.api_server`),
   all threads (`VLLM_CPU_OMP_THREADS_BIND` = every core).
-- `vllm_pd_nixl`: vLLM's own 1P1D: two servers with `NixlConnector` (`kv_role` kv_both,
-  `kv_buffer_device` cpu), half the cores each; per request the client (the role of vLLM's
-  toy proxy) sends the prompt to the prefill server with `max_tokens` 1 and
-  `kv_transfer_params {"do_remote_decode": true}`, then streams from the decode server with
-  the `kv_transfer_params` the prefill returned. TTFT counts from the prefill call.
-- `pdserve`: a pdserve 1P1D cluster with its own engine (bench serve's disaggregated mode).
+- `vllm_pd_nixl`: vLLM's own 1P1D: two servers with `NixlConnector` (`kv_role` kv_producer and
+  kv_consumer, `kv_buffer_device` cpu), half the cores each, behind a proxy speaking the protocol of the toy
+  proxy vLLM's NixlConnector documentation uses (bench/vllm_pd_proxy.py: prefill with
+  `max_tokens` 1 and `do_remote_decode`, then the decode server streams).
+- `pdserve`: a pdserve 1P1D cluster with its own engine, every request on the remote path
+  (`--path-policy remote`: prefill engine, KV pull, decode engine, as vLLM's 1P1D).
 - `pdserve_vllm`: the same cluster with vLLM engines (`--engine vllm`), where the engine
   service's `vllm` backend can run here (`services.engine.registry.check_backend`); otherwise
   reported under `absent` with the reason. A system that fails is reported under `absent` as
@@ -19,15 +19,20 @@ the same total of compute threads):
 flag `--key-with-dashes VALUE` (`true` alone as `--key`, `false` as `--no-key`), pdserve's vLLM
 engines as their `--vllm-arg`, so every vLLM system runs with the same engine settings.
 
-Workload: bench serve's (token-id prompts, lengths, concurrency, greedy, `ignore_eos`). vLLM is
-driven through its streaming `/v1/completions`; token times are the arrival times of the
-streamed chunks (with `return_token_ids` a chunk's token count is exact).
+Workload: bench serve's (token-id prompts, lengths, concurrency, greedy, `ignore_eos`). One
+client drives every system: bench serve's async httpx client streaming the OpenAI
+`/v1/completions` (vLLM's server, the proxy, pdserve's HTTP API), after the same warm-up; token
+times are the arrival times of the streamed chunks (with `return_token_ids` a chunk's token
+count is exact), so TTFT is the first streamed token received, for every system. Each system's
+report has `cpu`: the cores every process and thread of the benchmark used during its workload
+(bench/thread_cpu.py); `vllm_pd_nixl` adds `proxy`, its per-request legs. With `--repeat`
+(bench/repeats.py) every other run measures the systems in reverse order.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
+import asyncio
 import contextlib
 import json
 import os
@@ -42,7 +47,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.serve import CpuShare, Workload, build_workload, cpu_share, pin, run_mode_results
+from bench.serve import (
+    ALWAYS_REMOTE,
+    CpuShare,
+    Workload,
+    _drive_http,
+    build_workload,
+    cpu_share,
+    pin,
+    started_cluster,
+    warm_up_workload,
+)
+from bench.thread_cpu import ThreadCpu
 from bench.workload import percentiles
 from services.local_cluster import free_port
 
@@ -189,89 +205,82 @@ def _max_model_len(args: argparse.Namespace) -> int:
     return max(256, 1 << (hi_prompt + hi_out).bit_length())
 
 
-def _post(url: str, body: dict[str, Any], timeout: float = 600.0) -> Any:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    return urllib.request.urlopen(req, timeout=timeout)
+def drive(base_url: str, wl: Workload, concurrency: int) -> tuple[list[Timing], float]:
+    """The one client of every system: bench serve's async httpx client streaming
+    `/v1/completions` (token ids in and out, greedy, `ignore_eos`), closed loop at
+    `concurrency`. A request's token times are the arrival of the chunks that carry them, from
+    the request's start, so TTFT is the first streamed token received, for every system."""
+    results, wall = asyncio.run(_drive_http(base_url, wl, concurrency, 0.0))
+    for r, n in zip(results, wl.max_tokens, strict=True):
+        if len(r.token_times_s) != n:
+            raise RuntimeError(f"asked for {n} tokens, streamed {len(r.token_times_s)}")
+    return [Timing(0.0, list(r.token_times_s)) for r in results], wall
 
 
-def stream_completion(url: str, prompt: list[int], max_tokens: int, timing: Timing,
-                      kv_transfer_params: dict[str, Any] | None = None) -> None:
-    """Streams one greedy completion, appending each token's arrival time to `timing`."""
-    body: dict[str, Any] = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                            "ignore_eos": True, "stream": True, "return_token_ids": True}
-    if kv_transfer_params is not None:
-        body["kv_transfer_params"] = kv_transfer_params
-    with _post(f"{url}/v1/completions", body) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            now = time.perf_counter()
-            for choice in json.loads(line[5:]).get("choices", []):
-                ids = choice.get("token_ids")
-                n = len(ids) if ids is not None else (1 if choice.get("text") else 0)
-                timing.token_times.extend([now] * n)
-    if len(timing.token_times) != max_tokens:
-        raise RuntimeError(f"asked for {max_tokens} tokens, streamed {len(timing.token_times)}")
+def warm_up(base_url: str) -> None:
+    """The same warm-up for every system (bench serve's): two 24-token prompts, 2 tokens each."""
+    asyncio.run(_drive_http(base_url, warm_up_workload(), 2, 0.0))
 
 
-def remote_prefill(url: str, prompt: list[int]) -> dict[str, Any]:
-    """vLLM's P/D first leg: the prefill server computes the prompt and returns where its KV is."""
-    body = {"model": "bench", "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "stream": False,
-            "kv_transfer_params": {"do_remote_decode": True}}
-    with _post(f"{url}/v1/completions", body) as resp:
-        params = json.loads(resp.read()).get("kv_transfer_params")
-    if not params:
-        raise RuntimeError("the prefill server returned no kv_transfer_params (is NixlConnector configured?)")
-    return dict(params)
-
-
-def drive_vllm(wl: Workload, concurrency: int, prefill_url: str | None, decode_url: str) -> tuple[list[Timing], float]:
-    """Closed loop at `concurrency`; with `prefill_url` each request goes P then D."""
-    def one(i: int) -> Timing:
-        timing = Timing(time.perf_counter())
-        params = remote_prefill(prefill_url, wl.prompts[i]) if prefill_url else None
-        stream_completion(decode_url, wl.prompts[i], wl.max_tokens[i], timing, params)
-        print(f"\r  request {i + 1}/{len(wl.prompts)}", end="", file=sys.stderr, flush=True)
-        return timing
-
-    start = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        timings = list(pool.map(one, range(len(wl.prompts))))
-    print(file=sys.stderr)
-    return timings, time.perf_counter() - start
-
-
-def _warm_up(prefill_url: str | None, decode_url: str) -> None:
-    warm = Workload([[100 + i for i in range(24)]], [2])
-    drive_vllm(warm, 1, prefill_url, decode_url)
+def measure(base_url: str, wl: Workload, concurrency: int, threads: int) -> dict[str, Any]:
+    """Warm-up, then the workload, with the CPU every process of the benchmark used meanwhile."""
+    warm_up(base_url)
+    cpu0 = ThreadCpu.sample()
+    timings, wall = drive(base_url, wl, concurrency)
+    return {**summarize(timings, wall, threads), "cpu": ThreadCpu.sample().since(cpu0, wall)}
 
 
 def run_vllm_colocated(args: argparse.Namespace, wl: Workload, share: CpuShare, log_dir: Path) -> dict[str, Any]:
     server = start_vllm("vllm_colocated", args, list(share.cpus), None, log_dir)
     try:
         server.wait_ready()
-        _warm_up(None, server.url)
-        timings, wall = drive_vllm(wl, args.concurrency, None, server.url)
+        return measure(f"{server.url}/v1", wl, args.concurrency, share.total_threads)
     finally:
         server.stop()
-    return summarize(timings, wall, share.total_threads)
 
 
 def run_vllm_pd(args: argparse.Namespace, wl: Workload, share: CpuShare, log_dir: Path) -> dict[str, Any]:
-    kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+    """vLLM's 1P1D as its NixlConnector documentation sets it up: two servers with
+    `NixlConnector` (`kv_role` kv_producer / kv_consumer; `kv_buffer_device` cpu, the CPU
+    platform's), half the cores each, behind the toy proxy's protocol (bench/vllm_pd_proxy.py)."""
+    # vLLM 0.32 deprecates kv_both for NixlConnector: kv_producer on prefill, kv_consumer on decode.
+    kv = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
     half = len(share.cpus) // 2
-    servers = [start_vllm("vllm_prefill", args, list(share.cpus[:half]), kv, log_dir),
-               start_vllm("vllm_decode", args, list(share.cpus[half:]), kv, log_dir)]
+    servers = [start_vllm("vllm_prefill", args, list(share.cpus[:half]), {**kv, "kv_role": "kv_producer"}, log_dir),
+               start_vllm("vllm_decode", args, list(share.cpus[half:]), {**kv, "kv_role": "kv_consumer"}, log_dir)]
+    proxy: VllmServer | None = None
     try:
         for s in servers:
             s.wait_ready()
-        _warm_up(servers[0].url, servers[1].url)
-        timings, wall = drive_vllm(wl, args.concurrency, servers[0].url, servers[1].url)
+        proxy = start_proxy(servers[0].url, servers[1].url, log_dir)
+        proxy.wait_ready(60.0)
+        out = measure(f"{proxy.url}/v1", wl, args.concurrency, share.total_threads)
+        out["proxy"] = proxy_legs(proxy.url, len(wl.prompts))
+        return out
     finally:
-        for s in servers:
+        for s in [*([proxy] if proxy else []), *servers]:
             s.stop()
-    return summarize(timings, wall, share.total_threads)
+
+
+def start_proxy(prefill_url: str, decode_url: str, log_dir: Path) -> VllmServer:
+    port = free_port("127.0.0.1")
+    log_path = log_dir / "vllm_pd_proxy.log"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "bench.vllm_pd_proxy", "--port", str(port),
+                                 "--prefill", prefill_url, "--decode", decode_url],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return VllmServer("vllm_pd_proxy", port, proc, log_path)
+
+
+def proxy_legs(url: str, n: int) -> dict[str, Any]:
+    """p50/p90 of the proxy's per-request legs over the workload's last `n` requests (ms from
+    the request's arrival): the prefill server's answer, the decode server's first byte."""
+    with urllib.request.urlopen(f"{url}/proxy_stats", timeout=10) as resp:
+        legs = json.loads(resp.read())[-n:]
+    return {key: percentiles([e[key] for e in legs if key in e])
+            for key in ("prefill_ms", "decode_first_byte_ms", "done_ms")}
 
 
 def _prefix_cache_counts(url: str) -> tuple[float, float]:
@@ -303,10 +312,10 @@ def run_vllm_phases(args: argparse.Namespace, wl: Workload, share: CpuShare, log
     server = start_vllm("vllm_phases", args, cores, None, log_dir)
     try:
         server.wait_ready()
-        _warm_up(None, server.url)
-        _, prefill_s = drive_vllm(Workload(wl.prompts, [1] * len(wl.prompts)), args.concurrency, None, server.url)
+        warm_up(f"{server.url}/v1")
+        _, prefill_s = drive(f"{server.url}/v1", Workload(wl.prompts, [1] * len(wl.prompts)), args.concurrency)
         hits0, queries0 = _prefix_cache_counts(server.url)
-        _, decode_s = drive_vllm(wl, args.concurrency, None, server.url)
+        _, decode_s = drive(f"{server.url}/v1", wl, args.concurrency)
         hits1, queries1 = _prefix_cache_counts(server.url)
     finally:
         server.stop()
@@ -329,12 +338,13 @@ def pdserve_vllm_engine_available() -> str:
 
 
 def run_pdserve(args: argparse.Namespace, wl: Workload, share: CpuShare, engine: str) -> dict[str, Any]:
-    """pdserve 1P1D with `engine` (native | vllm) behind its scheduler (bench serve's cluster)."""
+    """pdserve 1P1D with `engine` (native | vllm) behind its scheduler (bench serve's cluster),
+    every request on the remote path (prefill engine -> KV pull -> decode engine, as vLLM's
+    1P1D), driven over its OpenAI HTTP API by the same client as the vLLM systems."""
     mode_args = argparse.Namespace(**{**vars(args), "engine": engine})
-    results, wall, _ = run_mode_results("pdserve" if engine == "native" else "pdserve_vllm", mode_args, wl,
-                                        num_prefill=1)
-    # The client's token times count from the request's start.
-    return summarize([Timing(0.0, list(r.token_times_s)) for r in results], wall, share.total_threads)
+    with started_cluster("pdserve" if engine == "native" else "pdserve_vllm", mode_args,
+                         num_prefill=1, scheduler_args=ALWAYS_REMOTE) as cluster:
+        return measure(cluster.http_url, wl, args.concurrency, share.total_threads)
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -362,7 +372,8 @@ def run_compare(args: argparse.Namespace) -> int:
               lambda: run_pdserve(args, wl, disaggregated, "vllm"))]
     # SIGTERM (timeout, CI) unwinds like Ctrl-C, so every started server is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    for name, missing, share, measure in plans:
+    report["baseline_first"] = getattr(args, "baseline_first", True)
+    for name, missing, share, measure in plans if report["baseline_first"] else plans[::-1]:
         if name not in args.systems.split(","):
             continue
         if missing:
@@ -387,11 +398,26 @@ def run_compare(args: argparse.Namespace) -> int:
             traceback.print_exc()
             report["absent"]["vllm_phases"] = f"failed: {type(e).__name__}: {e}"
             report["failed"] = True
+    report["ratios"] = ratios(report["systems"])
     (out / "serve_compare.json").write_text(json.dumps(report, indent=2))
     if report["systems"]:
         plot(report, out / "serve_compare.png")
     print(json.dumps(report) if args.json else table(report))
     return 1 if report.get("failed") else 0
+
+
+def ratios(systems: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Each pdserve system against each vLLM system measured: throughput (> 1: pdserve faster)
+    and TTFT p50 (< 1: pdserve's first token sooner)."""
+    out: dict[str, float] = {}
+    for p in ("pdserve", "pdserve_vllm"):
+        for v in ("vllm_colocated", "vllm_pd_nixl"):
+            if p in systems and v in systems:
+                if systems[v]["tok_s"]:
+                    out[f"{p}_over_{v}_tok_s_ratio"] = round(systems[p]["tok_s"] / systems[v]["tok_s"], 3)
+                if systems[v]["ttft_p50_ms"]:
+                    out[f"{p}_over_{v}_ttft_p50_ratio"] = round(systems[p]["ttft_p50_ms"] / systems[v]["ttft_p50_ms"], 3)
+    return out
 
 
 def table(report: dict[str, Any]) -> str:

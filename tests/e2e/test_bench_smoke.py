@@ -60,7 +60,8 @@ def test_bench_serve_compare_vllm_runs_pdserve_and_reports_absent_systems(
     assert set(report["systems"]) == {"pdserve"}
     assert set(report["systems"]["pdserve"]) == {"wall_s", "tok_s", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms",
                                                  "itl_p99_ms", "threads", "itl_first_p50_ms", "itl_first_p99_ms",
-                                                 "itl_rest_p99_ms"}
+                                                 "itl_rest_p99_ms", "cpu"}
+    assert report["systems"]["pdserve"]["cpu"]["cores_used"] > 0  # every process of the cluster, the client too
     pdserve = report["systems"]["pdserve"]
     assert pdserve["itl_first_p50_ms"] <= pdserve["itl_first_p99_ms"], pdserve
     assert report["systems"]["pdserve"]["tok_s"] > 0 and report["systems"]["pdserve"]["threads"] >= 1

@@ -45,9 +45,13 @@ def test_bench_serve_compare_vllm_tiny(tmp_path: Path, capsys: pytest.CaptureFix
                                "--output-len", "3:4", "--kv-cache-memory", "64MiB",
                                "--systems", ",".join(VLLM_SYSTEMS), "--vllm-arg", "enforce_eager=true"])
     keys = {"wall_s", "tok_s", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p99_ms", "threads",
-            "itl_first_p50_ms", "itl_first_p99_ms", "itl_rest_p99_ms"}
+            "itl_first_p50_ms", "itl_first_p99_ms", "itl_rest_p99_ms", "cpu"}
     assert report["absent"] == {} and set(report["systems"]) == set(VLLM_SYSTEMS), report["absent"]
     for name in VLLM_SYSTEMS:
-        assert set(report["systems"][name]) == keys, name
+        assert set(report["systems"][name]) - {"proxy"} == keys, name
         assert report["systems"][name]["tok_s"] > 0, name
+    # vLLM's 1P1D went through the proxy (one client for every system): both legs of each request
+    legs = report["systems"]["vllm_pd_nixl"]["proxy"]
+    assert legs["prefill_ms"]["p50"] > 0 and legs["decode_first_byte_ms"]["p50"] >= legs["prefill_ms"]["p50"]
+    assert report["ratios"]["pdserve_vllm_over_vllm_pd_nixl_tok_s_ratio"] > 0
     assert len({report["systems"][n]["threads"] for n in report["systems"]}) == 1, "every system gets the same CPU"

@@ -23,7 +23,14 @@ def test_bench_events_quick(capsys: pytest.CaptureFixture[str]) -> None:
     assert pdserve["report_per"] == "rank"  # the default: the protocol the engines speak
     # the ranks' compact reports were taken whole (their three forms checked event by event)
     assert pdserve["report_encoding"] == "compact" and pdserve["reports_malformed"] == 0
-    assert pdserve["subscribers"][0]["events"] == pdserve["published_events"]
+    assert pdserve["subscribers"][0]["events"] == pdserve["published_events"] == pdserve["offered_events"]
+    # like for like: the same ZMQ subscribers on both sides, one stop rule, one loss count
+    assert result["symmetric"] and result["config"]["drain_s"] == 2.0
+    assert [s["transport"] for s in pdserve["subscribers"]] == [s["transport"] for s in baseline["subscribers"]] \
+        == ["zmq", "zmq"]
+    for side in (pdserve, baseline):
+        assert side["lost"] == sum(side["offered_events"] - s["events"] for s in side["subscribers"])
+        assert side["drain_used_s"] < 2.0  # everything arrived: the drain window ended early
     # the baseline ran at the same offered rate, and says which code it is
     assert baseline["offered_rate"] == 400 and baseline["lost"] == 0
     assert result["baseline"].startswith(("vllm ", "re-implementation"))

@@ -20,3 +20,16 @@ def test_bench_aggregator_json(capsys: pytest.CaptureFixture[str]) -> None:
 def test_bench_aggregator_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "aggregator", "--tp", "0"]) == 2
     assert "--tp must be >= 1" in capsys.readouterr().err
+
+
+def test_bench_aggregator_repeat_reports_median_and_range(capsys: pytest.CaptureFixture[str]) -> None:
+    """--repeat 2: two runs, sides swapped between them, every ratio's median, min-max and runs."""
+    assert main(["bench", "aggregator", "--json", "--tp", "2", "--ids", "4", "--events", "3",
+                 "--steps", "2", "--repeat", "2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    repeat = result["repeat"]
+    assert repeat["n"] == 2 and repeat["orders"] == ["baseline,pdserve", "pdserve,baseline"]
+    ratio = repeat["summary"]["ratio"]
+    assert len(ratio["runs"]) == 2 and ratio["min"] <= ratio["median"] <= ratio["max"]
+    assert result["ratio"] == pytest.approx(ratio["median"])
+    assert [r["baseline_first"] for r in result["runs"]] == [True, False]
