@@ -591,7 +591,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         model when the request took the path decided (not after a failed prefill or a migration)."""
         flight.ttft_s = now - flight.started
         decision = flight.path
-        if decision is None or decision.predicted_ttft_s is None or decision.raw_ttft_s is None:
+        if decision is None or decision.predicted_ttft_s is None:
             return
         local = not flight.prefill_engine_id
         if local != decision.local or (not local and flight.prefill_engine_id != decision.prefill_id) \
@@ -599,10 +599,10 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             return
         self.metrics.observe_path_ttft_error(decision.path,
                                              abs(decision.predicted_ttft_s - flight.ttft_s) / flight.ttft_s)
-        self.costs.observe_ttft(decision.ttft_engine_id, decision.path, decision.raw_ttft_s, flight.ttft_s)
         if local:
             uncached = max(1, flight.record.num_prompt_tokens - flight.num_cached_tokens)
             self.costs.observe_local_prefill(decision.decode_id, now, uncached)
+        self.router.path.observe_ttft(decision, flight.ttft_s)
 
     def _complete(self, flight: Flight, finish_reason: int) -> gen_pb.GenerateResponse:
         record = flight.record

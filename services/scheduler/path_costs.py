@@ -173,9 +173,15 @@ class PathCosts:
         return self.prefill.params()[1] * max(0, num_tokens)
 
     def correction(self, engine_id: str, path: str) -> float:
-        """The factor from raw to corrected TTFT predictions there (1.0 until measured)."""
+        """The factor from raw to corrected TTFT predictions there. An engine without an outcome
+        on that path yet borrows the mean (of the log ratios) of the path's other engines; a
+        path without any stays at 1.0, so a path never tried looks as fast as its fits say and
+        is tried once rather than ruled out by the other path's errors."""
         c = self.corrections.get((engine_id, path))
-        return c.factor if c is not None else 1.0
+        if c is not None:
+            return c.factor
+        same = [c.log_ratio for (_, p), c in self.corrections.items() if p == path]
+        return math.exp(sum(same) / len(same)) if same else 1.0
 
     def step_s(self, engine_id: str) -> float:
         """A decode step there without a local prefill: measured, else the mean inter-token gap
@@ -186,9 +192,11 @@ class PathCosts:
 
     def stall_s(self, engine_id: str, num_tokens: int) -> float:
         """How much a local prefill of `num_tokens` lengthens a step there: measured (see
-        `DecodeStalls`), else the prefill fit's per-token cost."""
-        assert self.decode is not None
-        return self.decode.stall_s(engine_id, num_tokens, self.compute_s(1))
+        `DecodeStalls`), else the prefill fit's per-token cost once it has one of its own (a fit
+        of one prompt size charges the call's fixed part to the tokens), else the prior's."""
+        assert self.decode is not None and self.prefill is not None
+        per_token = self.prefill.params()[1] if self.prefill.has_slope else self.priors.prefill_per_token_s
+        return self.decode.stall_s(engine_id, num_tokens, per_token)
 
     def transfer_s(self, prefill_id: str, decode_id: str, num_tokens: int) -> float:
         assert self._all_transfer is not None

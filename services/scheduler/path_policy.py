@@ -120,6 +120,20 @@ class PathRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class TtftInputs:
+    """What a TTFT prediction is made from: the path, the engine computing the first token (the
+    prefill engine for remote, the decode engine for local), the prompt tokens queued there
+    ahead of the request, the request's own uncached tokens, and (local) whether requests were
+    decoding there."""
+
+    path: str
+    engine_id: str
+    num_backlog_tokens: int
+    num_uncached_tokens: int
+    busy: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class PathDecision:
     """Where the prompt is prefilled (`prefill_id` None: on the decode engine) and why.
 
@@ -129,8 +143,8 @@ class PathDecision:
     for remote the KV transfer before the second token, plus the decode engine's load term.
     `predicted_ttft_s` is the (corrected) predicted time to first token on the chosen path,
     `alternative_ttft_s` on the path not chosen (None: no such path, e.g. no prefill engine),
-    `raw_ttft_s` the chosen path's prediction before the correction (what the correction
-    learns from); every mode fills them."""
+    `ttft_inputs` what the chosen path's prediction was made from (`PathPolicy.observe_ttft`
+    compares the outcome with the fits as they are then); every mode fills them."""
 
     path: str
     reason: str
@@ -141,16 +155,11 @@ class PathDecision:
     predicted_s: float = 0.0
     predicted_ttft_s: float | None = None
     alternative_ttft_s: float | None = None
-    raw_ttft_s: float | None = None
+    ttft_inputs: TtftInputs | None = None
 
     @property
     def local(self) -> bool:
         return self.prefill_id is None
-
-    @property
-    def ttft_engine_id(self) -> str:
-        """The engine that computes the first token (whose TTFT correction the outcome feeds)."""
-        return self.prefill_id or self.decode_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +170,7 @@ class _Option:
     uncached: int
     pull: int
     ttft_s: float = 0.0  # predicted TTFT, corrected
-    raw_ttft_s: float = 0.0  # ... before the correction
+    inputs: TtftInputs | None = None
     stretched: bool = False  # local beyond the stall budget, allowed by the TTFT target
     # Requests predicted to meet their targets with this option: the new one (its TTFT target)
     # minus those decoding there that a local prefill would push past their ITL target.
@@ -208,7 +217,7 @@ class PathPolicy:
         remote = self._remote_option(request, prefill, d, matched_blocks) if prefill is not None else None
         chosen, other = (local, remote) if decision.local else (remote, local)
         assert chosen is not None
-        return replace(decision, predicted_ttft_s=chosen.ttft_s, raw_ttft_s=chosen.raw_ttft_s,
+        return replace(decision, predicted_ttft_s=chosen.ttft_s, ttft_inputs=chosen.inputs,
                        alternative_ttft_s=other.ttft_s if other is not None else None)
 
     # -- shared pieces -------------------------------------------------------------------------
@@ -289,25 +298,47 @@ class PathPolicy:
         uncached tokens; the KV transfer then delays the second token (counted in the cost)."""
         c = self.costs
         uncached = self._uncached(request, prefill.engine_id, matched_blocks)
-        backlog = prefill.num_backlog_tokens if with_backlog else 0
+        inputs = TtftInputs(PATH_REMOTE, prefill.engine_id, prefill.num_backlog_tokens if with_backlog else 0, uncached)
         pull = self._uncached(request, d.engine_id, matched_blocks)
-        raw = c.prefill_s(backlog + uncached)
-        ttft = raw * c.correction(prefill.engine_id, PATH_REMOTE)
+        ttft = self.raw_ttft_s(inputs) * c.correction(prefill.engine_id, PATH_REMOTE)
         cost = ttft + c.transfer_s(prefill.engine_id, d.engine_id, pull) + self.config.decode_load_s * d.load_score
-        return _Option(cost, d, False, uncached, pull, ttft, raw)
+        return _Option(cost, d, False, uncached, pull, ttft, inputs)
 
     def _local_option(self, request: PathRequest, d: EngineView, matched_blocks: Mapping[str, int]) -> _Option:
-        """Local: the call's fixed part, the local prefills queued there, then (on a busy engine)
-        half a step of waiting and the step that holds the prefill: a plain step plus the
-        measured stall of the uncached tokens."""
-        c = self.costs
+        """Local: on an idle decode engine, a prefill call of the local prefills queued there
+        plus the uncached tokens (the prefill fit: same model, same device); on a busy one, at
+        least that, and the queued local prefills, half a step of waiting and the step that
+        holds the prefill: a measured plain step plus the measured stall of the uncached tokens."""
         uncached = self._uncached(request, d.engine_id, matched_blocks)
-        step = c.step_s(d.engine_id) if self._busy(d) else 0.0
-        assert c.prefill is not None
-        raw = c.prefill.params()[0] + c.compute_s(d.num_backlog_tokens) + 1.5 * step \
-            + c.stall_s(d.engine_id, uncached)
-        ttft = raw * c.correction(d.engine_id, PATH_LOCAL)
-        return _Option(ttft + self.config.decode_load_s * d.load_score, d, True, uncached, 0, ttft, raw)
+        inputs = TtftInputs(PATH_LOCAL, d.engine_id, d.num_backlog_tokens, uncached, self._busy(d))
+        ttft = self.raw_ttft_s(inputs) * self.costs.correction(d.engine_id, PATH_LOCAL)
+        return _Option(ttft + self.config.decode_load_s * d.load_score, d, True, uncached, 0, ttft, inputs)
+
+    def raw_ttft_s(self, inputs: TtftInputs) -> float:
+        """The fits' TTFT prediction, before the correction (see `_remote_option`, `_local_option`)."""
+        c = self.costs
+        if inputs.path == PATH_REMOTE:
+            return c.prefill_s(inputs.num_backlog_tokens + inputs.num_uncached_tokens)
+        # An idle decode engine prefills like a prefill engine (same model and device); a busy
+        # one takes no less.
+        alone = c.prefill_s(inputs.num_backlog_tokens + inputs.num_uncached_tokens)
+        if not inputs.busy:
+            return alone
+        return max(alone, c.compute_s(inputs.num_backlog_tokens) + 1.5 * c.step_s(inputs.engine_id)
+                   + c.stall_s(inputs.engine_id, inputs.num_uncached_tokens))
+
+    def observe_ttft(self, decision: PathDecision, actual_s: float) -> None:
+        """A decision's outcome (the request took the path decided): the correction of its
+        engine and path learns log(actual / the fits' prediction for the same inputs *now*), so
+        it learns only what the fits, which may have learnt from this very request, still miss.
+        A local prefill on an idle decode engine is a prefill call like a remote one: it feeds
+        the prefill fit first (one on a busy engine mixes in the decode batch and does not)."""
+        inputs = decision.ttft_inputs
+        if inputs is None:
+            return
+        if inputs.path == PATH_LOCAL and not inputs.busy:
+            self.costs.observe_prefill(inputs.num_backlog_tokens + inputs.num_uncached_tokens, actual_s)
+        self.costs.observe_ttft(inputs.engine_id, inputs.path, self.raw_ttft_s(inputs), actual_s)
 
     @staticmethod
     def _busy(d: EngineView) -> bool:
@@ -351,7 +382,7 @@ class PathPolicy:
             other = remote
             reason = self._local_reason(request, prefill, best, candidates, matched_blocks)
             decision = PathDecision(PATH_LOCAL, reason, best.decode.engine_id, None, best.uncached, 0, best.cost_s)
-        return replace(decision, predicted_ttft_s=best.ttft_s, raw_ttft_s=best.raw_ttft_s,
+        return replace(decision, predicted_ttft_s=best.ttft_s, ttft_inputs=best.inputs,
                        alternative_ttft_s=other.ttft_s)
 
     def _local_options(self, request: PathRequest, candidates: Sequence[EngineView],

@@ -109,6 +109,10 @@ def test_corrections_are_per_engine_and_path_and_forgotten_with_the_engine() -> 
     costs = PathCosts()
     costs.observe_ttft("d0", "decode_local", 0.1, 0.2)
     assert costs.correction("d0", "decode_local") == pytest.approx(2.0)
-    assert costs.correction("d0", "remote") == costs.correction("d1", "decode_local") == 1.0
+    assert costs.correction("d0", "remote") == 1.0  # a path never tried: as its fits say
+    assert costs.correction("d1", "decode_local") == pytest.approx(2.0)  # borrowed from the path's engines
+    costs.observe_ttft("d1", "decode_local", 0.1, 0.05)
+    assert costs.correction("d1", "decode_local") == pytest.approx(0.5)
+    assert costs.correction("d2", "decode_local") == pytest.approx(1.0)  # the mean of 2x and 0.5x
     costs.forget_engine("d0")
-    assert costs.correction("d0", "decode_local") == 1.0
+    assert costs.correction("d0", "decode_local") == pytest.approx(0.5)

@@ -226,10 +226,10 @@ def test_every_decision_records_the_predicted_ttft_on_both_paths() -> None:
     short = policy().decide(PathRequest(32), P, D, {})
     assert short.local and short.predicted_ttft_s == pytest.approx(0.01 + 32 * 0.0002)
     assert short.alternative_ttft_s == pytest.approx(0.01 + 32 * 0.0002)  # remote: the same prefill, then a hop
-    assert short.raw_ttft_s == short.predicted_ttft_s and short.ttft_engine_id == "d0"
+    assert short.ttft_inputs is not None and short.ttft_inputs.engine_id == "d0"
     for mode in ("cost", "threshold", "remote"):
         long = policy(mode=mode).decide(PathRequest(4096), P, D, {})
-        assert not long.local and long.ttft_engine_id == "p", mode
+        assert not long.local and long.ttft_inputs is not None and long.ttft_inputs.engine_id == "p", mode
         assert long.predicted_ttft_s == pytest.approx(0.01 + 4096 * 0.0002), mode
         assert long.alternative_ttft_s == pytest.approx(0.01 + 4096 * 0.0002), mode  # local, idle decode engine
     alone = policy().decide(PathRequest(4096), None, D, {})
@@ -244,7 +244,7 @@ def test_a_busy_decode_engine_costs_a_local_prefill_its_measured_steps() -> None
     assert pol.costs.step_s("d0") == pytest.approx(0.08)
     d = pol.decide(PathRequest(32), P, busy, {})
     # Local: wait half a step, then a step with the prefill in it; remote: prefill, then a hop.
-    assert d.alternative_ttft_s == pytest.approx(0.01 + 1.5 * 0.08 + 32 * 0.0002)
+    assert d.alternative_ttft_s == pytest.approx(1.5 * 0.08 + 32 * 0.0002)
     assert (d.reason, d.predicted_ttft_s) == (REMOTE_LOWER_COST, pytest.approx(0.01 + 32 * 0.0002))
     assert pol.decide(PathRequest(32), P, [view("d0")], {}).reason == LOCAL_SHORT_PROMPT  # idle there
 
@@ -262,39 +262,49 @@ def test_the_measured_stall_not_the_prefill_speed_sets_the_local_boundary() -> N
     assert pol.costs.stall_s("d0", 100) == pytest.approx(0.1, rel=0.01)
     d = pol.decide(PathRequest(400), P, [view("d0")], {})
     assert (d.local, d.reason) == (False, REMOTE_LONG_PROMPT)
-    # 90 tokens stall it 90 ms: allowed, but the prefill engine is faster.
-    assert pol.decide(PathRequest(90), P, [view("d0")], {}).reason == REMOTE_LOWER_COST
+    assert pol.decide(PathRequest(90), P, [view("d0")], {}).local  # a 90 ms stall: within the budget
+    assert pol.decide(PathRequest(110), P, [view("d0")], {}).reason == REMOTE_LONG_PROMPT
 
 
 def _converge(pol: PathPolicy, n: int, decodes: list[EngineView], slow_local: float, seed: int) -> list[str]:
-    """Decides `n`-token prompts 60 times, each outcome the path's raw prediction times its true
-    factor (local `slow_local`, remote 1) and +-30% noise; returns the paths of the last 40."""
+    """Decides `n`-token prompts 60 times, each outcome the path's true TTFT (the fits' raw
+    prediction, local `slow_local` times that) with +-30% noise; the paths of the last 40."""
     import random
 
     rng = random.Random(seed)
     paths = []
     for i in range(60):
         d = pol.decide(PathRequest(n), P, decodes, {})
-        assert d.raw_ttft_s is not None
-        actual = d.raw_ttft_s * (slow_local if d.local else 1.0) * rng.uniform(0.7, 1.3)
-        pol.costs.observe_ttft(d.ttft_engine_id, d.path, d.raw_ttft_s, actual)
+        assert d.ttft_inputs is not None
+        if i == 0:
+            first_local = pol.raw_ttft_s(d.ttft_inputs)  # the load is stable: so is the true TTFT
+        true = first_local * slow_local if d.local else pol.raw_ttft_s(d.ttft_inputs)
+        pol.observe_ttft(d, true * rng.uniform(0.7, 1.3))
         if i >= 20:
             paths.append(d.path)
     return paths
 
 
 def test_recorded_errors_correct_the_model_and_decisions_stay_put() -> None:
-    # The decode engine is 3x slower than the fits say (its batch, a loaded host): after a few
-    # local requests the correction learns it and every later decision goes remote.
+    # Requests decode on d0 (10 ms steps); its local prefills take 3x what the fits say (its
+    # batch, a loaded host): after a few local requests the correction learns it and every later
+    # decision goes remote.
+    busy = [view("d0", num_running=2)]
     for seed in (1, 2, 3):
         pol = policy()
-        first = pol.decide(PathRequest(200), P, D, {})
+        for i in range(30):
+            pol.costs.observe_itl(0.01, "d0", 0.01 * i)
+        first = pol.decide(PathRequest(200), P, busy, {})
         assert first.local
-        assert set(_converge(pol, 200, D, 3.0, seed)) == {"remote"}, seed
+        assert set(_converge(pol, 200, busy, 3.0, seed)) == {"remote"}, seed
         assert pol.costs.correction("d0", "decode_local") == pytest.approx(3.0, rel=0.35)
-    # As fast as predicted: local stays local under the same noise.
+    # As fast as predicted: local stays local under the same noise, idle or busy.
     for seed in (1, 2, 3):
         assert set(_converge(policy(), 200, D, 1.0, seed)) == {"decode_local"}, seed
+        stepped = policy()
+        for i in range(30):
+            stepped.costs.observe_itl(0.01, "d0", 0.01 * i)
+        assert set(_converge(stepped, 200, busy, 1.0, seed)) == {"decode_local"}, seed
 
 
 def test_with_targets_the_policy_maximises_requests_meeting_them() -> None:
