@@ -342,7 +342,9 @@ class PathPolicy:
 
     @staticmethod
     def _busy(d: EngineView) -> bool:
-        return d.num_running + d.num_inflight > 0
+        """Requests of this scheduler are on `d` (its own count is exact and current; the
+        engine's reported `num_running` lags a load report behind)."""
+        return d.num_inflight > 0
 
     def _harmed(self, d: EngineView, gap_s: float) -> int:
         """Requests decoding on `d` whose ITL target a step of `gap_s` misses."""

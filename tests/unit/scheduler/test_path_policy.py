@@ -101,11 +101,11 @@ def test_ttft_target_lifts_the_stall_budget_only_when_remote_misses_it() -> None
 
 
 def test_itl_target_of_requests_decoding_there_forbids_a_local_stall() -> None:
-    guarded = [view("d0", num_running=2, itl_target_s=0.02)]
+    guarded = [view("d0", num_inflight=2, itl_target_s=0.02)]
     assert policy().decide(PathRequest(200), P, guarded, {}).reason == REMOTE_ITL_TARGET  # 40 ms stall
     assert policy().decide(PathRequest(50), P, guarded, {}).reason == LOCAL_SHORT_PROMPT  # 10 ms stall
     # Another decode engine without such a request takes the local prefill.
-    d = policy().decide(PathRequest(200), P, [*guarded, view("d9", num_running=2)], {})
+    d = policy().decide(PathRequest(200), P, [*guarded, view("d9", num_inflight=2)], {})
     assert (d.reason, d.decode_id) == (LOCAL_SHORT_PROMPT, "d9")
 
 
@@ -127,7 +127,7 @@ def test_ties_go_to_the_less_loaded_decode_engine_then_the_smaller_id() -> None:
     for mode in ("cost", "threshold", "remote"):
         for n in (16, 4096):
             pol = policy(mode=mode, decode_load_s=0.0)
-            loaded = [view("d0", num_running=3), view("d1")]
+            loaded = [view("d0", num_inflight=3), view("d1")]
             assert pol.decide(PathRequest(n), P, loaded, {}).decode_id == "d1", (mode, n)
             assert pol.decide(PathRequest(n), P, [view("d1"), view("d0")], {}).decode_id == "d0", (mode, n)
 
@@ -142,7 +142,7 @@ def test_a_nearly_full_decode_engine_gets_nothing_despite_its_prefix() -> None:
 
 
 def test_decode_load_outweighs_a_small_prefix() -> None:
-    busy_with_prefix = [view("d0", num_running=40), view("d1")]
+    busy_with_prefix = [view("d0", num_inflight=40), view("d1")]
     assert policy().decide(PathRequest(64), P, busy_with_prefix, {"d0": 1}).decode_id == "d1"
 
 
@@ -238,7 +238,7 @@ def test_every_decision_records_the_predicted_ttft_on_both_paths() -> None:
 
 def test_a_busy_decode_engine_costs_a_local_prefill_its_measured_steps() -> None:
     pol = policy()
-    busy = [view("d0", num_running=4)]
+    busy = [view("d0", num_inflight=4)]
     for i in range(50):
         pol.costs.observe_itl(0.08, "d0", 0.08 * i)  # 80 ms decode steps there
     assert pol.costs.step_s("d0") == pytest.approx(0.08)
@@ -289,7 +289,7 @@ def test_recorded_errors_correct_the_model_and_decisions_stay_put() -> None:
     # Requests decode on d0 (10 ms steps); its local prefills take 3x what the fits say (its
     # batch, a loaded host): after a few local requests the correction learns it and every later
     # decision goes remote.
-    busy = [view("d0", num_running=2)]
+    busy = [view("d0", num_inflight=2)]
     for seed in (1, 2, 3):
         pol = policy()
         for i in range(30):
@@ -309,7 +309,7 @@ def test_recorded_errors_correct_the_model_and_decisions_stay_put() -> None:
 
 def test_with_targets_the_policy_maximises_requests_meeting_them() -> None:
     busy_prefill = view("p", "prefill", num_backlog_tokens=2000)  # remote TTFT ~0.4 s
-    guarded = view("d0", num_running=3)
+    guarded = view("d0", num_inflight=3)
     pol = policy()
     for _ in range(3):
         pol.costs.add_itl_target("d0", 0.03)  # three requests decoding there want <= 30 ms gaps
@@ -329,6 +329,6 @@ def test_with_targets_the_policy_maximises_requests_meeting_them() -> None:
     request = PathRequest(100, ttft_target_s=0.035)  # remote TTFT 30 ms; local 10 + 30 + 20 ms
     for n in (100, 2000):
         slow_decode.costs.observe_transfer("p", "d0", n, 0.04)  # a slow hop: remote costs 70 ms
-    d = slow_decode.decide(request, P, [view("d0", num_running=1)], {})
+    d = slow_decode.decide(request, P, [view("d0", num_inflight=1)], {})
     assert (d.local, d.reason) == (False, REMOTE_TTFT_TARGET)
-    assert slow_decode.decide(PathRequest(100), P, [view("d0", num_running=1)], {}).local  # no target: cost
+    assert slow_decode.decide(PathRequest(100), P, [view("d0", num_inflight=1)], {}).local  # no target: cost
