@@ -18,20 +18,21 @@ Modes (`PathConfig.mode`):
   `threshold_tokens` (llm-d's prefix-based decider); otherwise remote, to the decode engine
   holding the most of the prompt (fewest blocks to pull), ties to the less loaded. No measured
   cost enters this mode, so its choices are the same on any machine.
-- `cost` (default): the option (decode engine x local | remote via the chosen prefill engine)
-  with the lowest predicted time until the request is decoding — local: the compute of the
-  decode engine's backlog plus the uncached tokens; remote: the prefill engine's time for its
-  backlog plus its uncached tokens (with the fixed part of a prefill call), plus the pair's
-  transfer of the tokens the decode engine lacks. Joining the decode batch costs both paths
-  the same and is left out. Plus
-  `decode_load_s` per unit of the decode engine's load. A local prefill stalls the decode
-  engine's running requests for its compute time, so it is an option only while that stall is
-  within the stall budget — `decode_stall_steps` measured inter-token gaps, at least
-  `decode_stall_budget_s` — and within the ITL target of every request decoding there. A
-  request's TTFT target (or `ttft_target_s`) may lift the budget (not the ITL targets) when
-  only a local prefill meets it. The budget in decode steps keeps the short/long boundary
-  where it belongs on any machine: per-token prefill cost and decode step time scale together
-  (a loaded CPU: tens of tokens; a GPU: thousands).
+- `cost` (default): see docs/architecture.md "What the cost policy optimises". Without
+  targets: the option (decode engine x local | remote via the chosen prefill engine) with the
+  lowest cost — its predicted TTFT (corrected, see `PathCosts`), plus for remote the pair's
+  transfer of the tokens the decode engine lacks (it delays the second token), plus
+  `decode_load_s` per unit of the decode engine's load — among those within the stall budget:
+  a local prefill may lengthen a step there by at most `decode_stall_steps` measured steps of
+  that engine, at least `decode_stall_budget_s`. With targets (the request's, or the
+  configured defaults): first the most requests predicted to meet them (the new one its TTFT
+  target; each request decoding on the engine its ITL target, missed when the step holding a
+  local prefill, plain step + stall, exceeds it), then the cost; a TTFT target that only a
+  local prefill meets lifts the stall budget. The budget in decode steps keeps the short/long
+  boundary where it belongs on any machine (per-token cost and step time scale together).
+
+Every decision records the predicted TTFT on the chosen path and on the other one, and what it
+was predicted from (`TtftInputs`); `observe_ttft` feeds the outcome back (every mode).
 
 Shared rules: decode engines whose KV usage is at or above `max_decode_kv_usage` are not
 candidates while another is below it (a nearly full engine gets no new request, whatever its
@@ -45,6 +46,7 @@ Every decision has a reason, a low-cardinality label (`REASONS`), `<path>:<why>`
   decode_local:no_prefill_engine  no prefill engine can take the prompt
   remote:long_prompt              a local prefill would stall the decode engine past the budget
   remote:itl_target               ... past the ITL target of a request decoding there
+  remote:ttft_target              only remote meets the request's TTFT target (local costs less)
   remote:lower_cost               local was allowed, remote is predicted faster
   remote:always                   mode remote
 
