@@ -7,7 +7,8 @@ vs round-robin prefill routing on `--prefill` (≥ 2) engines with a shared-pref
 With `--compare-paths` it runs always-remote prefill vs the scheduler's path policy (remote
 prefill + transfer or decode-local prefill, per request) on `--prefill` x `--decode` engines,
 by default with `--workload mixed` (short chat turns and long shared-prefix prompts), and
-reports short and long prompts apart plus the policy's decisions by reason.
+reports short and long prompts apart, the policy's decisions by reason, its TTFT prediction
+error (relative, median over decisions) and goodput under `--slo-ttft-ms` / `--slo-itl-ms`.
 `--target HOST:PORT` measures an existing cluster as is (one section, "target"). With `--http`
 it runs one cluster and sends the same kind of workload through the gRPC Generate API and the
 OpenAI-compatible HTTP API (streamed /v1/completions, token-id prompts) in ABBA order on fresh
@@ -441,6 +442,7 @@ def _run_mode(name: str, args: argparse.Namespace, wl: Workload, **cluster: Any)
     results, wall, (share, before, after) = run_mode_results(name, args, wl, **cluster)
     summary = summarize(results, wall, args)
     summary["decisions"] = dict(sorted(Counter(r.path_reason or "unknown" for r in results).items()))
+    summary["ttft_prediction_error"] = prediction_errors(results)
     if wl.kinds:
         summary["by_kind"] = {k: summarize([r for r, kind in zip(results, wl.kinds, strict=True) if kind == k],
                                            wall, args) for k in sorted(set(wl.kinds))}
@@ -550,8 +552,11 @@ def _compare_paths(args: argparse.Namespace, wl: Workload) -> dict[str, Any]:
         out["short_ttft_p50_speedup"] = _ratio(by_r["short"]["ttft_ms"]["p50"], by_p["short"]["ttft_ms"]["p50"])
     if "long" in by_r and "long" in by_p:
         out["long_ttft_p50_ratio"] = _ratio(by_r["long"]["ttft_ms"]["p50"], by_p["long"]["ttft_ms"]["p50"])
+    out["ttft_p90_ratio"] = _ratio(remote["ttft_ms"]["p90"], policy["ttft_ms"]["p90"])
     out["throughput_ratio"] = _ratio(policy["throughput_tok_s"], remote["throughput_tok_s"])
+    out["goodput_ratio"] = _ratio(policy["goodput_req_s"], remote["goodput_req_s"])
     out["transferred_tokens_ratio"] = _ratio(policy["transferred_tokens"], remote["transferred_tokens"])
+    out["ttft_prediction_error_p50"] = policy["ttft_prediction_error"]["p50"]
     return out
 
 
@@ -560,6 +565,19 @@ def _in_order(args: argparse.Namespace, modes: dict[str, Callable[[], dict[str, 
     `--repeat` (bench/repeats.py) sets `args.baseline_first` False for this run."""
     names = list(modes) if getattr(args, "baseline_first", True) else list(modes)[::-1]
     return {name: modes[name]() for name in names}
+
+
+def prediction_errors(results: list[GenerationResult]) -> dict[str, Any]:
+    """The path policy's relative TTFT prediction error per decision, |predicted - actual| /
+    actual (both the scheduler's: arrival to first token), median overall and per path taken."""
+    errors: dict[str, list[float]] = {}
+    for r in results:
+        if r.predicted_ttft_ms > 0 and r.scheduler_ttft_ms > 0:
+            path = "remote" if r.prefill_engine_id else "decode_local"
+            errors.setdefault(path, []).append(abs(r.predicted_ttft_ms - r.scheduler_ttft_ms) / r.scheduler_ttft_ms)
+    every = [e for errs in errors.values() for e in errs]
+    return {"p50": round(statistics.median(every), 3) if every else None, "decisions": len(every),
+            "by_path_p50": {p: round(statistics.median(errs), 3) for p, errs in sorted(errors.items())}}
 
 
 def _ratio(a: float, b: float) -> float:

@@ -147,6 +147,9 @@ def overview() -> Board:
                                  "{{role}} {{policy}}/{{reason}}")], "ops")
     b.ts("Path decisions by reason", [
         q(f"sum by (reason) (rate(pdserve_scheduler_path_decisions_total[{RI}]))", "{{reason}}")], "ops")
+    b.ts("Path TTFT prediction error (|predicted - actual| / actual)", [
+        q(pct(p, "pdserve_scheduler_path_ttft_prediction_error_ratio", "path"), f"p{int(p * 100)} {{{{path}}}}")
+        for p in (0.5, 0.9)], "percentunit")
     b.ts("Prompt tokens: transferred vs total", [
         q(f"sum(rate(pdserve_scheduler_transferred_tokens_total[{RI}]))", "transferred (pulled by decode)"),
         q(f"sum(rate(pdserve_scheduler_prompt_tokens_total[{RI}]))", "prompt")])

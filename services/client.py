@@ -55,6 +55,11 @@ class GenerationResult:
     scheduler_overhead_ms: float = 0.0
     # The scheduler's path decision: "decode_local:<why>" or "remote:<why>".
     path_reason: str = ""
+    # The path policy's predicted TTFT on the chosen path and on the path not chosen (None:
+    # none), and the TTFT the scheduler measured (arrival to first token sent), in ms.
+    predicted_ttft_ms: float = 0.0
+    alternative_ttft_ms: float | None = None
+    scheduler_ttft_ms: float = 0.0
     ttft_s: float | None = None
     e2e_s: float = 0.0
     token_times_s: list[float] = field(default_factory=list)
@@ -68,6 +73,8 @@ class GenerationResult:
                       "generated_tokens": self.generated_tokens},
             "prefill_engine_id": self.prefill_engine_id, "decode_engine_id": self.decode_engine_id,
             "num_migrations": self.num_migrations, "path_reason": self.path_reason,
+            "predicted_ttft_ms": self.predicted_ttft_ms, "alternative_ttft_ms": self.alternative_ttft_ms,
+            "scheduler_ttft_ms": self.scheduler_ttft_ms,
             "ttft_s": self.ttft_s, "e2e_s": self.e2e_s,
         }
 
@@ -120,6 +127,8 @@ class _ResultBuilder:
         r.num_migrations = done.num_migrations
         r.scheduler_overhead_ms = done.scheduler_overhead_ms
         r.path_reason = done.path_reason
+        r.predicted_ttft_ms, r.scheduler_ttft_ms = done.predicted_ttft_ms, done.ttft_ms
+        r.alternative_ttft_ms = done.alternative_ttft_ms if done.HasField("alternative_ttft_ms") else None
         r.e2e_s = now
         return None
 

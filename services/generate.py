@@ -58,7 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     template.add_argument("--raw", action="store_true",
                           help="send text prompts as they are, without the chat template (completion-style)")
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
-    parser.add_argument("--json", action="store_true", help="one JSON object per prompt: token ids, text, finish reason, usage")
+    parser.add_argument("--json", action="store_true",
+                        help="one JSON object per prompt: token ids, text, finish reason, usage, the path "
+                             "decision with its predicted and actual TTFT")
     add_sampling_arguments(parser)
     add_client_security_arguments(parser)
 

@@ -72,8 +72,10 @@ class SchedulerConfig:
     path_decode_load_ms: float = opt(2.0, "cost path policy: cost of one unit of decode-engine load")
     path_max_decode_kv_usage: float = opt(0.9, "decode engines at or above this KV usage get no new request "
                                                "while another is below it")
-    path_ttft_target_ms: float = opt(0.0, "default TTFT target of requests that set none (lifts the stall "
-                                          "budget when only a local prefill meets it); 0: none")
+    path_ttft_target_ms: float = opt(0.0, "default TTFT target of requests that set none: the cost path policy "
+                                          "then maximises requests meeting their targets; 0: none")
+    path_itl_target_ms: float = opt(0.0, "default ITL target of requests that set none: no local prefill stalls "
+                                         "a decode engine past it unless that meets more targets; 0: none")
     path_prior_prefill_us_per_token: float = opt(200.0, "cost path policy: prefill cost per token until measured")
     path_prior_transfer_us_per_token: float = opt(20.0, "cost path policy: transfer cost per token until measured")
     default_deadline_s: float = opt(120.0, "deadline for requests that set none")
@@ -136,7 +138,7 @@ class SchedulerConfig:
         _require(self.path_threshold_tokens >= 0, "path_threshold_tokens", "must be >= 0")
         _require(0 < self.path_max_decode_kv_usage <= 1, "path_max_decode_kv_usage", "must be in (0, 1]")
         for name in ("path_decode_stall_steps", "path_decode_stall_budget_ms", "path_decode_load_ms", "path_ttft_target_ms",
-                     "path_prior_prefill_us_per_token", "path_prior_transfer_us_per_token"):
+                     "path_itl_target_ms", "path_prior_prefill_us_per_token", "path_prior_transfer_us_per_token"):
             _require(getattr(self, name) >= 0, name, "must be >= 0")
         _require(self.prefix_index_max_entries >= 1, "prefix_index_max_entries", "must be >= 1")
         _require(self.event_loop in ("uvloop", "asyncio"), "event_loop",

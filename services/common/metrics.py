@@ -57,6 +57,7 @@ TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.
                          0.5, 1.0, 2.5, 5.0)
 QUEUE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                  30.0, 60.0)
+ERROR_RATIO_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 10.0)
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 TRANSFER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                     1.0, 2.5, 5.0, 10.0)
@@ -109,6 +110,9 @@ _SPECS = (
     MetricSpec("pdserve_scheduler_path_decisions_total", _C,
                "Path decisions: remote (prefill engine + KV transfer) or decode_local (prefill on the decode "
                "engine), by path and reason (e.g. decode_local:short_prompt, remote:long_prompt)", ("path", "reason")),
+    MetricSpec("pdserve_scheduler_path_ttft_prediction_error_ratio", _H,
+               "Path decisions' relative TTFT prediction error, |predicted - actual| / actual, by the path taken "
+               "(remote or decode_local)", ("path",), ERROR_RATIO_BUCKETS),
     MetricSpec("pdserve_scheduler_transferred_tokens_total", _C,
                "Prompt tokens decode engines pulled from prefill engines (only the blocks they lacked)"),
     MetricSpec("pdserve_scheduler_decode_only_total", _C,
@@ -335,6 +339,7 @@ class SchedulerMetrics(_Group):
               "pdserve_scheduler_prefix_hit_tokens_total", "pdserve_scheduler_routing_decisions_total",
               "pdserve_scheduler_decode_only_total", "pdserve_scheduler_migrations_total",
               "pdserve_scheduler_path_decisions_total", "pdserve_scheduler_transferred_tokens_total",
+              "pdserve_scheduler_path_ttft_prediction_error_ratio",
               "pdserve_scheduler_retries_total", "pdserve_scheduler_lease_outcomes_total",
               "pdserve_scheduler_control_reconnects_total", "pdserve_scheduler_registrations_refused_total",
               "pdserve_scheduler_client_refused_total", "pdserve_scheduler_client_streams",
@@ -396,6 +401,10 @@ class SchedulerMetrics(_Group):
     def count_path_decision(self, path: str, reason: str) -> None:
         """path decode_local | remote; reason the path policy's, e.g. "decode_local:short_prompt"."""
         self._labelled("pdserve_scheduler_path_decisions_total", path, reason).inc()
+
+    def observe_path_ttft_error(self, path: str, ratio: float) -> None:
+        """A path decision's |predicted - actual| / actual TTFT; path remote | decode_local."""
+        self._labelled("pdserve_scheduler_path_ttft_prediction_error_ratio", path).observe(ratio)
 
     def count_transferred_tokens(self, num_tokens: int) -> None:
         self._m["pdserve_scheduler_transferred_tokens_total"].inc(num_tokens)

@@ -50,6 +50,7 @@ from services.scheduler.control import ControlServicer
 from services.scheduler.engine_views import EngineViews
 from services.scheduler.lifecycle import EngineRef, ReleaseCause, RequestRecord, RequestState, RequestTable
 from services.scheduler.path_costs import PathCosts
+from services.scheduler.path_policy import PathDecision
 from services.scheduler.registry import EngineState, Role
 from services.scheduler.routing import EngineView, Route, Router, RoutingRequest
 from services.scheduler.telemetry import SchedulerTelemetry
@@ -137,6 +138,8 @@ class Flight:
     outside_s: float = 0.0
     decode_tp_size: int = 0  # of the routed decode engine (prefill ranks pin for its readers)
     path_reason: str = ""
+    path: PathDecision | None = None
+    ttft_s: float | None = None  # arrival to the first token sent (scheduler-side)
     # Prompt tokens counted in an engine's backlog for this request until its prefill is done:
     # (engine id, own uncached tokens, backlog + own at dispatch) — see PathCosts.
     backlog: tuple[str, int, int] | None = None
@@ -237,6 +240,8 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                 state, reason = self._end_state(e)
                 raise
             finally:
+                if flight.ttft_s is not None and span.is_recording():
+                    span.set_attribute("pdserve.ttft_ms", 1000.0 * flight.ttft_s)
                 self._end(flight, state, reason)
 
     @staticmethod
@@ -255,6 +260,11 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             route_span.set_attribute("pdserve.route.path_reason", route.path.reason)
             route_span.set_attribute("pdserve.route.uncached_tokens", route.path.num_uncached_tokens)
             route_span.set_attribute("pdserve.route.predicted_ms", 1000.0 * route.path.predicted_s)
+            if route.path.predicted_ttft_s is not None:
+                route_span.set_attribute("pdserve.route.predicted_ttft_ms", 1000.0 * route.path.predicted_ttft_s)
+            if route.path.alternative_ttft_s is not None:
+                route_span.set_attribute("pdserve.route.alternative_ttft_ms",
+                                         1000.0 * route.path.alternative_ttft_s)
 
     @staticmethod
     def _end_state(e: RequestError) -> tuple[RequestState, str]:
@@ -284,7 +294,10 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         if route.decode.engine_id is None or route.path is None:
             raise self._no_decode_error(frozenset())
         record = self.table.admit(request_id, len(valid.prompt_token_ids), timeout)
-        flight = Flight(record, valid, arrived, client_id, path_reason=route.path.reason, itl_target_s=itl)
+        if itl is None and self.config.path_itl_target_ms > 0:
+            itl = self.config.path_itl_target_ms / 1000.0
+        flight = Flight(record, valid, arrived, client_id, path_reason=route.path.reason, itl_target_s=itl,
+                        path=route.path)
         decode_engine = self.registry.engines.get(route.decode.engine_id)
         flight.decode_tp_size = decode_engine.tp_size if decode_engine is not None else 0
         self._take_slot(flight, route.decode.engine_id)
@@ -560,16 +573,36 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         if flight.first_token_at is None:
             self.metrics.observe_ttft(now - flight.started, self._path(flight))
             self.metrics.count_first_tokens(len(token_ids))
+            self._first_token(flight, now)
         else:
             self.metrics.observe_inter_token_latency(now - flight.last_token_at, len(token_ids))
             if len(flight.output_ids) >= 2:  # the gap before the second token holds the transfer
-                self.costs.observe_itl((now - flight.last_token_at) / len(token_ids))
+                decode_id = flight.record.decode.engine_id if flight.record.decode is not None else None
+                self.costs.observe_itl((now - flight.last_token_at) / len(token_ids), decode_id, now)
         flight.first_token_at = flight.first_token_at or now
         flight.last_token_at = now
         index = self.table.tokens_streamed(flight.record, len(token_ids))
         flight.output_ids.extend(token_ids)
         return gen_pb.GenerateResponse(request_id=flight.client_id,
                                        chunk=gen_pb.Chunk(token_ids=token_ids, text=text, index=index))
+
+    def _first_token(self, flight: Flight, now: float) -> None:
+        """The decision's outcome: the actual TTFT beside the prediction, fed back to the cost
+        model when the request took the path decided (not after a failed prefill or a migration)."""
+        flight.ttft_s = now - flight.started
+        decision = flight.path
+        if decision is None or decision.predicted_ttft_s is None:
+            return
+        local = not flight.prefill_engine_id
+        if local != decision.local or (not local and flight.prefill_engine_id != decision.prefill_id) \
+                or flight.record.num_migrations:
+            return
+        self.metrics.observe_path_ttft_error(decision.path,
+                                             abs(decision.predicted_ttft_s - flight.ttft_s) / flight.ttft_s)
+        if local:
+            uncached = max(1, flight.record.num_prompt_tokens - flight.num_cached_tokens)
+            self.costs.observe_local_prefill(decision.decode_id, now, uncached)
+        self.router.path.observe_ttft(decision, flight.ttft_s)
 
     def _complete(self, flight: Flight, finish_reason: int) -> gen_pb.GenerateResponse:
         record = flight.record
@@ -581,7 +614,12 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                                    decode_engine_id=record.decode.engine_id if record.decode else "",
                                    num_migrations=record.num_migrations, path_reason=flight.path_reason,
                                    scheduler_overhead_ms=1000.0 * max(0.0, time.monotonic() - flight.started
-                                                                       - flight.outside_s))
+                                                                       - flight.outside_s),
+                                   ttft_ms=1000.0 * (flight.ttft_s or 0.0))
+        if flight.path is not None and flight.path.predicted_ttft_s is not None:
+            complete.predicted_ttft_ms = 1000.0 * flight.path.predicted_ttft_s
+            if flight.path.alternative_ttft_s is not None:
+                complete.alternative_ttft_ms = 1000.0 * flight.path.alternative_ttft_s
         return gen_pb.GenerateResponse(request_id=flight.client_id, complete=complete)
 
     # -- the end of a request -----------------------------------------------------------------

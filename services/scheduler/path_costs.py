@@ -1,6 +1,6 @@
 """`PathCosts`: what the path policy predicts from, fitted from what the scheduler measured.
 
-Pure and synchronous (the servicer feeds it; the policy reads it). Three kinds of facts:
+Pure and synchronous (the servicer feeds it; the policy reads it). The facts:
 
 - **Prefill time**: seconds from dispatch until a prefill engine answered, against the prompt
   tokens it had to compute *including those queued ahead of it* (the backlog at dispatch). So
@@ -18,9 +18,16 @@ Pure and synchronous (the servicer feeds it; the policy reads it). Three kinds o
 - **Inter-token latency**: an exponentially weighted mean of the gaps between the tokens the
   scheduler relays (from the third token on: the gap before the second holds the transfer), so
   the policy can size a decode engine's stall budget in decode steps.
+- **Decode steps per engine** (`DecodeStalls`): each decode engine's step time without a
+  local prefill, and the stall a local prefill of N tokens adds to a step there, measured from
+  the same gaps (the step holding a local prefill ends with that request's first token).
+- **TTFT corrections per engine and path** (`TtftCorrection`): every decision's raw predicted
+  TTFT against the actual one; a clamped moving mean of log(actual / predicted) per (engine,
+  path) scales later predictions there, so what the fits miss (queueing, batching, a loaded
+  host) is learnt from the recorded errors, and one outlier moves it little.
 - **Backlog and ITL targets per engine**: prompt tokens the scheduler sent to an engine that it
-  has not finished computing yet, and the tightest ITL target among the requests decoding on
-  it (a decode-local prefill there stalls all of them).
+  has not finished computing yet, and the ITL targets of the requests decoding on it (a
+  decode-local prefill there stalls all of them).
 
 Each fit is `seconds = fixed_s + per_token_s * tokens`, by exponentially decayed least squares
 (recent samples count most, so a fit follows a changing machine). Until a fit has samples of
@@ -31,63 +38,51 @@ Predictions are never negative.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-DEFAULT_DECAY = 0.95
-# Samples whose sizes spread less than this many tokens (standard deviation) fix no slope.
-MIN_SPREAD_TOKENS = 8.0
+from services.scheduler.decode_stalls import DecodeStalls
+from services.scheduler.linear_fit import DEFAULT_DECAY, LinearFit
+
+__all__ = ["DEFAULT_DECAY", "CostPriors", "LinearFit", "PathCosts", "TtftCorrection"]
+
+# A TTFT correction follows the recent prediction errors (weight of one sample), moves by at most
+# `SAMPLE_CLAMP` (a log ratio) around its current value per sample, so one outlier (a stalled
+# host, a GC pause) barely moves it, and stays within `CORRECTION_CLAMP` of the raw model.
+CORRECTION_WEIGHT = 0.2
+SAMPLE_CLAMP = math.log(4.0)
+CORRECTION_CLAMP = math.log(16.0)
+
+
+def _clamp(x: float, limit: float) -> float:
+    return max(-limit, min(limit, x))
 
 
 @dataclass(slots=True)
-class LinearFit:
-    """seconds ~ fixed_s + per_token_s * tokens; see the module docstring."""
+class TtftCorrection:
+    """A clamped exponentially weighted mean of log(actual TTFT / raw predicted TTFT): the
+    factor `exp(log_ratio)` turns the fits' raw prediction into the corrected one. The first
+    samples count fully (weight 1/n until `CORRECTION_WEIGHT`), so a fresh engine converges in a
+    few requests; after that each sample moves it by at most `CORRECTION_WEIGHT * SAMPLE_CLAMP`."""
 
-    prior_fixed_s: float
-    prior_per_token_s: float
-    decay: float = DEFAULT_DECAY
+    log_ratio: float = 0.0
     num_samples: int = 0
-    _w: float = 0.0
-    _n: float = 0.0
-    _nn: float = 0.0
-    _t: float = 0.0
-    _nt: float = 0.0
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        """Adds one sample; negative or non-finite seconds are ignored (a clock glitch)."""
-        if not 0 <= seconds < float("inf") or num_tokens < 0:
+    def observe(self, raw_predicted_s: float, actual_s: float) -> None:
+        """One decision's outcome; non-positive or non-finite values are ignored."""
+        if not (0 < raw_predicted_s < float("inf") and 0 < actual_s < float("inf")):
             return
-        d = self.decay
-        self._w = d * self._w + 1.0
-        self._n = d * self._n + num_tokens
-        self._nn = d * self._nn + num_tokens * num_tokens
-        self._t = d * self._t + seconds
-        self._nt = d * self._nt + num_tokens * seconds
+        x = math.log(actual_s / raw_predicted_s)
+        if self.num_samples:
+            x = self.log_ratio + _clamp(x - self.log_ratio, SAMPLE_CLAMP)
         self.num_samples += 1
+        w = max(CORRECTION_WEIGHT, 1.0 / self.num_samples)
+        self.log_ratio = _clamp((1 - w) * self.log_ratio + w * x, CORRECTION_CLAMP)
 
     @property
-    def has_slope(self) -> bool:
-        """True once the samples spread enough to fix the per-token cost themselves."""
-        return self.num_samples > 1 and self._nn / self._w - (self._n / self._w) ** 2 >= MIN_SPREAD_TOKENS ** 2
-
-    def params(self) -> tuple[float, float]:
-        """(fixed_s, per_token_s), both >= 0. Samples of (nearly) one size cannot tell the two
-        apart: the fit keeps the prior's fixed part and charges the rest to the tokens."""
-        if self.num_samples == 0:
-            return self.prior_fixed_s, self.prior_per_token_s
-        mean_n, mean_t = self._n / self._w, self._t / self._w
-        if self.has_slope:
-            var = self._nn / self._w - mean_n * mean_n
-            slope = max(0.0, (self._nt / self._w - mean_n * mean_t) / var)
-            return max(0.0, mean_t - slope * mean_n), slope
-        if mean_n <= 0:
-            return mean_t, self.prior_per_token_s
-        fixed = min(self.prior_fixed_s, mean_t)
-        return fixed, (mean_t - fixed) / mean_n
-
-    def predict(self, num_tokens: int) -> float:
-        fixed, slope = self.params()
-        return fixed + slope * max(0, num_tokens)
+    def factor(self) -> float:
+        return math.exp(self.log_ratio)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,12 +106,17 @@ class PathCosts:
     itl_targets: dict[str, Counter[float]] = field(default_factory=dict)
     itl_s: float | None = None
     prefill: LinearFit | None = None
+    # (engine id, path) -> correction of that engine's TTFT predictions on that path (the
+    # prefill engine's for remote, the decode engine's for decode_local).
+    corrections: dict[tuple[str, str], TtftCorrection] = field(default_factory=dict)
+    decode: DecodeStalls | None = None
     _all_transfer: LinearFit | None = None
 
     def __post_init__(self) -> None:
         p = self.priors
         self.prefill = LinearFit(p.prefill_fixed_s, p.prefill_per_token_s, self.decay)
         self._all_transfer = LinearFit(p.transfer_fixed_s, p.transfer_per_token_s, self.decay)
+        self.decode = DecodeStalls(p.prefill_per_token_s, self.decay)
 
     # -- measurements ------------------------------------------------------------------------
 
@@ -136,11 +136,28 @@ class PathCosts:
         fit.observe(num_tokens, seconds)
         self._all_transfer.observe(num_tokens, seconds)
 
-    def observe_itl(self, seconds: float) -> None:
-        """One inter-token gap (per token) of a decoding request."""
+    def observe_itl(self, seconds: float, engine_id: str | None = None, end_s: float | None = None) -> None:
+        """One inter-token gap (per token) of a decoding request; with the decode engine and the
+        token's arrival time it also feeds that engine's step and stall measurements."""
         if not 0 <= seconds < float("inf"):
             return
         self.itl_s = seconds if self.itl_s is None else self.decay * self.itl_s + (1 - self.decay) * seconds
+        if engine_id is not None and end_s is not None:
+            assert self.decode is not None
+            self.decode.observe_gap(engine_id, end_s, seconds)
+
+    def observe_local_prefill(self, engine_id: str, end_s: float, num_tokens: int) -> None:
+        """A decode-local prefill's first token arrived (see `DecodeStalls`)."""
+        assert self.decode is not None
+        self.decode.observe_local_prefill(engine_id, end_s, num_tokens)
+
+    def observe_ttft(self, engine_id: str, path: str, raw_predicted_s: float, actual_s: float) -> None:
+        """A decision's outcome: the raw (uncorrected) predicted and the actual TTFT."""
+        key = (engine_id, path)
+        correction = self.corrections.get(key)
+        if correction is None:
+            correction = self.corrections[key] = TtftCorrection()
+        correction.observe(raw_predicted_s, actual_s)
 
     # -- predictions -------------------------------------------------------------------------
 
@@ -154,6 +171,32 @@ class PathCosts:
         """The per-token part only: how long computing `num_tokens` stalls an engine's batch."""
         assert self.prefill is not None
         return self.prefill.params()[1] * max(0, num_tokens)
+
+    def correction(self, engine_id: str, path: str) -> float:
+        """The factor from raw to corrected TTFT predictions there. An engine without an outcome
+        on that path yet borrows the mean (of the log ratios) of the path's other engines; a
+        path without any stays at 1.0, so a path never tried looks as fast as its fits say and
+        is tried once rather than ruled out by the other path's errors."""
+        c = self.corrections.get((engine_id, path))
+        if c is not None:
+            return c.factor
+        same = [c.log_ratio for (_, p), c in self.corrections.items() if p == path]
+        return math.exp(sum(same) / len(same)) if same else 1.0
+
+    def step_s(self, engine_id: str) -> float:
+        """A decode step there without a local prefill: measured, else the mean inter-token gap
+        over all engines, else 0."""
+        assert self.decode is not None
+        step = self.decode.step_s(engine_id)
+        return step if step is not None else self.itl_s or 0.0
+
+    def stall_s(self, engine_id: str, num_tokens: int) -> float:
+        """How much a local prefill of `num_tokens` lengthens a step there: measured (see
+        `DecodeStalls`), else the prefill fit's per-token cost once it has one of its own (a fit
+        of one prompt size charges the call's fixed part to the tokens), else the prior's."""
+        assert self.decode is not None and self.prefill is not None
+        per_token = self.prefill.params()[1] if self.prefill.has_slope else self.priors.prefill_per_token_s
+        return self.decode.stall_s(engine_id, num_tokens, per_token)
 
     def transfer_s(self, prefill_id: str, decode_id: str, num_tokens: int) -> float:
         assert self._all_transfer is not None
@@ -189,9 +232,14 @@ class PathCosts:
         return min(targets) if targets else None
 
     def forget_engine(self, engine_id: str) -> None:
-        """Drops the transfer fits of an engine's pairs (a restarted engine may sit elsewhere)."""
+        """Drops what was measured of an engine: its pairs' transfer fits (a restarted engine may
+        sit elsewhere), its TTFT corrections and its decode step measurements."""
         for pair in [p for p in self.transfer if engine_id in p]:
             del self.transfer[pair]
+        for key in [k for k in self.corrections if k[0] == engine_id]:
+            del self.corrections[key]
+        assert self.decode is not None
+        self.decode.forget_engine(engine_id)
 
     def leaks(self) -> list[str]:
         """Backlog or ITL targets left after every request ended (empty when clean)."""

@@ -18,20 +18,21 @@ Modes (`PathConfig.mode`):
   `threshold_tokens` (llm-d's prefix-based decider); otherwise remote, to the decode engine
   holding the most of the prompt (fewest blocks to pull), ties to the less loaded. No measured
   cost enters this mode, so its choices are the same on any machine.
-- `cost` (default): the option (decode engine x local | remote via the chosen prefill engine)
-  with the lowest predicted time until the request is decoding — local: the compute of the
-  decode engine's backlog plus the uncached tokens; remote: the prefill engine's time for its
-  backlog plus its uncached tokens (with the fixed part of a prefill call), plus the pair's
-  transfer of the tokens the decode engine lacks. Joining the decode batch costs both paths
-  the same and is left out. Plus
-  `decode_load_s` per unit of the decode engine's load. A local prefill stalls the decode
-  engine's running requests for its compute time, so it is an option only while that stall is
-  within the stall budget — `decode_stall_steps` measured inter-token gaps, at least
-  `decode_stall_budget_s` — and within the ITL target of every request decoding there. A
-  request's TTFT target (or `ttft_target_s`) may lift the budget (not the ITL targets) when
-  only a local prefill meets it. The budget in decode steps keeps the short/long boundary
-  where it belongs on any machine: per-token prefill cost and decode step time scale together
-  (a loaded CPU: tens of tokens; a GPU: thousands).
+- `cost` (default): see docs/architecture.md "What the cost policy optimises". Without
+  targets: the option (decode engine x local | remote via the chosen prefill engine) with the
+  lowest cost — its predicted TTFT (corrected, see `PathCosts`), plus for remote the pair's
+  transfer of the tokens the decode engine lacks (it delays the second token), plus
+  `decode_load_s` per unit of the decode engine's load — among those within the stall budget:
+  a local prefill may lengthen a step there by at most `decode_stall_steps` measured steps of
+  that engine, at least `decode_stall_budget_s`. With targets (the request's, or the
+  configured defaults): first the most requests predicted to meet them (the new one its TTFT
+  target; each request decoding on the engine its ITL target, missed when the step holding a
+  local prefill, plain step + stall, exceeds it), then the cost; a TTFT target that only a
+  local prefill meets lifts the stall budget. The budget in decode steps keeps the short/long
+  boundary where it belongs on any machine (per-token cost and step time scale together).
+
+Every decision records the predicted TTFT on the chosen path and on the other one, and what it
+was predicted from (`TtftInputs`); `observe_ttft` feeds the outcome back (every mode).
 
 Shared rules: decode engines whose KV usage is at or above `max_decode_kv_usage` are not
 candidates while another is below it (a nearly full engine gets no new request, whatever its
@@ -45,6 +46,7 @@ Every decision has a reason, a low-cardinality label (`REASONS`), `<path>:<why>`
   decode_local:no_prefill_engine  no prefill engine can take the prompt
   remote:long_prompt              a local prefill would stall the decode engine past the budget
   remote:itl_target               ... past the ITL target of a request decoding there
+  remote:ttft_target              only remote meets the request's TTFT target (local costs less)
   remote:lower_cost               local was allowed, remote is predicted faster
   remote:always                   mode remote
 
@@ -55,7 +57,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from services.scheduler.path_costs import PathCosts
@@ -75,10 +77,11 @@ LOCAL_TTFT_TARGET = "decode_local:ttft_target"
 LOCAL_NO_PREFILL = "decode_local:no_prefill_engine"
 REMOTE_LONG_PROMPT = "remote:long_prompt"
 REMOTE_ITL_TARGET = "remote:itl_target"
+REMOTE_TTFT_TARGET = "remote:ttft_target"
 REMOTE_LOWER_COST = "remote:lower_cost"
 REMOTE_ALWAYS = "remote:always"
 REASONS = (LOCAL_SHORT_PROMPT, LOCAL_DECODE_HAS_PREFIX, LOCAL_PREFILL_QUEUE, LOCAL_TTFT_TARGET, LOCAL_NO_PREFILL,
-           REMOTE_LONG_PROMPT, REMOTE_ITL_TARGET, REMOTE_LOWER_COST, REMOTE_ALWAYS)
+           REMOTE_LONG_PROMPT, REMOTE_ITL_TARGET, REMOTE_TTFT_TARGET, REMOTE_LOWER_COST, REMOTE_ALWAYS)
 MODES = ("cost", "threshold", "remote")
 
 
@@ -119,12 +122,31 @@ class PathRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class TtftInputs:
+    """What a TTFT prediction is made from: the path, the engine computing the first token (the
+    prefill engine for remote, the decode engine for local), the prompt tokens queued there
+    ahead of the request, the request's own uncached tokens, and (local) whether requests were
+    decoding there."""
+
+    path: str
+    engine_id: str
+    num_backlog_tokens: int
+    num_uncached_tokens: int
+    busy: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class PathDecision:
     """Where the prompt is prefilled (`prefill_id` None: on the decode engine) and why.
 
     `num_uncached_tokens` is what the prefilling engine is predicted to compute;
     `num_pull_tokens` what the decode engine is predicted to pull (0 when local);
-    `predicted_s` the predicted time until the request is decoding (cost mode; else 0)."""
+    `predicted_s` the cost the choice minimised (cost mode; else 0): the predicted TTFT, plus
+    for remote the KV transfer before the second token, plus the decode engine's load term.
+    `predicted_ttft_s` is the (corrected) predicted time to first token on the chosen path,
+    `alternative_ttft_s` on the path not chosen (None: no such path, e.g. no prefill engine),
+    `ttft_inputs` what the chosen path's prediction was made from (`PathPolicy.observe_ttft`
+    compares the outcome with the fits as they are then); every mode fills them."""
 
     path: str
     reason: str
@@ -133,6 +155,9 @@ class PathDecision:
     num_uncached_tokens: int
     num_pull_tokens: int = 0
     predicted_s: float = 0.0
+    predicted_ttft_s: float | None = None
+    alternative_ttft_s: float | None = None
+    ttft_inputs: TtftInputs | None = None
 
     @property
     def local(self) -> bool:
@@ -146,7 +171,13 @@ class _Option:
     local: bool
     uncached: int
     pull: int
+    ttft_s: float = 0.0  # predicted TTFT, corrected
+    inputs: TtftInputs | None = None
     stretched: bool = False  # local beyond the stall budget, allowed by the TTFT target
+    # Requests predicted to meet their targets with this option: the new one (its TTFT target)
+    # minus those decoding there that a local prefill would push past their ITL target.
+    score: int = 1
+    harmed: int = 0
 
 
 class PathPolicy:
@@ -164,18 +195,32 @@ class PathPolicy:
         candidates = self._candidates(decodes)
         if prefill is None:
             d = self._best_local_engine(request, candidates, matched_blocks)
-            return self._local(LOCAL_NO_PREFILL, request, d, matched_blocks)
+            return self._predicted(self._local(LOCAL_NO_PREFILL, request, d, matched_blocks), request, None, d,
+                                   matched_blocks)
+        if self.config.mode == "cost":
+            return self._cost(request, prefill, candidates, matched_blocks)
         if self.config.mode == "remote":
-            return self._best_remote(REMOTE_ALWAYS, request, prefill, candidates, matched_blocks)
-        if self.config.mode == "threshold":
-            return self._threshold(request, prefill, candidates, matched_blocks)
-        return self._cost(request, prefill, candidates, matched_blocks)
+            decision = self._best_remote(REMOTE_ALWAYS, request, prefill, candidates, matched_blocks)
+        else:
+            decision = self._threshold(request, prefill, candidates, matched_blocks)
+        d = next(c for c in candidates if c.engine_id == decision.decode_id)
+        return self._predicted(decision, request, prefill, d, matched_blocks)
 
     def local(self, reason: str, request: PathRequest, decodes: Sequence[EngineView],
               matched_blocks: Mapping[str, int]) -> PathDecision:
         """A decode-local decision forced by the caller (e.g. a legacy short-prompt rule)."""
         d = self._best_local_engine(request, self._candidates(decodes), matched_blocks)
-        return self._local(reason, request, d, matched_blocks)
+        return self._predicted(self._local(reason, request, d, matched_blocks), request, None, d, matched_blocks)
+
+    def _predicted(self, decision: PathDecision, request: PathRequest, prefill: EngineView | None, d: EngineView,
+                   matched_blocks: Mapping[str, int]) -> PathDecision:
+        """`decision` with the TTFT predictions on both paths through decode engine `d`."""
+        local = self._local_option(request, d, matched_blocks)
+        remote = self._remote_option(request, prefill, d, matched_blocks) if prefill is not None else None
+        chosen, other = (local, remote) if decision.local else (remote, local)
+        assert chosen is not None
+        return replace(decision, predicted_ttft_s=chosen.ttft_s, ttft_inputs=chosen.inputs,
+                       alternative_ttft_s=other.ttft_s if other is not None else None)
 
     # -- shared pieces -------------------------------------------------------------------------
 
@@ -251,73 +296,136 @@ class PathPolicy:
 
     def _remote_option(self, request: PathRequest, prefill: EngineView, d: EngineView,
                        matched_blocks: Mapping[str, int], *, with_backlog: bool = True) -> _Option:
+        """Remote: the first token comes from the prefill engine after its backlog and the
+        uncached tokens; the KV transfer then delays the second token (counted in the cost)."""
         c = self.costs
         uncached = self._uncached(request, prefill.engine_id, matched_blocks)
-        backlog = prefill.num_backlog_tokens if with_backlog else 0
+        inputs = TtftInputs(PATH_REMOTE, prefill.engine_id, prefill.num_backlog_tokens if with_backlog else 0, uncached)
         pull = self._uncached(request, d.engine_id, matched_blocks)
-        cost = (c.prefill_s(backlog + uncached) + c.transfer_s(prefill.engine_id, d.engine_id, pull)
-                + self.config.decode_load_s * d.load_score)
-        return _Option(cost, d, False, uncached, pull)
+        ttft = self.raw_ttft_s(inputs) * c.correction(prefill.engine_id, PATH_REMOTE)
+        cost = ttft + c.transfer_s(prefill.engine_id, d.engine_id, pull) + self.config.decode_load_s * d.load_score
+        return _Option(cost, d, False, uncached, pull, ttft, inputs)
 
     def _local_option(self, request: PathRequest, d: EngineView, matched_blocks: Mapping[str, int]) -> _Option:
+        """Local: on an idle decode engine, a prefill call of the local prefills queued there
+        plus the uncached tokens (the prefill fit: same model, same device); on a busy one, at
+        least that, and the queued local prefills, half a step of waiting and the step that
+        holds the prefill: a measured plain step plus the measured stall of the uncached tokens."""
         uncached = self._uncached(request, d.engine_id, matched_blocks)
-        cost = self.costs.compute_s(d.num_backlog_tokens + uncached) + self.config.decode_load_s * d.load_score
-        return _Option(cost, d, True, uncached, 0)
+        inputs = TtftInputs(PATH_LOCAL, d.engine_id, d.num_backlog_tokens, uncached, self._busy(d))
+        ttft = self.raw_ttft_s(inputs) * self.costs.correction(d.engine_id, PATH_LOCAL)
+        return _Option(ttft + self.config.decode_load_s * d.load_score, d, True, uncached, 0, ttft, inputs)
 
-    def _stall_limit(self, d: EngineView) -> float | None:
-        """Hard limit on a local prefill's stall there: the tightest ITL target decoding there."""
-        return d.itl_target_s if d.num_running + d.num_inflight > 0 else None
+    def raw_ttft_s(self, inputs: TtftInputs) -> float:
+        """The fits' TTFT prediction, before the correction (see `_remote_option`, `_local_option`)."""
+        c = self.costs
+        if inputs.path == PATH_REMOTE:
+            return c.prefill_s(inputs.num_backlog_tokens + inputs.num_uncached_tokens)
+        # An idle decode engine prefills like a prefill engine (same model and device); a busy
+        # one takes no less.
+        alone = c.prefill_s(inputs.num_backlog_tokens + inputs.num_uncached_tokens)
+        if not inputs.busy:
+            return alone
+        return max(alone, c.compute_s(inputs.num_backlog_tokens) + 1.5 * c.step_s(inputs.engine_id)
+                   + c.stall_s(inputs.engine_id, inputs.num_uncached_tokens))
 
-    def stall_budget_s(self) -> float:
+    def observe_ttft(self, decision: PathDecision, actual_s: float) -> None:
+        """A decision's outcome (the request took the path decided): the correction of its
+        engine and path learns log(actual / the fits' prediction for the same inputs *now*), so
+        it learns only what the fits, which may have learnt from this very request, still miss.
+        A local prefill on an idle decode engine is a prefill call like a remote one: it feeds
+        the prefill fit first (one on a busy engine mixes in the decode batch and does not)."""
+        inputs = decision.ttft_inputs
+        if inputs is None:
+            return
+        if inputs.path == PATH_LOCAL and not inputs.busy:
+            self.costs.observe_prefill(inputs.num_backlog_tokens + inputs.num_uncached_tokens, actual_s)
+        self.costs.observe_ttft(inputs.engine_id, inputs.path, self.raw_ttft_s(inputs), actual_s)
+
+    @staticmethod
+    def _busy(d: EngineView) -> bool:
+        """Requests of this scheduler are on `d` (its own count is exact and current; the
+        engine's reported `num_running` lags a load report behind)."""
+        return d.num_inflight > 0
+
+    def _harmed(self, d: EngineView, gap_s: float) -> int:
+        """Requests decoding on `d` whose ITL target a step of `gap_s` misses."""
+        if not self._busy(d):
+            return 0
+        targets = self.costs.itl_targets.get(d.engine_id)
+        if not targets:
+            return int(d.itl_target_s is not None and gap_s > d.itl_target_s)
+        return sum(n for target, n in targets.items() if gap_s > target)
+
+    def stall_budget_s(self, engine_id: str | None = None) -> float:
         """How long a local prefill may stall a decode engine (see the module docstring)."""
-        itl = self.costs.itl_s or 0.0
-        return max(self.config.decode_stall_budget_s, self.config.decode_stall_steps * itl)
+        step = self.costs.step_s(engine_id) if engine_id is not None else self.costs.itl_s or 0.0
+        return max(self.config.decode_stall_budget_s, self.config.decode_stall_steps * step)
 
     def _ttft_target(self, request: PathRequest) -> float | None:
         return request.ttft_target_s if request.ttft_target_s is not None else self.config.ttft_target_s
 
     def _cost(self, request: PathRequest, prefill: EngineView, candidates: Sequence[EngineView],
               matched_blocks: Mapping[str, int]) -> PathDecision:
+        target = self._ttft_target(request)
         remote = self._best_remote_option(request, prefill, candidates, matched_blocks)
-        locals_, itl_blocked = self._local_options(request, candidates, matched_blocks, remote)
-        best = min([remote, *locals_], key=_order)
+        remote = replace(remote, score=int(target is None or remote.ttft_s <= target))
+        locals_, over_budget = self._local_options(request, candidates, matched_blocks, remote)
+        best = min([remote, *locals_], key=_objective)
         if not best.local:
-            reason = REMOTE_LOWER_COST if locals_ else REMOTE_ITL_TARGET if itl_blocked else REMOTE_LONG_PROMPT
-            return self._remote(reason, request, prefill, best, matched_blocks)
-        reason = self._local_reason(request, prefill, best, candidates, matched_blocks)
-        return PathDecision(PATH_LOCAL, reason, best.decode.engine_id, None, best.uncached, 0, best.cost_s)
+            cheapest = min(locals_, key=_order) if locals_ else None
+            if cheapest is None:
+                reason = REMOTE_LONG_PROMPT if over_budget else REMOTE_ITL_TARGET
+            elif _order(cheapest) < _order(best):
+                reason = REMOTE_ITL_TARGET if cheapest.harmed else REMOTE_TTFT_TARGET
+            else:
+                reason = REMOTE_LOWER_COST
+            other = min(locals_, key=_objective) if locals_ else self._local_option(request, best.decode, matched_blocks)
+            decision = self._remote(reason, request, prefill, best, matched_blocks)
+        else:
+            other = remote
+            reason = self._local_reason(request, prefill, best, candidates, matched_blocks)
+            decision = PathDecision(PATH_LOCAL, reason, best.decode.engine_id, None, best.uncached, 0, best.cost_s)
+        return replace(decision, predicted_ttft_s=best.ttft_s, ttft_inputs=best.inputs,
+                       alternative_ttft_s=other.ttft_s)
 
     def _local_options(self, request: PathRequest, candidates: Sequence[EngineView],
                        matched_blocks: Mapping[str, int], remote: _Option) -> tuple[list[_Option], bool]:
-        """The local options allowed by the stall budget (or the TTFT target), and whether an
-        ITL target forbade one the budget allowed."""
-        target, budget = self._ttft_target(request), self.stall_budget_s()
-        options, itl_blocked = [], False
+        """The local options the stall budget allows (or, beyond it, the TTFT target: only a
+        local prefill meets it), scored; and whether the budget ruled one out."""
+        target = self._ttft_target(request)
+        options, over_budget = [], False
         for d in candidates:
             option = self._local_option(request, d, matched_blocks)
-            stall = self.costs.compute_s(option.uncached)
-            hard = self._stall_limit(d)
-            logger.debug("local on %s: %d uncached, cost %.3f s, stall %.3f s (budget %.3f s, ITL limit %s); "
-                         "remote %.3f s", d.engine_id, option.uncached, option.cost_s, stall, budget, hard,
-                         remote.cost_s)
-            if hard is not None and stall > hard:
-                itl_blocked = itl_blocked or stall <= budget
+            stall = self.costs.stall_s(d.engine_id, option.uncached)
+            budget = self.stall_budget_s(d.engine_id)
+            gap = (self.costs.step_s(d.engine_id) if self._busy(d) else 0.0) + stall
+            harmed = self._harmed(d, gap)
+            meets = target is None or option.ttft_s <= target
+            logger.debug("local on %s: %d uncached, TTFT %.3f s, stall %.3f s (budget %.3f s, %d would miss "
+                         "their ITL target); remote TTFT %.3f s, cost %.3f s", d.engine_id, option.uncached,
+                         option.ttft_s, stall, budget, harmed, remote.ttft_s, remote.cost_s)
+            stretched = stall > budget
+            if stretched and not (target is not None and option.ttft_s <= target < remote.ttft_s):
+                over_budget = True
                 continue
-            if stall <= budget:
-                options.append(option)
-            elif target is not None and option.cost_s <= target < remote.cost_s:
-                options.append(_Option(option.cost_s, d, True, option.uncached, 0, stretched=True))
-        return options, itl_blocked
+            options.append(replace(option, stretched=stretched, score=int(meets) - harmed, harmed=harmed))
+        return options, over_budget
 
     def _local_reason(self, request: PathRequest, prefill: EngineView, best: _Option,
                       candidates: Sequence[EngineView], matched_blocks: Mapping[str, int]) -> str:
         if best.stretched:
             return LOCAL_TTFT_TARGET
-        whole = self.costs.compute_s(request.num_tokens)
-        if best.uncached < request.num_tokens and whole > self.stall_budget_s():
+        whole = self.costs.stall_s(best.decode.engine_id, request.num_tokens)
+        if best.uncached < request.num_tokens and whole > self.stall_budget_s(best.decode.engine_id):
             return LOCAL_DECODE_HAS_PREFIX
         idle = self._best_remote_option(request, prefill, candidates, matched_blocks, with_backlog=False)
         return LOCAL_PREFILL_QUEUE if _order(idle) < _order(best) else LOCAL_SHORT_PROMPT
+
+
+def _objective(option: _Option) -> tuple[int, float, float, str, bool]:
+    """Most requests meeting their targets first, then `_order`."""
+    return (-option.score, *_order(option))
 
 
 def _order(option: _Option) -> tuple[float, float, str, bool]:

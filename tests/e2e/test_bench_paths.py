@@ -24,8 +24,11 @@ def test_compare_paths_reports_the_issue_keys(tmp_path: Path, capsys: pytest.Cap
     assert serve.run(args) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["workload"]["workload"] == "mixed"
-    for key in ("short_ttft_p50_speedup", "long_ttft_p50_ratio", "throughput_ratio", "decisions"):
+    for key in ("short_ttft_p50_speedup", "long_ttft_p50_ratio", "throughput_ratio", "decisions", "ttft_p90_ratio",
+                "goodput_ratio", "ttft_prediction_error_p50"):
         assert key in report, key
     assert sum(report["decisions"].values()) == 6
     assert set(report["always_remote"]["decisions"]) == {"remote:always"}
     assert report["throughput_ratio"] > 0 and (tmp_path / "serve.json").exists()
+    assert report["path_policy"]["ttft_prediction_error"]["decisions"] == 6
+    assert 0 <= report["ttft_prediction_error_p50"] < 100

@@ -279,6 +279,9 @@ class Complete(_message.Message):
     NUM_MIGRATIONS_FIELD_NUMBER: _builtins.int
     SCHEDULER_OVERHEAD_MS_FIELD_NUMBER: _builtins.int
     PATH_REASON_FIELD_NUMBER: _builtins.int
+    PREDICTED_TTFT_MS_FIELD_NUMBER: _builtins.int
+    ALTERNATIVE_TTFT_MS_FIELD_NUMBER: _builtins.int
+    TTFT_MS_FIELD_NUMBER: _builtins.int
     finish_reason: Global___FinishReason.ValueType
     prefill_engine_id: _builtins.str
     """Engines that served the request, for debugging and routing tests."""
@@ -293,6 +296,13 @@ class Complete(_message.Message):
     """Why the scheduler chose this path: "decode_local:<why>" (prefilled on the decode engine)
     or "remote:<why>" (prefilled on prefill_engine_id, KV pulled); see the path policy.
     """
+    predicted_ttft_ms: _builtins.float
+    """The path policy's prediction and what happened, in ms from the request's arrival at the
+    scheduler to its first token: predicted on the chosen path, predicted on the path not
+    chosen (unset: there was none, e.g. no prefill engine), and the actual time.
+    """
+    alternative_ttft_ms: _builtins.float
+    ttft_ms: _builtins.float
     @_builtins.property
     def usage(self) -> Global___Usage: ...
     def __init__(
@@ -305,12 +315,17 @@ class Complete(_message.Message):
         num_migrations: _builtins.int = ...,
         scheduler_overhead_ms: _builtins.float = ...,
         path_reason: _builtins.str = ...,
+        predicted_ttft_ms: _builtins.float = ...,
+        alternative_ttft_ms: _builtins.float | None = ...,
+        ttft_ms: _builtins.float = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_alternative_ttft_ms", b"_alternative_ttft_ms", "alternative_ttft_ms", b"alternative_ttft_ms", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_engine_id", b"decode_engine_id", "finish_reason", b"finish_reason", "num_migrations", b"num_migrations", "path_reason", b"path_reason", "prefill_engine_id", b"prefill_engine_id", "scheduler_overhead_ms", b"scheduler_overhead_ms", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_alternative_ttft_ms", b"_alternative_ttft_ms", "alternative_ttft_ms", b"alternative_ttft_ms", "decode_engine_id", b"decode_engine_id", "finish_reason", b"finish_reason", "num_migrations", b"num_migrations", "path_reason", b"path_reason", "predicted_ttft_ms", b"predicted_ttft_ms", "prefill_engine_id", b"prefill_engine_id", "scheduler_overhead_ms", b"scheduler_overhead_ms", "ttft_ms", b"ttft_ms", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__alternative_ttft_ms: _TypeAlias = _typing.Literal["alternative_ttft_ms"]  # noqa: Y015
+    _WhichOneofArgType__alternative_ttft_ms: _TypeAlias = _typing.Literal["_alternative_ttft_ms", b"_alternative_ttft_ms"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__alternative_ttft_ms) -> _WhichOneofReturnType__alternative_ttft_ms | None: ...
 
 Global___Complete: _TypeAlias = Complete  # noqa: Y015
 

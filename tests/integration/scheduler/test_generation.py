@@ -421,6 +421,14 @@ async def test_path_policy_decides_per_request_and_reports_why() -> None:
             assert sample("pdserve_scheduler_path_decisions_total", {"path": path, "reason": reason}) == 1
         assert sample("pdserve_scheduler_transferred_tokens_total") == 400
         assert sample("pdserve_scheduler_decode_only_total", {"reason": "short_prompt"}) == 1
+        # Each decision's predicted TTFT (both paths) beside the actual one, fed back per engine.
+        for done in (short, long):
+            assert done.predicted_ttft_ms > 0 and done.HasField("alternative_ttft_ms") and done.ttft_ms > 0, done
+        for path in ("decode_local", "remote"):
+            assert sample("pdserve_scheduler_path_ttft_prediction_error_ratio_count", {"path": path}) == 1
+        costs = c.service.router.path.costs
+        assert {k: v.num_samples for k, v in costs.corrections.items()} == {("d0", "decode_local"): 1,
+                                                                           ("p0", "remote"): 1}
         await no_leaks(c)
     finally:
         await c.stop()

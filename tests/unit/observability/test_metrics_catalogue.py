@@ -74,7 +74,7 @@ def test_names_follow_the_convention() -> None:
         assert (spec.kind is Kind.COUNTER) == name.endswith("_total"), name
         if spec.kind is Kind.HISTOGRAM:
             assert spec.buckets and list(spec.buckets) == sorted(spec.buckets), name
-            assert name.rsplit("_", 1)[1] in ("seconds", "tokens"), name
+            assert name.rsplit("_", 1)[1] in ("seconds", "tokens", "ratio"), name
         assert not FORBIDDEN_LABELS & set(spec.labels), name
         assert spec.help, name
 

@@ -3,7 +3,7 @@ books balance."""
 
 import pytest
 
-from services.scheduler.path_costs import CostPriors, LinearFit, PathCosts
+from services.scheduler.path_costs import CostPriors, LinearFit, PathCosts, TtftCorrection
 
 
 def test_fit_starts_from_the_prior_and_recovers_a_line() -> None:
@@ -84,3 +84,35 @@ def test_backlog_and_itl_targets_balance() -> None:
     costs.remove_backlog("p", 50)
     costs.remove_itl_target("d", 0.05)
     assert costs.leaks() == [] and costs.tightest_itl_target("d") is None
+
+
+def test_ttft_correction_learns_the_ratio_fast_and_shrugs_off_an_outlier() -> None:
+    c = TtftCorrection()
+    assert c.factor == 1.0
+    for _ in range(3):
+        c.observe(0.1, 0.3)  # the model predicts 3x too fast
+    assert c.factor == pytest.approx(3.0)
+    c.observe(0.1, 30.0)  # one stalled request: 100x
+    assert 3.0 < c.factor <= 3.0 * 4 ** 0.25 + 1e-9  # moved by at most weight (1/4 here) x log(4)
+    for _ in range(30):
+        c.observe(0.1, 0.3)
+    assert c.factor == pytest.approx(3.0, rel=0.01)
+    c.observe(0.0, 1.0)
+    c.observe(0.1, float("inf"))  # ignored
+    assert c.factor == pytest.approx(3.0, rel=0.01)
+    far = TtftCorrection()
+    far.observe(0.001, 10.0)
+    assert far.factor == pytest.approx(16.0)  # clamped
+
+
+def test_corrections_are_per_engine_and_path_and_forgotten_with_the_engine() -> None:
+    costs = PathCosts()
+    costs.observe_ttft("d0", "decode_local", 0.1, 0.2)
+    assert costs.correction("d0", "decode_local") == pytest.approx(2.0)
+    assert costs.correction("d0", "remote") == 1.0  # a path never tried: as its fits say
+    assert costs.correction("d1", "decode_local") == pytest.approx(2.0)  # borrowed from the path's engines
+    costs.observe_ttft("d1", "decode_local", 0.1, 0.05)
+    assert costs.correction("d1", "decode_local") == pytest.approx(0.5)
+    assert costs.correction("d2", "decode_local") == pytest.approx(1.0)  # the mean of 2x and 0.5x
+    costs.forget_engine("d0")
+    assert costs.correction("d0", "decode_local") == pytest.approx(0.5)

@@ -16,6 +16,7 @@ from services.scheduler.path_policy import (
     REMOTE_ITL_TARGET,
     REMOTE_LONG_PROMPT,
     REMOTE_LOWER_COST,
+    REMOTE_TTFT_TARGET,
     PathConfig,
     PathPolicy,
     PathRequest,
@@ -100,11 +101,11 @@ def test_ttft_target_lifts_the_stall_budget_only_when_remote_misses_it() -> None
 
 
 def test_itl_target_of_requests_decoding_there_forbids_a_local_stall() -> None:
-    guarded = [view("d0", num_running=2, itl_target_s=0.02)]
+    guarded = [view("d0", num_inflight=2, itl_target_s=0.02)]
     assert policy().decide(PathRequest(200), P, guarded, {}).reason == REMOTE_ITL_TARGET  # 40 ms stall
     assert policy().decide(PathRequest(50), P, guarded, {}).reason == LOCAL_SHORT_PROMPT  # 10 ms stall
     # Another decode engine without such a request takes the local prefill.
-    d = policy().decide(PathRequest(200), P, [*guarded, view("d9", num_running=2)], {})
+    d = policy().decide(PathRequest(200), P, [*guarded, view("d9", num_inflight=2)], {})
     assert (d.reason, d.decode_id) == (LOCAL_SHORT_PROMPT, "d9")
 
 
@@ -126,7 +127,7 @@ def test_ties_go_to_the_less_loaded_decode_engine_then_the_smaller_id() -> None:
     for mode in ("cost", "threshold", "remote"):
         for n in (16, 4096):
             pol = policy(mode=mode, decode_load_s=0.0)
-            loaded = [view("d0", num_running=3), view("d1")]
+            loaded = [view("d0", num_inflight=3), view("d1")]
             assert pol.decide(PathRequest(n), P, loaded, {}).decode_id == "d1", (mode, n)
             assert pol.decide(PathRequest(n), P, [view("d1"), view("d0")], {}).decode_id == "d0", (mode, n)
 
@@ -141,7 +142,7 @@ def test_a_nearly_full_decode_engine_gets_nothing_despite_its_prefix() -> None:
 
 
 def test_decode_load_outweighs_a_small_prefix() -> None:
-    busy_with_prefix = [view("d0", num_running=40), view("d1")]
+    busy_with_prefix = [view("d0", num_inflight=40), view("d1")]
     assert policy().decide(PathRequest(64), P, busy_with_prefix, {"d0": 1}).decode_id == "d1"
 
 
@@ -219,3 +220,115 @@ def test_remote_choice_costs_only_engines_that_can_differ_and_equals_the_full_sc
                     for i in range(6)]
         assert _readable_prefills(prefills, decodes) == [
             e for e in prefills if any(pair_problem(e, d) is None for d in decodes)]
+
+
+def test_every_decision_records_the_predicted_ttft_on_both_paths() -> None:
+    short = policy().decide(PathRequest(32), P, D, {})
+    assert short.local and short.predicted_ttft_s == pytest.approx(0.01 + 32 * 0.0002)
+    assert short.alternative_ttft_s == pytest.approx(0.01 + 32 * 0.0002)  # remote: the same prefill, then a hop
+    assert short.ttft_inputs is not None and short.ttft_inputs.engine_id == "d0"
+    for mode in ("cost", "threshold", "remote"):
+        long = policy(mode=mode).decide(PathRequest(4096), P, D, {})
+        assert not long.local and long.ttft_inputs is not None and long.ttft_inputs.engine_id == "p", mode
+        assert long.predicted_ttft_s == pytest.approx(0.01 + 4096 * 0.0002), mode
+        assert long.alternative_ttft_s == pytest.approx(0.01 + 4096 * 0.0002), mode  # local, idle decode engine
+    alone = policy().decide(PathRequest(4096), None, D, {})
+    assert alone.local and alone.predicted_ttft_s is not None and alone.alternative_ttft_s is None
+
+
+def test_a_busy_decode_engine_costs_a_local_prefill_its_measured_steps() -> None:
+    pol = policy()
+    busy = [view("d0", num_inflight=4)]
+    for i in range(50):
+        pol.costs.observe_itl(0.08, "d0", 0.08 * i)  # 80 ms decode steps there
+    assert pol.costs.step_s("d0") == pytest.approx(0.08)
+    d = pol.decide(PathRequest(32), P, busy, {})
+    # Local: wait half a step, then a step with the prefill in it; remote: prefill, then a hop.
+    assert d.alternative_ttft_s == pytest.approx(1.5 * 0.08 + 32 * 0.0002)
+    assert (d.reason, d.predicted_ttft_s) == (REMOTE_LOWER_COST, pytest.approx(0.01 + 32 * 0.0002))
+    assert pol.decide(PathRequest(32), P, [view("d0")], {}).reason == LOCAL_SHORT_PROMPT  # idle there
+
+
+def test_the_measured_stall_not_the_prefill_speed_sets_the_local_boundary() -> None:
+    pol = policy()  # budget 100 ms; the prefill fit says 200 us per token: 500 tokens
+    assert pol.decide(PathRequest(400), P, D, {}).local
+    t = 0.0
+    for i in range(40):
+        n = 20 + i if i % 4 == 3 else 0  # a local prefill in this step: 1 ms per token there
+        t += 0.02 + 0.001 * n
+        pol.costs.observe_itl(0.02 + 0.001 * n, "d0", t)
+        if n:
+            pol.costs.observe_local_prefill("d0", t + 0.001, n)
+    assert pol.costs.stall_s("d0", 100) == pytest.approx(0.1, rel=0.01)
+    d = pol.decide(PathRequest(400), P, [view("d0")], {})
+    assert (d.local, d.reason) == (False, REMOTE_LONG_PROMPT)
+    assert pol.decide(PathRequest(90), P, [view("d0")], {}).local  # a 90 ms stall: within the budget
+    assert pol.decide(PathRequest(110), P, [view("d0")], {}).reason == REMOTE_LONG_PROMPT
+
+
+def _converge(pol: PathPolicy, n: int, decodes: list[EngineView], slow_local: float, seed: int) -> list[str]:
+    """Decides `n`-token prompts 60 times, each outcome the path's true TTFT (the fits' raw
+    prediction, local `slow_local` times that) with +-30% noise; the paths of the last 40."""
+    import random
+
+    rng = random.Random(seed)
+    paths = []
+    for i in range(60):
+        d = pol.decide(PathRequest(n), P, decodes, {})
+        assert d.ttft_inputs is not None
+        if i == 0:
+            first_local = pol.raw_ttft_s(d.ttft_inputs)  # the load is stable: so is the true TTFT
+        true = first_local * slow_local if d.local else pol.raw_ttft_s(d.ttft_inputs)
+        pol.observe_ttft(d, true * rng.uniform(0.7, 1.3))
+        if i >= 20:
+            paths.append(d.path)
+    return paths
+
+
+def test_recorded_errors_correct_the_model_and_decisions_stay_put() -> None:
+    # Requests decode on d0 (10 ms steps); its local prefills take 3x what the fits say (its
+    # batch, a loaded host): after a few local requests the correction learns it and every later
+    # decision goes remote.
+    busy = [view("d0", num_inflight=2)]
+    for seed in (1, 2, 3):
+        pol = policy()
+        for i in range(30):
+            pol.costs.observe_itl(0.01, "d0", 0.01 * i)
+        first = pol.decide(PathRequest(200), P, busy, {})
+        assert first.local
+        assert set(_converge(pol, 200, busy, 3.0, seed)) == {"remote"}, seed
+        assert pol.costs.correction("d0", "decode_local") == pytest.approx(3.0, rel=0.35)
+    # As fast as predicted: local stays local under the same noise, idle or busy.
+    for seed in (1, 2, 3):
+        assert set(_converge(policy(), 200, D, 1.0, seed)) == {"decode_local"}, seed
+        stepped = policy()
+        for i in range(30):
+            stepped.costs.observe_itl(0.01, "d0", 0.01 * i)
+        assert set(_converge(stepped, 200, busy, 1.0, seed)) == {"decode_local"}, seed
+
+
+def test_with_targets_the_policy_maximises_requests_meeting_them() -> None:
+    busy_prefill = view("p", "prefill", num_backlog_tokens=2000)  # remote TTFT ~0.4 s
+    guarded = view("d0", num_inflight=3)
+    pol = policy()
+    for _ in range(3):
+        pol.costs.add_itl_target("d0", 0.03)  # three requests decoding there want <= 30 ms gaps
+    # 200 tokens: a 40 ms stall there. Local meets the new request's TTFT target but makes the
+    # three miss theirs; remote misses one target, local three: remote.
+    d = pol.decide(PathRequest(200, ttft_target_s=0.1), busy_prefill, [guarded], {})
+    assert (d.local, d.reason) == (False, REMOTE_ITL_TARGET)
+    # Only one of them has a target: local meets one, misses one; remote misses one: the tie goes
+    # to the lower cost (local).
+    pol1 = policy()
+    pol1.costs.add_itl_target("d0", 0.03)
+    assert pol1.decide(PathRequest(200, ttft_target_s=0.1), busy_prefill, [guarded], {}).local
+    # Remote meets the TTFT target, local (cheaper, no transfer) misses it: remote.
+    slow_decode = policy()
+    for i in range(50):
+        slow_decode.costs.observe_itl(0.02, "d0", 0.02 * i)
+    request = PathRequest(100, ttft_target_s=0.035)  # remote TTFT 30 ms; local 10 + 30 + 20 ms
+    for n in (100, 2000):
+        slow_decode.costs.observe_transfer("p", "d0", n, 0.04)  # a slow hop: remote costs 70 ms
+    d = slow_decode.decide(request, P, [view("d0", num_inflight=1)], {})
+    assert (d.local, d.reason) == (False, REMOTE_TTFT_TARGET)
+    assert slow_decode.decide(PathRequest(100), P, [view("d0", num_inflight=1)], {}).local  # no target: cost
