@@ -39,6 +39,7 @@ from engine.llm_engine import LLMEngine
 from engine.request import RequestMode
 from services.common.config import EngineConfig
 from services.common.metrics import EngineMetrics
+from services.common.request_owner import owner_of
 from services.engine.backend import (
     BackendLoad,
     DecodeInput,
@@ -186,6 +187,15 @@ class NativeBackend:
 
     def on_release_blocks(self, request_id: str) -> None:
         self._call(lambda e: self._release(e, request_id))
+
+    def on_scheduler_lost(self, scheduler_id: str) -> None:
+        """Frees every pinned prefill of the lost replica's requests (their readers are gone or
+        told by their own replica's failover; none will release them)."""
+        lost = [rid for rid in self.leases.pinned() if owner_of(rid) == scheduler_id]
+        if lost:
+            logger.warning("scheduler %s lost: releasing %d pinned prefill(s)", scheduler_id, len(lost))
+        for rid in lost:
+            self.on_release_blocks(rid)
 
     def _finish_remote(self, engine: LLMEngine, verdict: KVVerdict) -> None:
         self.waits.settle(verdict.request_id)
