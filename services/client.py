@@ -236,7 +236,15 @@ class AsyncClient:
         return builder.result
 
     async def server_info(self) -> pb.ServerInfo:
-        return await self._stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=self._metadata)
+        """The first reachable replica's ServerInfo."""
+        for i, stub in enumerate(self._stubs):
+            try:
+                reply: pb.ServerInfo = await stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=self._metadata)
+                return reply
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in RETRYABLE or i == len(self._stubs) - 1:
+                    raise
+        raise AssertionError("unreachable")
 
 
 class Client:
@@ -301,4 +309,12 @@ class Client:
         return builder.result
 
     def server_info(self) -> pb.ServerInfo:
-        return self._stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=self._metadata)
+        """The first reachable replica's ServerInfo."""
+        for i, stub in enumerate(self._stubs):
+            try:
+                reply: pb.ServerInfo = stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=self._metadata)
+                return reply
+            except grpc.RpcError as e:
+                if e.code() not in RETRYABLE or i == len(self._stubs) - 1:  # type: ignore[attr-defined]
+                    raise
+        raise AssertionError("unreachable")

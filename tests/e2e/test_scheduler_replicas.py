@@ -7,6 +7,9 @@ dead replica's requests within the loss timeout, and nothing leaks."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -103,16 +106,25 @@ def test_replica_killed_mid_stream_loses_nothing(replicas: LocalCluster, prompts
         assert r.token_ids == expected[i], f"stream {i}: {r.token_ids} != {expected[i]}"
         assert r.generated_tokens == LONG_TOKENS
     assert mid_stream, "no stream was in flight when the replica died"
-    for i in mid_stream:  # went on at replica b from the tokens it had
-        assert results[i].num_retries == 1  # type: ignore[union-attr]
+    for i in mid_stream:  # went on at replica b from the tokens it had: decode-only, no prefill again
+        r = results[i]
+        assert isinstance(r, GenerationResult) and r.num_retries == 1 and r.prefill_engine_id == "", r
 
     # The engines release what they held for the dead replica's requests, and only that.
     assert _wait_pinned(replicas, 1, LOSS_TIMEOUT_S + 5.0) == 1, "replica a's pinned prefill was not released"
     assert time.monotonic() - killed_at < LOSS_TIMEOUT_S + 5.0
 
-    # The survivor serves on: gRPC and the OpenAI API.
-    for i in range(6, 9):
+    # The survivor serves on: gRPC (a client listing the dead replica first retries before the
+    # first token, the library and `pdserve generate --target a,b` alike) and the OpenAI API.
+    for i in range(6, 8):
         assert _greedy(target_b, prompts[i]).token_ids == reference[i]
+    retried = _greedy(f"{target_a},{target_b}", prompts[8])
+    assert retried.token_ids == reference[8] and retried.num_retries == 1
+    cli = subprocess.run([sys.executable, "-m", "services.common.cli", "generate", "--target", f"{target_a},{target_b}",
+                          "--prompt-ids", ",".join(map(str, prompts[9])), "--max-tokens", str(MAX_TOKENS),
+                          "--temperature", "0", "--ignore-eos", "--json"], capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 0, cli.stderr
+    assert json.loads(cli.stdout)["token_ids"] == reference[9]
     completion = openai.OpenAI(base_url=replicas.replica_http_url(b), api_key="none").completions.create(
         model=replicas.server_info(target=target_b).model, prompt=prompts[9], max_tokens=MAX_TOKENS, temperature=0.0, extra_body={"ignore_eos": True})
     assert completion.choices[0].text
