@@ -194,8 +194,10 @@ class AsyncClient:
 
     async def stream_raw(self, request: pb.GenerateRequest,
                          timeout: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
-        """One replica, no retry: the raw responses."""
-        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
+        """One attempt, no retry: the raw responses (the replicas take turns per call)."""
+        stub = self._stubs[self._next % len(self._stubs)]
+        self._next += 1
+        call = stub.Generate(request, timeout=timeout, metadata=self._metadata)
         async for resp in call:
             yield resp
 
