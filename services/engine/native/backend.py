@@ -189,12 +189,12 @@ class NativeBackend:
         self._call(lambda e: self._release(e, request_id))
 
     def on_scheduler_lost(self, scheduler_id: str) -> None:
-        """Frees every pinned prefill of the lost replica's requests (their readers are gone or
-        told by their own replica's failover; none will release them)."""
-        lost = [rid for rid in self.leases.pinned() if owner_of(rid) == scheduler_id]
-        if lost:
-            logger.warning("scheduler %s lost: releasing %d pinned prefill(s)", scheduler_id, len(lost))
-        for rid in lost:
+        """Frees every pinned prefill of the lost replica's requests: nobody will release them.
+        (Its decode legs end with their Decode streams, cancelled when its connection drops.)"""
+        pinned = [rid for rid in self.leases.pinned() if owner_of(rid) == scheduler_id]
+        if pinned:
+            logger.warning("scheduler %s lost: releasing %d pinned prefill(s)", scheduler_id, len(pinned))
+        for rid in pinned:
             self.on_release_blocks(rid)
 
     def _finish_remote(self, engine: LLMEngine, verdict: KVVerdict) -> None:
