@@ -242,8 +242,10 @@ class LocalCluster:
         return ["--tls-cert", str(self.pki.server_cert), "--tls-key", str(self.pki.server_key),
                 "--tls-ca", str(self.pki.ca_cert), "--tls-peer-name", COMPONENT_NAME]
 
-    def _scheduler_component(self, r: ReplicaPorts) -> Component:
+    def _scheduler_component(self, r: ReplicaPorts | None = None) -> Component:
+        """Scheduler replica `r` (default: replica 0)."""
         s = self.spec
+        r = r or self.replicas[0]
         metrics_port = free_port(s.host) if s.metrics else 0
         argv = self._cli("scheduler", "--host", s.host, "--port", str(r.port),
                          "--control-port", str(r.control_port), "--events-port", str(r.events_port),

@@ -114,7 +114,7 @@ def test_transfer_results_go_to_their_owner_only_events_to_every_replica() -> No
 def test_reports_reach_every_replica_and_start_waits_for_the_first_welcome() -> None:
     seen: list[ControlMessage] = []
     fanout, clients = _fanout("h:1,h:2", seen)
-    with pytest.raises(TimeoutError):
+    with pytest.raises(TimeoutError, match="no Welcome"):
         fanout.start(timeout=0.05)
     clients["h:2"].welcome_as("B")
     assert fanout.start(timeout=1).scheduler_id == "B"
@@ -171,7 +171,7 @@ def test_a_client_with_a_callback_keeps_no_inbox() -> None:
 
 def _connect(fanout: ControlFanout) -> None:
     """Starts the streams (no replica has welcomed the rank yet)."""
-    with pytest.raises(TimeoutError):
+    with pytest.raises(TimeoutError, match="no Welcome"):
         fanout.start(timeout=0.01)
 
 
