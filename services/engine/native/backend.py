@@ -235,7 +235,20 @@ class NativeBackend:
         except NoFreeBlocksError as e:
             del self._pending[request_id]
             raise OutOfBlocks(str(e)) from None
+        except asyncio.CancelledError:  # the caller left (its scheduler died) while the engine added it
+            self._pending.pop(request_id, None)
+            self._forget(request_id)
+            raise
         return pending
+
+    def _forget(self, request_id: str) -> None:
+        """Ends a request nobody waits for, without waiting (the engine loop does it)."""
+        def abort(engine: LLMEngine) -> bool:
+            return engine.abort_request(request_id)
+
+        self.leases.unpin(request_id)
+        self._connector().queue_cancel(request_id)
+        self._call(abort)
 
     async def prefill(self, request: PrefillInput) -> PrefillResult:
         rid, prompt, params = request.request_id, request.prompt_token_ids, request.sampling
