@@ -73,13 +73,14 @@ class GenerationResult:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "request_id": self.request_id, "token_ids": self.token_ids, "text": self.text,
+            "request_id": self.request_id, "num_retries": self.num_retries, "token_ids": self.token_ids,
+            "text": self.text,
             "finish_reason": self.finish_reason,
             "usage": {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
                       "transferred_tokens": self.transferred_tokens,
                       "generated_tokens": self.generated_tokens},
             "prefill_engine_id": self.prefill_engine_id, "decode_engine_id": self.decode_engine_id,
-            "num_migrations": self.num_migrations, "num_retries": self.num_retries, "path_reason": self.path_reason,
+            "num_migrations": self.num_migrations, "path_reason": self.path_reason,
             "ttft_s": self.ttft_s, "e2e_s": self.e2e_s,
         }
 

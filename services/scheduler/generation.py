@@ -294,8 +294,6 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             raise self._no_decode_error(frozenset())
         record = self.table.admit(request_id, len(valid.prompt_token_ids), timeout)
         flight = Flight(record, valid, arrived, client_id, path_reason=route.path.reason, itl_target_s=itl)
-        flight.output_ids = list(valid.output_token_ids)
-        record.num_streamed_tokens = len(flight.output_ids)
         decode_engine = self.registry.engines.get(route.decode.engine_id)
         flight.decode_tp_size = decode_engine.tp_size if decode_engine is not None else 0
         self._take_slot(flight, route.decode.engine_id)
@@ -304,6 +302,8 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         prefilling = route.prefill.engine_id or route.decode.engine_id
         self._add_backlog(flight, prefilling, route.path.num_uncached_tokens)
         self._register_itl(flight, route.decode.engine_id)
+        flight.output_ids = list(valid.output_token_ids)  # resumed: streamed before, by a replica that died
+        record.num_streamed_tokens = len(flight.output_ids)
         self.flights[request_id] = flight
         return flight, route
 
