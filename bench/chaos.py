@@ -53,6 +53,7 @@ from bench.workload import (
     stream_checked,
     token_errors,
 )
+from services.client import AsyncClient
 from services.local_cluster import ClusterSpec, LocalCluster
 
 ANSWER_GRACE_S = 15.0
@@ -99,6 +100,10 @@ class ChaosConfig:
     rank_kills: bool = False
     prefill_tp: int = 0  # 0: tp (heterogeneous TP: prefill and decode engines of different sizes)
     decode_tp: int = 0  # 0: tp
+    # Scheduler replicas; with 2+ every client lists them all (a scheduler kill is survived by
+    # the others) and `kill` picks the victims.
+    num_schedulers: int = 1
+    kill: str = "all"  # all | scheduler (scheduler replicas only) | engines
 
     def role_tp(self, engine_name: str) -> int:
         """TP size of an engine named `prefill-N` / `decode-N`."""
@@ -112,6 +117,9 @@ class ChaosConfig:
             raise ValueError(f"need >= 1 decode and >= 0 prefill engines, got {self.num_decode}, {self.num_prefill}")
         if self.concurrency < 1 or self.num_prompts < 1 or self.max_tokens < 1:
             raise ValueError("concurrency, num_prompts and max_tokens must be >= 1")
+        if self.kill not in ("all", "scheduler", "engines") or self.num_schedulers < 1:
+            raise ValueError(f"kill must be all, scheduler or engines and schedulers >= 1, got {self.kill}, "
+                             f"{self.num_schedulers}")
         if self.tp < 1 or self.prefill_tp < 0 or self.decode_tp < 0:
             raise ValueError(f"tp must be >= 1 (prefill/decode tp >= 0), got {self.tp}, {self.prefill_tp}, "
                              f"{self.decode_tp}")
@@ -173,7 +181,13 @@ class ChaosReport:
                        **({"engine_exit_s": None if k.engine_exit_s is None else round(k.engine_exit_s, 2)}
                           if RANK_SEP in k.victim else {})} for k in self.kills],
             "leaks": self.leaks, "examples": self.examples, "wall_s": round(self.wall_s, 2),
-            "completed_per_s": self.completed_per_s, **self._baseline_json(),
+            "completed_per_s": self.completed_per_s,
+            # the scheduler-replica view: requests that did not complete, and the longest time
+            # from a scheduler kill until a new request was served again
+            "requests": self.sent, "requests_lost": self.lost + sum(self.failed.values()),
+            "takeover_s": max((round(k.recovery_s, 2) for k in self.kills
+                               if k.victim.startswith("scheduler") and k.recovery_s is not None), default=None),
+            **self._baseline_json(),
         }
 
     def _baseline_json(self) -> dict[str, Any]:
@@ -208,11 +222,20 @@ class ChaosRun:
         self.sent = 0
         self.rng = random.Random(cfg.seed)
         self.t0 = 0.0
+        self.client: AsyncClient | str = cluster.targets  # one shared client with replicas (run())
 
     def _now(self) -> float:
         return time.monotonic() - self.t0
 
     async def run(self) -> None:
+        if self.cfg.num_schedulers > 1:
+            async with AsyncClient(self.cluster.targets) as client:  # retries take turns over the replicas
+                self.client = client
+                await self._run()
+        else:
+            await self._run()
+
+    async def _run(self) -> None:
         self.t0 = time.monotonic()
         stop_at = self.t0 + self.cfg.duration_s
         workers = [asyncio.create_task(self._client_loop(i, stop_at)) for i in range(self.cfg.concurrency)]
@@ -229,7 +252,7 @@ class ChaosRun:
             i = self.rng.randrange(len(self.prompts))
             self.sent += 1
             self.inflight += 1
-            out = await stream_checked(self.cluster.target, self.prompts[i], self.cfg.max_tokens, prompt_index=i,
+            out = await stream_checked(self.client, self.prompts[i], self.cfg.max_tokens, prompt_index=i,
                                        request_id=f"chaos-{worker}-{n}",
                                        answer_timeout_s=self.cfg.deadline_s + ANSWER_GRACE_S,
                                        budget_s=self.cfg.deadline_s)
@@ -240,10 +263,13 @@ class ChaosRun:
                 await asyncio.sleep(0.2)  # a failed client backs off a little before its next request
 
     def _victims(self) -> list[str]:
-        names = [n for n in self.cluster.components if n != "scheduler"]
+        schedulers = self.cluster.scheduler_names if self.cfg.include_scheduler and self.cfg.kill != "engines" else []
+        if self.cfg.kill == "scheduler":
+            return schedulers
+        names = self.cluster.engine_names
         ranks = ([f"{n}{RANK_SEP}{r}" for n in names for r in range(1, self.cfg.role_tp(n))]
                  if self.cfg.rank_kills else [])
-        return names + ranks + (["scheduler"] if self.cfg.include_scheduler else [])
+        return names + ranks + schedulers
 
     def _schedule(self) -> list[tuple[float, str]]:
         if self.cfg.schedule is not None:
@@ -321,7 +347,7 @@ class ChaosRun:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                if victim != "scheduler":
+                if not self.cluster.is_scheduler(victim):
                     self.cluster.inspect(victim, timeout=2.0)
                 self.cluster.wait_ready(self.cfg.num_prefill, self.cfg.num_decode, max(1.0, deadline - time.monotonic()))
                 return
@@ -333,7 +359,7 @@ class ChaosRun:
         """Sends one short request after another until one completes: the cluster serves again."""
         probe = self.prompts[0][:8]
         while True:
-            out = await stream_checked(self.cluster.target, probe, 2, answer_timeout_s=self.cfg.deadline_s + ANSWER_GRACE_S,
+            out = await stream_checked(self.client, probe, 2, answer_timeout_s=self.cfg.deadline_s + ANSWER_GRACE_S,
                                        budget_s=0.0)
             if out.status == OK:
                 kill.recovery_s = time.monotonic() - killed_at
@@ -386,7 +412,7 @@ def run_chaos(cfg: ChaosConfig, progress: Callable[[str], None] | None = None) -
                        kv_cache_memory="64MiB", log_dir=cfg.log_dir,
                        scheduler_args=["--default-deadline-s", str(cfg.deadline_s)],
                        engine_args=["--lease-s", str(cfg.lease_s)],
-                       env={"PDSERVE_TRANSFER_TIMEOUT_S": "3"})
+                       env={"PDSERVE_TRANSFER_TIMEOUT_S": "3"}, num_schedulers=cfg.num_schedulers)
     say(f"starting a local cluster: {cfg.num_prefill} prefill + {cfg.num_decode} decode engines")
     with LocalCluster(spec) as cluster:
         asyncio.run(_warm_up(cluster.target, prompts[:cfg.concurrency]))
@@ -429,7 +455,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per engine")
     parser.add_argument("--rank-kills", action="store_true",
                         help="with --tp > 1, also kill single rank processes (the engine must exit, then restarts)")
-    parser.add_argument("--no-scheduler-kills", action="store_true", help="kill engines only")
+    parser.add_argument("--no-scheduler-kills", action="store_true", help="kill engines only (as --kill engines)")
+    parser.add_argument("--schedulers", type=int, default=1,
+                        help="scheduler replicas; clients list them all and go on at another when one dies")
+    parser.add_argument("--kill", default="all", choices=("all", "scheduler", "engines"),
+                        help="victims: every component, scheduler replicas only, or engines only")
     parser.add_argument("--baseline", type=float, default=30.0,
                         help="seconds of the same load without kills first (0: none), for the ratios")
     parser.add_argument("--seed", type=int, default=0, help="workload and kill schedule seed")
@@ -445,7 +475,8 @@ def run(args: argparse.Namespace) -> int:
                       kill_interval_s=args.kill_interval, concurrency=args.concurrency, max_tokens=args.max_tokens,
                       deadline_s=args.deadline, seed=args.seed, include_scheduler=not args.no_scheduler_kills,
                       model=args.model, log_dir=str(out / "logs" / "chaos"), baseline_s=args.baseline,
-                      overlap=args.overlap, tp=args.tp, rank_kills=args.rank_kills)
+                      overlap=args.overlap, tp=args.tp, rank_kills=args.rank_kills,
+                      num_schedulers=args.schedulers, kill=args.kill)
     report = run_chaos(cfg).to_json()
     (out / "chaos.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report) if args.json else json.dumps(report, indent=2))

@@ -82,6 +82,11 @@ class PrefillLeases:
         with self._lock:
             return self._until.pop(request_id, None) is not None
 
+    def pinned(self) -> list[str]:
+        """The request ids pinned now."""
+        with self._lock:
+            return list(self._until)
+
     def expire(self, now: float) -> list[str]:
         """Removes and returns the request ids whose lease ran out."""
         with self._lock:

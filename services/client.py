@@ -6,10 +6,18 @@
 
     with Client("127.0.0.1:50051") as client:
         result = client.generate("Hello", max_tokens=16)
+
+With scheduler replicas, give every one: `Client("10.0.0.1:50051,10.0.0.2:50051")`. Requests go
+to the replicas in turn; a request whose replica is unreachable or dies (UNAVAILABLE) is sent to
+the next one, and a stream that had already produced tokens resumes there from them
+(`GenerateRequest.output_token_ids`): the caller sees one stream, no token twice, none missing
+(token-identical under greedy sampling; a sampled continuation is a valid sample, not the same
+one). Each request tries every replica at most `max_attempts_per_replica` times.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -23,6 +31,8 @@ from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.security import ChannelSecurity
 
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+RETRY_PAUSE_S = 0.1
 FINISH_REASONS = {
     pb.FINISH_REASON_STOP: "stop",
     pb.FINISH_REASON_LENGTH: "length",
@@ -63,10 +73,13 @@ class GenerationResult:
     ttft_s: float | None = None
     e2e_s: float = 0.0
     token_times_s: list[float] = field(default_factory=list)
+    # Times the request went on at another scheduler replica (its replica was unreachable or died).
+    num_retries: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "request_id": self.request_id, "token_ids": self.token_ids, "text": self.text,
+            "request_id": self.request_id, "num_retries": self.num_retries, "token_ids": self.token_ids,
+            "text": self.text,
             "finish_reason": self.finish_reason,
             "usage": {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
                       "transferred_tokens": self.transferred_tokens,
@@ -102,22 +115,44 @@ def build_request(prompt: str | Sequence[int], *, request_id: str = "", chat: bo
     return req
 
 
+def split_targets(target: str) -> list[str]:
+    """The replicas of a `host:port[,host:port...]` target (ValueError when none)."""
+    targets = [t.strip() for t in target.split(",") if t.strip()]
+    if not targets:
+        raise ValueError("target: give host:port (or a comma list of scheduler replicas)")
+    return targets
+
+
 class _ResultBuilder:
     def __init__(self, request_id: str) -> None:
         self.result = GenerationResult(request_id=request_id)
         self.start = time.perf_counter()
+
+    def resumed(self, request: pb.GenerateRequest) -> pb.GenerateRequest:
+        """The request to send again elsewhere: the tokens received so far as already generated."""
+        again = pb.GenerateRequest()
+        again.CopyFrom(request)
+        del again.output_token_ids[:]
+        again.output_token_ids.extend(self.result.token_ids)
+        return again
 
     def add(self, resp: pb.GenerateResponse) -> StreamChunk | None:
         r = self.result
         now = time.perf_counter() - self.start
         if resp.WhichOneof("payload") == "chunk":
             c = resp.chunk
-            if r.ttft_s is None and c.token_ids:
+            skip = len(r.token_ids) - c.index  # a resumed stream never repeats; guard anyway
+            if c.index > len(r.token_ids):
+                raise RuntimeError(f"stream skipped tokens: chunk at {c.index}, {len(r.token_ids)} received")
+            token_ids = list(c.token_ids)[max(0, skip):]
+            if not token_ids and c.token_ids:
+                return None
+            if r.ttft_s is None and token_ids:
                 r.ttft_s = now
-            r.token_ids.extend(c.token_ids)
+            r.token_ids.extend(token_ids)
             r.text += c.text
-            r.token_times_s.extend([now] * len(c.token_ids))
-            return StreamChunk(list(c.token_ids), c.text, c.index)
+            r.token_times_s.extend([now] * len(token_ids))
+            return StreamChunk(token_ids, c.text, len(r.token_ids) - len(token_ids))
         done = resp.complete
         r.finish_reason = FINISH_REASONS.get(done.finish_reason)
         u = done.usage
@@ -150,11 +185,12 @@ class AsyncClient:
                  metadata: Sequence[tuple[str, str]] = (), security: ChannelSecurity | None = None) -> None:
         """`security` (CA, client certificate, bearer token) or raw `credentials` and `metadata`."""
         credentials, options, self._metadata = _channel_settings(credentials, metadata, security)
-        if credentials is None:
-            self._channel = grpc.aio.insecure_channel(target, options=options)
-        else:
-            self._channel = grpc.aio.secure_channel(target, credentials, options=options)
-        self._stub = pb_grpc.GenerationStub(self._channel)
+        self._channels = [grpc.aio.insecure_channel(t, options=options) if credentials is None
+                          else grpc.aio.secure_channel(t, credentials, options=options) for t in split_targets(target)]
+        self._stubs = [pb_grpc.GenerationStub(c) for c in self._channels]
+        self._stub = self._stubs[0]
+        self._next = 0
+        self.max_attempts_per_replica = 2
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -163,33 +199,64 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in self._channels:
+            await channel.close()
 
     async def stream_raw(self, request: pb.GenerateRequest,
                          timeout: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
-        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
+        """One attempt, no retry: the raw responses (the replicas take turns per call)."""
+        stub = self._stubs[self._next % len(self._stubs)]
+        self._next += 1
+        call = stub.Generate(request, timeout=timeout, metadata=self._metadata)
         async for resp in call:
             yield resp
+
+    async def _run(self, request: pb.GenerateRequest, builder: _ResultBuilder,
+                   timeout: float | None) -> AsyncIterator[StreamChunk]:
+        """The request on the replicas in turn, resumed after a replica's UNAVAILABLE."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        attempts = self.max_attempts_per_replica * len(self._stubs)
+        while True:
+            stub = self._stubs[self._next % len(self._stubs)]
+            self._next += 1
+            remaining = None if deadline is None else max(0.001, deadline - time.monotonic())
+            try:
+                async for resp in stub.Generate(builder.resumed(request), timeout=remaining, metadata=self._metadata):
+                    chunk = builder.add(resp)
+                    if chunk is not None:
+                        yield chunk
+                return
+            except grpc.aio.AioRpcError as e:
+                attempts -= 1
+                if e.code() not in RETRYABLE or attempts <= 0:
+                    raise
+                builder.result.num_retries += 1
+                await asyncio.sleep(RETRY_PAUSE_S)
 
     async def stream(self, prompt: str | Sequence[int], *, timeout: float | None = None,
                      **kwargs: Any) -> AsyncIterator[StreamChunk]:
         req = build_request(prompt, **kwargs)
-        builder = _ResultBuilder(req.request_id)
-        async for resp in self.stream_raw(req, timeout):
-            chunk = builder.add(resp)
-            if chunk is not None:
-                yield chunk
+        async for chunk in self._run(req, _ResultBuilder(req.request_id), timeout):
+            yield chunk
 
     async def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None,
                        **kwargs: Any) -> GenerationResult:
         req = build_request(prompt, **kwargs)
         builder = _ResultBuilder(req.request_id)
-        async for resp in self.stream_raw(req, timeout):
-            builder.add(resp)
+        async for _ in self._run(req, builder, timeout):
+            pass
         return builder.result
 
     async def server_info(self) -> pb.ServerInfo:
-        return await self._stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=self._metadata)
+        """The first reachable replica's ServerInfo."""
+        for i, stub in enumerate(self._stubs):
+            try:
+                reply: pb.ServerInfo = await stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=self._metadata)
+                return reply
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in RETRYABLE or i == len(self._stubs) - 1:
+                    raise
+        raise AssertionError("unreachable")
 
 
 class Client:
@@ -199,11 +266,12 @@ class Client:
                  metadata: Sequence[tuple[str, str]] = (), security: ChannelSecurity | None = None) -> None:
         """`security` (CA, client certificate, bearer token) or raw `credentials` and `metadata`."""
         credentials, options, self._metadata = _channel_settings(credentials, metadata, security)
-        if credentials is None:
-            self._channel = grpc.insecure_channel(target, options=options)
-        else:
-            self._channel = grpc.secure_channel(target, credentials, options=options)
-        self._stub = pb_grpc.GenerationStub(self._channel)
+        self._channels = [grpc.insecure_channel(t, options=options) if credentials is None
+                          else grpc.secure_channel(t, credentials, options=options) for t in split_targets(target)]
+        self._stubs = [pb_grpc.GenerationStub(c) for c in self._channels]
+        self._stub = self._stubs[0]
+        self._next = 0
+        self.max_attempts_per_replica = 2
 
     def __enter__(self) -> Client:
         return self
@@ -212,27 +280,53 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        self._channel.close()
+        for channel in self._channels:
+            channel.close()
+
+    def _run(self, request: pb.GenerateRequest, builder: _ResultBuilder,
+             timeout: float | None) -> Iterator[StreamChunk]:
+        """The request on the replicas in turn, resumed after a replica's UNAVAILABLE."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        attempts = self.max_attempts_per_replica * len(self._stubs)
+        while True:
+            stub = self._stubs[self._next % len(self._stubs)]
+            self._next += 1
+            remaining = None if deadline is None else max(0.001, deadline - time.monotonic())
+            try:
+                for resp in stub.Generate(builder.resumed(request), timeout=remaining, metadata=self._metadata):
+                    chunk = builder.add(resp)
+                    if chunk is not None:
+                        yield chunk
+                return
+            except grpc.RpcError as e:
+                attempts -= 1
+                if e.code() not in RETRYABLE or attempts <= 0:  # type: ignore[attr-defined]
+                    raise
+                builder.result.num_retries += 1
+                time.sleep(RETRY_PAUSE_S)
 
     def stream(self, prompt: str | Sequence[int], *, timeout: float | None = None,
                **kwargs: Any) -> Iterator[StreamChunk]:
         req = build_request(prompt, **kwargs)
-        builder = _ResultBuilder(req.request_id)
-        for resp in self._stub.Generate(req, timeout=timeout, metadata=self._metadata):
-            chunk = builder.add(resp)
-            if chunk is not None:
-                yield chunk
+        yield from self._run(req, _ResultBuilder(req.request_id), timeout)
 
     def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None,
                  on_chunk: Callable[[StreamChunk], None] | None = None, **kwargs: Any) -> GenerationResult:
         """Runs one request to completion; `on_chunk` sees every chunk as it streams."""
         req = build_request(prompt, **kwargs)
         builder = _ResultBuilder(req.request_id)
-        for resp in self._stub.Generate(req, timeout=timeout, metadata=self._metadata):
-            chunk = builder.add(resp)
-            if chunk is not None and on_chunk is not None:
+        for chunk in self._run(req, builder, timeout):
+            if on_chunk is not None:
                 on_chunk(chunk)
         return builder.result
 
     def server_info(self) -> pb.ServerInfo:
-        return self._stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=self._metadata)
+        """The first reachable replica's ServerInfo."""
+        for i, stub in enumerate(self._stubs):
+            try:
+                reply: pb.ServerInfo = stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=self._metadata)
+                return reply
+            except grpc.RpcError as e:
+                if e.code() not in RETRYABLE or i == len(self._stubs) - 1:  # type: ignore[attr-defined]
+                    raise
+        raise AssertionError("unreachable")

@@ -49,7 +49,9 @@ def parse_ids(text: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET,
-                        help=f"scheduler client API host:port (default: where `pdserve up` listens, {DEFAULT_TARGET})")
+                        help=f"scheduler client API host:port, or every replica's as a comma list (a request "
+                             "whose replica dies goes on at the next, resumed from the tokens it had; default: "
+                             f"where `pdserve up` listens, {DEFAULT_TARGET})")
     parser.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     parser.add_argument("--prompt-ids", action="append", default=[], help="comma-separated prompt token ids (repeatable)")
     template = parser.add_mutually_exclusive_group()

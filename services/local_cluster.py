@@ -105,6 +105,20 @@ class ClusterSpec:
     dtype: str = ""  # --dtype of every engine; empty: the engines' default (parity tests pin float32)
     engine: str = "native"  # engine backend of every prefill and decode engine (--engine)
     vllm_args: list[str] = field(default_factory=list)  # KEY=VALUE, passed to every engine as --vllm-arg
+    # Scheduler replicas, all active; every engine connects to each. Replica 0 takes the ports
+    # above; replica i the same ports + 10 * i when they were given, else free ones.
+    num_schedulers: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaPorts:
+    """One scheduler replica's ports (client API, control, KV events, HTTP)."""
+
+    name: str
+    port: int
+    control_port: int
+    events_port: int
+    http_port: int
 
 
 @dataclass(slots=True)
@@ -126,10 +140,12 @@ class LocalCluster:
 
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
-        self.port = spec.port or free_port(spec.host)
-        self.control_port = spec.control_port or free_port(spec.host)
-        self.events_port = spec.events_port or free_port(spec.host)
-        self.http_port = spec.http_port or free_port(spec.host)
+        if spec.num_schedulers < 1:
+            raise ValueError(f"need at least one scheduler, got {spec.num_schedulers}")
+        self.replicas = [self._replica_ports(i) for i in range(spec.num_schedulers)]
+        first = self.replicas[0]
+        self.port, self.control_port, self.events_port, self.http_port = (
+            first.port, first.control_port, first.events_port, first.http_port)
         ranks = spec.num_prefill * self.role_tp("prefill") + spec.num_decode * self.role_tp("decode")
         self.torch_threads = spec.torch_threads or default_torch_threads(ranks)
         self.components: dict[str, Component] = {}
@@ -152,6 +168,39 @@ class LocalCluster:
         elif token:
             self.client_security = ChannelSecurity(token=token)
 
+    def _replica_ports(self, i: int) -> ReplicaPorts:
+        s = self.spec
+
+        def port(given: int) -> int:
+            return given + 10 * i if given else free_port(s.host)
+        return ReplicaPorts("scheduler" if i == 0 else f"scheduler-{i}", port(s.port), port(s.control_port),
+                            port(s.events_port), port(s.http_port))
+
+    @staticmethod
+    def is_scheduler(name: str) -> bool:
+        return name == "scheduler" or name.startswith("scheduler-")
+
+    @property
+    def scheduler_names(self) -> list[str]:
+        return [r.name for r in self.replicas]
+
+    @property
+    def engine_names(self) -> list[str]:
+        return [n for n in self.components if not self.is_scheduler(n)]
+
+    def replica_target(self, replica: ReplicaPorts) -> str:
+        return f"{self.spec.host}:{replica.port}"
+
+    def replica_http_url(self, replica: ReplicaPorts) -> str:
+        scheme = "https" if self.pki is not None else "http"
+        host = f"[{self.spec.host}]" if ":" in self.spec.host else self.spec.host
+        return f"{scheme}://{host}:{replica.http_port}/v1"
+
+    @property
+    def targets(self) -> str:
+        """Every replica's client API, comma-separated (what `pdserve generate --target` takes)."""
+        return ",".join(self.replica_target(r) for r in self.replicas)
+
     def role_tp(self, role: str) -> int:
         """The TP size of the role's engines (`prefill_tp` / `decode_tp`, else `tp`)."""
         return (self.spec.prefill_tp if role == "prefill" else self.spec.decode_tp) or self.spec.tp
@@ -163,9 +212,7 @@ class LocalCluster:
     @property
     def http_url(self) -> str:
         """Base URL of the OpenAI-compatible API (what OpenAI clients take as `base_url`)."""
-        scheme = "https" if self.pki is not None else "http"
-        host = f"[{self.spec.host}]" if ":" in self.spec.host else self.spec.host
-        return f"{scheme}://{host}:{self.http_port}/v1"
+        return self.replica_http_url(self.replicas[0])
 
     @property
     def events_target(self) -> str:
@@ -195,14 +242,16 @@ class LocalCluster:
         return ["--tls-cert", str(self.pki.server_cert), "--tls-key", str(self.pki.server_key),
                 "--tls-ca", str(self.pki.ca_cert), "--tls-peer-name", COMPONENT_NAME]
 
-    def _scheduler_component(self) -> Component:
+    def _scheduler_component(self, r: ReplicaPorts | None = None) -> Component:
+        """Scheduler replica `r` (default: replica 0)."""
         s = self.spec
+        r = r or self.replicas[0]
         metrics_port = free_port(s.host) if s.metrics else 0
-        argv = self._cli("scheduler", "--host", s.host, "--port", str(self.port),
-                         "--control-port", str(self.control_port), "--events-port", str(self.events_port),
-                         "--http-port", str(self.http_port), "--metrics-port", str(metrics_port), *(["--model", s.model] if s.model else []),
+        argv = self._cli("scheduler", "--host", s.host, "--port", str(r.port),
+                         "--control-port", str(r.control_port), "--events-port", str(r.events_port),
+                         "--http-port", str(r.http_port), "--metrics-port", str(metrics_port), *(["--model", s.model] if s.model else []),
                          *s.scheduler_args)
-        return Component("scheduler", argv, metrics_port or None)
+        return Component(r.name, argv, metrics_port or None)
 
     def _engine_component(self, role: str, index: int) -> Component:
         s = self.spec
@@ -212,7 +261,7 @@ class LocalCluster:
         slot = index if role == "prefill" else s.num_prefill + index
         devices = s.engine_devices[slot] if slot < len(s.engine_devices) else ""
         fraction = s.engine_memory_fractions[slot] if slot < len(s.engine_memory_fractions) else 0.0
-        argv = self._cli(role, "--engine-id", engine_id, "--scheduler", f"{s.host}:{self.control_port}",
+        argv = self._cli(role, "--engine-id", engine_id, "--scheduler", self._control_targets(),
                          "--host", s.host, "--port", str(port), "--tp", str(self.role_tp(role)), "--torch-threads", str(self.torch_threads),
                          "--metrics-port", str(metrics_port), "--kv-cache-memory", s.kv_cache_memory,
                          *(["--model", s.model] if s.model else []), *(["--dtype", s.dtype] if s.dtype else []),
@@ -221,9 +270,14 @@ class LocalCluster:
                          *self._backend_args(), *s.engine_args)
         return Component(engine_id, argv, metrics_port or None, f"{s.host}:{port}")
 
+    def _control_targets(self) -> str:
+        return ",".join(f"{self.spec.host}:{r.control_port}" for r in self.replicas)
+
     def start(self, timeout: float = 180.0) -> None:
-        """Starts every component and returns once the scheduler sees every engine registered."""
-        self._launch(self._scheduler_component())
+        """Starts every component and returns once every scheduler replica sees every engine
+        registered."""
+        for replica in self.replicas:
+            self._launch(self._scheduler_component(replica))
         self.start_engines(timeout)
 
     def start_engines(self, timeout: float = 180.0) -> None:
@@ -260,9 +314,10 @@ class LocalCluster:
         self.components[comp.name] = comp
         logger.info("started %s (pid %d)", comp.name, comp.proc.pid)
 
-    def server_info(self, timeout: float = 2.0) -> gen_pb.ServerInfo:
+    def server_info(self, timeout: float = 2.0, target: str = "") -> gen_pb.ServerInfo:
+        """GetServerInfo of replica 0 (or of the client API at `target`)."""
         security = self.client_security
-        with open_sync_channel(self.target, security, CHANNEL_OPTIONS) as channel:
+        with open_sync_channel(target or self.target, security, CHANNEL_OPTIONS) as channel:
             return gen_grpc.GenerationStub(channel).GetServerInfo(
                 gen_pb.GetServerInfoRequest(), timeout=timeout, metadata=security.metadata() if security else ())
 
@@ -280,10 +335,12 @@ class LocalCluster:
                     raise RuntimeError(f"{comp.name} exited with status {comp.proc.returncode} while starting"
                                        + (f"; see {comp.log_path}" if comp.log_path else ""))
             try:
-                info = self.server_info()
-                last_error = f"{info.num_prefill_engines} prefill, {info.num_decode_engines} decode registered"
-                if info.num_prefill_engines >= num_prefill and info.num_decode_engines >= num_decode:
-                    starting = [name for name in self.components if name != "scheduler" and not self._serving(name)]
+                infos = [self.server_info(target=self.replica_target(r)) for r in self.replicas
+                         if self.components.get(r.name) is None or self.components[r.name].alive]
+                last_error = "; ".join(f"{i.num_prefill_engines} prefill, {i.num_decode_engines} decode registered"
+                                       for i in infos)
+                if all(i.num_prefill_engines >= num_prefill and i.num_decode_engines >= num_decode for i in infos):
+                    starting = [name for name in self.engine_names if not self._serving(name)]
                     if not starting:
                         return
                     last_error += f"; still starting: {', '.join(starting)}"
@@ -312,7 +369,7 @@ class LocalCluster:
     def wait_no_leaks(self, names: list[str] | None = None, timeout: float = 15.0) -> dict[str, list[str]]:
         """Waits until every named engine (default: all alive) reports no leaks; returns the
         leaks still reported at the timeout (empty dict when clean)."""
-        names = names or [n for n, c in self.components.items() if n != "scheduler" and c.alive]
+        names = names or [n for n in self.engine_names if self.components[n].alive]
         deadline = time.monotonic() + timeout
         while True:
             leaks = {n: list(self.inspect(n).leaks) for n in names}
@@ -349,7 +406,7 @@ class LocalCluster:
 
     def stop(self, grace: float = 15.0) -> None:
         """SIGTERM every component (engines first), SIGKILL what is left after `grace` seconds."""
-        order = [n for n in self.components if n != "scheduler"] + (["scheduler"] if "scheduler" in self.components else [])
+        order = self.engine_names + [n for n in self.components if self.is_scheduler(n)]
         for name in order:
             self.kill(name, signal.SIGTERM)
         deadline = time.monotonic() + grace

@@ -20,6 +20,9 @@ VLLM_BLOCK_SIZE = 32  # vLLM 0.32's CPU attention takes block sizes that are mul
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="", help="model directory (Hugging Face layout); default: the demo model")
+    parser.add_argument("--schedulers", type=int, default=1,
+                        help="scheduler replicas, all active (any serves any request); every engine connects to "
+                             "each; replica i listens on the four ports below + 10 * i")
     parser.add_argument("--prefill", type=int, default=1, help="number of prefill engines")
     parser.add_argument("--decode", type=int, default=1, help="number of decode engines")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of every engine")
@@ -80,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     if args.prefill < 0 or args.decode < 1 or args.tp < 1:
         raise ValueError("need --prefill >= 0, --decode >= 1 and --tp >= 1")
+    if not 1 <= args.schedulers <= 8:
+        raise ValueError(f"--schedulers must be in [1, 8], got {args.schedulers}")
     if args.prefill_tp < 0 or args.decode_tp < 0:
         raise ValueError("need --prefill-tp >= 1 and --decode-tp >= 1 (or 0: --tp)")
     if not (args.tls or args.allow_plaintext):
@@ -121,7 +126,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
                        events_port=args.events_port, http_port=args.http_port, metrics=args.metrics, torch_threads=args.torch_threads,
                        kv_cache_memory=args.kv_cache_memory, scheduler_args=scheduler_args,
                        log_dir=args.log_dir, tls=args.tls, tls_dir=args.tls_dir, engine_args=engine_args,
-                       engine=args.engine, vllm_args=list(args.vllm_arg))
+                       engine=args.engine, vllm_args=list(args.vllm_arg), num_schedulers=args.schedulers)
 
 
 def _check_engine(engine: str, vllm_args: list[str]) -> None:
@@ -208,6 +213,21 @@ def print_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def print_endpoints(cluster: LocalCluster, args: argparse.Namespace, flags: str) -> None:
+    """Every replica's endpoints; with replicas, the Generate line names them all (a client
+    given the list retries on another replica when one dies)."""
+    token_hint = "  (Authorization: Bearer <token>)" if args.auth_tokens_file else ""
+    print(f"  Generate API   {cluster.targets}   (pdserve generate --target {cluster.targets}{flags} --prompt ...)")
+    for r in cluster.replicas:
+        tag = f"  [{r.name}]" if len(cluster.replicas) > 1 else ""
+        host = args.host
+        print(f"  OpenAI API     {cluster.replica_http_url(r)}   (base_url of any OpenAI client){token_hint}{tag}")
+        print(f"  KV events      {host}:{r.events_port}   (pdserve events --target {host}:{r.events_port}{flags}){tag}")
+        print(f"  control plane  {host}:{r.control_port}{tag}")
+        if len(cluster.replicas) > 1:
+            print(f"  Generate API   {host}:{r.port}{tag}")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.plan:
         return print_plan(args)
@@ -218,7 +238,8 @@ def run(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
     cluster = LocalCluster(spec)
     placement = gpu_placement(args)
-    print("pdserve up: starting scheduler, "
+    replicas = f"{args.schedulers} scheduler replicas" if args.schedulers > 1 else "scheduler"
+    print(f"pdserve up: starting {replicas}, "
           f"{args.prefill} prefill (tp {cluster.role_tp('prefill')}) and {args.decode} decode "
           f"(tp {cluster.role_tp('decode')}) engine(s) on {placement.describe()} ...", flush=True)
     if placement.plan is not None:
@@ -232,11 +253,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"  mTLS           certificates in {p.directory}")
         if args.auth_tokens_file:
             flags += " --token-file <file with one of your tokens>"
-        print(f"  Generate API   {cluster.target}   (pdserve generate --target {cluster.target}{flags} --prompt ...)")
-        token_hint = "  (Authorization: Bearer <token>)" if args.auth_tokens_file else ""
-        print(f"  OpenAI API     {cluster.http_url}   (base_url of any OpenAI client){token_hint}")
-        print(f"  KV events      {cluster.events_target}   (pdserve events --target {cluster.events_target}{flags})")
-        print(f"  control plane  {args.host}:{cluster.control_port}")
+        print_endpoints(cluster, args, flags)
         for comp in cluster.components.values():
             if comp.metrics_port:
                 print(f"  metrics        http://{args.host}:{comp.metrics_port}/metrics   ({comp.name})")

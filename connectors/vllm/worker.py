@@ -48,8 +48,16 @@ from connectors.vllm.kv_region import ComputeFence, FenceFactory, describe_kv_ca
 from connectors.vllm.params import PdserveConnectorConfig, PdserveConnectorMetadata, PullSpec
 from connectors.vllm.staging import KVStaging
 from services.common.metrics import EngineMetrics
+from services.common.request_owner import owner_of
 from services.common.security import ChannelSecurity
-from services.engine.control_client import ControlMessage, EngineLoad, KVFailed, ReleaseBlocks, StepReport
+from services.engine.control_client import (
+    ControlMessage,
+    EngineLoad,
+    KVFailed,
+    ReleaseBlocks,
+    SchedulerLost,
+    StepReport,
+)
 from services.engine.rank_agent import RankAgent, RankAgentFactory, compatibility_hash
 
 logger = logging.getLogger(__name__)
@@ -230,6 +238,9 @@ class VllmWorkerHalf:
         elif isinstance(msg, KVFailed):
             with self._lock:
                 self._failed_by_scheduler.add(msg.request_id)
+        elif isinstance(msg, SchedulerLost):  # its requests' pinned prefills: nobody will release them
+            with self._lock:
+                self._released.update(rid for rid in self._sends if owner_of(rid) == msg.scheduler_id)
 
     def _on_results(self, results: TransferResults, invalid: set[int]) -> None:
         """Drain thread: results the pdserve scheduler is being told, kept for vLLM."""

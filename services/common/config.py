@@ -22,7 +22,8 @@ import yaml
 
 from connectors.hashing import DEFAULT_HASH_SEED
 from engine.byte_size import parse_size  # noqa: F401  (re-exported: services import it from here)
-from services.common.security import TokenStore, check_plaintext, check_tls_files, target_host
+from services.common.scheduler_targets import parse_scheduler_targets
+from services.common.security import TokenStore, check_plaintext, check_tls_files
 
 ENV_PREFIX = "PDSERVE_"
 C = TypeVar("C")
@@ -165,7 +166,9 @@ class EngineConfig:
                                    "with --engine vllm", flag="vllm-arg")
     engine_id: str = opt("", "stable engine id; default <role>-<hostname>")
     model: str = opt("", "model directory; empty selects the demo model")
-    scheduler: str = opt("127.0.0.1:50052", "scheduler control address host:port")
+    scheduler: str = opt("127.0.0.1:50052", "scheduler control address host:port; with replicas a comma list, "
+                                            "or dns:NAME:PORT (every address NAME resolves to, re-resolved "
+                                            "periodically: a Kubernetes headless Service)")
     host: str = opt("127.0.0.1", "address the Engine API binds to")
     advertise_host: str = opt("", "address peers use to reach this engine; default --host")
     port: int = opt(0, "Engine API port; 0 picks a free port")
@@ -262,7 +265,8 @@ class EngineConfig:
             parse_size(self.kv_offload_memory)
         except ValueError as e:
             raise ValueError(f"kv_offload_memory: {e}") from None
-        _validate_security(self, [("host", self.host), ("scheduler", target_host(self.scheduler))])
+        schedulers = [("scheduler", t.host) for t in parse_scheduler_targets(self.scheduler)]
+        _validate_security(self, [("host", self.host), *schedulers])
         _require(0 <= self.health_port < 65536, "health_port", "must be a TCP port (0..65535)")
 
     @property

@@ -52,7 +52,10 @@ Contracts:
   rejects the certificate ends the TLS handshake without a reason, so that looks like an
   unreachable scheduler (UNAVAILABLE, retried with backoff), never like a registration.
 - `on_message`, when given, is called from the client thread for every message, in order;
-  it must not block. `poll()` returns the same messages (drain, don't push).
+  it must not block. Without it, `poll()` returns the messages instead (drain, don't push);
+  with it nothing is kept for `poll()` (a rank that never polls must not grow an inbox).
+- One client talks to one scheduler; `services.engine.control_fanout.ControlFanout` keeps one
+  per scheduler replica.
 """
 
 from __future__ import annotations
@@ -182,7 +185,16 @@ class ReleaseBlocks:
     request_id: str
 
 
-ControlMessage = Welcome | PeerUpdate | KVReady | KVFailed | ReleaseBlocks
+@dataclass(frozen=True, slots=True)
+class SchedulerLost:
+    """Not on the wire: the rank's `ControlFanout` declares a scheduler replica gone (its stream
+    down past the loss timeout, or it came back as another scheduler id); the engine releases
+    what it holds for the requests that replica owned."""
+
+    scheduler_id: str
+
+
+ControlMessage = Welcome | PeerUpdate | KVReady | KVFailed | ReleaseBlocks | SchedulerLost
 
 
 @dataclass(slots=True)
@@ -530,8 +542,9 @@ class ControlClient:
             self.welcome = converted
             self._connected = True
             self._started.set()
-        self._inbox.append(converted)
-        if self.on_message is not None:
+        if self.on_message is None:
+            self._inbox.append(converted)
+        else:
             try:
                 self.on_message(converted)
             except Exception:

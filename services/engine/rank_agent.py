@@ -1,7 +1,8 @@
 """`RankAgent`: what every rank process of an engine runs beside its model shard.
 
 The engine's `rank_init` hook builds one per rank (in that rank's process). It owns the rank's
-UCX worker connector and the rank's control stream to the scheduler:
+UCX worker connector and the rank's control streams to the scheduler replicas (one each,
+`ControlFanout`):
 
 - at `register_kv_caches` it starts UCX over the rank's KV tensor, registers with the
   scheduler (Hello carries the UCX handshake metadata) and, on a decode rank, connects to every
@@ -15,8 +16,8 @@ UCX worker connector and the rank's control stream to the scheduler:
   BlockRemoved / AllBlocksCleared of the tier's medium) go on this rank's control stream as
   `StepReport.worker_events`, where the scheduler's aggregator publishes a BlockStored once every
   rank reported it;
-- rank 0's agent also hands the scheduler's KVReady / KVFailed / ReleaseBlocks to the engine
-  service through `set_inbox`;
+- rank 0's agent also hands the scheduler's KVReady / KVFailed / ReleaseBlocks (and a lost
+  replica's `SchedulerLost`) to the engine service through `set_inbox`;
 - with tracing on, every traced pull (its `PullCommand.trace_carrier` holds the W3C context of
   a sampled decode span) gets a `kv_transfer` span on this rank, child of that decode span,
   from `start_pull` until the drain sees it finish (or fail, or be cancelled).
@@ -50,7 +51,6 @@ from services.common.metrics import (
 from services.common.security import ChannelSecurity
 from services.common.tracing import ComponentTracer, extract_carrier, flush_tracing, process_tracer
 from services.engine.control_client import (
-    ControlClient,
     ControlHello,
     ControlMessage,
     PeerUpdate,
@@ -59,6 +59,7 @@ from services.engine.control_client import (
     TransferStat,
     Welcome,
 )
+from services.engine.control_fanout import ControlFanout
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ class RankAgent(WorkerConnector):
         self.ucx = UcxWorkerConnector(engine_id=factory.engine_id, epoch=factory.epoch, tp_rank=rank,
                                       tp_size=tp_size, num_kv_heads=factory.num_kv_heads,
                                       compatibility_hash=factory.compat_hash, config=config)
-        self.control: ControlClient | None = None
+        self.control: ControlFanout | None = None
         self.metrics: TransferMetrics | None = None
         self.registry: CollectorRegistry | None = None
         self._metrics_server: MetricsServer | None = None
@@ -166,7 +167,7 @@ class RankAgent(WorkerConnector):
         hello = ControlHello(self.identity, f.compat_hash, f.engine_address, self.ucx.get_handshake_metadata(),
                              hash_seed=f.hash_seed, block_size=f.block_size, dtype=f.dtype or None,
                              device_kind=f.device_kind or None)
-        self.control = ControlClient(f.scheduler, hello, on_message=self._on_message, security=f.security)
+        self.control = ControlFanout(f.scheduler, hello, on_message=self._on_message, security=f.security)
         self.control.start(timeout=None)
         self._drain_thread = threading.Thread(target=self._drain_loop, name=f"rank{self.identity.tp_rank}-drain",
                                               daemon=True)

@@ -2,7 +2,7 @@
 
 Rank 0's `RankAgent` hands every scheduler message for the engine to one inbox;
 `route_control_message` turns KVReady / KVFailed into a `KVVerdict` and ReleaseBlocks into a
-release, for any backend that implements `VerdictHandler`. The waits and leases those verdicts
+release (and a lost scheduler replica into releases of its requests), for any backend that implements `VerdictHandler`. The waits and leases those verdicts
 settle are `connectors.kv_verdicts` (shared state, no engine).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from connectors.kv_verdicts import KVVerdict
-from services.engine.control_client import ControlMessage, KVFailed, KVReady, ReleaseBlocks
+from services.engine.control_client import ControlMessage, KVFailed, KVReady, ReleaseBlocks, SchedulerLost
 
 
 class VerdictHandler(Protocol):
@@ -20,6 +20,9 @@ class VerdictHandler(Protocol):
     def on_kv_verdict(self, verdict: KVVerdict) -> None: ...
 
     def on_release_blocks(self, request_id: str) -> None: ...
+
+    def on_scheduler_lost(self, scheduler_id: str) -> None:
+        """Release what is held for the requests of a scheduler replica that is gone."""
 
 
 def route_control_message(msg: ControlMessage, handler: VerdictHandler) -> None:
@@ -30,3 +33,5 @@ def route_control_message(msg: ControlMessage, handler: VerdictHandler) -> None:
         handler.on_kv_verdict(KVVerdict(msg.request_id, ok=False, invalid_block_ids=frozenset(msg.invalid_block_ids)))
     elif isinstance(msg, ReleaseBlocks):
         handler.on_release_blocks(msg.request_id)
+    elif isinstance(msg, SchedulerLost):
+        handler.on_scheduler_lost(msg.scheduler_id)

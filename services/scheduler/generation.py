@@ -6,8 +6,11 @@ Contracts (see generation.proto):
   no engine with room gets
   RESOURCE_EXHAUSTED, no healthy decode engine UNAVAILABLE; a draining scheduler UNAVAILABLE.
 - Responses echo the client's request id (a generated one when empty). Engines see a
-  scheduler-unique id (`<client id>.<random>`), so a client reusing an id never collides with
-  an earlier request's state on an engine or in the aggregator.
+  scheduler-unique id (`<client id>.<random>@<scheduler id>`), so a client reusing an id never
+  collides with an earlier request's state on an engine or in the aggregator, and every rank
+  knows which scheduler replica owns the request.
+- A request with `output_token_ids` (resumed after its replica died) runs decode-only with
+  prompt + those tokens, its chunks indexed after them.
 - One deadline per request: the client's gRPC deadline or `default_deadline_s`, whichever is
   sooner; every engine call carries what is left. Past it: DEADLINE_EXCEEDED, both legs aborted.
 - The stream is chunks (`index` = position of the chunk's first token in the output, with no
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -42,6 +46,7 @@ from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import generation_pb2_grpc as gen_grpc
 from services.common.config import SchedulerConfig
 from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.request_owner import owned_id
 from services.common.security import ChannelSecurity, component_channel_security, open_channel
 from services.common.tracing import ComponentTracer, client_interceptors, tracing_active
 from services.common.version import __version__
@@ -52,7 +57,7 @@ from services.scheduler.lifecycle import EngineRef, ReleaseCause, RequestRecord,
 from services.scheduler.path_costs import PathCosts
 from services.scheduler.path_policy import PathDecision
 from services.scheduler.registry import EngineState, Role
-from services.scheduler.routing import EngineView, Route, Router, RoutingRequest
+from services.scheduler.routing import EngineView, Route, Router, RoutingDecision, RoutingRequest
 from services.scheduler.telemetry import SchedulerTelemetry
 from services.scheduler.tokenization import ModelFacts, PromptTokenizer
 from services.scheduler.transfers import OutcomeKind, TransferOutcome
@@ -194,7 +199,8 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                                  vocab_size=self.facts.vocab_size, block_size=self.config.block_size,
                                  num_prefill_engines=len(self.registry.routable(Role.PREFILL)),
                                  num_decode_engines=len(self.registry.routable(Role.DECODE)),
-                                 has_chat_template=self.tokenizer is not None and self.tokenizer.has_chat_template)
+                                 has_chat_template=self.tokenizer is not None and self.tokenizer.has_chat_template,
+                                 scheduler_id=self.control.scheduler_id)
 
     async def ListModels(self, request: gen_pb.ListModelsRequest,
                          context: grpc.aio.ServicerContext) -> gen_pb.ListModelsResponse:
@@ -282,6 +288,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         valid = validate(request, self.facts, self.limits, self.tokenizer)
         client_id = request.request_id or uuid.uuid4().hex
         request_id = f"{request.request_id}.{uuid.uuid4().hex[:12]}" if request.request_id else client_id
+        request_id = owned_id(request_id, self.control.scheduler_id)  # engines tell the owning replica
         timeout = self.config.default_deadline_s
         if time_remaining is not None:
             timeout = min(timeout, time_remaining)
@@ -291,6 +298,8 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         ttft, itl = _target_s(valid.sampling, "ttft_target_ms"), _target_s(valid.sampling, "itl_target_ms")
         route = self.router.route(RoutingRequest(hashes, len(valid.prompt_token_ids), ttft, itl),
                                   self._views(Role.PREFILL), self._views(Role.DECODE))
+        if valid.output_token_ids:  # resumed: the decode engine computes prompt + outputs
+            route = dataclasses.replace(route, prefill=RoutingDecision(None, "resumed"))
         if route.decode.engine_id is None or route.path is None:
             raise self._no_decode_error(frozenset())
         record = self.table.admit(request_id, len(valid.prompt_token_ids), timeout)
@@ -306,6 +315,8 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         prefilling = route.prefill.engine_id or route.decode.engine_id
         self._add_backlog(flight, prefilling, route.path.num_uncached_tokens)
         self._register_itl(flight, route.decode.engine_id)
+        flight.output_ids = list(valid.output_token_ids)  # resumed: streamed before, by a replica that died
+        record.num_streamed_tokens = len(flight.output_ids)
         self.flights[request_id] = flight
         return flight, route
 

@@ -4,7 +4,7 @@ gRPC status to answer) and changes no state."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -43,6 +43,8 @@ class ValidRequest:
     # Sampling parameters for the engines, max_tokens resolved.
     sampling: gen_pb.SamplingParams
     max_tokens: int
+    # Tokens already generated on a replica that died (GenerateRequest.output_token_ids).
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 def validate(req: gen_pb.GenerateRequest, facts: ModelFacts, limits: Limits,
@@ -61,7 +63,14 @@ def validate(req: gen_pb.GenerateRequest, facts: ModelFacts, limits: Limits,
         raise invalid(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the model's maximum "
                       f"length {facts.max_model_len}")
     sampling.max_tokens = max_tokens
-    return ValidRequest(prompt, sampling, max_tokens)
+    outputs = list(req.output_token_ids)
+    if len(outputs) >= max_tokens:
+        raise invalid(f"output_token_ids: {len(outputs)} tokens already generated leave nothing of max_tokens "
+                      f"{max_tokens}")
+    bad = next((t for t in outputs if t >= facts.vocab_size), None)
+    if bad is not None:
+        raise invalid(f"output token id {bad} outside the vocabulary [0, {facts.vocab_size})")
+    return ValidRequest(prompt, sampling, max_tokens, outputs)
 
 
 def _prompt_ids(req: gen_pb.GenerateRequest, facts: ModelFacts, tokenizer: PromptTokenizer | None) -> list[int]:

@@ -192,7 +192,7 @@ def test_http_api_port_is_served_exposed_and_open_to_clients(values_name: str) -
     (container,) = containers(one(docs, "Deployment", "scheduler"))
     http_port = configs["scheduler"]["http_port"]
     assert port_of(container, "http") == http_port
-    [port] = [p for p in one(docs, "Service", "scheduler")["spec"]["ports"] if p["name"] == "http"]
+    [port] = [p for p in client_service(docs)["spec"]["ports"] if p["name"] == "http"]
     assert port["port"] == http_port and port["targetPort"] == "http"
     for policy in of_kind(docs, "NetworkPolicy"):
         client_rules = [r for r in policy["spec"]["ingress"]
@@ -234,8 +234,8 @@ def test_values_declared_once_are_identical_everywhere(values_name: str) -> None
         assert cfg["block_size"] == kv.get("blockSize", 16)
         assert cfg["hash_seed"] == kv.get("hashSeed", "0")
     sched_port = configs["scheduler"]["control_port"]
-    for role in ENGINE_ROLES:
-        assert configs[role]["scheduler"] == f"demo-pdserve-scheduler:{sched_port}"
+    for role in ENGINE_ROLES:  # every replica, through the headless Service
+        assert configs[role]["scheduler"] == f"dns:demo-pdserve-scheduler-peers:{sched_port}"
         assert configs[role]["tp"] == values.get(role, {}).get("tp", 1)
     # every pod that loads the model mounts it at the configured path
     if expected_model:
@@ -351,14 +351,45 @@ def test_hpa_per_role_and_pdbs() -> None:
     assert pdbs == {"scheduler", "prefill", "decode"}
 
 
+def client_service(docs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The scheduler's regular Service (beside it, the headless `-peers` one for engines)."""
+    (svc,) = [d for d in of_kind(docs, "Service") if d["metadata"]["name"] == "demo-pdserve-scheduler"]
+    return svc
+
+
+def test_scheduler_replicas_pdb_anti_affinity_and_both_services() -> None:
+    docs = rendered("gpu-tp2-rdma-values.yaml")  # the production-like values: 2 replicas
+    deployment = one(docs, "Deployment", "scheduler")
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    anti = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    term = anti["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    pdb = [p for p in of_kind(docs, "PodDisruptionBudget")
+           if p["metadata"]["labels"]["app.kubernetes.io/component"] == "scheduler"]
+    assert len(pdb) == 1 and pdb[0]["spec"]["minAvailable"] == 1
+    services = {s["metadata"]["name"]: s for s in of_kind(docs, "Service")
+                if s["metadata"]["labels"]["app.kubernetes.io/component"] == "scheduler"}
+    assert set(services) == {"demo-pdserve-scheduler", "demo-pdserve-scheduler-peers"}
+    peers = services["demo-pdserve-scheduler-peers"]["spec"]
+    assert peers["clusterIP"] == "None" and peers["publishNotReadyAddresses"] is True
+    assert [p["name"] for p in peers["ports"]] == ["control"]
+    assert services["demo-pdserve-scheduler"]["spec"].get("clusterIP") != "None"
+    for role in ENGINE_ROLES:
+        assert config_files(docs)[role]["scheduler"].startswith("dns:demo-pdserve-scheduler-peers:")
+    single = one(rendered("default"), "Deployment", "scheduler")
+    assert single["spec"]["replicas"] == 1 and "affinity" not in single["spec"]["template"]["spec"]
+
+
 def test_scheduler_service_exposes_its_ports() -> None:
     docs = rendered("everything-values.yaml")
-    svc = one(docs, "Service", "scheduler")
+    svc = client_service(docs)
     names = {p["name"] for p in svc["spec"]["ports"]}
     assert names == {"grpc", "control", "events", "http", "metrics", "zmq-pub", "zmq-replay"}
     cfg = config_files(docs)["scheduler"]
     assert cfg["zmq_endpoint"] == "tcp://*:5557" and cfg["zmq_replay_endpoint"] == "tcp://*:5558"
-    assert {p["name"] for p in one(rendered("default"), "Service", "scheduler")["spec"]["ports"]} == \
+    assert {p["name"] for p in client_service(rendered("default"))["spec"]["ports"]} == \
         {"grpc", "control", "events", "http", "metrics"}
 
 
@@ -384,7 +415,7 @@ def test_tls_tracing_and_service_account() -> None:
 def test_monitoring_targets_exist() -> None:
     docs = rendered("everything-values.yaml")
     (sm,) = of_kind(docs, "ServiceMonitor")
-    assert sm["spec"]["endpoints"][0]["port"] in {p["name"] for p in one(docs, "Service", "scheduler")["spec"]["ports"]}
+    assert sm["spec"]["endpoints"][0]["port"] in {p["name"] for p in client_service(docs)["spec"]["ports"]}
     (pm,) = of_kind(docs, "PodMonitor")
     engine_ports = {p["name"] for role in ENGINE_ROLES for p in containers(one(docs, "StatefulSet", role))[0]["ports"]}
     assert {e["port"] for e in pm["spec"]["podMetricsEndpoints"]} == {n for n in engine_ports if n.startswith("metrics")}

@@ -166,6 +166,7 @@ class GenerateRequest(_message.Message):
     CHAT_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Optional; the scheduler assigns one when empty. Echoed in every response."""
     text: _builtins.str
@@ -179,6 +180,15 @@ class GenerateRequest(_message.Message):
     def token_ids(self) -> Global___TokenIds: ...
     @_builtins.property
     def sampling(self) -> Global___SamplingParams: ...
+    @_builtins.property
+    def output_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Tokens this request already generated, on a scheduler replica that died mid-stream: the
+        answer continues after them (the decode engine computes prompt + these, as in a decode
+        migration), so a client that resends the same request with them gets no token twice and
+        none missing. Chunks start at index len(output_token_ids); usage counts them as generated.
+        Fewer than max_tokens, each in the vocabulary.
+        """
+
     def __init__(
         self,
         *,
@@ -189,10 +199,11 @@ class GenerateRequest(_message.Message):
         chat: _builtins.bool | None = ...,
         priority: _builtins.int | None = ...,
         model: _builtins.str = ...,
+        output_token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_chat", b"_chat", "_priority", b"_priority", "chat", b"chat", "priority", b"priority", "prompt", b"prompt", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_chat", b"_chat", "_priority", b"_priority", "chat", b"chat", "model", b"model", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_chat", b"_chat", "_priority", b"_priority", "chat", b"chat", "model", b"model", "output_token_ids", b"output_token_ids", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__chat: _TypeAlias = _typing.Literal["chat"]  # noqa: Y015
     _WhichOneofArgType__chat: _TypeAlias = _typing.Literal["_chat", b"_chat"]  # noqa: Y015
@@ -385,6 +396,7 @@ class ServerInfo(_message.Message):
     NUM_PREFILL_ENGINES_FIELD_NUMBER: _builtins.int
     NUM_DECODE_ENGINES_FIELD_NUMBER: _builtins.int
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
+    SCHEDULER_ID_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     model: _builtins.str
     max_model_len: _builtins.int
@@ -395,6 +407,10 @@ class ServerInfo(_message.Message):
     has_chat_template: _builtins.bool
     """The model has a chat template (GenerateRequest.chat applies); `pdserve generate` applies it
     to text prompts by default then.
+    """
+    scheduler_id: _builtins.str
+    """This scheduler replica's id (new at every start); engines see it at the end of the request
+    ids it owns (`<id>@<scheduler id>`).
     """
     def __init__(
         self,
@@ -407,10 +423,11 @@ class ServerInfo(_message.Message):
         num_prefill_engines: _builtins.int = ...,
         num_decode_engines: _builtins.int = ...,
         has_chat_template: _builtins.bool = ...,
+        scheduler_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "has_chat_template", b"has_chat_template", "max_model_len", b"max_model_len", "model", b"model", "num_decode_engines", b"num_decode_engines", "num_prefill_engines", b"num_prefill_engines", "version", b"version", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "has_chat_template", b"has_chat_template", "max_model_len", b"max_model_len", "model", b"model", "num_decode_engines", b"num_decode_engines", "num_prefill_engines", b"num_prefill_engines", "scheduler_id", b"scheduler_id", "version", b"version", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

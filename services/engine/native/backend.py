@@ -39,6 +39,7 @@ from engine.llm_engine import LLMEngine
 from engine.request import RequestMode
 from services.common.config import EngineConfig
 from services.common.metrics import EngineMetrics
+from services.common.request_owner import owner_of
 from services.engine.backend import (
     BackendLoad,
     DecodeInput,
@@ -188,6 +189,15 @@ class NativeBackend:
     def on_release_blocks(self, request_id: str) -> None:
         self._call(lambda e: self._release(e, request_id))
 
+    def on_scheduler_lost(self, scheduler_id: str) -> None:
+        """Frees every pinned prefill of the lost replica's requests: nobody will release them.
+        (Its decode legs end with their Decode streams, cancelled when its connection drops.)"""
+        pinned = [rid for rid in self.leases.pinned() if owner_of(rid) == scheduler_id]
+        if pinned:
+            logger.warning("scheduler %s lost: releasing %d pinned prefill(s)", scheduler_id, len(pinned))
+        for rid in pinned:
+            self.on_release_blocks(rid)
+
     def _finish_remote(self, engine: LLMEngine, verdict: KVVerdict) -> None:
         self.waits.settle(verdict.request_id)
         try:
@@ -226,7 +236,20 @@ class NativeBackend:
         except NoFreeBlocksError as e:
             del self._pending[request_id]
             raise OutOfBlocks(str(e)) from None
+        except asyncio.CancelledError:  # the caller left (its scheduler died) while the engine added it
+            self._pending.pop(request_id, None)
+            self._forget(request_id)
+            raise
         return pending
+
+    def _forget(self, request_id: str) -> None:
+        """Ends a request nobody waits for, without waiting (the engine loop does it)."""
+        def abort(engine: LLMEngine) -> bool:
+            return engine.abort_request(request_id)
+
+        self.leases.unpin(request_id)
+        self._connector().queue_cancel(request_id)
+        self._call(abort)
 
     async def prefill(self, request: PrefillInput) -> PrefillResult:
         rid, prompt, params = request.request_id, request.prompt_token_ids, request.sampling

@@ -40,3 +40,16 @@ def test_the_request_is_not_modified() -> None:
     r = req([1, 2])
     validate(r, FACTS, LIMITS, None)
     assert not r.sampling.HasField("max_tokens")
+
+
+def test_resumed_output_tokens_are_kept_and_checked() -> None:
+    r = req([1, 2, 3], max_tokens=5)
+    r.output_token_ids.extend([7, 8])
+    assert validate(r, FACTS, LIMITS, None).output_token_ids == [7, 8]
+    r.output_token_ids.extend([9, 10, 11])  # 5 of max_tokens 5: nothing left to generate
+    with pytest.raises(RequestError, match="output_token_ids: 5 tokens"):
+        validate(r, FACTS, LIMITS, None)
+    bad = req([1], max_tokens=5)
+    bad.output_token_ids.append(100)
+    with pytest.raises(RequestError, match="output token id 100 outside"):
+        validate(bad, FACTS, LIMITS, None)

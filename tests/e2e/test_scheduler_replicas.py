@@ -1,0 +1,134 @@
+"""Two active scheduler replicas end to end: real processes, KV over UCX, the demo model.
+
+Both replicas serve (gRPC and the OpenAI API) with the same outputs; a replica killed with
+SIGKILL mid-stream loses no request: the client library goes on at the other replica from the
+tokens it had (no token twice, none missing), the engines release the blocks they held for the
+dead replica's requests within the loss timeout, and nothing leaks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import openai
+import pytest
+from e2e_cluster import MAX_TOKENS, start_cluster
+
+from pdserve.v1 import engine_pb2, engine_pb2_grpc
+from services.client import Client, GenerationResult
+from services.common.grpc_server import CHANNEL_OPTIONS
+from services.local_cluster import LocalCluster
+
+pytestmark = pytest.mark.timeout(300)
+
+LONG_TOKENS = 40
+LOSS_TIMEOUT_S = 5.0  # services.engine.control_fanout.DEFAULT_LOSS_TIMEOUT_S
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    c = start_cluster(tmp_path_factory, "replicas", num_schedulers=2)
+    yield c
+    c.stop()
+
+
+def _greedy(target: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> GenerationResult:
+    with Client(target) as client:
+        return client.generate(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, timeout=60)
+
+
+def _pin(cluster: LocalCluster, request_id: str, prompt: list[int]) -> None:
+    """A prefill straight on the engine: its blocks stay pinned for a reader (2 leases: 60 s)."""
+    with grpc.insecure_channel(cluster.components["prefill-0"].address, CHANNEL_OPTIONS) as channel:
+        engine_pb2_grpc.EngineStub(channel).Prefill(
+            engine_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt), timeout=30)
+
+
+def _wait_pinned(cluster: LocalCluster, expected: int, timeout: float) -> int:
+    deadline = time.monotonic() + timeout
+    while (pinned := cluster.inspect("prefill-0").num_pinned) != expected and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return pinned
+
+
+def test_replica_killed_mid_stream_loses_nothing(replicas: LocalCluster, prompts: list[list[int]],
+                                                  reference: list[list[int]]) -> None:
+    a, b = replicas.replicas
+    target_a, target_b = replicas.replica_target(a), replicas.replica_target(b)
+    id_a = replicas.server_info(target=target_a).scheduler_id
+    id_b = replicas.server_info(target=target_b).scheduler_id
+    assert id_a and id_b and id_a != id_b
+
+    # Both replicas route and serve, with the in-process engine's outputs.
+    for i, target in enumerate([target_a, target_b, target_a, target_b]):
+        assert _greedy(target, prompts[i]).token_ids == reference[i], f"prompt {i} via {target}"
+    expected = [_greedy(target_b, prompts[i], LONG_TOKENS).token_ids for i in range(3)]
+    assert all(e[:MAX_TOKENS] == reference[i] for i, e in enumerate(expected))
+
+    # Blocks held for each replica's requests.
+    _pin(replicas, f"pinned.1@{id_a}", prompts[5])
+    _pin(replicas, f"pinned.2@{id_b}", prompts[6])
+    assert replicas.inspect("prefill-0").num_pinned == 2
+
+    # Streams through replica a (listed first); a dies once each has tokens.
+    results: list[GenerationResult | BaseException | None] = [None] * 3
+    received = [0] * 3
+    started = [threading.Event() for _ in range(3)]
+
+    def on_chunk(i: int, n: int) -> None:
+        received[i] += n
+        started[i].set()
+
+    def stream(i: int) -> None:
+        try:
+            with Client(f"{target_a},{target_b}") as client:
+                results[i] = client.generate(prompts[i], max_tokens=LONG_TOKENS, temperature=0.0, ignore_eos=True,
+                                             timeout=60, on_chunk=lambda c: on_chunk(i, len(c.token_ids)))
+        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+            results[i] = e
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    assert all(e.wait(30) for e in started)
+    killed_at = time.monotonic()
+    replicas.kill("scheduler")
+    mid_stream = [i for i, t in enumerate(threads) if t.is_alive() and 0 < received[i] < LONG_TOKENS]
+    for t in threads:
+        t.join(60)
+    for i, r in enumerate(results):
+        assert isinstance(r, GenerationResult), f"stream {i}: {r!r}"
+        assert r.token_ids == expected[i], f"stream {i}: {r.token_ids} != {expected[i]}"
+        assert r.generated_tokens == LONG_TOKENS
+    assert mid_stream, "no stream was in flight when the replica died"
+    for i in mid_stream:  # went on at replica b from the tokens it had: decode-only, no prefill again
+        r = results[i]
+        assert isinstance(r, GenerationResult) and r.num_retries == 1 and r.prefill_engine_id == "", r
+
+    # The engines release what they held for the dead replica's requests, and only that.
+    assert _wait_pinned(replicas, 1, LOSS_TIMEOUT_S + 5.0) == 1, "replica a's pinned prefill was not released"
+    assert time.monotonic() - killed_at < LOSS_TIMEOUT_S + 5.0
+
+    # The survivor serves on: gRPC (a client listing the dead replica first retries before the
+    # first token, the library and `pdserve generate --target a,b` alike) and the OpenAI API.
+    for i in range(6, 8):
+        assert _greedy(target_b, prompts[i]).token_ids == reference[i]
+    retried = _greedy(f"{target_a},{target_b}", prompts[8])
+    assert retried.token_ids == reference[8] and retried.num_retries == 1
+    cli = subprocess.run([sys.executable, "-m", "services.common.cli", "generate", "--target", f"{target_a},{target_b}",
+                          "--prompt-ids", ",".join(map(str, prompts[9])), "--max-tokens", str(MAX_TOKENS),
+                          "--temperature", "0", "--ignore-eos", "--json"], capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 0, cli.stderr
+    assert json.loads(cli.stdout)["token_ids"] == reference[9]
+    completion = openai.OpenAI(base_url=replicas.replica_http_url(b), api_key="none").completions.create(
+        model=replicas.server_info(target=target_b).model, prompt=prompts[9], max_tokens=MAX_TOKENS, temperature=0.0, extra_body={"ignore_eos": True})
+    assert completion.choices[0].text
+
+    with grpc.insecure_channel(replicas.components["prefill-0"].address, CHANNEL_OPTIONS) as channel:
+        engine_pb2_grpc.EngineStub(channel).Release(engine_pb2.ReleaseRequest(request_id=f"pinned.2@{id_b}"))
+    assert replicas.wait_no_leaks() == {}
