@@ -168,16 +168,22 @@ class EndpointInfo:
 
 
 def loaded_libucp() -> str | None:
-    """The path of the libucp this process has mapped (the ucxx wheel's), or None."""
+    """The path of the libucp ucxx uses (the libucx wheel's, `.../libucx/lib/libucp.so`), or None.
+
+    A process may map more than one libucp: NIXL's wheel bundles its own
+    (`nixl_cu12.libs/libucp-<hash>.so`). Calling one copy's `ucp_ep_print_info` on an endpoint
+    the other copy made crashes the process, so where the ucxx wheel's copy cannot be told apart
+    from the others this returns None (transports are then reported as unknown)."""
     try:
         with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.rsplit(None, 1)[-1]
-                if "/libucp.so" in path or "/libucp-" in path:
-                    return path
+            paths = {line.rsplit(None, 1)[-1] for line in maps}
     except OSError:
         return None
-    return None
+    libucps = sorted(path for path in paths if "/libucp.so" in path or "/libucp-" in path)
+    ucxx_own = [path for path in libucps if path.endswith("/libucx/lib/libucp.so") or "/libucx/lib/libucp.so." in path]
+    if len(ucxx_own) == 1:
+        return ucxx_own[0]
+    return libucps[0] if len(libucps) == 1 else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -142,3 +142,22 @@ def test_the_real_libucp_describes_a_real_endpoint() -> None:
     info = EndpointInfo()
     assert "lane[" in info.describe(ep.handle)
     assert info.transport(ep.handle) == "tcp"
+
+
+def test_the_libucp_asked_is_ucxs_own_when_nixl_maps_another() -> None:
+    """NIXL's wheel bundles a second libucp; asking that copy about ucxx's endpoint crashed the
+    decode engine (the hetero-TP nixl e2e). Run in a child so this process maps no extra copy."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("nixl_cu12") is None:
+        pytest.skip("nixl-cu12 is not installed")
+    code = ("import ucxx, nixl_cu12._api as api; api.nixl_agent('probe')\n"
+            "from connectors.ucx.ep_info import loaded_libucp\n"
+            "maps = {l.rsplit(None, 1)[-1] for l in open('/proc/self/maps') if 'libucp' in l}\n"
+            "print(len(maps), loaded_libucp())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    count, path = out.stdout.split()[-2:]
+    assert int(count) >= 2, out.stdout  # the case this is about: two copies mapped
+    assert path.endswith("/libucx/lib/libucp.so"), out.stdout
