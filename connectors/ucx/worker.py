@@ -310,6 +310,15 @@ class UcxWorkerConnector(WorkerConnector):
         transport.start(self)
         self._transport = transport
 
+    def registered_bytes(self) -> tuple[int, int]:
+        """(bytes registered with UCX, bytes of them that are a staging mirror of the KV cache
+        rather than the cache itself); (0, 0) before `register_kv_caches`."""
+        if getattr(self, "_region", None) is None:
+            return 0, 0
+        registered = int(self._region.nbytes)
+        mirror = registered if self._staging is not None else 0
+        return registered, mirror
+
     def _make_transport(self, region: Any, layout: KVRegionLayout, addressing: BlockAddressing | None = None
                         ) -> KVTransport:
         """The configured transport (`kv_transport`); NixlUnavailable when nixl is asked for and

@@ -192,11 +192,9 @@ class VllmWorkerHalf:
                 self.metrics = EngineMetrics(self.agent.registry, c.engine_id, c.role, tp_size=self.tp_size)
                 self.metrics.track_load(lambda: self._last_load)
         self.agent.register_kv_caches(region)
-        if self.agent.registry is not None:
-            from services.common.metrics import KVMemoryMetrics
-
-            KVMemoryMetrics(self.agent.registry).set(c.engine_id, c.role, self.rank, memory.num_bytes_registered,
-                                                     memory.num_mirror_bytes)
+        if self.agent.kv_memory is not None:  # what vLLM's region holds, over the agent's generic count
+            self.agent.kv_memory.set(c.engine_id, c.role, self.rank, memory.num_bytes_registered,
+                                     memory.num_mirror_bytes)
         logger.info("vLLM rank %d/%d: %d bytes of %s KV (%s) registered with the UCX data plane, %d mirrored",
                     self.rank, self.tp_size, memory.num_bytes_registered, memory.device_kind, memory.layout,
                     memory.num_mirror_bytes)

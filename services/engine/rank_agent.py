@@ -43,6 +43,7 @@ from connectors.ucx.handshake import UcxHandshakeMetadata
 from connectors.ucx.scheduler import UcxConnectorMetadata
 from connectors.ucx.worker import UcxConnectorConfig, UcxTransferStats, UcxWorkerConnector
 from services.common.metrics import (
+    KVMemoryMetrics,
     MetricsServer,
     TransferMetrics,
     metrics_port_for_rank,
@@ -130,12 +131,14 @@ class RankAgent(WorkerConnector):
                                       compatibility_hash=factory.compat_hash, config=config)
         self.control: ControlFanout | None = None
         self.metrics: TransferMetrics | None = None
+        self.kv_memory: KVMemoryMetrics | None = None
         self.registry: CollectorRegistry | None = None
         self._metrics_server: MetricsServer | None = None
         port = metrics_port_for_rank(factory.metrics_port, rank)
         if port is not None:
             self.registry = CollectorRegistry()
             self.metrics = TransferMetrics(self.registry)
+            self.kv_memory = KVMemoryMetrics(self.registry)
             self._metrics_server = start_metrics_server(port, self.registry)
         self._inbox: Callable[[ControlMessage], None] | None = None
         self._tracer: ComponentTracer | None = None
@@ -156,6 +159,10 @@ class RankAgent(WorkerConnector):
         rank 0 waits for `connect()`, which the engine service calls once its engine loop runs,
         so the engine never becomes routable before it can serve."""
         self.ucx.register_kv_caches(kv_cache, spec)
+        if self.kv_memory is not None:
+            registered, mirror = self.ucx.registered_bytes()
+            self.kv_memory.set(self.factory.engine_id, self.factory.role, self.identity.tp_rank,
+                                               registered, mirror)
         if self.offload is not None:
             self.offload.register_kv_caches(kv_cache, spec)
         if self.identity.tp_rank != 0:
