@@ -190,7 +190,8 @@ class AsyncClient:
         self._stubs = [pb_grpc.GenerationStub(c) for c in self._channels]
         self._stub = self._stubs[0]
         self._next = 0
-        self.max_attempts_per_replica = 2
+        # one target: no retry (its UNAVAILABLE is the cluster's answer, e.g. no healthy engine)
+        self.max_attempts_per_replica = 2 if len(self._stubs) > 1 else 1
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -271,7 +272,8 @@ class Client:
         self._stubs = [pb_grpc.GenerationStub(c) for c in self._channels]
         self._stub = self._stubs[0]
         self._next = 0
-        self.max_attempts_per_replica = 2
+        # one target: no retry (its UNAVAILABLE is the cluster's answer, e.g. no healthy engine)
+        self.max_attempts_per_replica = 2 if len(self._stubs) > 1 else 1
 
     def __enter__(self) -> Client:
         return self

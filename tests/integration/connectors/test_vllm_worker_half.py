@@ -1,7 +1,11 @@
 """The vLLM connector's worker half without vLLM: two halves (prefill, decode) over vLLM-shaped CPU
 KV tensors, real UCX between them in one process, no scheduler (rank 0 never connects; the test
 drains what the control stream would). A finished prompt's blocks are gathered and pinned, pulled
-as runs, scattered into the decode side's tensors, and reported to vLLM exactly once. About 5 s."""
+as runs, scattered into the decode side's tensors, and reported to vLLM exactly once. About 5 s.
+
+The halves get per-layer tensors of their own (not one allocation with per-layer views, as vLLM
+allocates), so they run on the explicit `kv_staging="host"` fallback; the in-place path is tested
+with vLLM-shaped allocations in tests/integration/ucx/test_ucx_vllm_layouts.py."""
 
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ def caches(seed: int) -> dict[str, torch.Tensor]:
 
 def half(role: str, kv: dict[str, torch.Tensor]) -> VllmWorkerHalf:
     config = PdserveConnectorConfig(engine_id=f"{role}-0", role=role, epoch=11 if role == "prefill" else 13,
-                                    scheduler="127.0.0.1:1", transfer_timeout_s=3.0)
+                                    scheduler="127.0.0.1:1", transfer_timeout_s=3.0, kv_staging="host")
     w = VllmWorkerHalf(config, rank=0, tp_size=1, model=MODEL, block_size=B)
     w.register_kv_caches(kv)
     return w
@@ -116,7 +120,7 @@ def test_rank0_serves_the_engine_load_it_is_handed_on_metrics() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     config = PdserveConnectorConfig(engine_id="decode-9", role="decode", epoch=5, scheduler="127.0.0.1:1",
-                                    metrics_port=port)
+                                    metrics_port=port, kv_staging="host")
     w = VllmWorkerHalf(config, rank=0, tp_size=1, model=MODEL, block_size=B)
     w.register_kv_caches(caches(3))
     try:
