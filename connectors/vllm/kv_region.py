@@ -38,7 +38,7 @@ def describe_kv_caches(kv_caches: dict[str, torch.Tensor], *, num_blocks: int, b
     """`kv_caches` (vLLM's `register_kv_caches` argument, layers in model order) as one
     `KVRegion`; `num_blocks` is vLLM's block-manager count (the views may hold kernel blocks,
     several per manager block). Raises ValueError naming what does not fit."""
-    layers = _unique_views(kv_caches)
+    layers = unique_layer_views(kv_caches)
     if not layers:
         raise ValueError("vLLM registered no KV cache tensors")
     first = layers[0]
@@ -118,7 +118,7 @@ def _layout_name(shape: tuple[int, int, int, int], strides: tuple[int, int, int,
     return stated
 
 
-def _unique_views(kv_caches: dict[str, Any]) -> list[torch.Tensor]:
+def unique_layer_views(kv_caches: dict[str, Any]) -> list[torch.Tensor]:
     """Layer views in vLLM's order, each once (shared layers alias one view)."""
     seen: set[int] = set()
     layers = []

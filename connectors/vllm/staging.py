@@ -24,9 +24,10 @@ The price is one memcpy per block on each side and a second copy of the KV memor
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
+
+from connectors.vllm.kv_region import unique_layer_views
 
 LAYOUT = "NHL2BD"
 
@@ -35,7 +36,7 @@ class KVStaging:
     """See the module docstring. Not thread-safe: call it from the worker's step thread."""
 
     def __init__(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        layers = _unique_layers(kv_caches)
+        layers = unique_layer_views(kv_caches)
         if not layers:
             raise ValueError("no KV cache tensors to register")
         first = layers[0]
@@ -73,14 +74,3 @@ class KVStaging:
         for layer, t in enumerate(self.layers):
             blocks = self.region[idx, :, layer].reshape(n, self.num_heads, self.block_size, 2 * self.head_dim)
             t.index_copy_(0, idx, blocks)
-
-
-def _unique_layers(kv_caches: dict[str, Any]) -> list[torch.Tensor]:
-    """Layer tensors in vLLM's order, each once (layers may share one tensor)."""
-    seen: set[int] = set()
-    layers = []
-    for t in kv_caches.values():
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            layers.append(t)
-    return layers
