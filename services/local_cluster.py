@@ -250,8 +250,13 @@ class LocalCluster:
         argv = self._cli("scheduler", "--host", s.host, "--port", str(r.port),
                          "--control-port", str(r.control_port), "--events-port", str(r.events_port),
                          "--http-port", str(r.http_port), "--metrics-port", str(metrics_port), *(["--model", s.model] if s.model else []),
-                         *s.scheduler_args)
+                         *self._peer_args(r), *s.scheduler_args)
         return Component(r.name, argv, metrics_port or None)
+
+    def _peer_args(self, r: ReplicaPorts) -> list[str]:
+        """The other replicas' KVEvents endpoints: a replica restarted takes its index from them."""
+        peers = [f"{self.spec.host}:{p.events_port}" for p in self.replicas if p is not r]
+        return ["--peers", ",".join(peers)] if peers else []
 
     def _engine_component(self, role: str, index: int) -> Component:
         s = self.spec
