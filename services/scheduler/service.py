@@ -142,6 +142,7 @@ class SchedulerService:
             self.plane.republisher.position_of = self.control.positions.last
             self.plane.republisher.scheduler_id = self.scheduler_id
             self.plane.servicer.converged = lambda: self.converged
+            self.telemetry.metrics.track_convergence(lambda: self.converged)
             self.control.on_registered.append(self.plane.engine_up)
             self.control.on_engine_up.append(self.plane.engine_up)
             self.plane.instrument(EventMetrics(self.telemetry.prometheus))

@@ -5,7 +5,8 @@ SIGKILL mid-stream loses no request: the client library goes on at the other rep
 tokens it had (no token twice, none missing), the engines release the blocks they held for the
 dead replica's requests within the loss timeout, and nothing leaks. A replica restarted while
 the engines run takes the blocks stored before from its peer's snapshot, reports ready once its
-index has converged, and routes like the survivor."""
+index has converged, and routes like the survivor. A KV-event consumer reading the replica that died resumes at the
+other from a snapshot and ends with the same block state as one that never lost its replica."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.v1 import engine_pb2, engine_pb2_grpc, kv_events_pb2, kv_events_pb2_grpc
 from services.client import Client, GenerationResult
 from services.common.grpc_server import CHANNEL_OPTIONS
+from services.event_subscriber import EventSubscriber
 from services.local_cluster import LocalCluster, ReplicaPorts
 from services.scheduler.peer_snapshots import SnapshotReader
 from services.scheduler.tokenization import PromptTokenizer
@@ -69,6 +71,12 @@ def test_replica_killed_mid_stream_loses_nothing(replicas: LocalCluster, prompts
     id_a = replicas.server_info(target=target_a).scheduler_id
     id_b = replicas.server_info(target=target_b).scheduler_id
     assert id_a and id_b and id_a != id_b
+
+    # KV-event consumers: one reads replica b throughout, one reads a and moves to b when a dies.
+    events_a, events_b = (f"{replicas.spec.host}:{r.events_port}" for r in (a, b))
+    steady, moving = EventSubscriber(events_b), EventSubscriber(f"{events_a},{events_b}")
+    steady.start()
+    moving.start()
 
     # Both replicas route and serve, with the in-process engine's outputs.
     for i, target in enumerate([target_a, target_b, target_a, target_b]):
@@ -139,6 +147,16 @@ def test_replica_killed_mid_stream_loses_nothing(replicas: LocalCluster, prompts
         engine_pb2_grpc.EngineStub(channel).Release(engine_pb2.ReleaseRequest(request_id=f"pinned.2@{id_b}"))
     assert replicas.wait_no_leaks() == {}
 
+    # The consumer that lost its replica resumed at b from a snapshot: the same block state as
+    # the one that never lost its replica (nothing missed, nothing twice).
+    deadline = time.monotonic() + 10
+    while (moving.target != events_b or moving.blocks() != steady.blocks()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    moving.close()
+    steady.close()
+    assert moving.target == events_b and moving.state.num_snapshots == 2 and steady.state.num_snapshots == 1
+    assert moving.blocks() == steady.blocks() and sum(map(len, steady.blocks().values())) > 0
+
 
 def _index(cluster: LocalCluster, replica: ReplicaPorts) -> dict[str, set[tuple[str | None, object]]]:
     """The replica's prefix index as a snapshot shows it: engine -> {(medium, block hash)}."""
@@ -197,4 +215,29 @@ def test_restarted_replica_converges_and_routes_like_the_survivor(replicas: Loca
         via_a = _greedy(target_a, doc + tokenizer.encode(" Question:"), 2)
         via_b = _greedy(target_b, doc + tokenizer.encode(" Answer:"), 2)
         assert via_a.prefill_engine_id == via_b.prefill_engine_id == seeded[k].prefill_engine_id, (k, via_a, via_b)
+
+    # The OpenAI API's retry path: a stream cut after a few tokens goes on at the other replica
+    # from the token ids it had (return_token_ids, then output_token_ids): none twice, none missing.
+    prompt = docs[0] + tokenizer.encode(" Continue:")
+    full = _greedy(target_b, prompt, LONG_TOKENS).token_ids
+    got = _openai_stream(replicas.replica_http_url(a), prompt, [], stop_after=5)
+    assert 5 <= len(got) < LONG_TOKENS
+    assert got + _openai_stream(replicas.replica_http_url(b), prompt, got) == full
     assert replicas.wait_no_leaks() == {}
+
+
+def _openai_stream(base_url: str, prompt: list[int], had: list[int], stop_after: int = 0) -> list[int]:
+    """The token ids a streamed completion sends (continuing after `had`), cut after
+    `stop_after` of them when that is set (the client closes the stream)."""
+    client = openai.OpenAI(base_url=base_url, api_key="none")
+    stream = client.completions.create(model="", prompt=prompt, max_tokens=LONG_TOKENS, temperature=0.0, stream=True,
+                                       extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                   "output_token_ids": had})
+    got: list[int] = []
+    for chunk in stream:
+        for choice in chunk.choices:
+            got += (choice.model_extra or {}).get("token_ids") or []
+        if stop_after and len(got) >= stop_after:
+            stream.close()
+            break
+    return got
