@@ -222,11 +222,12 @@ class SchedulerService:
             await server.start()
         self.control.start_monitor()
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
-        for server in self.servers:
-            await server.set_serving(True)
         self._started = True
-        if not self.converged:
-            await self._set_ready(False)
+        for server in self.servers:
+            if self.converged or server is self.control_server:
+                await server.set_serving(True)
+            else:  # live, not ready: the client API and KV events wait for the index to converge
+                await server.health.set("", health_pb2.HealthCheckResponse.SERVING)
         if self.peer_snapshots is not None:
             self._converger = asyncio.get_running_loop().create_task(self.peer_snapshots.run())
         if self.http is not None:
