@@ -382,6 +382,7 @@ def test_scheduler_replicas_pdb_anti_affinity_and_both_services() -> None:
     assert [p["name"] for p in peers["ports"]] == ["control", "events"]
     events_port = config_files(docs)["scheduler"]["events_port"]
     assert config_files(docs)["scheduler"]["peers"] == f"dns:demo-pdserve-scheduler-peers:{events_port}"
+    assert "peers" not in config_files(rendered("default"))["scheduler"]  # one replica: nobody to ask
     assert services["demo-pdserve-scheduler"]["spec"].get("clusterIP") != "None"
     for role in ENGINE_ROLES:
         assert config_files(docs)[role]["scheduler"].startswith("dns:demo-pdserve-scheduler-peers:")
