@@ -354,6 +354,18 @@ class LocalCluster:
             time.sleep(0.2)
         raise TimeoutError(f"cluster not ready after {timeout:.0f}s ({last_error})")
 
+    def replica_ready(self, name: str, timeout: float = 2.0) -> bool:
+        """Whether scheduler replica `name` is ready: its Generation service's gRPC health is
+        SERVING (a restarted replica only once its prefix index converged)."""
+        [replica] = [r for r in self.replicas if r.name == name]
+        try:
+            with open_sync_channel(self.replica_target(replica), self.client_security, CHANNEL_OPTIONS) as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service="pdserve.v1.Generation"), timeout=timeout)
+        except grpc.RpcError:
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
     def _serving(self, name: str, timeout: float = 2.0) -> bool:
         """Whether the component's gRPC health reports SERVING (False while it cannot answer)."""
         address = self.components[name].address

@@ -22,7 +22,6 @@ import grpc
 import openai
 import pytest
 from e2e_cluster import MAX_TOKENS, start_cluster
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.v1 import engine_pb2, engine_pb2_grpc, kv_events_pb2, kv_events_pb2_grpc
 from services.client import Client, GenerationResult
@@ -173,17 +172,6 @@ def _index(cluster: LocalCluster, replica: ReplicaPorts) -> dict[str, set[tuple[
     return {e: {(m, h) for m, hashes in s.blocks.items() for h in hashes} for e, s in reader.snapshot.engines.items()}
 
 
-def _ready(cluster: LocalCluster, replica: ReplicaPorts) -> bool:
-    """The replica's readiness: its Generation service's gRPC health (SERVING once converged)."""
-    try:
-        with grpc.insecure_channel(cluster.replica_target(replica), CHANNEL_OPTIONS) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service="pdserve.v1.Generation"), timeout=2)
-    except grpc.RpcError:
-        return False
-    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
-
-
 def test_restarted_replica_converges_and_routes_like_the_survivor(replicas: LocalCluster,
                                                                    demo_model: Path) -> None:
     a, b = replicas.replicas
@@ -191,7 +179,7 @@ def test_restarted_replica_converges_and_routes_like_the_survivor(replicas: Loca
     if not replicas.components[a.name].alive:
         replicas.restart(a.name)
     deadline = time.monotonic() + 60
-    while not _ready(replicas, a) and time.monotonic() < deadline:
+    while not replicas.replica_ready(a.name) and time.monotonic() < deadline:
         time.sleep(0.2)
     # A prefix-heavy workload: four long documents, each prefilled once (on one prefill engine)
     # through either replica, then acknowledged (no report left for the engines to resend).
@@ -202,7 +190,7 @@ def test_restarted_replica_converges_and_routes_like_the_survivor(replicas: Loca
 
     replicas.restart(a.name)  # SIGKILL, then the same command: a new scheduler id, an empty index
     restarted_at = time.monotonic()
-    while not _ready(replicas, a):
+    while not replicas.replica_ready(a.name):
         assert time.monotonic() - restarted_at < 60, "the restarted replica never reported ready"
         time.sleep(0.1)
     assert replicas.server_info(target=target_a).scheduler_id not in ("", replicas.server_info(target=target_b).scheduler_id)
