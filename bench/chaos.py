@@ -137,6 +137,8 @@ class Kill:
     recovery_s: float | None = None
     restart_s: float | None = None
     engine_exit_s: float | None = None
+    # A scheduler replica (with 2+): until it reported ready, its prefix index converged.
+    ready_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -178,6 +180,7 @@ class ChaosReport:
             "kills": [{"at_s": round(k.at_s, 2), "victim": k.victim,
                        "recovery_s": None if k.recovery_s is None else round(k.recovery_s, 2),
                        "restart_s": None if k.restart_s is None else round(k.restart_s, 2),
+                       **({"ready_s": round(k.ready_s, 2)} if k.ready_s is not None else {}),
                        **({"engine_exit_s": None if k.engine_exit_s is None else round(k.engine_exit_s, 2)}
                           if RANK_SEP in k.victim else {})} for k in self.kills],
             "leaks": self.leaks, "examples": self.examples, "wall_s": round(self.wall_s, 2),
@@ -187,6 +190,8 @@ class ChaosReport:
             "requests": self.sent, "requests_lost": self.lost + sum(self.failed.values()),
             "takeover_s": max((round(k.recovery_s, 2) for k in self.kills
                                if k.victim.startswith("scheduler") and k.recovery_s is not None), default=None),
+            # the longest time from a replica's kill until its restart was ready (index converged)
+            "replica_ready_s": max((round(k.ready_s, 2) for k in self.kills if k.ready_s is not None), default=None),
             **self._baseline_json(),
         }
 
@@ -312,6 +317,9 @@ class ChaosRun:
         probe = asyncio.create_task(self._probe(kill, killed_at))
         await asyncio.to_thread(self._wait_back, victim, 300.0)
         kill.restart_s = time.monotonic() - killed_at
+        if self.cluster.is_scheduler(victim) and self.cfg.num_schedulers > 1:
+            await asyncio.to_thread(self._wait_ready_replica, victim, 120.0)
+            kill.ready_s = time.monotonic() - killed_at
         await probe
         self.progress(f"t={self._now():5.1f}s {victim} back: served again after {kill.recovery_s:.2f}s, "
                           f"registered after {kill.restart_s:.2f}s")
@@ -340,6 +348,13 @@ class ChaosRun:
 
     async def _full_strength(self, timeout: float) -> None:
         await asyncio.to_thread(self.cluster.wait_ready, self.cfg.num_prefill, self.cfg.num_decode, timeout)
+
+    def _wait_ready_replica(self, name: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.cluster.replica_ready(name):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{name} not ready (converged) after {timeout:.0f} s")
+            time.sleep(0.1)
 
     def _wait_back(self, victim: str, timeout: float) -> None:
         """Blocks until the restarted victim serves (an engine answers Inspect, the scheduler

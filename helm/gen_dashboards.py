@@ -161,6 +161,14 @@ def overview() -> Board:
                                          "{{role}} {{state}}")])
     b.ts("Refused registrations", [q(f"sum by (reason) (rate(pdserve_scheduler_registrations_refused_total[{RI}]))",
                                      "{{reason}}")], "ops")
+    b.row("Scheduler replicas")
+    b.ts("Requests / s per replica", [q(f"sum by (pod) (rate(pdserve_scheduler_requests_total[{RI}]))", "{{pod}}")],
+         "reqps")
+    b.ts("Routable engines per replica", [
+        q('sum by (pod) (pdserve_scheduler_registered_engines{state="routable"})', "{{pod}}")])
+    b.ts("Prefix index blocks per replica", [q("sum by (pod) (pdserve_events_index_blocks)", "{{pod}}")])
+    b.ts("Index converged per replica (0: converging after a restart)", [
+        q("max by (pod) (pdserve_scheduler_index_converged)", "{{pod}}")])
     b.row("Auth and limits")
     b.ts("Refused client calls (auth, rate, streams)", [
         q(f"sum by (reason) (rate(pdserve_scheduler_client_refused_total[{RI}]))", "{{reason}}")], "ops")

@@ -3,7 +3,8 @@
 gRPC (default): subscribes to the scheduler's KVEvents service. One line per batch
 `{"seq", "engine_id", "epoch", "ts", "data_parallel_rank", "events": [...]}`; snapshot batches
 carry `"snapshot": true` (and seq 0); notices are `{"notice": "SNAPSHOT_BEGIN" | "SNAPSHOT_END" |
-"RESYNC", "next_seq", "reason"}`. Resume without loss with `--from-seq <last seq + 1>`.
+"RESYNC", "next_seq", "reason"}`. Resume without loss with `--from-seq <last seq + 1>` at the same
+scheduler replica; at another (its seqs are its own) with `--snapshot`: the index, then live.
 
 ZMQ (`--zmq ENDPOINT`): reads vLLM's wire format from a PUB endpoint (the scheduler's or a vLLM
 engine's). With `--from-seq N` and `--zmq-replay ENDPOINT` it first replays from N over a DEALER,
@@ -36,6 +37,8 @@ _TYPES = {"BlockStored": 1, "BlockRemoved": 2, "AllBlocksCleared": 3}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="127.0.0.1:50053", help="scheduler KVEvents host:port")
     parser.add_argument("--from-seq", type=int, help="replay from this sequence number (default: live only)")
+    parser.add_argument("--snapshot", action="store_true",
+                        help="start with a snapshot of the index, then live (how to resume at another replica)")
     parser.add_argument("--engine", action="append", default=[], help="only this engine id (repeatable)")
     parser.add_argument("--medium", action="append", default=[], help="only this medium, e.g. GPU (repeatable)")
     parser.add_argument("--type", action="append", default=[], choices=sorted(_TYPES),
@@ -53,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--from-seq must be >= 0, got {args.from_seq}")
     if args.limit < 0 or args.duration < 0:
         raise ValueError("--limit and --duration must be >= 0")
+    if args.snapshot and (args.from_seq is not None or args.zmq):
+        raise ValueError("--snapshot: gRPC only, and not with --from-seq")
     if args.zmq_replay and not args.zmq:
         raise ValueError("--zmq-replay needs --zmq")
     if args.zmq:
@@ -80,7 +85,8 @@ def _run_grpc(args: argparse.Namespace, out: TextIO) -> int:
     from pdserve.v1 import kv_events_pb2 as pb
     from pdserve.v1 import kv_events_pb2_grpc as pb_grpc
 
-    request = pb.SubscribeRequest(engine_ids=args.engine, media=args.medium, types=[_TYPES[t] for t in args.type])
+    request = pb.SubscribeRequest(engine_ids=args.engine, media=args.medium, types=[_TYPES[t] for t in args.type],
+                                  snapshot=args.snapshot)
     if args.from_seq is not None:
         request.from_seq = args.from_seq
     num_batches = 0

@@ -250,8 +250,13 @@ class LocalCluster:
         argv = self._cli("scheduler", "--host", s.host, "--port", str(r.port),
                          "--control-port", str(r.control_port), "--events-port", str(r.events_port),
                          "--http-port", str(r.http_port), "--metrics-port", str(metrics_port), *(["--model", s.model] if s.model else []),
-                         *s.scheduler_args)
+                         *self._peer_args(r), *s.scheduler_args)
         return Component(r.name, argv, metrics_port or None)
+
+    def _peer_args(self, r: ReplicaPorts) -> list[str]:
+        """The other replicas' KVEvents endpoints: a replica restarted takes its index from them."""
+        peers = [f"{self.spec.host}:{p.events_port}" for p in self.replicas if p is not r]
+        return ["--peers", ",".join(peers)] if peers else []
 
     def _engine_component(self, role: str, index: int) -> Component:
         s = self.spec
@@ -348,6 +353,18 @@ class LocalCluster:
                 last_error = f"{e.code().name}: {e.details()}"
             time.sleep(0.2)
         raise TimeoutError(f"cluster not ready after {timeout:.0f}s ({last_error})")
+
+    def replica_ready(self, name: str, timeout: float = 2.0) -> bool:
+        """Whether scheduler replica `name` is ready: its Generation service's gRPC health is
+        SERVING (a restarted replica only once its prefix index converged)."""
+        [replica] = [r for r in self.replicas if r.name == name]
+        try:
+            with open_sync_channel(self.replica_target(replica), self.client_security, CHANNEL_OPTIONS) as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service="pdserve.v1.Generation"), timeout=timeout)
+        except grpc.RpcError:
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
     def _serving(self, name: str, timeout: float = 2.0) -> bool:
         """Whether the component's gRPC health reports SERVING (False while it cannot answer)."""

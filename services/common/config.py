@@ -84,6 +84,11 @@ class SchedulerConfig:
     prefill_failure_policy: str = opt("recompute", "on prefill failure: recompute (decode) or retry")
     heartbeat_interval_s: float = opt(1.0, "rank heartbeat interval")
     heartbeat_timeout_s: float = opt(5.0, "a rank silent this long is declared dead")
+    peers: str = opt("", "the other scheduler replicas' KVEvents endpoints (comma list of host:port and/or "
+                         "dns:NAME:PORT); a replica that starts while engines run takes its prefix index from one "
+                         "of them and reports ready once converged; empty: ready at once")
+    converge_timeout_s: float = opt(30.0, "longest wait for a peer's snapshot to complete the prefix index; "
+                                          "then ready with what it has")
     max_prompt_tokens: int = opt(0, "longest accepted prompt; 0 means the model's max length")
     max_new_tokens: int = opt(4096, "largest accepted max_tokens")
     event_ring_size: int = opt(4096, "KV-event batches kept for replay")
@@ -148,6 +153,7 @@ class SchedulerConfig:
             _require(0 <= getattr(self, name) < 65536, name, "must be a TCP port (0..65535)")
         _validate_security(self, [("host", self.host)])
         _require(self.max_streams_per_client >= 0, "max_streams_per_client", "must be >= 0")
+        _require(self.converge_timeout_s > 0, "converge_timeout_s", "must be > 0")
         _require(self.rate_limit_rps >= 0, "rate_limit_rps", "must be >= 0")
         _require(self.rate_limit_burst >= 1, "rate_limit_burst", "must be >= 1")
         if self.auth_tokens:

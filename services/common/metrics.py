@@ -138,6 +138,9 @@ _SPECS = (
                ("role", "state")),
     MetricSpec("pdserve_scheduler_registered_ranks", _G, "Ranks known to the scheduler, by role and state",
                ("role", "state")),
+    MetricSpec("pdserve_scheduler_index_converged", _G,
+               "1 once this replica's prefix index holds every engine's blocks (a replica that (re)started "
+               "while engines ran: after a peer's snapshot; see scheduler replicas), 0 while converging"),
     MetricSpec("pdserve_scheduler_control_reconnects_total", _C,
                "Control streams re-opened by a rank of an already registered engine", ("engine",)),
     MetricSpec("pdserve_scheduler_registrations_refused_total", _C,
@@ -471,6 +474,17 @@ class SchedulerMetrics(_Group):
             return (engines, ranks)
 
         self._track(_CallbackCollector("registry", read, (engines_name, ranks_name)))
+
+    def track_convergence(self, converged: Callable[[], bool]) -> None:
+        """Reads whether the replica's prefix index has converged at every scrape."""
+        name = "pdserve_scheduler_index_converged"
+
+        def read() -> Iterable[GaugeMetricFamily]:
+            family = _family(name)
+            family.add_metric([], 1.0 if converged() else 0.0)
+            return (family,)
+
+        self._track(_CallbackCollector("convergence", read, (name,)))
 
 
 class EventMetrics(_Group):

@@ -228,6 +228,9 @@ class StepReport:
     # finished_sending / finished_recving / failed_recving / invalid_block_ids (gathered by the
     # sender; see the module docstring).
     merged_transfer_ranks: tuple[int, ...] = ()
+    # The rank's report position (1, 2, 3 ...), the same at every scheduler replica; 0: not
+    # numbered. `ControlFanout.report` numbers the reports.
+    position: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,7 +280,7 @@ def report_to_proto(seq: int, r: StepReport, identity: RankIdentity, *, packed: 
     msg = pb.StepReport(seq=seq, finished_sending=r.finished_sending, finished_recving=r.finished_recving,
                         failed_recving=r.failed_recving, invalid_block_ids=r.invalid_block_ids,
                         worker_metadata=r.worker_metadata, merged_event_ranks=r.merged_event_ranks,
-                        merged_transfer_ranks=r.merged_transfer_ranks)
+                        merged_transfer_ranks=r.merged_transfer_ranks, position=r.position)
     c = compact_events.encode(r.worker_events, mixed) if compact else None
     events = [] if c is not None else [event_to_proto(e) for e in r.worker_events]
     if c is not None:
@@ -346,6 +349,9 @@ class ControlClient:
         self._lock = threading.Lock()
         self._seq = 0
         self._acked = 0
+        # The position of the next report (Hello.first_position when nothing is unacked); the
+        # fan-out sets it for a stream that joins an engine already reporting.
+        self.next_position = 1
         self._unacked: dict[int, pb.StepReport] = {}
         self._inbox: deque[ControlMessage] = deque()
         self._load: EngineLoad | None = None
@@ -400,6 +406,8 @@ class ControlClient:
             compact = self.welcome is not None and self.welcome.accepts_compact_worker_events
             compact_engine = self.welcome is not None and self.welcome.accepts_compact_engine_events
             mixed = self.welcome is not None and self.welcome.accepts_mixed_compact_events
+            if report.position:
+                self.next_position = report.position + 1
             self._unacked[seq] = report_to_proto(seq, report, self.hello.identity, packed=packed, compact=compact,
                                                  compact_engine=compact_engine, mixed=mixed)
             while len(self._unacked) > self.max_unacked:
@@ -555,7 +563,8 @@ class ControlClient:
         h = self.hello
         msg = pb.Hello(rank=h.identity.to_proto(), compatibility_hash=h.compatibility_hash,
                        protocol_version=h.protocol_version, engine_address=h.engine_address,
-                       handshake_metadata=h.handshake_metadata, last_sent_seq=self._seq)
+                       handshake_metadata=h.handshake_metadata, last_sent_seq=self._seq,
+                       first_position=self._first_position())
         if h.hash_seed is not None:
             msg.hash_seed = h.hash_seed
         if h.block_size is not None:
@@ -565,6 +574,12 @@ class ControlClient:
         if h.device_kind is not None:
             msg.device_kind = h.device_kind
         return pb.RankMessage(hello=msg)
+
+    def _first_position(self) -> int:
+        """Hello.first_position: the oldest unacked report's position, else the next one's."""
+        with self._lock:
+            oldest = next(iter(self._unacked.values()), None)
+            return oldest.position if oldest is not None and oldest.position else self.next_position
 
     async def _outgoing(self) -> AsyncIterator[pb.RankMessage]:
         """Hello, then (once welcomed) the unacked reports in seq order and heartbeats."""

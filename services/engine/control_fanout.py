@@ -26,6 +26,10 @@ Contracts:
 - `welcome` is the first live replica's Welcome; `report` of merged ranks (`merged_event_ranks`
   / `merged_transfer_ranks`) goes to every replica that accepts it and is counted in
   `num_refused` for one that does not (its view misses them, as for a silent rank).
+- `report` numbers the report (`StepReport.position`: 1, 2, 3 ..., the same at every replica)
+  and queues it to exactly the replicas joined before it; a replica joined later learns the
+  position it starts from (`Hello.first_position`), so a restarted replica knows which reports
+  it must take from a peer's snapshot.
 - `poll()` drains the messages of every replica (only when no `on_message` is given).
 """
 
@@ -114,6 +118,7 @@ class ControlFanout:
         self._load: tuple[EngineLoad | None, bool] = (None, False)
         self._closed = threading.Event()
         self._resolved_at = float("-inf")
+        self._position = 0  # of the last report (StepReport.position)
         self._monitor: threading.Thread | None = None
 
     # -- the ControlClient calls ----------------------------------------------------------------
@@ -141,10 +146,14 @@ class ControlFanout:
             time.sleep(0.01)
 
     def report(self, report: StepReport) -> int:
-        """Queues the report on every replica's stream (see the module docstring); returns the
-        number of replicas it was queued for."""
+        """Numbers the report (sets its `position`) and queues it on every replica's stream (see
+        the module docstring); returns the number of replicas it was queued for."""
+        with self._lock:
+            self._position += 1
+            report.position = self._position
+            replicas = list(self._replicas.values())
         queued = 0
-        for replica in self._snapshot():
+        for replica in replicas:
             try:
                 replica.client.report(for_replica(report, replica.scheduler_id))
                 queued += 1
@@ -225,6 +234,8 @@ class ControlFanout:
         load, draining = self._load
         client.set_load(load, draining)
         with self._lock:
+            # Every report numbered after this reaches the new stream (see `report`).
+            client.next_position = self._position + 1
             self._replicas[address] = _Replica(client, from_dns=from_dns)
         logger.info("rank %s: control stream to scheduler replica %s", self.hello.identity.tp_rank, address)
         try:

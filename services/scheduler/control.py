@@ -66,6 +66,7 @@ from services.scheduler.control_convert import (
     peer_info_to_proto,
     same_events,
 )
+from services.scheduler.engine_positions import EnginePositions
 from services.scheduler.event_sink import CompactBatch, EventSink, NullEventSink, ProtoBackedBatch
 from services.scheduler.lifecycle import EngineRef
 from services.scheduler.loop_stalls import LoopStalls
@@ -179,6 +180,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self.counters: Counter[str] = Counter()
         self.transfer_bytes: Counter[tuple[str, str]] = Counter()
         self.worker_events = WorkerEventDecoder()
+        # Rank 0's report positions per engine (convergence of a restarted replica).
+        self.positions = EnginePositions()
         self._monitor_task: asyncio.Task[None] | None = None
         # Joined ranks not yet announced, per role to tell: (announcement number, peer), sent as
         # one PeerUpdate per stream at the next loop turn (a burst of N registrations costs one
@@ -431,6 +434,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         engine = reg.engine
         if reg.fenced_engine is not None:
             self._fence(reg.fenced_engine)
+        if hello.rank_id == engine.leader:
+            self.positions.hello(engine.engine_id, engine.epoch, first.hello.first_position)
         self.aggregator.register_engine(engine.engine_id, engine.epoch, range(engine.tp_size * engine.pp_size))
         conn = RankConnection(hello.rank_id, reg.rank.conn_id, engine.epoch, engine.role, asyncio.Queue())
         old = self.connections.get(hello.rank_id)
@@ -556,6 +561,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             self.counters["reports_malformed"] += 1
             return
         if self.registry.accept_seq(conn.rank_id, conn.conn_id, report.seq):
+            if report.position and conn.rank_id == engine.leader:
+                self.positions.advance(engine.engine_id, engine.epoch, report.position)
             try:
                 self.apply_report(engine, conn.rank_id, report)
                 self.counters["reports_applied"] += 1

@@ -3,7 +3,8 @@ scheduler's own asyncio loop).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (bearer token with the
 `generate` scope when tokens are configured), GET /health (200 while serving, 503 before start
-and while draining; never guarded: probes), GET /metrics (the scheduler's registry, as on its
+and while draining; never guarded: probes; the liveness probe), GET /ready (as /health, and 503
+while a restarted replica's prefix index converges: the readiness probe), GET /metrics (the scheduler's registry, as on its
 metrics port; never guarded, like that port).
 
 Contracts:
@@ -206,12 +207,15 @@ class HttpApi:
         self.metrics = generation.metrics
         self.prometheus = prometheus
         self.serving = False
+        # Whether the replica's prefix index has converged (set by the scheduler service).
+        self.ready: Callable[[], bool] = lambda: True
         self.port = 0
         self.app = Starlette(routes=[
             Route("/v1/completions", self._completions, methods=["POST"]),
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/health", self._health, methods=["GET"]),
+            Route("/ready", self._ready, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
         ], exception_handlers={HTTPException: self._http_error})
         self._server: uvicorn.Server | None = None
@@ -269,6 +273,14 @@ class HttpApi:
         if self.serving and not self.generation.draining:
             return self._counted("/health", JSONResponse({"status": "ok"}))
         return self._counted("/health", error_response(grpc.StatusCode.UNAVAILABLE, "the scheduler is not serving"))
+
+    async def _ready(self, request: Request) -> Response:
+        if not (self.serving and not self.generation.draining):
+            return self._counted("/ready", error_response(grpc.StatusCode.UNAVAILABLE, "the scheduler is not serving"))
+        if not self.ready():
+            return self._counted("/ready", error_response(grpc.StatusCode.UNAVAILABLE,
+                                                          "the prefix index is converging (replica restarted)"))
+        return self._counted("/ready", JSONResponse({"status": "ok"}))
 
     async def _metrics(self, request: Request) -> Response:
         if self.prometheus is None:
@@ -364,7 +376,7 @@ class HttpApi:
         self._server = self._task = None
 
 
-_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics"}
 
 
 class _Server(uvicorn.Server):

@@ -11,7 +11,10 @@ Contracts:
   (system / developer / user / assistant, text content), `max_tokens` (chat also
   `max_completion_tokens`), `temperature`, `top_p`, `top_k`, `seed`, `stop`, `stop_token_ids`
   and `ignore_eos` (vLLM's extensions), `stream`, `stream_options.include_usage`, and
-  `return_token_ids` (vLLM's extension: each choice carries its token ids).
+  `return_token_ids` (vLLM's extension: each choice carries its token ids), and
+  `output_token_ids` (pdserve's extension, one prompt only: the token ids a stream already
+  produced before its replica died; the answer continues after them, as
+  `GenerateRequest.output_token_ids` does on the gRPC API: no token twice, none missing).
 - Refused with a reason when set to anything but their neutral value: `n`, `best_of`,
   `logprobs`, `top_logprobs`, `echo`, `suffix`, penalties, `logit_bias`, `tools`, `min_tokens`,
   a non-text `response_format`. Other unknown fields are ignored, as OpenAI's own server does
@@ -162,6 +165,15 @@ def _ids(value: Any, name: str) -> list[int]:
     return [_clamp(t, -INT64_MAX, INT64_MAX) for t in value]
 
 
+def _continued(body: Mapping[str, Any]) -> list[int]:
+    """`output_token_ids`: the tokens a broken stream already produced (range-checked later,
+    with the gRPC API's messages; a negative id is refused here: the field is unsigned)."""
+    ids = _ids(body.get("output_token_ids") or [], "output_token_ids")
+    if any(t < 0 or t > 2**32 - 1 for t in ids):
+        raise invalid("output_token_ids: token ids must be in 0..4294967295")
+    return ids
+
+
 def _prompts(value: Any) -> list[str | list[int]]:
     """`prompt` as OpenAI allows it: a string, token ids, or a non-empty list of either."""
     if isinstance(value, str):
@@ -210,9 +222,12 @@ def parse_completion(body: Any, request_id: str) -> ApiRequest:
     sampling = sampling_params(body, chat=False)
     prompts = _prompts(body["prompt"])
     api = _api(body, chat=False)
+    outputs = _continued(body)
+    if outputs and len(prompts) > 1:
+        raise invalid("output_token_ids: only with a single prompt")
     for i, prompt in enumerate(prompts):
         req = gen_pb.GenerateRequest(request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}",
-                                     sampling=sampling, model=api.model)
+                                     sampling=sampling, model=api.model, output_token_ids=outputs)
         if isinstance(prompt, str):
             req.text = prompt
         else:
@@ -236,7 +251,8 @@ def parse_chat(body: Any, request_id: str, render: Callable[[list[dict[str, str]
     except ValueError as e:
         raise invalid(str(e)) from None
     api = _api(body, chat=True)
-    api.requests.append(gen_pb.GenerateRequest(request_id=request_id, text=text, sampling=sampling, model=api.model))
+    api.requests.append(gen_pb.GenerateRequest(request_id=request_id, text=text, sampling=sampling, model=api.model,
+                                               output_token_ids=_continued(body)))
     return api
 
 

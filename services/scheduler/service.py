@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -24,22 +25,32 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 
 from pdserve.v1 import control_pb2_grpc, generation_pb2_grpc
 from services.common.config import SchedulerConfig
 from services.common.grpc_server import ServiceServer
 from services.common.metrics import EventMetrics
-from services.common.security import component_server_security, peer_name_guards, server_guard
+from services.common.security import (
+    ChannelSecurity,
+    component_channel_security,
+    component_server_security,
+    peer_name_guards,
+    server_guard,
+)
 from services.common.tracing import server_interceptors
 from services.scheduler.admission import Admission
 from services.scheduler.control import ControlServicer
+from services.scheduler.convergence import IndexConvergence
+from services.scheduler.engine_positions import EnginePositions
 from services.scheduler.event_sink import EventSink
 from services.scheduler.generation import GenerationServicer
 from services.scheduler.http_api import HttpApi
-from services.scheduler.lifecycle import ReleaseCause
+from services.scheduler.lifecycle import EngineRef, ReleaseCause
 from services.scheduler.path_costs import CostPriors, PathCosts
 from services.scheduler.path_policy import PathConfig, PathPolicy
+from services.scheduler.peer_snapshots import PeerSnapshots
 from services.scheduler.registry import EngineRegistry
 from services.scheduler.request_table import RequestTable
 from services.scheduler.routing import Router, RoutingPolicy, make_policy
@@ -60,6 +71,16 @@ def resolve_model_dir(model: str) -> Path:
     from engine.demo_model import demo_model_dir
 
     return demo_model_dir()
+
+
+def peer_security(config: SchedulerConfig) -> ChannelSecurity | None:
+    """How a replica dials its peers' KVEvents: its certificate, and the first configured bearer
+    token when tokens guard the API."""
+    security = component_channel_security(config)
+    token = next((t.strip() for t in config.auth_tokens.split(",") if t.strip()), "")
+    if not token:
+        return security
+    return dataclasses.replace(security, token=token) if security is not None else ChannelSecurity(token=token)
 
 
 def make_path_policy(config: SchedulerConfig) -> PathPolicy:
@@ -102,10 +123,27 @@ class SchedulerService:
                                        compatibility_hash=config.compatibility_hash,
                                        heartbeat_timeout_s=config.heartbeat_timeout_s, clock=clock)
         self.table = RequestTable(clock, on_release=self.telemetry.release)
+        # A replica with peers starts converging: its index learns the engines' blocks from a
+        # peer's snapshot before it reports ready (services/scheduler/convergence.py).
+        self.convergence: IndexConvergence | None = None
+        if config.peers and sink is not None:
+            sink = self.convergence = IndexConvergence(sink, EnginePositions())
         self.control = ControlServicer(self.registry, sink=sink, heartbeat_interval_s=config.heartbeat_interval_s,
                                        scheduler_id=self.scheduler_id, telemetry=self.telemetry)
+        self.peer_snapshots: PeerSnapshots | None = None
+        if self.convergence is not None:
+            self.convergence.positions = self.control.positions
+            self.convergence.live = self._engine_live
+            self.convergence.on_converged.append(self._on_converged)
+            self.peer_snapshots = PeerSnapshots(self.convergence, config.peers, self.scheduler_id,
+                                                security=peer_security(config),
+                                                timeout_s=config.converge_timeout_s)
         self.telemetry.track(self.registry, self.control.aggregator)
         if self.plane is not None:
+            self.plane.republisher.position_of = self.control.positions.last
+            self.plane.republisher.scheduler_id = self.scheduler_id
+            self.plane.servicer.converged = lambda: self.converged
+            self.telemetry.metrics.track_convergence(lambda: self.converged)
             self.control.on_registered.append(self.plane.engine_up)
             self.control.on_engine_up.append(self.plane.engine_up)
             self.plane.instrument(EventMetrics(self.telemetry.prometheus))
@@ -133,6 +171,29 @@ class SchedulerService:
             self.http = HttpApi(self.generation, self.guard, self.telemetry.prometheus)
         self.port = self.control_port = self.events_port = self.health_port = self.http_port = 0
         self._sweeper: asyncio.Task[None] | None = None
+        self._started = False
+        self._converger: asyncio.Task[None] | None = None
+
+    @property
+    def converged(self) -> bool:
+        """Whether the prefix index is complete (always, for a replica without peers)."""
+        return self.convergence is None or self.convergence.converged
+
+    def _engine_live(self, engine_id: str, epoch: int) -> bool:
+        return (EngineRef(engine_id, epoch) not in self.control.down
+                and self.registry.engine(engine_id, epoch) is not None)
+
+    def _on_converged(self) -> None:
+        """Ready: the client API's and KV events' health go SERVING (liveness, the service ""
+        health, was SERVING throughout)."""
+        if self._started and not self.generation.draining:
+            asyncio.get_running_loop().create_task(self._set_ready(True))
+
+    async def _set_ready(self, ready: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        for server in (self.client_server, self.events_server):
+            for name in server.service_names:
+                await server.health.set(name, status)
 
     def _event_plane(self) -> Any:
         try:
@@ -162,9 +223,16 @@ class SchedulerService:
             await server.start()
         self.control.start_monitor()
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+        self._started = True
         for server in self.servers:
-            await server.set_serving(True)
+            if self.converged or server is self.control_server:
+                await server.set_serving(True)
+            else:  # live, not ready: the client API and KV events wait for the index to converge
+                await server.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        if self.peer_snapshots is not None:
+            self._converger = asyncio.get_running_loop().create_task(self.peer_snapshots.run())
         if self.http is not None:
+            self.http.ready = lambda: self.converged
             self.http_port = await self.http.start(c.host, c.http_port, public)
         logger.info("scheduler %s serving: client %s:%d, control %s:%d, events %s:%d", self.scheduler_id, c.host,
                     self.port, c.host, self.control_port, c.host, self.events_port)
@@ -185,6 +253,10 @@ class SchedulerService:
         return await self.generation.drain(self.config.drain_timeout_s if timeout_s is None else timeout_s)
 
     async def stop(self, grace: float = 1.0) -> None:
+        if self._converger is not None:
+            self._converger.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._converger
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -3,7 +3,10 @@
 Both replicas serve (gRPC and the OpenAI API) with the same outputs; a replica killed with
 SIGKILL mid-stream loses no request: the client library goes on at the other replica from the
 tokens it had (no token twice, none missing), the engines release the blocks they held for the
-dead replica's requests within the loss timeout, and nothing leaks."""
+dead replica's requests within the loss timeout, and nothing leaks. A replica restarted while
+the engines run takes the blocks stored before from its peer's snapshot, reports ready once its
+index has converged, and routes like the survivor. A KV-event consumer reading the replica that died resumes at the
+other from a snapshot and ends with the same block state as one that never lost its replica."""
 
 from __future__ import annotations
 
@@ -13,16 +16,20 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import openai
 import pytest
 from e2e_cluster import MAX_TOKENS, start_cluster
 
-from pdserve.v1 import engine_pb2, engine_pb2_grpc
+from pdserve.v1 import engine_pb2, engine_pb2_grpc, kv_events_pb2, kv_events_pb2_grpc
 from services.client import Client, GenerationResult
 from services.common.grpc_server import CHANNEL_OPTIONS
-from services.local_cluster import LocalCluster
+from services.event_subscriber import EventSubscriber
+from services.local_cluster import LocalCluster, ReplicaPorts
+from services.scheduler.peer_snapshots import SnapshotReader
+from services.scheduler.tokenization import PromptTokenizer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -63,6 +70,12 @@ def test_replica_killed_mid_stream_loses_nothing(replicas: LocalCluster, prompts
     id_a = replicas.server_info(target=target_a).scheduler_id
     id_b = replicas.server_info(target=target_b).scheduler_id
     assert id_a and id_b and id_a != id_b
+
+    # KV-event consumers: one reads replica b throughout, one reads a and moves to b when a dies.
+    events_a, events_b = (f"{replicas.spec.host}:{r.events_port}" for r in (a, b))
+    steady, moving = EventSubscriber(events_b), EventSubscriber(f"{events_a},{events_b}")
+    steady.start()
+    moving.start()
 
     # Both replicas route and serve, with the in-process engine's outputs.
     for i, target in enumerate([target_a, target_b, target_a, target_b]):
@@ -132,3 +145,87 @@ def test_replica_killed_mid_stream_loses_nothing(replicas: LocalCluster, prompts
     with grpc.insecure_channel(replicas.components["prefill-0"].address, CHANNEL_OPTIONS) as channel:
         engine_pb2_grpc.EngineStub(channel).Release(engine_pb2.ReleaseRequest(request_id=f"pinned.2@{id_b}"))
     assert replicas.wait_no_leaks() == {}
+
+    # The consumer that lost its replica resumed at b from a snapshot: the same block state as
+    # the one that never lost its replica (nothing missed, nothing twice).
+    deadline = time.monotonic() + 10
+    while (moving.target != events_b or moving.blocks() != steady.blocks()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    moving.close()
+    steady.close()
+    assert moving.target == events_b and moving.state.num_snapshots == 2 and steady.state.num_snapshots == 1
+    assert moving.blocks() == steady.blocks() and sum(map(len, steady.blocks().values())) > 0
+
+
+def _index(cluster: LocalCluster, replica: ReplicaPorts) -> dict[str, set[tuple[str | None, object]]]:
+    """The replica's prefix index as a snapshot shows it: engine -> {(medium, block hash)}."""
+    reader = SnapshotReader()
+    with grpc.insecure_channel(f"{cluster.spec.host}:{replica.events_port}", CHANNEL_OPTIONS) as channel:
+        call = kv_events_pb2_grpc.KVEventsStub(channel).Subscribe(kv_events_pb2.SubscribeRequest(snapshot=True),
+                                                                   timeout=30)
+        for msg in call:
+            reader.feed(msg)
+            if reader.done:
+                call.cancel()
+                break
+    assert reader.snapshot is not None
+    return {e: {(m, h) for m, hashes in s.blocks.items() for h in hashes} for e, s in reader.snapshot.engines.items()}
+
+
+def test_restarted_replica_converges_and_routes_like_the_survivor(replicas: LocalCluster,
+                                                                   demo_model: Path) -> None:
+    a, b = replicas.replicas
+    target_a, target_b = replicas.replica_target(a), replicas.replica_target(b)
+    if not replicas.components[a.name].alive:
+        replicas.restart(a.name)
+    deadline = time.monotonic() + 60
+    while not replicas.replica_ready(a.name) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    # A prefix-heavy workload: four long documents, each prefilled once (on one prefill engine)
+    # through either replica, then acknowledged (no report left for the engines to resend).
+    tokenizer = PromptTokenizer(demo_model)
+    docs = [tokenizer.encode(f"Document {k}: " + " ".join(f"word{k}x{j}" for j in range(40))) for k in range(4)]
+    seeded = [_greedy(target_a if k % 2 else target_b, doc + tokenizer.encode(" Summary:"), 2) for k, doc in enumerate(docs)]
+    time.sleep(1.5)
+
+    replicas.restart(a.name)  # SIGKILL, then the same command: a new scheduler id, an empty index
+    restarted_at = time.monotonic()
+    while not replicas.replica_ready(a.name):
+        assert time.monotonic() - restarted_at < 60, "the restarted replica never reported ready"
+        time.sleep(0.1)
+    assert replicas.server_info(target=target_a).scheduler_id not in ("", replicas.server_info(target=target_b).scheduler_id)
+
+    # Converged: the same index as the survivor (the blocks stored before the restart came from
+    # b's snapshot), so the same routing decisions.
+    index_a, index_b = _index(replicas, a), _index(replicas, b)
+    assert index_a == index_b and sum(map(len, index_b.values())) > 0
+    for k, doc in enumerate(docs):
+        via_a = _greedy(target_a, doc + tokenizer.encode(" Question:"), 2)
+        via_b = _greedy(target_b, doc + tokenizer.encode(" Answer:"), 2)
+        assert via_a.prefill_engine_id == via_b.prefill_engine_id == seeded[k].prefill_engine_id, (k, via_a, via_b)
+
+    # The OpenAI API's retry path: a stream cut after a few tokens goes on at the other replica
+    # from the token ids it had (return_token_ids, then output_token_ids): none twice, none missing.
+    prompt = docs[0] + tokenizer.encode(" Continue:")
+    full = _greedy(target_b, prompt, LONG_TOKENS).token_ids
+    got = _openai_stream(replicas.replica_http_url(a), prompt, [], stop_after=5)
+    assert 5 <= len(got) < LONG_TOKENS
+    assert got + _openai_stream(replicas.replica_http_url(b), prompt, got) == full
+    assert replicas.wait_no_leaks() == {}
+
+
+def _openai_stream(base_url: str, prompt: list[int], had: list[int], stop_after: int = 0) -> list[int]:
+    """The token ids a streamed completion sends (continuing after `had`), cut after
+    `stop_after` of them when that is set (the client closes the stream)."""
+    client = openai.OpenAI(base_url=base_url, api_key="none")
+    stream = client.completions.create(model="", prompt=prompt, max_tokens=LONG_TOKENS, temperature=0.0, stream=True,
+                                       extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                   "output_token_ids": had})
+    got: list[int] = []
+    for chunk in stream:
+        for choice in chunk.choices:
+            got += (choice.model_extra or {}).get("token_ids") or []
+        if stop_after and len(got) >= stop_after:
+            stream.close()
+            break
+    return got

@@ -164,9 +164,10 @@ def test_standard_labels_everywhere(values_name: str) -> None:
 
 
 def test_probes_are_native_grpc_on_the_health_port(values_name: str) -> None:
-    """Engines: native gRPC probes. The scheduler: GET /health on its HTTP API port without TLS;
-    under TLS the kubelet (which cannot present a client certificate) probes the plaintext
-    gRPC health-only port."""
+    """Engines: native gRPC probes. The scheduler: GET /health on its HTTP API port without TLS
+    (readiness: GET /ready, 503 while a restarted replica's prefix index converges); under TLS
+    the kubelet (which cannot present a client certificate) probes the plaintext gRPC
+    health-only port (readiness: the pdserve.v1.Generation service's health, likewise)."""
     docs = rendered(values_name)
     configs = config_files(docs)
     for component, kind in (("scheduler", "Deployment"), ("prefill", "StatefulSet"), ("decode", "StatefulSet")):
@@ -179,10 +180,14 @@ def test_probes_are_native_grpc_on_the_health_port(values_name: str) -> None:
             if component == "scheduler" and "health_port" not in configs[component]:
                 http_port = port_of(container, "http")
                 assert http_port == configs["scheduler"]["http_port"]
-                assert container[probe]["httpGet"] == {"path": "/health", "port": http_port}, probe
+                path = "/ready" if probe == "readinessProbe" else "/health"
+                assert container[probe]["httpGet"] == {"path": path, "port": http_port}, probe
                 assert set(container[probe]) & {"grpc", "tcpSocket", "exec"} == set()
                 continue
-            assert container[probe]["grpc"] == {"port": probe_port}, (component, probe)
+            expected = {"port": probe_port}
+            if component == "scheduler" and probe == "readinessProbe":
+                expected["service"] = "pdserve.v1.Generation"
+            assert container[probe]["grpc"] == expected, (component, probe)
             assert set(container[probe]) & {"httpGet", "tcpSocket", "exec"} == set()
 
 
@@ -374,7 +379,10 @@ def test_scheduler_replicas_pdb_anti_affinity_and_both_services() -> None:
     assert set(services) == {"demo-pdserve-scheduler", "demo-pdserve-scheduler-peers"}
     peers = services["demo-pdserve-scheduler-peers"]["spec"]
     assert peers["clusterIP"] == "None" and peers["publishNotReadyAddresses"] is True
-    assert [p["name"] for p in peers["ports"]] == ["control"]
+    assert [p["name"] for p in peers["ports"]] == ["control", "events"]
+    events_port = config_files(docs)["scheduler"]["events_port"]
+    assert config_files(docs)["scheduler"]["peers"] == f"dns:demo-pdserve-scheduler-peers:{events_port}"
+    assert "peers" not in config_files(rendered("default"))["scheduler"]  # one replica: nobody to ask
     assert services["demo-pdserve-scheduler"]["spec"].get("clusterIP") != "None"
     for role in ENGINE_ROLES:
         assert config_files(docs)[role]["scheduler"].startswith("dns:demo-pdserve-scheduler-peers:")
@@ -463,8 +471,11 @@ def test_network_policy_rules() -> None:
     # only engine pods reach the control port
     (control_peers,) = [peers for ports, peers in rules.items() if ports == (sched_cfg["control_port"],)]
     assert len(control_peers) == 1 and _engine_peer(control_peers[0])
-    (event_peers,) = [peers for ports, peers in rules.items() if sched_cfg["events_port"] in ports]
+    (event_peers,) = [peers for ports, peers in rules.items() if sched_cfg["events_port"] in ports and len(ports) > 1]
     assert event_peers == values["networkPolicy"]["eventSubscribers"]
+    # the replicas reach each other's KVEvents port (a restarted one takes a peer's index snapshot)
+    (replica_peers,) = [peers for ports, peers in rules.items() if ports == (sched_cfg["events_port"],)]
+    assert len(replica_peers) == 1 and _component_peer(replica_peers[0], "scheduler")
     assert all(peers for peers in rules.values()), "no scheduler port is open to everyone when clients are listed"
 
     engines = policies["engines"]

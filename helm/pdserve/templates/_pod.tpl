@@ -97,7 +97,7 @@ startupProbe:
   periodSeconds: 5
   failureThreshold: {{ .startupFailures }}
 readinessProbe:
-  httpGet: {path: /health, port: {{ .port }}}
+  httpGet: {path: {{ .readyPath | default "/health" }}, port: {{ .port }}}
   periodSeconds: 5
   failureThreshold: 2
 livenessProbe:
@@ -113,7 +113,7 @@ startupProbe:
   periodSeconds: 5
   failureThreshold: {{ .startupFailures }}
 readinessProbe:
-  grpc: {port: {{ .port }}}
+  grpc: {port: {{ .port }}{{ with .readyService }}, service: {{ . }}{{ end }}}
   periodSeconds: 5
   failureThreshold: 2
 livenessProbe:

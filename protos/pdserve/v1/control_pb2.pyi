@@ -89,6 +89,7 @@ class Hello(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     DTYPE_FIELD_NUMBER: _builtins.int
     DEVICE_KIND_FIELD_NUMBER: _builtins.int
+    FIRST_POSITION_FIELD_NUMBER: _builtins.int
     compatibility_hash: _builtins.str
     """Hex digest over model, dtype, layers, KV heads, head size, block size, KV layout, hash
     seed and protocol version; every engine of a cluster must agree.
@@ -114,6 +115,12 @@ class Hello(_message.Message):
     both inside compatibility_hash too; stated in clear so a mismatch is refused naming them.
     """
     device_kind: _builtins.str
+    first_position: _builtins.int
+    """The report position (StepReport.position) of the first report this stream carries from
+    now on: its oldest unacknowledged report, or the next one. A replica that restarted
+    learned every report from here on; the ones before must come from a peer's snapshot
+    (docs/architecture.md, scheduler replicas). 0: reports are not numbered.
+    """
     @_builtins.property
     def rank(self) -> Global___RankIdentity: ...
     def __init__(
@@ -129,10 +136,11 @@ class Hello(_message.Message):
         block_size: _builtins.int | None = ...,
         dtype: _builtins.str | None = ...,
         device_kind: _builtins.str | None = ...,
+        first_position: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_device_kind", b"_device_kind", "_dtype", b"_dtype", "_hash_seed", b"_hash_seed", "block_size", b"block_size", "device_kind", b"device_kind", "dtype", b"dtype", "hash_seed", b"hash_seed", "rank", b"rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_device_kind", b"_device_kind", "_dtype", b"_dtype", "_hash_seed", b"_hash_seed", "block_size", b"block_size", "compatibility_hash", b"compatibility_hash", "device_kind", b"device_kind", "dtype", b"dtype", "engine_address", b"engine_address", "handshake_metadata", b"handshake_metadata", "hash_seed", b"hash_seed", "last_sent_seq", b"last_sent_seq", "protocol_version", b"protocol_version", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_device_kind", b"_device_kind", "_dtype", b"_dtype", "_hash_seed", b"_hash_seed", "block_size", b"block_size", "compatibility_hash", b"compatibility_hash", "device_kind", b"device_kind", "dtype", b"dtype", "engine_address", b"engine_address", "first_position", b"first_position", "handshake_metadata", b"handshake_metadata", "hash_seed", b"hash_seed", "last_sent_seq", b"last_sent_seq", "protocol_version", b"protocol_version", "rank", b"rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__block_size: _TypeAlias = _typing.Literal["block_size"]  # noqa: Y015
     _WhichOneofArgType__block_size: _TypeAlias = _typing.Literal["_block_size", b"_block_size"]  # noqa: Y015
@@ -231,6 +239,7 @@ class StepReport(_message.Message):
     PACKED_WORKER_EVENTS_FIELD_NUMBER: _builtins.int
     MERGED_EVENT_RANKS_FIELD_NUMBER: _builtins.int
     MERGED_TRANSFER_RANKS_FIELD_NUMBER: _builtins.int
+    POSITION_FIELD_NUMBER: _builtins.int
     COMPACT_WORKER_EVENTS_FIELD_NUMBER: _builtins.int
     COMPACT_ENGINE_EVENTS_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
@@ -243,6 +252,11 @@ class StepReport(_message.Message):
     both, or any other EventBatch field, makes the report malformed). The scheduler decodes one
     copy per engine step, keyed by these bytes, and republishes them to gRPC subscribers as
     they are. Sent only to a scheduler whose Welcome sets accepts_packed_worker_events.
+    """
+    position: _builtins.int
+    """The rank's report position: 1, 2, 3 ... in report order, the same on every scheduler
+    replica's stream (the rank numbers a report before sending it to each replica); 0: not
+    numbered. Unlike `seq` (per stream), it names the same report at every replica.
     """
     @_builtins.property
     def finished_sending(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
@@ -321,12 +335,13 @@ class StepReport(_message.Message):
         packed_worker_events: _builtins.bytes = ...,
         merged_event_ranks: _abc.Iterable[_builtins.int] | None = ...,
         merged_transfer_ranks: _abc.Iterable[_builtins.int] | None = ...,
+        position: _builtins.int = ...,
         compact_worker_events: Global___CompactEvents | None = ...,
         compact_engine_events: Global___CompactEvents | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["compact_engine_events", b"compact_engine_events", "compact_worker_events", b"compact_worker_events", "engine_events", b"engine_events"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compact_engine_events", b"compact_engine_events", "compact_worker_events", b"compact_worker_events", "engine_events", b"engine_events", "failed_recving", b"failed_recving", "finished_recving", b"finished_recving", "finished_sending", b"finished_sending", "invalid_block_ids", b"invalid_block_ids", "merged_event_ranks", b"merged_event_ranks", "merged_transfer_ranks", b"merged_transfer_ranks", "packed_worker_events", b"packed_worker_events", "seq", b"seq", "transfer_stats", b"transfer_stats", "worker_events", b"worker_events", "worker_metadata", b"worker_metadata"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compact_engine_events", b"compact_engine_events", "compact_worker_events", b"compact_worker_events", "engine_events", b"engine_events", "failed_recving", b"failed_recving", "finished_recving", b"finished_recving", "finished_sending", b"finished_sending", "invalid_block_ids", b"invalid_block_ids", "merged_event_ranks", b"merged_event_ranks", "merged_transfer_ranks", b"merged_transfer_ranks", "packed_worker_events", b"packed_worker_events", "position", b"position", "seq", b"seq", "transfer_stats", b"transfer_stats", "worker_events", b"worker_events", "worker_metadata", b"worker_metadata"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

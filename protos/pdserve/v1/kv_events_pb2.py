@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/v1/kv_events.proto\x12\npdserve.v1\"\xb6\x02\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x1e\n\x11parent_block_hash\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x07lora_id\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12\x13\n\x06medium\x18\x06 \x01(\tH\x02\x88\x01\x01\x12\x16\n\tlora_name\x18\x07 \x01(\tH\x03\x88\x01\x01\x12\x17\n\nextra_keys\x18\x08 \x01(\x0cH\x04\x88\x01\x01\x12\x16\n\tgroup_idx\x18\t \x01(\x05H\x05\x88\x01\x01\x42\x14\n\x12_parent_block_hashB\n\n\x08_lora_idB\t\n\x07_mediumB\x0c\n\n_lora_nameB\r\n\x0b_extra_keysB\x0c\n\n_group_idx\"j\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x13\n\x06medium\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x16\n\tgroup_idx\x18\x03 \x01(\x05H\x01\x88\x01\x01\x42\t\n\x07_mediumB\x0c\n\n_group_idx\"2\n\x10\x41llBlocksCleared\x12\x13\n\x06medium\x18\x01 \x01(\tH\x00\x88\x01\x01\x42\t\n\x07_medium\"\xb2\x01\n\x07KVEvent\x12/\n\x0c\x62lock_stored\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.BlockStoredH\x00\x12\x31\n\rblock_removed\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.BlockRemovedH\x00\x12:\n\x12\x61ll_blocks_cleared\x18\x03 \x01(\x0b\x32\x1c.pdserve.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"\xa4\x01\n\nEventBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\n\n\x02ts\x18\x02 \x01(\x01\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x1f\n\x12\x64\x61ta_parallel_rank\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12#\n\x06\x65vents\x18\x06 \x03(\x0b\x32\x13.pdserve.v1.KVEventB\x15\n\x13_data_parallel_rank\"\xa0\x01\n\x10SubscribeRequest\x12\x15\n\x08\x66rom_seq\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nengine_ids\x18\x02 \x03(\t\x12\r\n\x05media\x18\x03 \x03(\t\x12$\n\x05types\x18\x04 \x03(\x0e\x32\x15.pdserve.v1.EventType\x12\x1f\n\x17max_batches_per_message\x18\x05 \x01(\rB\x0b\n\t_from_seq\"\xad\x01\n\x0cStreamNotice\x12+\n\x04kind\x18\x01 \x01(\x0e\x32\x1d.pdserve.v1.StreamNotice.Kind\x12\x10\n\x08next_seq\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"N\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x12\n\x0eSNAPSHOT_BEGIN\x10\x01\x12\x10\n\x0cSNAPSHOT_END\x10\x02\x12\n\n\x06RESYNC\x10\x03\"\x9d\x01\n\x12\x45ventStreamMessage\x12\'\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.EventBatchH\x00\x12*\n\x06notice\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.StreamNoticeH\x00\x12\'\n\x07\x62\x61tches\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.EventBatchB\t\n\x07payload*\x85\x01\n\tEventType\x12\x1a\n\x16\x45VENT_TYPE_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x45VENT_TYPE_BLOCK_STORED\x10\x01\x12\x1c\n\x18\x45VENT_TYPE_BLOCK_REMOVED\x10\x02\x12!\n\x1d\x45VENT_TYPE_ALL_BLOCKS_CLEARED\x10\x03\x32W\n\x08KVEvents\x12K\n\tSubscribe\x12\x1c.pdserve.v1.SubscribeRequest\x1a\x1e.pdserve.v1.EventStreamMessage0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/v1/kv_events.proto\x12\npdserve.v1\"\xb6\x02\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x1e\n\x11parent_block_hash\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x07lora_id\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12\x13\n\x06medium\x18\x06 \x01(\tH\x02\x88\x01\x01\x12\x16\n\tlora_name\x18\x07 \x01(\tH\x03\x88\x01\x01\x12\x17\n\nextra_keys\x18\x08 \x01(\x0cH\x04\x88\x01\x01\x12\x16\n\tgroup_idx\x18\t \x01(\x05H\x05\x88\x01\x01\x42\x14\n\x12_parent_block_hashB\n\n\x08_lora_idB\t\n\x07_mediumB\x0c\n\n_lora_nameB\r\n\x0b_extra_keysB\x0c\n\n_group_idx\"j\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x13\n\x06medium\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x16\n\tgroup_idx\x18\x03 \x01(\x05H\x01\x88\x01\x01\x42\t\n\x07_mediumB\x0c\n\n_group_idx\"2\n\x10\x41llBlocksCleared\x12\x13\n\x06medium\x18\x01 \x01(\tH\x00\x88\x01\x01\x42\t\n\x07_medium\"\xb2\x01\n\x07KVEvent\x12/\n\x0c\x62lock_stored\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.BlockStoredH\x00\x12\x31\n\rblock_removed\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.BlockRemovedH\x00\x12:\n\x12\x61ll_blocks_cleared\x18\x03 \x01(\x0b\x32\x1c.pdserve.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"\xa4\x01\n\nEventBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\n\n\x02ts\x18\x02 \x01(\x01\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x1f\n\x12\x64\x61ta_parallel_rank\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12#\n\x06\x65vents\x18\x06 \x03(\x0b\x32\x13.pdserve.v1.KVEventB\x15\n\x13_data_parallel_rank\"\xb2\x01\n\x10SubscribeRequest\x12\x15\n\x08\x66rom_seq\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nengine_ids\x18\x02 \x03(\t\x12\r\n\x05media\x18\x03 \x03(\t\x12$\n\x05types\x18\x04 \x03(\x0e\x32\x15.pdserve.v1.EventType\x12\x1f\n\x17max_batches_per_message\x18\x05 \x01(\r\x12\x10\n\x08snapshot\x18\x06 \x01(\x08\x42\x0b\n\t_from_seq\"D\n\x0e\x45nginePosition\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08position\x18\x03 \x01(\x04\"\xf2\x01\n\x0cStreamNotice\x12+\n\x04kind\x18\x01 \x01(\x0e\x32\x1d.pdserve.v1.StreamNotice.Kind\x12\x10\n\x08next_seq\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12-\n\tpositions\x18\x04 \x03(\x0b\x32\x1a.pdserve.v1.EnginePosition\x12\x14\n\x0cscheduler_id\x18\x05 \x01(\t\"N\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x12\n\x0eSNAPSHOT_BEGIN\x10\x01\x12\x10\n\x0cSNAPSHOT_END\x10\x02\x12\n\n\x06RESYNC\x10\x03\"\x9d\x01\n\x12\x45ventStreamMessage\x12\'\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.EventBatchH\x00\x12*\n\x06notice\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.StreamNoticeH\x00\x12\'\n\x07\x62\x61tches\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.EventBatchB\t\n\x07payload*\x85\x01\n\tEventType\x12\x1a\n\x16\x45VENT_TYPE_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x45VENT_TYPE_BLOCK_STORED\x10\x01\x12\x1c\n\x18\x45VENT_TYPE_BLOCK_REMOVED\x10\x02\x12!\n\x1d\x45VENT_TYPE_ALL_BLOCKS_CLEARED\x10\x03\x32W\n\x08KVEvents\x12K\n\tSubscribe\x12\x1c.pdserve.v1.SubscribeRequest\x1a\x1e.pdserve.v1.EventStreamMessage0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.kv_events_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_EVENTTYPE']._serialized_start=1363
-  _globals['_EVENTTYPE']._serialized_end=1496
+  _globals['_EVENTTYPE']._serialized_start=1520
+  _globals['_EVENTTYPE']._serialized_end=1653
   _globals['_BLOCKSTORED']._serialized_start=43
   _globals['_BLOCKSTORED']._serialized_end=353
   _globals['_BLOCKREMOVED']._serialized_start=355
@@ -44,13 +44,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EVENTBATCH']._serialized_start=697
   _globals['_EVENTBATCH']._serialized_end=861
   _globals['_SUBSCRIBEREQUEST']._serialized_start=864
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=1024
-  _globals['_STREAMNOTICE']._serialized_start=1027
-  _globals['_STREAMNOTICE']._serialized_end=1200
-  _globals['_STREAMNOTICE_KIND']._serialized_start=1122
-  _globals['_STREAMNOTICE_KIND']._serialized_end=1200
-  _globals['_EVENTSTREAMMESSAGE']._serialized_start=1203
-  _globals['_EVENTSTREAMMESSAGE']._serialized_end=1360
-  _globals['_KVEVENTS']._serialized_start=1498
-  _globals['_KVEVENTS']._serialized_end=1585
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=1042
+  _globals['_ENGINEPOSITION']._serialized_start=1044
+  _globals['_ENGINEPOSITION']._serialized_end=1112
+  _globals['_STREAMNOTICE']._serialized_start=1115
+  _globals['_STREAMNOTICE']._serialized_end=1357
+  _globals['_STREAMNOTICE_KIND']._serialized_start=1279
+  _globals['_STREAMNOTICE_KIND']._serialized_end=1357
+  _globals['_EVENTSTREAMMESSAGE']._serialized_start=1360
+  _globals['_EVENTSTREAMMESSAGE']._serialized_end=1517
+  _globals['_KVEVENTS']._serialized_start=1655
+  _globals['_KVEVENTS']._serialized_end=1742
 # @@protoc_insertion_point(module_scope)

@@ -246,11 +246,18 @@ class SubscribeRequest(_message.Message):
     MEDIA_FIELD_NUMBER: _builtins.int
     TYPES_FIELD_NUMBER: _builtins.int
     MAX_BATCHES_PER_MESSAGE_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
     from_seq: _builtins.int
     """Absent: live events only, from the next batch."""
     max_batches_per_message: _builtins.int
     """Up to this many consecutive live batches may share one EventStreamMessage (in `batches`)
     when they are ready together (the subscriber is behind); 0 or 1: one batch per message.
+    """
+    snapshot: _builtins.bool
+    """With from_seq absent: start with a snapshot of the index (SNAPSHOT_BEGIN, its batches,
+    SNAPSHOT_END), then live batches. How a subscriber resumes at another replica (each
+    replica's seqs are its own). A replica that has not converged yet (it restarted and its
+    index is still incomplete) answers UNAVAILABLE.
     """
     @_builtins.property
     def engine_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -268,16 +275,46 @@ class SubscribeRequest(_message.Message):
         media: _abc.Iterable[_builtins.str] | None = ...,
         types: _abc.Iterable[Global___EventType.ValueType] | None = ...,
         max_batches_per_message: _builtins.int = ...,
+        snapshot: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_from_seq", b"_from_seq", "from_seq", b"from_seq"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_from_seq", b"_from_seq", "engine_ids", b"engine_ids", "from_seq", b"from_seq", "max_batches_per_message", b"max_batches_per_message", "media", b"media", "types", b"types"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_from_seq", b"_from_seq", "engine_ids", b"engine_ids", "from_seq", b"from_seq", "max_batches_per_message", b"max_batches_per_message", "media", b"media", "snapshot", b"snapshot", "types", b"types"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__from_seq: _TypeAlias = _typing.Literal["from_seq"]  # noqa: Y015
     _WhichOneofArgType__from_seq: _TypeAlias = _typing.Literal["_from_seq", b"_from_seq"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__from_seq) -> _WhichOneofReturnType__from_seq | None: ...
 
 Global___SubscribeRequest: _TypeAlias = SubscribeRequest  # noqa: Y015
+
+@_typing.final
+class EnginePosition(_message.Message):
+    """An engine's position in a snapshot: the index holds that engine epoch's events of every
+    report up to `position` (StepReport.position of its rank 0), and nothing later.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    POSITION_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    epoch: _builtins.int
+    position: _builtins.int
+    def __init__(
+        self,
+        *,
+        engine_id: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        position: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "epoch", b"epoch", "position", b"position"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EnginePosition: _TypeAlias = EnginePosition  # noqa: Y015
 
 @_typing.final
 class StreamNotice(_message.Message):
@@ -309,19 +346,30 @@ class StreamNotice(_message.Message):
     KIND_FIELD_NUMBER: _builtins.int
     NEXT_SEQ_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    POSITIONS_FIELD_NUMBER: _builtins.int
+    SCHEDULER_ID_FIELD_NUMBER: _builtins.int
     kind: Global___StreamNotice.Kind.ValueType
     next_seq: _builtins.int
     reason: _builtins.str
+    scheduler_id: _builtins.str
+    @_builtins.property
+    def positions(self) -> _containers.RepeatedCompositeFieldContainer[Global___EnginePosition]:
+        """SNAPSHOT_BEGIN: every engine the snapshot describes (also engines with no blocks), and the
+        scheduler replica that took it (Welcome.scheduler_id; a replica skips its own).
+        """
+
     def __init__(
         self,
         *,
         kind: Global___StreamNotice.Kind.ValueType = ...,
         next_seq: _builtins.int = ...,
         reason: _builtins.str = ...,
+        positions: _abc.Iterable[Global___EnginePosition] | None = ...,
+        scheduler_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "next_seq", b"next_seq", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "next_seq", b"next_seq", "positions", b"positions", "reason", b"reason", "scheduler_id", b"scheduler_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -24,6 +24,10 @@ Contract:
   (the scheduler restarted and seqs began again at 0), gets SNAPSHOT_BEGIN, the index as
   BlockStored batches, SNAPSHOT_END(next_seq), then live batches from next_seq. None means live
   only.
+- `subscribe(None, snapshot=True)` starts with a snapshot, then live: how a subscriber resumes at
+  another replica (each replica's seqs are its own). A snapshot's SNAPSHOT_BEGIN names each
+  engine's position (`position_of`, the scheduler's rank-0 report positions) and the replica's
+  `scheduler_id`, so a restarted replica can install it (services/scheduler/convergence.py).
 - A subscriber whose unread live batches exceed `subscriber_buffer` is cut off at once (its
   buffer freed) and, on its next `take`, receives RESYNC followed by a snapshot; never a silent
   gap and never a stalled publisher.
@@ -102,9 +106,15 @@ class NoticeKind(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class StreamNotice:
+    """SNAPSHOT_BEGIN names every engine the snapshot describes with its position (engine_id,
+    epoch, rank 0's last report position: see `EventRepublisher.position_of`) and the replica
+    that took it."""
+
     kind: NoticeKind
     next_seq: int
     reason: str = ""
+    positions: tuple[tuple[str, int, int], ...] = ()
+    scheduler_id: str = ""
 
 
 StreamItem = SequencedBatch | SnapshotBatch | StreamNotice
@@ -277,6 +287,10 @@ class EventRepublisher:
         self.on_received: list[Callable[[str, KVEventBatch], None]] = []
         self.on_rejected: list[Callable[[str, int], None]] = []
         self.on_resync: list[Callable[[Subscription], None]] = []
+        # Named in a snapshot's SNAPSHOT_BEGIN (set by the scheduler service): rank 0's last
+        # applied report position of (engine, epoch), and this replica's id.
+        self.position_of: Callable[[str, int], int] = lambda engine_id, epoch: 0
+        self.scheduler_id = ""
 
     # -- producers -------------------------------------------------------------------------
 
@@ -360,17 +374,20 @@ class EventRepublisher:
             return [self._ring_batch(i) for i in range(skip, len(self._ring))]
 
     def subscribe(self, from_seq: int | None, event_filter: EventFilter | None = None, *,
-                  wake: Callable[[], None] = lambda: None) -> Subscription:
+                  wake: Callable[[], None] = lambda: None, snapshot: bool = False) -> Subscription:
         """A new subscription; see the module docstring for what it receives first."""
         if from_seq is not None and from_seq < 0:
             raise ValueError(f"from_seq must be >= 0, got {from_seq}")
+        if snapshot and from_seq is not None:
+            raise ValueError("snapshot: only without from_seq (a from_seq resumes this replica's sequence)")
         f = event_filter or EventFilter()
         with self._lock:
             sub = Subscription(self, f, self.subscriber_buffer, wake)
             nxt = self._next_seq
             oldest = self._ring[0].seq if self._ring else nxt
             if from_seq is None:
-                pass
+                if snapshot:
+                    sub._ready.extend(self._snapshot_items(f, "snapshot requested"))
             elif oldest <= from_seq <= nxt:
                 skip = from_seq - oldest
                 for i in range(skip, len(self._ring)):
@@ -467,7 +484,9 @@ class EventRepublisher:
     def _snapshot_items(self, f: EventFilter, reason: str) -> list[StreamItem]:
         self._stats.num_snapshots += 1
         nxt = self._next_seq
-        items: list[StreamItem] = [StreamNotice(NoticeKind.SNAPSHOT_BEGIN, nxt, reason)]
+        positions = tuple((e, epoch, self.position_of(e, epoch)) for e, epoch in self._epochs.items()
+                          if f.wants_engine(e))
+        items: list[StreamItem] = [StreamNotice(NoticeKind.SNAPSHOT_BEGIN, nxt, reason, positions, self.scheduler_id)]
         if not f.types or BlockStored in f.types:
             ts = self._clock()
             n = self._snapshot_blocks

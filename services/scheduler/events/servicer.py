@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -53,6 +53,8 @@ _NOTICES = {
 
 def request_to_filter(request: pb.SubscribeRequest) -> tuple[int | None, EventFilter]:
     """(from_seq, filter) of a SubscribeRequest; ValueError names what is malformed."""
+    if request.snapshot and request.HasField("from_seq"):
+        raise ValueError("snapshot: only without from_seq (a from_seq resumes this replica's sequence)")
     types: set[type] = set()
     for t in request.types:
         if t not in _TYPES:
@@ -112,7 +114,10 @@ def encode_item(item: StreamItem) -> bytes:
     if isinstance(item, SnapshotBatch):
         proto = batch_to_proto(0, item.engine_id, item.epoch, item.batch)
         return pb.EventStreamMessage(batch=proto).SerializeToString()
-    notice = pb.StreamNotice(kind=_NOTICES[item.kind], next_seq=item.next_seq, reason=item.reason)
+    notice = pb.StreamNotice(kind=_NOTICES[item.kind], next_seq=item.next_seq, reason=item.reason,
+                             scheduler_id=item.scheduler_id,
+                             positions=[pb.EnginePosition(engine_id=e, epoch=epoch, position=p)
+                                        for e, epoch, p in item.positions])
     return pb.EventStreamMessage(notice=notice).SerializeToString()
 
 
@@ -170,6 +175,9 @@ class KVEventsServicer:
     def __init__(self, republisher: EventRepublisher, *, max_items_per_wakeup: int = 256) -> None:
         self.republisher = republisher
         self._max_items = max_items_per_wakeup
+        # Whether this replica's index is complete (services/scheduler/convergence.py): a
+        # snapshot asked of one that is not yet is refused with UNAVAILABLE (try another).
+        self.converged: Callable[[], bool] = lambda: True
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Registers the service (use instead of the generated add_KVEventsServicer_to_server)."""
@@ -188,6 +196,10 @@ class KVEventsServicer:
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return
+        if request.snapshot and not self.converged():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this replica's prefix index has not converged yet "
+                                                             "(it restarted): subscribe at another replica")
+            return
         loop = asyncio.get_running_loop()
         ready = asyncio.Event()
         loop_thread = threading.get_ident()
@@ -200,7 +212,7 @@ class KVEventsServicer:
 
         per_message = min(max(1, request.max_batches_per_message), self._max_items)
         peer = context.peer()  # not after the call ended: grpc.aio crashes on that
-        sub = self.republisher.subscribe(from_seq, event_filter, wake=wake)
+        sub = self.republisher.subscribe(from_seq, event_filter, wake=wake, snapshot=request.snapshot)
         logger.info("KV-event subscriber %s joined (from_seq=%s)", peer, from_seq)
         try:
             while True:

@@ -88,6 +88,7 @@ def test_zmq_replay_then_live_without_duplicates(capsys: pytest.CaptureFixture[s
 def test_bad_arguments_are_refused() -> None:
     for argv, message in ((["--from-seq", "-1"], "--from-seq must be >= 0"),
                           (["--zmq-replay", "tcp://127.0.0.1:1"], "--zmq-replay needs --zmq"),
-                          (["--limit", "-2"], "--limit and --duration must be >= 0")):
+                          (["--limit", "-2"], "--limit and --duration must be >= 0"),
+                          (["--snapshot", "--from-seq", "3"], "--snapshot: gRPC only, and not with --from-seq")):
         with pytest.raises(ValueError, match=message):
             events_cli.run(parse(argv))

@@ -193,6 +193,23 @@ async def test_bad_subscribe_request_is_invalid_argument(cluster: Cluster) -> No
     assert cluster.plane.republisher.stats().num_subscribers == 0
 
 
+async def test_snapshot_request_names_positions_and_waits_for_convergence(cluster: Cluster) -> None:
+    """`snapshot=true`: SNAPSHOT_BEGIN names each engine's report position and the replica; a
+    replica still converging refuses with UNAVAILABLE; with from_seq it is malformed."""
+    cluster.plane.republisher.scheduler_id = "s1"
+    cluster.plane.republisher.position_of = lambda engine_id, epoch: 7
+    cluster.plane.republisher.publish("p0", 3, gpu_batch(list(range(32)), 0))
+    begin, *_ = await read(cluster.stub.Subscribe(pb.SubscribeRequest(snapshot=True)), 3)
+    assert begin.notice.kind == pb.StreamNotice.SNAPSHOT_BEGIN and begin.notice.scheduler_id == "s1"
+    assert [(p.engine_id, p.epoch, p.position) for p in begin.notice.positions] == [("p0", 3, 7)]
+    with pytest.raises(grpc.aio.AioRpcError, match="INVALID_ARGUMENT"):
+        await cluster.stub.Subscribe(pb.SubscribeRequest(snapshot=True, from_seq=0)).read()
+    cluster.plane.servicer.converged = lambda: False
+    with pytest.raises(grpc.aio.AioRpcError, match="not converged") as err:
+        await cluster.stub.Subscribe(pb.SubscribeRequest(snapshot=True)).read()
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
 async def test_filtered_subscription(cluster: Cluster) -> None:
     rp = cluster.plane.republisher
     call = cluster.stub.Subscribe(pb.SubscribeRequest(from_seq=0, media=["CPU_OFFLOAD"],

@@ -146,6 +146,26 @@ def test_a_replica_that_appears_in_dns_is_joined_and_one_that_dies_is_lost() -> 
     fanout.close()
 
 
+def test_reports_are_numbered_alike_for_every_replica_and_a_late_one_learns_where_it_starts() -> None:
+    seen: list[ControlMessage] = []
+    dns = {"svc": ["10.0.0.1"]}
+    fanout, clients = _fanout("dns:svc:50052", seen, dns, resolve_interval_s=0.05)
+    _connect(fanout)
+    clients["10.0.0.1:50052"].welcome_as("A")
+    fanout.report(StepReport(finished_sending=["r1@A"]))
+    fanout.report(StepReport())
+    dns["svc"] = ["10.0.0.1", "10.0.0.2"]
+    _until(lambda: "10.0.0.2:50052" in clients)
+    late = clients["10.0.0.2:50052"]
+    assert late.next_position == 3  # set by the fan-out: its Hello.first_position
+    late.welcome_as("B")
+    fanout.report(StepReport(finished_sending=["r2@A"]))
+    assert [r.position for r in clients["10.0.0.1:50052"].reports] == [1, 2, 3]
+    assert [r.position for r in late.reports] == [3]  # the transfer result left out, the position kept
+    assert late.reports[0].finished_sending == []
+    fanout.close()
+
+
 def test_a_replica_back_under_a_new_id_makes_the_old_one_lost_at_once() -> None:
     seen: list[ControlMessage] = []
     fanout, clients = _fanout("h:1", seen, loss_timeout_s=60)

@@ -56,6 +56,7 @@ def full_registry() -> tuple[CollectorRegistry, SchedulerMetrics, EngineMetrics,
     transfer, events = TransferMetrics(registry), EventMetrics(registry)
     sched.track_aggregator(Aggregator())
     sched.track_registry(lambda: [RegisteredCount("prefill", "ready", 1, 2)])
+    sched.track_convergence(lambda: True)
     engine.track_load(Load)
     events.track_subscribers(lambda: [SubscriberLag("grpc", 4), SubscriberLag("grpc", 9)])
     events.track_index(lambda: {"GPU": 10, "CPU_OFFLOAD": 3})

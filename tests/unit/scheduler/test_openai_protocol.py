@@ -46,6 +46,18 @@ def test_a_list_of_prompts_is_one_request_each() -> None:
     assert all(r.sampling.max_tokens == 2 for r in api.requests)
 
 
+def test_output_token_ids_continue_a_broken_stream_like_the_grpc_api() -> None:
+    [req] = parse_completion({"prompt": [1, 2], "max_tokens": 8, "output_token_ids": [7, 9]}, "r").requests
+    assert list(req.output_token_ids) == [7, 9]
+    [chat] = parse_chat({"messages": [{"role": "user", "content": "hi"}], "output_token_ids": [3]}, "r", _render).requests
+    assert list(chat.output_token_ids) == [3]
+    for body, match in [({"prompt": ["a", "b"], "output_token_ids": [1]}, "single prompt"),
+                        ({"prompt": "a", "output_token_ids": [-1]}, "0..4294967295"),
+                        ({"prompt": "a", "output_token_ids": "x"}, "list of integers")]:
+        with pytest.raises(RequestError, match=match):
+            parse_completion(body, "r")
+
+
 def test_chat_messages_render_through_the_template() -> None:
     api = parse_chat({"messages": [{"role": "system", "content": "be brief"},
                                    {"role": "user", "content": [{"type": "text", "text": "hi"}]},

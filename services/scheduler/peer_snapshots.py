@@ -1,0 +1,128 @@
+"""A (re)started scheduler replica's side of convergence: take a snapshot of the prefix index
+from a peer replica (`KVEvents.Subscribe(snapshot=true)` on its events port) and install it
+(`IndexConvergence`) until every engine is complete, then report ready.
+
+Contract of `PeerSnapshots.run` (a task on the scheduler's loop):
+- tries the peers in order (`peers`: a comma list and/or `dns:NAME:PORT`, the replicas'
+  KVEvents endpoints; the replica's own address, recognised by the scheduler id in the
+  snapshot, is skipped); a peer that is unreachable or not converged itself (UNAVAILABLE) is
+  passed over. The first snapshot taken is installed; with none, engines heard from their
+  first report are still complete.
+- again every `retry_interval_s` while engines are missing (a peer lags, an engine has not
+  reconnected yet), until converged or `timeout_s` has passed (then `finish`: ready with what
+  it has, logged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from connectors.kv_events import BlockStored, event_from_proto
+from pdserve.v1 import kv_events_pb2 as pb
+from pdserve.v1 import kv_events_pb2_grpc
+from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.scheduler_targets import parse_scheduler_targets, resolve_targets
+from services.common.security import ChannelSecurity, open_channel
+from services.scheduler.convergence import EngineSnapshot, IndexConvergence, PeerSnapshot
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_RETRY_INTERVAL_S = 0.5
+
+
+class SnapshotReader:
+    """Builds a `PeerSnapshot` from a snapshot's stream messages (pure)."""
+
+    def __init__(self) -> None:
+        self.snapshot: PeerSnapshot | None = None
+        self.done = False
+
+    def feed(self, msg: pb.EventStreamMessage) -> None:
+        """One message; ValueError when the stream is not a snapshot."""
+        if msg.HasField("notice"):
+            n = msg.notice
+            if n.kind == pb.StreamNotice.SNAPSHOT_BEGIN:
+                self.snapshot = PeerSnapshot(n.scheduler_id, {
+                    p.engine_id: EngineSnapshot(p.engine_id, p.epoch, p.position) for p in n.positions})
+            elif n.kind == pb.StreamNotice.SNAPSHOT_END:
+                if self.snapshot is None:
+                    raise ValueError("SNAPSHOT_END before SNAPSHOT_BEGIN")
+                self.done = True
+            return
+        if self.snapshot is None or not msg.HasField("batch"):
+            raise ValueError("a batch before SNAPSHOT_BEGIN")
+        b = msg.batch
+        engine = self.snapshot.engines.get(b.engine_id)
+        if engine is None or engine.epoch != b.epoch:
+            return  # an engine the notice did not name (it left meanwhile): nothing to install
+        for e in b.events:
+            event = event_from_proto(e)
+            if isinstance(event, BlockStored):
+                engine.blocks.setdefault(event.medium, []).extend(event.block_hashes)
+
+
+async def fetch_snapshot(target: str, security: ChannelSecurity | None, timeout_s: float = 30.0) -> PeerSnapshot:
+    """The peer's snapshot (grpc.RpcError when it cannot give one: unreachable, not converged)."""
+    reader = SnapshotReader()
+    async with open_channel(target, security, CHANNEL_OPTIONS) as channel:
+        call = kv_events_pb2_grpc.KVEventsStub(channel).Subscribe(
+            pb.SubscribeRequest(snapshot=True), timeout=timeout_s,
+            metadata=security.metadata() if security is not None else ())
+        try:
+            async for msg in call:
+                reader.feed(msg)
+                if reader.done:
+                    break
+        finally:
+            call.cancel()
+    if reader.snapshot is None or not reader.done:
+        raise ValueError(f"peer {target}: the stream ended before the snapshot did")
+    return reader.snapshot
+
+
+class PeerSnapshots:
+    """See the module docstring."""
+
+    def __init__(self, convergence: IndexConvergence, peers: str, scheduler_id: str, *,
+                 security: ChannelSecurity | None = None, timeout_s: float = 30.0,
+                 retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S) -> None:
+        self.convergence = convergence
+        self.targets = parse_scheduler_targets(peers) if peers.strip() else []
+        self.scheduler_id = scheduler_id
+        self.security = security
+        self.timeout_s = timeout_s
+        self.retry_interval_s = retry_interval_s
+        self.num_snapshots = 0
+        self.missing: list[str] = []
+
+    async def run(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while not self.convergence.converged:
+            snapshot = await self._any_peer()
+            self.missing = self.convergence.install(snapshot)
+            if self.convergence.converged:
+                return
+            if time.monotonic() >= deadline:
+                self.convergence.finish(f"after {self.timeout_s:.0f} s engines still missing: "
+                                        f"{', '.join(sorted(set(self.missing)))}")
+                return
+            await asyncio.sleep(self.retry_interval_s)
+
+    async def _any_peer(self) -> PeerSnapshot | None:
+        loop = asyncio.get_running_loop()
+        addresses = await loop.run_in_executor(None, resolve_targets, self.targets)
+        for address in addresses:
+            try:
+                snapshot = await fetch_snapshot(address, self.security)
+            except (grpc.RpcError, ValueError, OSError) as e:
+                logger.debug("no snapshot from peer %s: %s", address, e)
+                continue
+            if snapshot.scheduler_id == self.scheduler_id:
+                continue  # this replica itself (listed in the peers' DNS name)
+            self.num_snapshots += 1
+            return snapshot
+        return None
