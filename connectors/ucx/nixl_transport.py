@@ -251,8 +251,16 @@ class NixlTransport(UcxTagTransport):
     def _ctrl_handlers(self) -> dict[str, Callable[[dict[str, Any]], None]]:
         return {**super()._ctrl_handlers(), "go": self._on_go_msg}
 
+    def _must_poll(self) -> bool:
+        return bool(self._serves)
+
     def _reap(self) -> bool:
         busy = super()._reap()
+        if self._serves:
+            # Serving: over TCP (no one-sided RMA) a reader's READ is answered by this agent's
+            # own UCX worker, which nothing else progresses (no NIXL progress thread: it spins
+            # a core while idle). Fetching notifications progresses it.
+            self._agent.get_new_notifs()
         if self._cancelled:
             self._cancelled = [h for h in self._cancelled if not _release(h)]
         self._release_retired()

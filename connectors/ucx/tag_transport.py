@@ -263,7 +263,8 @@ class UcxTagTransport(KVTransport):
             # us, so while requests are pending keep polling (yielding the CPU) for a while
             # after the last progress; sleep on UCX's event fd only when nothing moves.
             now = time.monotonic()
-            if ((self._pending or self._lanes or self._pulls) and now - last_busy < _PENDING_SPIN_S) or now < self._expect_until:
+            if self._must_poll() or ((self._pending or self._lanes or self._pulls) and now - last_busy < _PENDING_SPIN_S) \
+                    or now < self._expect_until:
                 os.sched_yield()
                 continue
             if idle_rounds <= _SPIN_ROUNDS:
@@ -277,6 +278,11 @@ class UcxTagTransport(KVTransport):
                 except (BlockingIOError, InterruptedError):
                     pass
         self._fail_all("shutdown")
+
+    def _must_poll(self) -> bool:
+        """Whether work is under way that no UCX event of this worker announces (a subclass's
+        other progress engine): the loop then polls without sleeping."""
+        return False
 
     def _run_commands(self) -> bool:
         ran = False
