@@ -140,7 +140,7 @@ class UcxTagTransport(KVTransport):
         self._geometry = geometry or HeadGeometry(1, 0)
         self._ctx = ucx_api.UCXContext(config_dict=dict(ucx_config or {}),
                                        feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
-        self._registration = _register_device_region(self._ctx, region, ucx_config or {})
+        self._registration = self._register_region(region, ucx_config or {})
         self._worker = ucx_api.UCXWorker(self._ctx)
         self._worker.init_blocking_progress_mode()
         self._address = bytes(self._worker.address.tobytes())
@@ -278,6 +278,11 @@ class UcxTagTransport(KVTransport):
                 except (BlockingIOError, InterruptedError):
                     pass
         self._fail_all("shutdown")
+
+    def _register_region(self, region: Any, ucx_config: dict[str, str]) -> MemoryRegistration | None:
+        """Registers the region with this transport's UCX context (a subclass that moves the
+        bytes through another library registers it there instead)."""
+        return _register_device_region(self._ctx, region, ucx_config)
 
     def _must_poll(self) -> bool:
         """Whether work is under way that no UCX event of this worker announces (a subclass's
