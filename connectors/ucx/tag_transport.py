@@ -22,6 +22,7 @@ Peer death is not signalled by UCX here (error handling is off); pulls end by ti
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -122,7 +123,8 @@ class UcxTagTransport(KVTransport):
 
     def __init__(self, region: Any, block_nbytes: int, local_key: PeerKey, *,
                  ucx_config: dict[str, str] | None = None, serve_timeout_s: float = 30.0, name: str = "ucx",
-                 geometry: HeadGeometry | None = None, addressing: BlockAddressing | None = None) -> None:
+                 geometry: HeadGeometry | None = None, addressing: BlockAddressing | None = None,
+                 num_blocks: int | None = None) -> None:
         import ucxx._lib.libucxx as ucx_api
         from ucxx._lib.arr import Array
 
@@ -133,7 +135,10 @@ class UcxTagTransport(KVTransport):
         self._api = ucx_api
         self._array = Array
         self._region = region
-        self._num_blocks = addressing.num_blocks if addressing is not None else nbytes // block_nbytes
+        # `num_blocks`: the blocks peers address when the region is a staging pool of fewer slots
+        # (the listener's `source_segments` maps a served request's blocks to their slots).
+        self._num_blocks = (addressing.num_blocks if addressing is not None
+                            else num_blocks if num_blocks is not None else nbytes // block_nbytes)
         self._block_nbytes = block_nbytes
         if geometry is not None and geometry.block_nbytes != block_nbytes:
             raise ValueError(f"geometry {geometry} does not make blocks of {block_nbytes} bytes")
@@ -575,6 +580,9 @@ class UcxTagTransport(KVTransport):
         if why is not None:
             self._send_ctrl(ep, {"k": "refuse", "x": request.xfer_id, "why": why})
             return
+        source = getattr(self._listener, "source_segments", None)
+        if source is not None:
+            request = dataclasses.replace(request, segments=source(request))
         self._accept_pull(ep, request)
 
     def _accept_pull(self, ep: Any, request: PullRequest) -> None:
