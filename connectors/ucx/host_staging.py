@@ -48,6 +48,52 @@ class Fence(Protocol):
     def wait(self) -> None: ...
 
 
+class BlockSource(Protocol):
+    """KV blocks the pool copies from and to, each an NHL2BD block `[heads, layers, 2,
+    block_size, head_dim]` (`shape[1:]`) however the KV itself lies (vLLM's per-layer tensors:
+    `connectors/vllm/staging.py`). `read` / `write` take block ids in order; `heads` limits a
+    write to those local heads."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...  # (num_blocks, *block shape)
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def read(self, block_ids: list[int]) -> torch.Tensor: ...
+
+    def write(self, block_ids: list[int], blocks: torch.Tensor, heads: slice) -> None: ...
+
+
+class TensorBlocks:
+    """A contiguous NHL2BD KV tensor as a `BlockSource` (a run of blocks: one slice copy)."""
+
+    def __init__(self, cache: torch.Tensor) -> None:
+        if not cache.is_contiguous() or cache.dim() < 2:
+            raise ValueError("the KV cache to stage must be a contiguous [num_blocks, ...] tensor")
+        self.cache = cache
+        self.shape = tuple(int(d) for d in cache.shape)
+        self.dtype = cache.dtype
+        self.device = cache.device
+
+    def read(self, block_ids: list[int]) -> torch.Tensor:
+        lo = block_ids[0]
+        if block_ids == list(range(lo, lo + len(block_ids))):
+            return self.cache[lo:lo + len(block_ids)]
+        return self.cache.index_select(0, torch.tensor(block_ids, dtype=torch.long, device=self.device))
+
+    def write(self, block_ids: list[int], blocks: torch.Tensor, heads: slice) -> None:
+        lo = block_ids[0]
+        if block_ids == list(range(lo, lo + len(block_ids))):
+            self.cache[lo:lo + len(block_ids), heads].copy_(blocks[:, heads], non_blocking=True)
+        else:
+            index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+            self.cache[index, heads] = blocks[:, heads].to(self.device, non_blocking=True)
+
+
 @dataclass(slots=True)
 class StagingStats:
     num_bytes: int = 0
@@ -66,16 +112,17 @@ class CopyFence:
 
 
 class HostStaging:
-    """A pool of `num_slots` block slots for `cache` (a contiguous [num_blocks, ...] tensor)."""
+    """A pool of `num_slots` block slots for `cache`: a contiguous NHL2BD [num_blocks, ...]
+    tensor, or any `BlockSource`."""
 
-    def __init__(self, cache: torch.Tensor, num_slots: int) -> None:
-        if not cache.is_contiguous() or cache.dim() < 2:
-            raise ValueError("the KV cache to stage must be a contiguous [num_blocks, ...] tensor")
-        self.cache = cache
+    def __init__(self, cache: torch.Tensor | BlockSource, num_slots: int) -> None:
+        self.blocks: BlockSource = TensorBlocks(cache) if isinstance(cache, torch.Tensor) else cache
+        self.num_blocks = self.blocks.shape[0]
+        cuda = self.blocks.device.type == "cuda"
         self.pool = StagingPool(num_slots)
-        self.slots = torch.zeros((num_slots, *cache.shape[1:]), dtype=cache.dtype, pin_memory=cache.is_cuda)
-        self.block_nbytes = cache[0].numel() * cache.element_size()
-        self._stream = torch.cuda.Stream(cache.device) if cache.is_cuda else None
+        self.slots = torch.zeros((num_slots, *self.blocks.shape[1:]), dtype=self.blocks.dtype, pin_memory=cuda)
+        self.block_nbytes = self.slots[0].numel() * self.slots.element_size()
+        self._stream = torch.cuda.Stream(self.blocks.device) if cuda else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-stager")
         self._lock = threading.Lock()
         self._stats = StagingStats()
@@ -122,8 +169,8 @@ class HostStaging:
     def _check(self, block_ids: Sequence[int], run: SlotRun) -> None:
         if len(block_ids) != run.count or run.start < 0 or run.start + run.count > self.pool.num_slots:
             raise ValueError(f"{len(block_ids)} blocks for slots {run}")
-        if any(not 0 <= b < self.cache.shape[0] for b in block_ids):
-            raise ValueError(f"block ids must be in [0, {self.cache.shape[0]})")
+        if any(not 0 <= b < self.num_blocks for b in block_ids):
+            raise ValueError(f"block ids must be in [0, {self.num_blocks})")
 
     def _copy(self, block_ids: list[int], run: SlotRun, out: bool, after: Fence | None,
               heads: tuple[int, int] | None) -> None:
@@ -142,23 +189,14 @@ class HostStaging:
             self._stats.num_copies += 1
 
     def _copy_chunks(self, block_ids: list[int], run: SlotRun, out: bool, heads: tuple[int, int] | None) -> None:
-        device = self.cache.device
         h = slice(heads[0], heads[0] + heads[1]) if heads is not None else slice(None)
         for first in range(0, len(block_ids), CHUNK_BLOCKS):
             ids = block_ids[first:first + CHUNK_BLOCKS]
             slots = self.slots[run.start + first:run.start + first + len(ids)]
-            lo = ids[0]
-            if ids == list(range(lo, lo + len(ids))):  # a run of blocks: one plain copy
-                if out:
-                    slots.copy_(self.cache[lo:lo + len(ids)], non_blocking=True)
-                else:
-                    self.cache[lo:lo + len(ids), h].copy_(slots[:, h], non_blocking=True)
-                continue
-            index = torch.tensor(ids, dtype=torch.long, device=device)
             if out:
-                slots.copy_(self.cache.index_select(0, index), non_blocking=True)
+                slots.copy_(self.blocks.read(ids), non_blocking=True)
             else:
-                self.cache[index, h] = slots[:, h].to(device, non_blocking=True)
+                self.blocks.write(ids, slots, h)
 
     def take_stats(self) -> StagingStats:
         """What was copied since the last call."""

@@ -305,6 +305,8 @@ class UcxWorkerConnector(WorkerConnector):
         if self._transport is not None:
             raise RuntimeError("KV caches are already registered")
         tensor = kv_cache if isinstance(kv_cache, KVRegion) else _single_tensor(kv_cache)
+        if not isinstance(tensor, KVRegion) and not hasattr(tensor, "is_contiguous") and self.config.kv_staging != "host":
+            raise ValueError("a KV block source (not a tensor) is registered through host staging only")
         region, layout = self._describe_in_place(tensor) if isinstance(tensor, KVRegion) else self._describe(tensor)
         if self.config.kv_staging == "host" and not isinstance(tensor, KVRegion):
             from connectors.ucx.host_staging import HostStaging, default_pool_blocks
@@ -380,8 +382,10 @@ class UcxWorkerConnector(WorkerConnector):
 
     def _describe(self, tensor: Any) -> tuple[Any, KVRegionLayout]:
         """The region UCX moves (a flat uint8 view: numpy for host memory, the CUDA tensor
-        itself for GPU memory) and its layout for the handshake."""
-        if tensor.dim() != 6 or not tensor.is_contiguous() or tensor.device.type not in ("cpu", "cuda"):
+        itself for GPU memory; None for a staged block source, whose pool is the region) and
+        its layout for the handshake."""
+        source = not hasattr(tensor, "is_contiguous")  # a host_staging.BlockSource
+        if len(tensor.shape) != 6 or not (source or tensor.is_contiguous()) or tensor.device.type not in ("cpu", "cuda"):
             raise ValueError("kv_cache must be a contiguous CPU or CUDA tensor [blocks, heads, layers, 2, block_size, "
                              f"head_dim], got shape {tuple(tensor.shape)} on {tensor.device}")
         num_blocks, heads, num_layers, two, block_size, head_dim = (int(d) for d in tensor.shape)
@@ -389,8 +393,8 @@ class UcxWorkerConnector(WorkerConnector):
         per_rank = head_end - head_start
         if two != 2 or heads != per_rank:
             raise ValueError(f"kv_cache dims 1 and 3 must be {per_rank} (heads of this rank) and 2, got {heads}, {two}")
-        region = _cuda_region(tensor) if tensor.device.type == "cuda" else _host_region(tensor)
-        nbytes = tensor.numel() * tensor.element_size()
+        region = None if source else _cuda_region(tensor) if tensor.device.type == "cuda" else _host_region(tensor)
+        nbytes = num_blocks * heads * num_layers * two * block_size * head_dim * _element_size(tensor.dtype)
         layout = KVRegionLayout(num_blocks=num_blocks, block_nbytes=nbytes // num_blocks, num_layers=num_layers,
                                 block_size=block_size, head_dim=head_dim, num_kv_heads=self.num_kv_heads,
                                 head_start=head_start, head_end=head_end,
@@ -989,6 +993,12 @@ class UcxWorkerConnector(WorkerConnector):
 def _block_ids(segments: tuple[Segment, ...]) -> set[int]:
     """The local block ids `segments` cover."""
     return {b for s in segments for b in range(s.local_block, s.local_block + s.num_blocks)}
+
+
+def _element_size(dtype: Any) -> int:
+    import torch
+
+    return int(torch.empty(0, dtype=dtype).element_size())
 
 
 def _host_region(tensor: Any) -> np.ndarray:
