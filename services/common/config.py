@@ -182,7 +182,8 @@ class EngineConfig:
     gpu_memory_fraction: float = opt(0.0, "share of each rank's GPU memory its KV cache takes, e.g. 0.4 when "
                                           "two engines share a GPU (CUDA only); 0: use kv_cache_memory")
     kv_staging: str = opt("none", "KV pulls of GPU memory: none (UCX CUDA transports, fail at start if missing) "
-                                  "or host (bounce through a host copy, slower, measured and labelled)")
+                                  "or host (bounce through a bounded pinned pool of kv_staging_blocks, slower, "
+                                  "measured and labelled)")
     kv_staging_blocks: int = opt(0, "with kv_staging host: blocks of each rank's pinned staging pool, the only "
                                     "memory UCX registers (0: the transfer window, max_inflight_transfers x 16, at "
                                     "most the cache)")
