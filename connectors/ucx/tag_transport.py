@@ -582,7 +582,11 @@ class UcxTagTransport(KVTransport):
             return
         source = getattr(self._listener, "source_segments", None)
         if source is not None:
-            request = dataclasses.replace(request, segments=source(request))
+            segments = source(request)
+            if segments is None:  # unpinned since it was accepted
+                self._send_ctrl(ep, {"k": "refuse", "x": request.xfer_id, "why": "unknown_request"})
+                return
+            request = dataclasses.replace(request, segments=segments)
         self._accept_pull(ep, request)
 
     def _accept_pull(self, ep: Any, request: PullRequest) -> None:

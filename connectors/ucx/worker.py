@@ -791,14 +791,17 @@ class UcxWorkerConnector(WorkerConnector):
         else:
             self._free_slots_locked(("send", request_id))
 
-    def source_segments(self, request: PullRequest) -> tuple[Segment, ...]:
+    def source_segments(self, request: PullRequest) -> tuple[Segment, ...] | None:
         """Transport callback (writer, after `on_pull_request` accepted): with host staging the
-        request's blocks are served from their slots, else from where they are."""
+        request's blocks are served from their slots (None: the request was cancelled since,
+        its slots are gone), else from where they are."""
+        if self._staging is None:
+            return request.segments
         with self._lock:
             lease = self._leases.get(request.request_id)
             slots = lease.slots if lease is not None else None
         if slots is None:
-            return request.segments
+            return None
         return tuple(dataclasses.replace(seg, remote_block=slots[seg.remote_block]) for seg in request.segments)
 
     def on_pull_request(self, request: PullRequest) -> str | None:
