@@ -111,12 +111,16 @@ def test_bench_transfer_two_hosts_smoke_names_the_transport(tmp_path: Path,
     problem = unavailable()
     if problem is not None:
         pytest.skip(f"two namespaced hosts cannot be made here: {problem}")
+    from connectors.ucx.nixl_transport import nixl_importable
+
+    methods = ["pdserve", "ucxx"] + (["pdserve-nixl"] if nixl_importable() else [])
     report = run_json(capsys, ["bench", "transfer", "--hosts", "2", "--out", str(tmp_path), "--iters", "1",
-                               "--sizes", "2", "--concurrent", "0", "--num-layers", "2", "--methods", "pdserve,ucxx"])
+                               "--sizes", "2", "--concurrent", "0", "--num-layers", "2", "--methods", ",".join(methods)])
     (row,) = report["rows"]
-    assert report["hosts"] == 2 and row["gbps"]["pdserve"] > 0 and row["gbps"]["ucxx"] > 0
-    # Across the namespaces neither shared memory nor CMA is reachable: both went over TCP.
-    assert report["transports_used"] == {"pdserve": "tcp", "ucxx": "tcp"}
+    assert report["hosts"] == 2 and all(row["gbps"][m] > 0 for m in methods)
+    # Across the namespaces neither shared memory nor CMA is reachable: all went over TCP
+    # (pdserve-nixl: its writer progresses its NIXL agent while it serves, or READs stall).
+    assert report["transports_used"] == {m: "tcp" for m in methods}
 
 
 def test_bench_events_smoke(capsys: pytest.CaptureFixture[str]) -> None:
