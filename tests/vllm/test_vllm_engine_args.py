@@ -47,3 +47,11 @@ def test_kv_budget_per_platform(vengine: ModuleType) -> None:
     assert vengine.kv_budget(_settings(vengine), cuda=True, device_memory_bytes=80 << 30) == {}
     args = vengine.engine_args(_settings(vengine), cuda=True, device_memory_bytes=80 << 30)
     assert args.kv_cache_memory_bytes is None
+
+
+def test_cpu_tp1_worker_runs_in_the_engine_core_process(vengine: ModuleType) -> None:
+    """On CPU at tp 1 the "uni" executor (no worker process busy-waiting beside the engine core);
+    tp 2 and CUDA keep vLLM's own executor choice."""
+    assert vengine.executor_env(_settings(vengine), cuda=False) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert vengine.executor_env(_settings(vengine, tp=2), cuda=False) == {}
+    assert vengine.executor_env(_settings(vengine), cuda=True) == {}
