@@ -135,6 +135,17 @@ def kv_budget(s: VllmEngineSettings, *, cuda: bool, device_memory_bytes: int = 0
     return {}
 
 
+def executor_env(s: VllmEngineSettings, *, cuda: bool) -> dict[str, str]:
+    """vLLM environment for the engine's executor: on CPU at tp 1 the worker runs inside vLLM's
+    engine-core process ("uni" executor, `VLLM_ENABLE_V1_MULTIPROCESSING=0`) instead of a process
+    of its own. vLLM's CPU platform otherwise forces its multiprocessing executor, whose engine
+    core and worker each busy-wait (`sched_yield`) on their shared-memory queue between steps:
+    two spinning processes per engine beside the compute, which on a 2-core host running a
+    prefill and a decode engine took the cores the decode steps needed (decision 0021). The
+    environment wins when it sets the variable; tp > 1 and CUDA keep vLLM's choice."""
+    return {} if cuda or s.tp != 1 else {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
 def _cuda_memory_bytes() -> tuple[bool, int]:
     """Whether vLLM runs on CUDA here, and the total memory of the first visible GPU."""
     from vllm.platforms import current_platform
@@ -241,6 +252,8 @@ class VllmEngine:
             raise ValueError(f"block_size {self.settings.block_size}: vLLM's CPU attention needs a multiple of "
                              f"{CPU_BLOCK_MULTIPLE}; run the whole cluster (scheduler and engines) with "
                              f"--block-size {CPU_BLOCK_MULTIPLE}")
+        for name, value in executor_env(self.settings, cuda=cuda).items():
+            os.environ.setdefault(name, value)
         args = engine_args(self.settings, cuda=cuda, device_memory_bytes=device_memory)
         self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger(self.view)])
         _record_external_tokens(self.llm.output_processor, self._external_tokens)

@@ -71,3 +71,11 @@ def test_devices_become_the_workers_cuda_visible_devices(vengine: ModuleType) ->
         vengine.worker_environment(_settings(vengine, devices="2"), {"CUDA_VISIBLE_DEVICES": "4,5"})
     # no --devices: the inherited placement stands
     assert "CUDA_VISIBLE_DEVICES" not in vengine.worker_environment(_settings(vengine), inherited)
+
+
+def test_cpu_tp1_worker_runs_in_the_engine_core_process(vengine: ModuleType) -> None:
+    """On CPU at tp 1 the "uni" executor (no worker process busy-waiting beside the engine core);
+    tp 2 and CUDA keep vLLM's own executor choice."""
+    assert vengine.executor_env(_settings(vengine), cuda=False) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert vengine.executor_env(_settings(vengine, tp=2), cuda=False) == {}
+    assert vengine.executor_env(_settings(vengine), cuda=True) == {}
