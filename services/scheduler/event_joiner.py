@@ -18,6 +18,10 @@ Contracts:
   copies would complete a block before every rank reported (the missing ranks held it
   already), at the next `flush` (the engine's next report of other events, or `flush_all`,
   which the Control servicer's heartbeat sweep calls).
+- A copy that arrives apart from its step's others (the engine's last copy is another step's,
+  e.g. a rank's ReportBatch of several steps while the scheduler is behind) is applied on its
+  own, as rank by rank, but decoded once per engine and content while recent (up to
+  MAX_DECODED_PER_ENGINE contents, forgotten at every `flush_all`).
 - A copy the aggregator refuses (ValueError: stale epoch, unknown rank) changes nothing here;
   noted copies of an epoch the aggregator no longer holds are dropped, not applied.
 
@@ -37,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 # publish(engine_id, epoch, compact, published): `published` are the indices of the events the
 # aggregator released (None: all of them, in order); never called with none.
+# Decoded copies kept per engine for copies that arrive apart from their step's others.
+MAX_DECODED_PER_ENGINE = 16
 PublishCompact = Callable[[str, int, CompactEvents, "list[int] | None"], None]
 
 
@@ -58,6 +64,11 @@ class EventJoiner:
         self.aggregator = aggregator
         self.publish = publish
         self._noted: dict[str, _Noted] = {}
+        # Per engine, the copies decoded lately (content -> events), for copies that arrive
+        # apart from their step's others (a rank's ReportBatch of several steps while the
+        # scheduler is behind): decoded once all the same. Bounded per engine, oldest dropped.
+        self._decoded: dict[str, dict[Hashable, CompactEvents]] = {}
+        self._decoded_epoch: dict[str, int] = {}
         self.num_joined = 0   # copies applied with another rank's (no decode, no own call)
         self.num_decoded = 0  # copies decoded and applied on arrival
 
@@ -82,8 +93,9 @@ class EventJoiner:
             if len(noted.counted) < num_ranks:
                 return noted.compact, []
             del self._noted[engine_id]
+            self._decoded.get(engine_id, {}).pop(noted.content, None)  # every rank counted it
             return noted.compact, self._apply_waiting(engine_id, noted)
-        compact = decode()
+        compact = self._decode(engine_id, epoch, content, decode)
         if noted is not None:
             self.flush(engine_id)
         published = self.aggregator.add_shared_hashes(engine_id, epoch, ranks, compact.key, compact.hashes,
@@ -92,6 +104,19 @@ class EventJoiner:
         if len(ranks) < num_ranks:
             self._noted[engine_id] = _Noted(epoch, content, compact, set(ranks))
         return compact, published
+
+    def _decode(self, engine_id: str, epoch: int, content: Hashable,
+                decode: Callable[[], CompactEvents]) -> CompactEvents:
+        if self._decoded_epoch.get(engine_id) != epoch:
+            self._decoded[engine_id], self._decoded_epoch[engine_id] = {}, epoch
+        cache = self._decoded[engine_id]
+        compact = cache.get(content)
+        if compact is None:
+            compact = decode()
+            cache[content] = compact
+            if len(cache) > MAX_DECODED_PER_ENGINE:
+                del cache[next(iter(cache))]
+        return compact
 
     def flush(self, engine_id: str) -> None:
         """Applies the engine's noted copies now (what they release goes to `publish`) and
@@ -103,8 +128,11 @@ class EventJoiner:
                 self.publish(engine_id, noted.epoch, noted.compact, published)
 
     def flush_all(self) -> None:
+        """`flush` of every engine; also forgets the decoded copies (they serve a burst only)."""
         for engine_id in list(self._noted):
             self.flush(engine_id)
+        self._decoded.clear()
+        self._decoded_epoch.clear()
 
     def _apply_waiting(self, engine_id: str, noted: _Noted) -> list[int] | None:
         if not noted.waiting or self.aggregator.engine_epoch(engine_id) != noted.epoch:

@@ -127,3 +127,22 @@ def test_a_refused_copy_changes_nothing_and_a_new_epoch_drops_noted_copies() -> 
     agg.register_engine("e", 2, range(2))  # a new epoch: the old one's state is gone
     assert joiner.add("e", 2, (1,), 2, b"step", lambda: c)[1] == []
     assert agg.pending_reports()["e"].blocks == 4  # only the new epoch's copy counted
+
+
+def test_steps_batched_per_rank_are_decoded_once_each() -> None:
+    """A scheduler that fell behind reads each rank's ReportBatch of several steps in turn: the
+    copies of one step no longer meet, but each step is decoded once, and the result is the
+    oracle's."""
+    contents = _contents()[:3]
+    oracle, joined = KVOutputAggregator(clock=lambda: 0.0), KVOutputAggregator(clock=lambda: 0.0)
+    for agg in (oracle, joined):
+        agg.register_engine("e", 1, range(3))
+    decodes: list[int] = []
+    joiner = EventJoiner(joined, lambda *a: None)
+    for rank in range(3):
+        for i, c in enumerate(contents):
+            oracle.add_shared_hashes("e", 1, (rank,), c.key, c.hashes, c.sizes, c.kinds)
+            joiner.add("e", 1, (rank,), 3, bytes([i]), lambda i=i, c=c: decodes.append(i) or c)
+    joiner.flush_all()
+    assert sorted(decodes) == [0, 1, 2]
+    assert _state(joined) == _state(oracle)
