@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from connectors import compact_events
 from connectors.aggregator import AggregatedResult, KVOutputAggregator
 from connectors.kv_events import AllBlocksCleared, KVEventBatch, event_from_proto
 from pdserve.v1 import control_pb2 as pb
@@ -67,6 +68,7 @@ from services.scheduler.control_convert import (
     same_events,
 )
 from services.scheduler.engine_positions import EnginePositions
+from services.scheduler.event_joiner import EventJoiner
 from services.scheduler.event_sink import CompactBatch, EventSink, NullEventSink, ProtoBackedBatch
 from services.scheduler.lifecycle import EngineRef
 from services.scheduler.loop_stalls import LoopStalls
@@ -182,6 +184,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self.worker_events = WorkerEventDecoder()
         # Rank 0's report positions per engine (convergence of a restarted replica).
         self.positions = EnginePositions()
+        # Compact worker events: one decode and one aggregator call per step's copies, not per rank.
+        self.joiner = EventJoiner(self.aggregator, self._publish_compact)
         self._monitor_task: asyncio.Task[None] | None = None
         # Joined ranks not yet announced, per role to tell: (announcement number, peer), sent as
         # one PeerUpdate per stream at the next loop turn (a burst of N registrations costs one
@@ -231,6 +235,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         if due is not None and now >= due:
             self._tick_due = None
             self.stalls.observe(due, now)
+        self.joiner.flush_all()  # bounds how long a noted copy may wait (see EventJoiner)
         for rank_id in self.registry.expire(self._stalled_since):
             engine = self.registry.engine(rank_id.engine_id)
             if engine is not None:
@@ -605,25 +610,37 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
     def _apply_compact(self, engine: EngineState, own: int, merged: tuple[int, ...], transfer_ranks: tuple[int, ...],
                        report: pb.StepReport, engine_batch: ProtoBackedBatch | None) -> None:
-        """`apply_report` for worker events in compact form: counted from the hash array
-        (`add_shared_hashes`), published as a `CompactBatch` when every event is (the common
-        case), else the published ones decoded from the events' protobuf bytes."""
+        """`apply_report` for worker events in compact form: counted from the hash array, a copy
+        that another rank of the step already sent neither decoded nor applied on its own
+        (`EventJoiner`), published as a `CompactBatch` when every event is (the common case),
+        else the published ones decoded from the events' protobuf bytes."""
         if report.worker_events or report.packed_worker_events:
             raise CompactEventsError("a report carries compact_worker_events and another form of worker events")
-        compact = compact_from_proto(report.compact_worker_events, self.verify_compact)
-        own_output = output_from_proto(report, ())
-        published = self.aggregator.add_shared_hashes(engine.engine_id, engine.epoch, (own, *merged),
-                                                      compact.key, compact.hashes, compact.sizes, compact.kinds)
-        result = self.aggregator.add_report(engine.engine_id, engine.epoch, own, own_output)
-        self._merge_transfers(engine, transfer_ranks, report, result)
+        m = report.compact_worker_events
+        compact, published = self.joiner.add(engine.engine_id, engine.epoch, (own, *merged), engine.tp_size * engine.pp_size,
+                                       m.SerializeToString(), lambda: compact_from_proto(m, self.verify_compact))
         if engine_batch is not None:
             self.sink.publish(engine.engine_id, engine.epoch, engine_batch)
+        self._publish_compact(engine.engine_id, engine.epoch, compact, published)
+        self._apply_transfers(engine, own, transfer_ranks, report)
+
+    def _publish_compact(self, engine_id: str, epoch: int, compact: compact_events.CompactEvents,
+                         published: list[int] | None) -> None:
+        """Publishes what the aggregator released of compact events (None: all of them)."""
         if published is None:
-            self.sink.publish(engine.engine_id, engine.epoch, CompactBatch(time.time(), compact))
+            self.sink.publish(engine_id, epoch, CompactBatch(time.time(), compact))
         elif published:
             events = compact.events()
-            self.sink.publish(engine.engine_id, engine.epoch,
-                              KVEventBatch(ts=time.time(), events=[events[i] for i in published]))
+            self.sink.publish(engine_id, epoch, KVEventBatch(ts=time.time(), events=[events[i] for i in published]))
+
+    def _apply_transfers(self, engine: EngineState, own: int, transfer_ranks: tuple[int, ...],
+                         report: pb.StepReport) -> None:
+        """The report's transfer results (skipped when it has none, the common report)."""
+        if not (report.finished_sending or report.finished_recving or report.failed_recving
+                or report.invalid_block_ids or report.transfer_stats):
+            return
+        result = self.aggregator.add_report(engine.engine_id, engine.epoch, own, output_from_proto(report, ()))
+        self._merge_transfers(engine, transfer_ranks, report, result)
         self._finish(engine, report, result)
 
     def _engine_batch(self, engine: EngineState, rank_id: RankId, report: pb.StepReport) -> ProtoBackedBatch | None:
@@ -681,6 +698,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         # Copies of these events still to come from other ranks (none when this report merges them).
         uses = engine.tp_size * engine.pp_size - len(merged)
         events = self.worker_events.decode(engine.engine_id, engine.epoch, uses, report)
+        if events:
+            self.joiner.flush(engine.engine_id)  # its noted compact copies apply first
         if merged and not events:
             raise ValueError("merged_event_ranks without worker events")
         output = output_from_proto(report, events)

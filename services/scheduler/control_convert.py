@@ -194,13 +194,16 @@ class WorkerEventDecoder:
 def merged_event_ranks(report: pb.StepReport, own: int, num_ranks: int) -> tuple[int, ...]:
     """The other ranks whose worker events `report` carries (StepReport.merged_event_ranks);
     ValueError for a rank outside the engine, a repeat, or the sender itself."""
-    return _other_ranks("merged_event_ranks", tuple(report.merged_event_ranks), own, num_ranks)
+    ranks = report.merged_event_ranks
+    return _other_ranks("merged_event_ranks", tuple(ranks), own, num_ranks) if ranks else ()
 
 
 def merged_transfer_ranks(report: pb.StepReport, own: int, num_ranks: int) -> tuple[int, ...]:
     """The other ranks whose transfer results `report` carries (StepReport.merged_transfer_ranks);
     ValueError for a rank outside the engine, a repeat, the sender itself, or a list on a
     report without transfer results."""
+    if not report.merged_transfer_ranks:
+        return ()
     ranks = _other_ranks("merged_transfer_ranks", tuple(report.merged_transfer_ranks), own, num_ranks)
     if ranks and not (report.finished_sending or report.finished_recving or report.failed_recving):
         raise ValueError("merged_transfer_ranks without transfer results")
