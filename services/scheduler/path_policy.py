@@ -26,8 +26,9 @@ Modes (`PathConfig.mode`):
   a local prefill may lengthen a step there by at most `decode_stall_steps` measured steps of
   that engine, at least `decode_stall_budget_s`. With targets (the request's, or the
   configured defaults): first the most requests predicted to meet them (the new one its TTFT
-  target; each request decoding on the engine its ITL target, missed when the step holding a
-  local prefill, plain step + stall, exceeds it), then the cost; a TTFT target that only a
+  target; each request decoding on the engine its ITL target, lost when the engine's plain
+  step meets it and the step holding a local prefill, plain step + stall, exceeds it), then
+  the cost; a TTFT target that only a
   local prefill meets lifts the stall budget. The budget in decode steps keeps the short/long
   boundary where it belongs on any machine (per-token cost and step time scale together).
 
@@ -348,14 +349,16 @@ class PathPolicy:
         engine's reported `num_running` lags a load report behind)."""
         return d.num_inflight > 0
 
-    def _harmed(self, d: EngineView, gap_s: float) -> int:
-        """Requests decoding on `d` whose ITL target a step of `gap_s` misses."""
+    def _harmed(self, d: EngineView, plain_s: float, gap_s: float) -> int:
+        """Requests decoding on `d` whose ITL target its plain step (`plain_s`) meets and the step
+        holding the local prefill (`gap_s`) misses; one that the plain step already misses has
+        nothing to lose."""
         if not self._busy(d):
             return 0
         targets = self.costs.itl_targets.get(d.engine_id)
         if not targets:
-            return int(d.itl_target_s is not None and gap_s > d.itl_target_s)
-        return sum(n for target, n in targets.items() if gap_s > target)
+            return int(d.itl_target_s is not None and plain_s <= d.itl_target_s < gap_s)
+        return sum(n for target, n in targets.items() if plain_s <= target < gap_s)
 
     def stall_budget_s(self, engine_id: str | None = None) -> float:
         """How long a local prefill may stall a decode engine (see the module docstring)."""
@@ -399,8 +402,8 @@ class PathPolicy:
             option = self._local_option(request, d, matched_blocks)
             stall = self.costs.stall_s(d.engine_id, option.uncached)
             budget = self.stall_budget_s(d.engine_id)
-            gap = (self.costs.step_s(d.engine_id) if self._busy(d) else 0.0) + stall
-            harmed = self._harmed(d, gap)
+            plain = self.costs.step_s(d.engine_id) if self._busy(d) else 0.0
+            harmed = self._harmed(d, plain, plain + stall)
             meets = target is None or option.ttft_s <= target
             logger.debug("local on %s: %d uncached, TTFT %.3f s, stall %.3f s (budget %.3f s, %d would miss "
                          "their ITL target); remote TTFT %.3f s, cost %.3f s", d.engine_id, option.uncached,

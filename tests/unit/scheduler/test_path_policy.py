@@ -332,3 +332,24 @@ def test_with_targets_the_policy_maximises_requests_meeting_them() -> None:
     d = slow_decode.decide(request, P, [view("d0", num_inflight=1)], {})
     assert (d.local, d.reason) == (False, REMOTE_TTFT_TARGET)
     assert slow_decode.decide(PathRequest(100), P, [view("d0", num_inflight=1)], {}).local  # no target: cost
+
+
+def test_an_itl_target_the_plain_step_already_misses_is_not_lost_to_a_local_prefill() -> None:
+    # Three requests decoding on d0 want <= 30 ms gaps; d0's plain step is measured at 40 ms, so
+    # they miss it with or without a local prefill: the local prefill costs them nothing and the
+    # new request, whose TTFT target only local meets, goes local.
+    busy_prefill = view("p", "prefill", num_backlog_tokens=2000)  # remote TTFT ~0.4 s
+    guarded = view("d0", num_inflight=3)
+    pol = policy()
+    for i in range(50):
+        pol.costs.observe_itl(0.04, "d0", 0.04 * i)
+    for _ in range(3):
+        pol.costs.add_itl_target("d0", 0.03)
+    d = pol.decide(PathRequest(100, ttft_target_s=0.2), busy_prefill, [guarded], {})
+    assert (d.local, d.reason) == (True, LOCAL_PREFILL_QUEUE)
+    # A target of 50 ms: the plain step meets it, the step with the prefill (40 + 20 ms) does not.
+    for _ in range(3):
+        pol.costs.remove_itl_target("d0", 0.03)
+        pol.costs.add_itl_target("d0", 0.05)
+    d = pol.decide(PathRequest(100, ttft_target_s=0.2), busy_prefill, [guarded], {})
+    assert (d.local, d.reason) == (False, REMOTE_ITL_TARGET)
