@@ -48,6 +48,9 @@ from bench.workload import percentiles as _pct
 from services.client import AsyncClient, GenerationResult
 from services.local_cluster import ClusterSpec, LocalCluster
 
+# Keys `--repeat` reports with min-max beside the ratios (bench/repeats.py).
+HEADLINE_KEYS = ("ttft_prediction_error_p50", "control_plane_overhead_ms_p50", "ratios.http_added_round_trip_p50_ms",
+                 "ratios.http_added_ttft_p50_ms_paired", "ratios.http_added_ttft_p50_ms")
 # The classic disaggregated path for every prompt (the scheduler's default is the cost policy).
 ALWAYS_REMOTE = ["--path-policy", "remote"]
 VLLM_START_TIMEOUT_S = 900.0  # a cluster of vLLM engines on a loaded 2-core host
