@@ -50,7 +50,7 @@ Every decision has a reason, a low-cardinality label (`REASONS`), `<path>:<why>`
   remote:long_prompt              a local prefill would stall the decode engine past the budget
   remote:itl_target               ... past the ITL target of a request decoding there
   remote:ttft_target              only remote meets the request's TTFT target (local costs less)
-  remote:lower_cost               local was allowed, remote is predicted faster
+  remote:lower_cost               local was allowed, remote is predicted faster (beyond `TTFT_TIE`)
   remote:always                   mode remote
 
 Pure: plain data in and out, no clock, no I/O.
