@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -47,6 +48,9 @@ from bench.workload import percentiles as _pct
 from services.client import AsyncClient, GenerationResult
 from services.local_cluster import ClusterSpec, LocalCluster
 
+# Keys `--repeat` reports with min-max beside the ratios (bench/repeats.py).
+HEADLINE_KEYS = ("ttft_prediction_error_p50", "control_plane_overhead_ms_p50", "ratios.http_added_round_trip_p50_ms",
+                 "ratios.http_added_ttft_p50_ms_paired", "ratios.http_added_ttft_p50_ms")
 # The classic disaggregated path for every prompt (the scheduler's default is the cost policy).
 ALWAYS_REMOTE = ["--path-policy", "remote"]
 VLLM_START_TIMEOUT_S = 900.0  # a cluster of vLLM engines on a loaded 2-core host
@@ -57,6 +61,10 @@ class Workload:
     max_tokens: list[int]
     # Per prompt: "short" or "long" (mixed workload), else "".
     kinds: list[str] | None = None
+    # Sent with every request as its own TTFT / ITL targets (GenerateRequest.sampling), which the
+    # path policy maximises the requests meeting; None: not sent.
+    ttft_target_ms: float | None = None
+    itl_target_ms: float | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,8 +97,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=int, default=1, help="prefill engines per cluster (--up)")
     parser.add_argument("--kv-cache-memory", default="256MiB",
                         help="KV cache per engine rank (--up); a small cache makes routing matter")
-    parser.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput SLO on TTFT")
-    parser.add_argument("--slo-itl-ms", type=float, default=200.0, help="goodput SLO on mean inter-token latency")
+    parser.add_argument("--slo-ttft-ms", type=float, default=2000.0,
+                        help="goodput SLO on TTFT (--compare-paths: also sent as every request's ttft_target_ms)")
+    parser.add_argument("--slo-itl-ms", type=float, default=200.0,
+                        help="goodput SLO on mean inter-token latency (--compare-paths: also sent as every "
+                             "request's itl_target_ms)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument("--out", default="bench-results", help="directory for serve.json and serve.png")
     parser.add_argument("--threads", type=int, default=0,
@@ -161,7 +172,8 @@ async def _drive(target: str, wl: Workload, concurrency: int, rate: float) -> tu
             nonlocal done
             async with sem:
                 r = await client.generate(wl.prompts[i], max_tokens=wl.max_tokens[i], temperature=0.0,
-                                          ignore_eos=True, timeout=600)
+                                          ignore_eos=True, timeout=600, ttft_target_ms=wl.ttft_target_ms,
+                                          itl_target_ms=wl.itl_target_ms)
             done += 1
             print(f"\r  {done}/{len(wl.prompts)} requests", end="", file=sys.stderr, flush=True)
             return r
@@ -444,6 +456,7 @@ def _run_mode(name: str, args: argparse.Namespace, wl: Workload, **cluster: Any)
     summary["decisions"] = dict(sorted(Counter(r.path_reason or "unknown" for r in results).items()))
     summary["ttft_prediction_error"] = prediction_errors(results)
     if wl.kinds:
+        summary["by_kind_and_path"] = path_breakdown(results, wl.kinds)
         summary["by_kind"] = {k: summarize([r for r, kind in zip(results, wl.kinds, strict=True) if kind == k],
                                            wall, args) for k in sorted(set(wl.kinds))}
     queried = after[0] - before[0]
@@ -539,14 +552,18 @@ def _plot(report: dict[str, Any], path: Path) -> None:
 
 
 def _compare_paths(args: argparse.Namespace, wl: Workload) -> dict[str, Any]:
-    """Always-remote vs the path policy on the same engines and workload, one after the other."""
+    """Always-remote vs the path policy on the same engines and workload, one after the other;
+    every request carries the goodput SLOs as its own TTFT / ITL targets (both sides send them;
+    always-remote ignores them)."""
+    wl = dataclasses.replace(wl, ttft_target_ms=args.slo_ttft_ms, itl_target_ms=args.slo_itl_ms)
     engines = {"num_prefill": max(1, args.prefill), "num_decode": max(1, args.decode)}
     runs = _in_order(args, {
         "always_remote": lambda: _run_mode("always_remote", args, wl, scheduler_args=ALWAYS_REMOTE, **engines),
         "path_policy": lambda: _run_mode("path_policy", args, wl, scheduler_args=["--path-policy", args.path_policy],
                                          **engines)})
     remote, policy = runs["always_remote"], runs["path_policy"]
-    out: dict[str, Any] = {"always_remote": remote, "path_policy": policy, "decisions": policy["decisions"]}
+    out: dict[str, Any] = {"always_remote": remote, "path_policy": policy, "decisions": policy["decisions"],
+                           "targets_ms": {"ttft": wl.ttft_target_ms, "itl": wl.itl_target_ms}}
     by_r, by_p = remote.get("by_kind", {}), policy.get("by_kind", {})
     if "short" in by_r and "short" in by_p:
         out["short_ttft_p50_speedup"] = _ratio(by_r["short"]["ttft_ms"]["p50"], by_p["short"]["ttft_ms"]["p50"])
@@ -578,6 +595,24 @@ def prediction_errors(results: list[GenerationResult]) -> dict[str, Any]:
     every = [e for errs in errors.values() for e in errs]
     return {"p50": round(statistics.median(every), 3) if every else None, "decisions": len(every),
             "by_path_p50": {p: round(statistics.median(errs), 3) for p, errs in sorted(errors.items())}}
+
+
+def path_breakdown(results: list[GenerationResult], kinds: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per prompt kind and path taken: requests, and the p50 of the client's TTFT and of the
+    policy's predicted TTFT on the path taken and on the other one (ms) — where each kind's
+    time to first token comes from."""
+    groups: dict[tuple[str, str], list[GenerationResult]] = {}
+    for r, kind in zip(results, kinds, strict=True):
+        groups.setdefault((kind, "remote" if r.prefill_engine_id else "decode_local"), []).append(r)
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for (kind, path), rs in sorted(groups.items()):
+        alternatives = [r.alternative_ttft_ms for r in rs if r.alternative_ttft_ms is not None]
+        out.setdefault(kind, {})[path] = {
+            "requests": len(rs),
+            "ttft_ms_p50": _pct([r.ttft_s * 1000 for r in rs if r.ttft_s is not None])["p50"],
+            "predicted_ttft_ms_p50": _pct([r.predicted_ttft_ms for r in rs])["p50"],
+            "alternative_ttft_ms_p50": _pct(alternatives)["p50"] if alternatives else None}
+    return out
 
 
 def _ratio(a: float, b: float) -> float:

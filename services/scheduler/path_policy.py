@@ -20,14 +20,17 @@ Modes (`PathConfig.mode`):
   cost enters this mode, so its choices are the same on any machine.
 - `cost` (default): see docs/architecture.md "What the cost policy optimises". Without
   targets: the option (decode engine x local | remote via the chosen prefill engine) with the
-  lowest cost — its predicted TTFT (corrected, see `PathCosts`), plus for remote the pair's
-  transfer of the tokens the decode engine lacks (it delays the second token), plus
-  `decode_load_s` per unit of the decode engine's load — among those within the stall budget:
+  lowest cost — its predicted TTFT (corrected, see `PathCosts`) plus `decode_load_s` per unit
+  of the decode engine's load — among those within the stall budget; costs within `TTFT_TIE`
+  of each other (about the model's median error) are a tie, won by local (no hop, no
+  transfer). The KV transfer, which delays only the second token, picks the decode engine of a
+  remote pull (fewest blocks to pull, fastest pair). Within the stall budget:
   a local prefill may lengthen a step there by at most `decode_stall_steps` measured steps of
   that engine, at least `decode_stall_budget_s`. With targets (the request's, or the
   configured defaults): first the most requests predicted to meet them (the new one its TTFT
-  target; each request decoding on the engine its ITL target, missed when the step holding a
-  local prefill, plain step + stall, exceeds it), then the cost; a TTFT target that only a
+  target; each request decoding on the engine its ITL target, lost when the engine's plain
+  step meets it and the step holding a local prefill, plain step + stall, exceeds it), then
+  the cost; a TTFT target that only a
   local prefill meets lifts the stall budget. The budget in decode steps keeps the short/long
   boundary where it belongs on any machine (per-token cost and step time scale together).
 
@@ -47,7 +50,7 @@ Every decision has a reason, a low-cardinality label (`REASONS`), `<path>:<why>`
   remote:long_prompt              a local prefill would stall the decode engine past the budget
   remote:itl_target               ... past the ITL target of a request decoding there
   remote:ttft_target              only remote meets the request's TTFT target (local costs less)
-  remote:lower_cost               local was allowed, remote is predicted faster
+  remote:lower_cost               local was allowed, remote is predicted faster (beyond `TTFT_TIE`)
   remote:always                   mode remote
 
 Pure: plain data in and out, no clock, no I/O.
@@ -83,6 +86,9 @@ REMOTE_ALWAYS = "remote:always"
 REASONS = (LOCAL_SHORT_PROMPT, LOCAL_DECODE_HAS_PREFIX, LOCAL_PREFILL_QUEUE, LOCAL_TTFT_TARGET, LOCAL_NO_PREFILL,
            REMOTE_LONG_PROMPT, REMOTE_ITL_TARGET, REMOTE_TTFT_TARGET, REMOTE_LOWER_COST, REMOTE_ALWAYS)
 MODES = ("cost", "threshold", "remote")
+# Predicted costs within this fraction of each other are a tie (the TTFT model's median error is
+# about this size, docs/benchmarks.md), won by the local option: it pays no hop and no transfer.
+TTFT_TIE = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,8 +147,8 @@ class PathDecision:
 
     `num_uncached_tokens` is what the prefilling engine is predicted to compute;
     `num_pull_tokens` what the decode engine is predicted to pull (0 when local);
-    `predicted_s` the cost the choice minimised (cost mode; else 0): the predicted TTFT, plus
-    for remote the KV transfer before the second token, plus the decode engine's load term.
+    `predicted_s` the cost the choice minimised (cost mode; else 0): the predicted TTFT plus
+    the decode engine's load term.
     `predicted_ttft_s` is the (corrected) predicted time to first token on the chosen path,
     `alternative_ttft_s` on the path not chosen (None: no such path, e.g. no prefill engine),
     `ttft_inputs` what the chosen path's prediction was made from (`PathPolicy.observe_ttft`
@@ -178,6 +184,7 @@ class _Option:
     # minus those decoding there that a local prefill would push past their ITL target.
     score: int = 1
     harmed: int = 0
+    transfer_s: float = 0.0  # remote: the predicted KV transfer (delays the second token)
 
 
 class PathPolicy:
@@ -250,7 +257,7 @@ class PathPolicy:
 
     def _best_remote_option(self, request: PathRequest, prefill: EngineView, candidates: Sequence[EngineView],
                             matched_blocks: Mapping[str, int], *, with_backlog: bool = True) -> _Option:
-        """`min(_remote_option(d) for d in candidates, key=_order)`, costing only the candidates
+        """`min(_remote_option(d) for d in candidates, key=_pull_order)`, costing only the candidates
         that can differ: a decode engine holding none of the prompt and without a measured
         transfer fit from this prefill engine pulls the whole prompt at the shared fit, so those
         differ only by `decode_load_s` (>= 0) x load, and the order among them is (load, id): only
@@ -271,7 +278,7 @@ class PathPolicy:
                 plain, plain_key = d, key
         costed = special if plain is None else [plain, *special]
         return min((self._remote_option(request, prefill, d, matched_blocks, with_backlog=with_backlog)
-                    for d in costed), key=_order)
+                    for d in costed), key=_pull_order)
 
     def _remote(self, reason: str, request: PathRequest, prefill: EngineView, option: _Option,
                 matched_blocks: Mapping[str, int]) -> PathDecision:
@@ -297,14 +304,14 @@ class PathPolicy:
     def _remote_option(self, request: PathRequest, prefill: EngineView, d: EngineView,
                        matched_blocks: Mapping[str, int], *, with_backlog: bool = True) -> _Option:
         """Remote: the first token comes from the prefill engine after its backlog and the
-        uncached tokens; the KV transfer then delays the second token (counted in the cost)."""
+        uncached tokens; the KV transfer then delays the second token (`transfer_s`)."""
         c = self.costs
         uncached = self._uncached(request, prefill.engine_id, matched_blocks)
         inputs = TtftInputs(PATH_REMOTE, prefill.engine_id, prefill.num_backlog_tokens if with_backlog else 0, uncached)
         pull = self._uncached(request, d.engine_id, matched_blocks)
         ttft = self.raw_ttft_s(inputs) * c.correction(prefill.engine_id, PATH_REMOTE)
-        cost = ttft + c.transfer_s(prefill.engine_id, d.engine_id, pull) + self.config.decode_load_s * d.load_score
-        return _Option(cost, d, False, uncached, pull, ttft, inputs)
+        return _Option(ttft + self.config.decode_load_s * d.load_score, d, False, uncached, pull, ttft, inputs,
+                       transfer_s=c.transfer_s(prefill.engine_id, d.engine_id, pull))
 
     def _local_option(self, request: PathRequest, d: EngineView, matched_blocks: Mapping[str, int]) -> _Option:
         """Local: on an idle decode engine, a prefill call of the local prefills queued there
@@ -348,14 +355,16 @@ class PathPolicy:
         engine's reported `num_running` lags a load report behind)."""
         return d.num_inflight > 0
 
-    def _harmed(self, d: EngineView, gap_s: float) -> int:
-        """Requests decoding on `d` whose ITL target a step of `gap_s` misses."""
+    def _harmed(self, d: EngineView, plain_s: float, gap_s: float) -> int:
+        """Requests decoding on `d` whose ITL target its plain step (`plain_s`) meets and the step
+        holding the local prefill (`gap_s`) misses; one that the plain step already misses has
+        nothing to lose."""
         if not self._busy(d):
             return 0
         targets = self.costs.itl_targets.get(d.engine_id)
         if not targets:
-            return int(d.itl_target_s is not None and gap_s > d.itl_target_s)
-        return sum(n for target, n in targets.items() if gap_s > target)
+            return int(d.itl_target_s is not None and plain_s <= d.itl_target_s < gap_s)
+        return sum(n for target, n in targets.items() if plain_s <= target < gap_s)
 
     def stall_budget_s(self, engine_id: str | None = None) -> float:
         """How long a local prefill may stall a decode engine (see the module docstring)."""
@@ -372,11 +381,15 @@ class PathPolicy:
         remote = replace(remote, score=int(target is None or remote.ttft_s <= target))
         locals_, over_budget = self._local_options(request, candidates, matched_blocks, remote)
         best = min([remote, *locals_], key=_objective)
+        if not best.local and locals_:
+            local = min(locals_, key=_objective)
+            if local.score == best.score and not _remote_wins(best, local):
+                best = local
         if not best.local:
             cheapest = min(locals_, key=_order) if locals_ else None
             if cheapest is None:
                 reason = REMOTE_LONG_PROMPT if over_budget else REMOTE_ITL_TARGET
-            elif _order(cheapest) < _order(best):
+            elif not _remote_wins(best, cheapest):
                 reason = REMOTE_ITL_TARGET if cheapest.harmed else REMOTE_TTFT_TARGET
             else:
                 reason = REMOTE_LOWER_COST
@@ -399,8 +412,8 @@ class PathPolicy:
             option = self._local_option(request, d, matched_blocks)
             stall = self.costs.stall_s(d.engine_id, option.uncached)
             budget = self.stall_budget_s(d.engine_id)
-            gap = (self.costs.step_s(d.engine_id) if self._busy(d) else 0.0) + stall
-            harmed = self._harmed(d, gap)
+            plain = self.costs.step_s(d.engine_id) if self._busy(d) else 0.0
+            harmed = self._harmed(d, plain, plain + stall)
             meets = target is None or option.ttft_s <= target
             logger.debug("local on %s: %d uncached, TTFT %.3f s, stall %.3f s (budget %.3f s, %d would miss "
                          "their ITL target); remote TTFT %.3f s, cost %.3f s", d.engine_id, option.uncached,
@@ -420,7 +433,17 @@ class PathPolicy:
         if best.uncached < request.num_tokens and whole > self.stall_budget_s(best.decode.engine_id):
             return LOCAL_DECODE_HAS_PREFIX
         idle = self._best_remote_option(request, prefill, candidates, matched_blocks, with_backlog=False)
-        return LOCAL_PREFILL_QUEUE if _order(idle) < _order(best) else LOCAL_SHORT_PROMPT
+        return LOCAL_PREFILL_QUEUE if _remote_wins(idle, best) else LOCAL_SHORT_PROMPT
+
+
+def _remote_wins(remote: _Option, local: _Option) -> bool:
+    """On cost alone, remote beats local only by more than the tie band."""
+    return remote.cost_s * (1 + TTFT_TIE) < local.cost_s
+
+
+def _pull_order(option: _Option) -> tuple[float, float, str]:
+    """Among remote options (one prefill engine, so one TTFT): cost plus transfer, then load, id."""
+    return round(option.cost_s + option.transfer_s, 9), option.decode.load_score, option.decode.engine_id
 
 
 def _objective(option: _Option) -> tuple[int, float, float, str, bool]:

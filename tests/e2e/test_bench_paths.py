@@ -32,3 +32,8 @@ def test_compare_paths_reports_the_issue_keys(tmp_path: Path, capsys: pytest.Cap
     assert report["throughput_ratio"] > 0 and (tmp_path / "serve.json").exists()
     assert report["path_policy"]["ttft_prediction_error"]["decisions"] == 6
     assert 0 <= report["ttft_prediction_error_p50"] < 100
+    # The SLOs went out as every request's targets; each kind's TTFT is reported per path taken.
+    assert report["targets_ms"] == {"ttft": 2000.0, "itl": 200.0}
+    by_path = report["path_policy"]["by_kind_and_path"]
+    assert sum(p["requests"] for kind in by_path.values() for p in kind.values()) == 6
+    assert set(report["always_remote"]["by_kind_and_path"]["long"]) == {"remote"}

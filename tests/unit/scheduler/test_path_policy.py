@@ -51,7 +51,7 @@ def test_short_prompt_goes_decode_local_long_prompt_remote() -> None:
     assert short.num_uncached_tokens == 32 and short.num_pull_tokens == 0
     long = pol.decide(PathRequest(4096), P, D, {})
     assert (long.path, long.reason, long.prefill_id) == ("remote", REMOTE_LONG_PROMPT, "p")
-    assert long.num_pull_tokens == 4096 and long.predicted_s == pytest.approx(0.01 + 0.8192 + 0.01 + 0.08192)
+    assert long.num_pull_tokens == 4096 and long.predicted_s == pytest.approx(0.01 + 0.8192)
 
 
 def test_stall_budget_is_the_cost_mode_boundary() -> None:
@@ -194,7 +194,7 @@ def test_remote_choice_costs_only_engines_that_can_differ_and_equals_the_full_sc
     readable-prefill filter equals testing every pair."""
     import random
 
-    from services.scheduler.path_policy import _order
+    from services.scheduler.path_policy import _pull_order
     from services.scheduler.routing import _readable_prefills, pair_problem
 
     rng = random.Random(18)
@@ -214,7 +214,7 @@ def test_remote_choice_costs_only_engines_that_can_differ_and_equals_the_full_sc
         for backlog in (True, False):
             fast = p._best_remote_option(request, prefill, decodes, matched, with_backlog=backlog)
             full = min((p._remote_option(request, prefill, d, matched, with_backlog=backlog) for d in decodes),
-                       key=_order)
+                       key=_pull_order)
             assert fast == full, case
         prefills = [view(f"p{i}", "prefill", tp_size=rng.choice([1, 2, 3, 8]), num_kv_heads=rng.choice([0, 4, 6]))
                     for i in range(6)]
@@ -322,13 +322,52 @@ def test_with_targets_the_policy_maximises_requests_meeting_them() -> None:
     pol1 = policy()
     pol1.costs.add_itl_target("d0", 0.03)
     assert pol1.decide(PathRequest(200, ttft_target_s=0.1), busy_prefill, [guarded], {}).local
-    # Remote meets the TTFT target, local (cheaper, no transfer) misses it: remote.
+    # Remote meets the TTFT target, local (a tie on cost: within TTFT_TIE, and no transfer) misses
+    # it: remote.
     slow_decode = policy()
     for i in range(50):
-        slow_decode.costs.observe_itl(0.02, "d0", 0.02 * i)
-    request = PathRequest(100, ttft_target_s=0.035)  # remote TTFT 30 ms; local 10 + 30 + 20 ms
-    for n in (100, 2000):
-        slow_decode.costs.observe_transfer("p", "d0", n, 0.04)  # a slow hop: remote costs 70 ms
+        slow_decode.costs.observe_itl(0.0107, "d0", 0.0107 * i)
+    request = PathRequest(100, ttft_target_s=0.035)  # remote TTFT 30 ms; local 1.5 x 10.7 + 20 ms = 36 ms
     d = slow_decode.decide(request, P, [view("d0", num_inflight=1)], {})
     assert (d.local, d.reason) == (False, REMOTE_TTFT_TARGET)
-    assert slow_decode.decide(PathRequest(100), P, [view("d0", num_inflight=1)], {}).local  # no target: cost
+    assert slow_decode.decide(PathRequest(100), P, [view("d0", num_inflight=1)], {}).local  # no target: the tie
+
+
+def test_an_itl_target_the_plain_step_already_misses_is_not_lost_to_a_local_prefill() -> None:
+    # Three requests decoding on d0 want <= 30 ms gaps; d0's plain step is measured at 40 ms, so
+    # they miss it with or without a local prefill: the local prefill costs them nothing and the
+    # new request, whose TTFT target only local meets, goes local.
+    busy_prefill = view("p", "prefill", num_backlog_tokens=2000)  # remote TTFT ~0.4 s
+    guarded = view("d0", num_inflight=3)
+    pol = policy()
+    for i in range(50):
+        pol.costs.observe_itl(0.04, "d0", 0.04 * i)
+    for _ in range(3):
+        pol.costs.add_itl_target("d0", 0.03)
+    d = pol.decide(PathRequest(100, ttft_target_s=0.2), busy_prefill, [guarded], {})
+    assert (d.local, d.reason) == (True, LOCAL_PREFILL_QUEUE)
+    # A target of 50 ms: the plain step meets it, the step with the prefill (40 + 20 ms) does not.
+    for _ in range(3):
+        pol.costs.remove_itl_target("d0", 0.03)
+        pol.costs.add_itl_target("d0", 0.05)
+    d = pol.decide(PathRequest(100, ttft_target_s=0.2), busy_prefill, [guarded], {})
+    assert (d.local, d.reason) == (False, REMOTE_ITL_TARGET)
+
+
+def test_the_first_token_decides_not_the_transfer_and_close_predictions_tie_to_local() -> None:
+    pol = policy()
+    for n in (100, 2000):
+        pol.costs.observe_transfer("p", "d0", n, 0.5)  # a slow hop: 0.5 s before the second token
+    for i in range(50):
+        pol.costs.observe_itl(0.1, "d0", 0.1 * i)  # d0 steps every 100 ms
+    # Busy d0: the first token locally after 1.5 steps + stall (~154 ms), remotely after 14 ms.
+    d = pol.decide(PathRequest(20), P, [view("d0", num_inflight=4)], {})
+    assert (d.local, d.reason) == (False, REMOTE_LOWER_COST)
+    assert d.predicted_ttft_s == pytest.approx(0.014) and d.alternative_ttft_s == pytest.approx(0.154)
+    # Idle d0: the same prediction on both paths is a tie, and local pays no hop.
+    assert pol.decide(PathRequest(20), P, [view("d0")], {}).reason == LOCAL_SHORT_PROMPT
+    # Local predicted 20 % slower (its correction): still within TTFT_TIE, local; 40 %: remote.
+    for factor, local in ((1.2, True), (1.4, False)):
+        pol = policy()
+        pol.costs.observe_ttft("d0", "decode_local", 0.1, 0.1 * factor)
+        assert pol.decide(PathRequest(20), P, [view("d0")], {}).local is local, factor
