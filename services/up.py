@@ -56,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --plan: pretend this many GPUs instead of probing the host")
     parser.add_argument("--kv-staging", default="none", choices=("none", "host"),
                         help="host: GPU KV moves through pinned host memory (when UCX has no CUDA transport)")
+    parser.add_argument("--kv-staging-blocks", type=int, default=0,
+                        help="with --kv-staging host: blocks of each rank's staging pool (0: the transfer window)")
     parser.add_argument("--kv-transport", default="ucx-tag", choices=("ucx-tag", "nixl"),
                         help="how decode ranks pull KV from prefill ranks: ucx-tag (tagged messages) or nixl "
                              "(one NIXL READ per pull; needs nixl-cu12); every engine uses it")
@@ -112,6 +114,8 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         engine_args += ["--dtype", args.dtype]
     if args.kv_staging != "none":
         engine_args += ["--kv-staging", args.kv_staging]
+    if args.kv_staging_blocks:
+        engine_args += ["--kv-staging-blocks", str(args.kv_staging_blocks)]
     if args.kv_transport != "ucx-tag":
         engine_args += ["--kv-transport", args.kv_transport]
     block_size = args.block_size or (VLLM_BLOCK_SIZE if args.engine == "vllm" else 0)

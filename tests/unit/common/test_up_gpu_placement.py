@@ -40,10 +40,12 @@ def test_each_role_places_by_its_own_tp_and_explicit_settings_pass_through(monke
     monkeypatch.setattr(up, "probe_host", lambda: FOUR_GPUS)
     spec = up.spec_from_args(parse("--prefill-tp", "2", "--decode-tp", "1"))
     assert (spec.engine_devices, spec.engine_memory_fractions) == (["0,1", "2"], [0.5, 0.5])
-    args = parse("--tp", "2", "--dtype", "float16", "--kv-staging", "host", "--gpu-memory-fraction", "0.3")
+    args = parse("--tp", "2", "--dtype", "float16", "--kv-staging", "host", "--kv-staging-blocks", "512",
+                 "--gpu-memory-fraction", "0.3")
     spec = up.spec_from_args(args)
     assert (spec.engine_devices, spec.engine_memory_fractions) == (["0,1", "2,3"], [0.3, 0.3])
-    assert spec.engine_args == ["--device", "cuda", "--dtype", "float16", "--kv-staging", "host"]
+    assert spec.engine_args == ["--device", "cuda", "--dtype", "float16", "--kv-staging", "host",
+                                "--kv-staging-blocks", "512"]
     monkeypatch.setattr(up, "probe_host", lambda: ONE_GPU)
     with pytest.raises(ValueError, match=r"0.6 times 2 ranks on GPU 0 must stay below 1"):
         up.spec_from_args(parse("--gpu-memory-fraction", "0.6"))
