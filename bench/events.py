@@ -708,7 +708,8 @@ async def _pdserve_section(args: argparse.Namespace, decode_per_rank: bool = Fal
     from pdserve.v1 import control_pb2_grpc
     from services.common.config import SchedulerConfig
     from services.common.grpc_server import ServiceServer
-    from services.scheduler.control import ControlServicer, WorkerEventDecoder
+    from services.scheduler.control import ControlServicer
+    from services.scheduler.control_convert import WorkerEventDecoder
     from services.scheduler.events.plane import EventPlane
     from services.scheduler.events.servicer import SERVICE_NAME
     from services.scheduler.main import settle_gc

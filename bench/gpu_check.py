@@ -12,6 +12,17 @@ after the wheels are installed, on one H200 from a bare machine):
 - `transfer`: KV pulls between two processes over UCX (`cuda_ipc`) for 16-1024 blocks beside
   a device-to-device copy in one process (the physical limit), the explicit host bounce
   (`--kv-staging host`, labelled) and NIXL's VRAM READ where its wheel is installed.
+- `vllm_layouts`: the vLLM engine's path without vLLM (`bench/gpu_check_vllm.py`): CUDA KV in
+  each of vLLM 0.32's six layouts, allocated as vLLM allocates it, registered in place as the
+  connector registers it, moved between two processes byte-exact (whole blocks into TP 1, head
+  ranges into TP 2), a run of blocks timed beside the device-to-device copy.
+- `cuda_tests`: the test files with CUDA cases (`CUDA_TESTS`: they skip without a GPU and say
+  that this check runs them) under pytest, in a process group ended at the section's limit;
+  passed / failed / skipped with every skip's reason. Skipped with the reason where pytest or
+  the files are absent.
+
+The report's `environment.carry` is what a device run carries (tracked tree + `.whl`, the
+64 MiB limit; `tools/device_carry.py`).
 
 Every section runs in a process of its own under a hard time limit (`--section-limit-s`, never
 past the overall budget): a section that stalls — a hung collective, a UCX endpoint that never
@@ -20,8 +31,8 @@ the reason, and the report is written either way. `PDSERVE_GPU_CHECK_STALL=<sect
 section hang, to exercise this path.
 
 `--dry-run` runs every section on the CPU at tiny sizes (what `make test` runs, so the script
-cannot rot while no GPU is lent); the report says `"device": "cpu", "dry_run": true` and the
-transfer baseline is then a host memcpy. Exit status 0 only when every section passed.
+cannot rot while no GPU is lent; `cuda_tests` then only collects its files); the report says
+`"device": "cpu", "dry_run": true` and the transfer baseline is then a host memcpy. Exit status 0 only when every section passed.
 """
 
 from __future__ import annotations
@@ -43,9 +54,13 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("parity", "cluster", "transfer")
+from bench.device_carry import measure as measure_carry
+from bench.gpu_check_vllm import ALL_LAYOUTS, check_vllm_layouts
+
+SECTIONS = ("parity", "cluster", "transfer", "vllm_layouts", "cuda_tests")
 KINDS = ("llama_gqa_llama3", "qwen2_bias", "llama_tied_mqa_headdim", "mistral")
 TINY_VOCAB = 512
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(slots=True)
@@ -73,6 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default="16,64,256,1024", help="blocks per KV pull in the transfer section")
     parser.add_argument("--iters", type=int, default=5, help="timed pulls per size and method (median)")
     parser.add_argument("--workdir", default="", help="where the tiny checkpoints and cluster logs go (default: temp)")
+    parser.add_argument("--vllm-layouts", default=",".join(ALL_LAYOUTS),
+                        help="vLLM KV layouts the vllm_layouts section moves (dry run: BHLNC,LBHNC)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -151,7 +168,8 @@ def _await_section(proc: Any, receiver: Connection, limit: float) -> dict[str, A
 def _section_main(name: str, ctx: CheckContext, sender: Connection) -> None:
     signal.signal(signal.SIGTERM, _exit_on_term)
     runners: dict[str, Callable[[CheckContext], dict[str, Any]]] = {
-        "parity": check_parity, "cluster": check_cluster, "transfer": check_transfer}
+        "parity": check_parity, "cluster": check_cluster, "transfer": check_transfer,
+        "vllm_layouts": check_vllm_section, "cuda_tests": check_cuda_tests}
     try:
         if os.environ.get(STALL_ENV) == name:
             while True:
@@ -176,12 +194,25 @@ def _print_summary(report: dict[str, Any], out: Path) -> None:
     print(f"gpu-check on {report['device']}{' (dry run)' if report['dry_run'] else ''}: "
           f"{'PASSED' if report['ok'] else 'FAILED'} in {report['total_seconds']} s; report {out}")
     for name, section in report["sections"].items():
-        status = "ok" if section.get("ok") else section.get("error") or section.get("skipped") or "failed"
-        print(f"  {name:9s} {status}")
+        status = "ok" if section.get("ok") else section.get("error") or "failed"
+        if section.get("skipped"):
+            status = f"skipped: {section['skipped']}"
+        print(f"  {name:12s} {status}")
     transfer = report["sections"].get("transfer", {})
     for row in transfer.get("rows", []):
         cells = "  ".join(f"{m}={v:.1f}" if v is not None else f"{m}=-" for m, v in row["gbps"].items())
         print(f"    {row['num_blocks']:5d} blocks ({row['num_bytes'] / 2**20:8.1f} MiB)  GB/s: {cells}")
+    vllm = report["sections"].get("vllm_layouts", {})
+    for row in vllm.get("layouts", []):
+        print(f"    vLLM {row['layout']}: whole blocks {'exact' if row['whole_blocks_exact'] else 'DIFFER'}, head ranges "
+              f"{'exact' if row['head_ranges_exact'] else 'DIFFER'}; run of {vllm['run_blocks']} blocks "
+              f"{row['run_gbps']} GB/s ({row['transport']}) vs copy {row['copy_gbps']} GB/s")
+    tests = report["sections"].get("cuda_tests", {})
+    if "counts" in tests:
+        print(f"    CUDA tests: {tests['counts']}")
+    carry = report["environment"].get("carry", {})
+    if isinstance(carry, dict) and "mib" in carry:
+        print(f"  carried to a device run: {carry['mib']} MiB of 64 ({carry['note']})")
 
 
 def _log(text: str) -> None:
@@ -196,6 +227,10 @@ def environment(device: str) -> dict[str, Any]:
                            "torch_cuda": torch.version.cuda, "host": platform.node()}
     if device == "cuda":
         env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    try:  # what a device run carries (the tree + .whl, against 48 of its 64 MiB)
+        env["carry"] = measure_carry(ROOT, ROOT / ".whl")
+    except OSError as e:
+        env["carry"] = f"unavailable: {e}"
     for name, probe in (("transformers", _version_of("transformers")), ("grpcio", _version_of("grpc")),
                         ("ucx", _ucx_version), ("ucx_transports", _ucx_transports), ("nixl", _nixl_version)):
         try:
@@ -384,6 +419,108 @@ def check_cluster(ctx: CheckContext) -> dict[str, Any]:
     ok = all(r["equal"] and r["transferred_tokens"] > 0 for r in rows) and not leaks
     return {"ok": ok, "requests": rows, "leaks": leaks, "engines_on": "one GPU, 0.05 of its memory each"
             if ctx.device == "cuda" else "cpu"}
+
+
+# -- (4) vLLM's layouts, without vLLM ------------------------------------------------------------
+
+def check_vllm_section(ctx: CheckContext) -> dict[str, Any]:
+    layouts = ("BHLNC", "LBHNC") if ctx.dry_run else tuple(x for x in ctx.args.vllm_layouts.split(",") if x)
+    return check_vllm_layouts(ctx.device, layouts=layouts, iters=2 if ctx.dry_run else ctx.args.iters)
+
+
+# -- (5) the CUDA test files ----------------------------------------------------------------------
+
+# Test files with CUDA cases that skip without a GPU, saying this check runs them.
+CUDA_TESTS = (
+    "tests/integration/ucx/test_ucx_device_memory.py",
+    "tests/integration/ucx/test_ucx_vllm_layouts.py",
+    "tests/unit/connectors/test_vllm_fence.py",
+    "tests/unit/ucx/test_ucx_cuda_preflight.py",
+    "tests/unit/engine_service/test_engine_loop_device.py",
+    "tests/unit/connectors/test_offload.py::test_pool_is_pinned_where_the_cache_is_on_a_gpu",
+)
+
+
+def check_cuda_tests(ctx: CheckContext) -> dict[str, Any]:
+    """Runs `CUDA_TESTS` under pytest (collects them only when dry), in its own process group
+    ended at the section's time left; ok when none failed or errored."""
+    import importlib.util
+
+    present = [t for t in CUDA_TESTS if (ROOT / t.split("::")[0]).is_file()]
+    missing = sorted(set(CUDA_TESTS) - set(present))
+    if importlib.util.find_spec("pytest") is None:
+        return {"ok": True, "skipped": "pytest is not installed in this Python (make gpu-check-wheels adds it)",
+                "files": list(CUDA_TESTS)}
+    if not present:
+        return {"ok": True, "skipped": "the CUDA test files are not in this tree", "files": list(CUDA_TESTS)}
+    junit = ctx.workdir / "cuda-tests.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={junit}", *present]
+    if ctx.dry_run:
+        cmd.append("--collect-only")
+    limit = max(10.0, ctx.remaining_s() - 5)
+    code, tail = _run_group(cmd, limit)
+    result: dict[str, Any] = {"command": " ".join(cmd[2:]), "exit_status": code, "missing": missing,
+                              "output_tail": tail[-3000:]}
+    if code is None:
+        return {**result, "ok": False, "error": f"pytest did not finish within {limit:.0f} s; its process group "
+                                                "was ended"}
+    if ctx.dry_run:
+        collected = sum(1 for line in tail.splitlines() if "::" in line)
+        return {**result, "ok": code == 0 and collected > 0, "collected": collected}
+    counts, skips, failures = _junit_summary(junit)
+    return {**result, "ok": code in (0, 5) and not counts["failed"] and not counts["errors"], "counts": counts,
+            "skip_reasons": skips, "failures": failures}
+
+
+def _run_group(cmd: list[str], limit: float) -> tuple[int | None, str]:
+    """Runs `cmd` in a new session; ends the whole group (its rank processes too) at `limit` or
+    when this process is ended. (exit status or None when ended, combined output)."""
+    import subprocess
+
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                    [str(ROOT), str(ROOT / "protos"), os.environ.get("PYTHONPATH", "")])})
+        code: int | None = None
+        try:
+            code = proc.wait(limit)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:  # also when this section is ended (SystemExit): the group goes with it
+            if code is None:
+                for sig in (signal.SIGTERM, signal.SIGKILL):
+                    try:
+                        os.killpg(proc.pid, sig)
+                    except ProcessLookupError:
+                        break
+                    try:
+                        proc.wait(10)
+                        break
+                    except subprocess.TimeoutExpired:
+                        continue
+        out.seek(0)
+        return code, out.read()
+
+
+def _junit_summary(path: Path) -> tuple[dict[str, int], list[str], list[str]]:
+    import xml.etree.ElementTree as ET
+
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    skips: list[str] = []
+    failures: list[str] = []
+    if not path.is_file():
+        return counts, skips, ["pytest wrote no report"]
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        if (node := case.find("skipped")) is not None:
+            counts["skipped"] += 1
+            skips.append(f"{name}: {node.get('message', '')}")
+        elif (node := case.find("failure")) is not None or (node := case.find("error")) is not None:
+            counts["failed" if node.tag == "failure" else "errors"] += 1
+            failures.append(f"{name}: {(node.get('message') or '')[:300]}")
+        else:
+            counts["passed"] += 1
+    return counts, skips, failures
 
 
 # -- (3) KV transfer bandwidth --------------------------------------------------------------------

@@ -32,6 +32,15 @@ demo model's tokenizer facts) and:
 - `--worker-events packed` (default) sends the events as `packed_worker_events` and
   `engine_events.events`; `compact` as `compact_worker_events` and `compact_engine_events`, what
   `ControlClient` sends to a scheduler that accepts them (the simulators then spend more CPU).
+- `--schedulers 1,2` runs every point once per replica count: N `pdserve scheduler` processes,
+  every simulated rank connected to every one (its reports to each, transfer results to the
+  owning replica alone, as `ControlFanout` does), requests round-robin over them. The CPU
+  figures add every replica's; `cpu_ms_per_rank_s_per_replica` divides by N.
+- `--saturate-s S` adds a closed loop after the measured phase (`--concurrency` requests in
+  flight for S seconds): `routed_per_s` (requests completed per second), what they cost in
+  scheduler CPU (`routed_per_scheduler_cpu_s`), and `replica_speedup` (N replicas' routed/s over
+  the first count's, at the largest rank count). On a host with fewer free cores than replicas
+  plus load generator, the replicas share cores and the speedup shows the host, not the design.
 - one client process sending Generate requests (token-id prompts sharing `--prefixes` prefixes,
   `--request-rate` requests/s per engine) and one KVEvents gRPC subscriber counting events.
 
@@ -49,27 +58,24 @@ grows from the first to the last point (ratios), and `--plot PATH` draws them.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import random
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from services.common.event_loop import EVENT_LOOPS
 
-_MODULE = "bench.scale"
+_MODULE = "bench.scale_load"  # the simulated engines and the client
 # What `--repeat` (bench/repeats.py) summarizes beside ratios: the largest point's figures and
 # their growth from the smallest point (the baseline).
-HEADLINE_KEYS = ("overhead_p50_ms", "overhead_p99_ms", "events_per_s", "rss_mib", "false_down",
+HEADLINE_KEYS = ("overhead_p50_ms", "overhead_p99_ms", "events_per_s", "rss_mib", "false_down", "cpu_ms_per_rank_s",
+                 "routed_per_s",
                  "growth_first_to_last.overhead_p50_ms", "growth_first_to_last.overhead_p99_ms",
                  "growth_first_to_last.cpu_ms_per_rank_s")
-_COMPAT = "bench-scale"
-_BLOCK = 16
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -106,6 +112,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduler-loop", default="asyncio",
                         help="comma-separated event loops of the scheduler process (its --event-loop: uvloop, "
                              "asyncio); each rank count runs once per loop, in the order given, side by side")
+    parser.add_argument("--schedulers", default="1",
+                        help="comma-separated scheduler replica counts (each replica its own process, every "
+                             "rank connected to every replica, requests round-robin over them); each rank count "
+                             "runs once per value, the first value the baseline of `replica_speedup`")
+    parser.add_argument("--saturate-s", type=float, default=0.0,
+                        help="after the measured phase, this many seconds of a closed loop (`--concurrency` "
+                             "requests in flight) measuring requests routed per second (0: skip)")
+    parser.add_argument("--concurrency", type=int, default=32, help="requests in flight in the closed loop")
     parser.add_argument("--plot", default="", help="write a PNG of the figures against ranks to this path")
     parser.add_argument("--from-json", default="",
                         help="print (and --plot) a saved `--json` result instead of running")
@@ -119,417 +133,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
-def _compact_proto(events: list[Any]) -> Any:
-    """`events` as a CompactWorkerEvents message (the benchmark's events always qualify)."""
-    from connectors import compact_events
-
-    compact = compact_events.encode(events)
-    if compact is None:
-        raise ValueError("bench scale: the simulated events do not qualify for the compact form")
-    return compact_events.to_proto(compact)
-
-
 def _pythonpath() -> dict[str, str]:
     root = os.getcwd()
     return dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "protos"),
                                                        os.environ.get("PYTHONPATH", "")]))
-
-
-# -- the engine simulator ------------------------------------------------------------------------
-
-@dataclass(slots=True)
-class _Rank:
-    index: int
-    outbox: asyncio.Queue[Any]
-    seq: int = 0
-    acked: int = 0
-    last_sent: float = 0.0
-    sending: list[str] = field(default_factory=list)
-    recving: list[str] = field(default_factory=list)
-
-
-class SimEngine:
-    """One simulated engine: `tp` raw Control streams and (rank 0) an Engine gRPC server."""
-
-    def __init__(self, index: int, role: str, tp: int, args: argparse.Namespace, stats: dict[str, Any]) -> None:
-        self.index = index
-        self.engine_id = f"{role[0]}{index}"
-        self.role = role
-        self.tp = tp
-        self.epoch = random.getrandbits(62) | 1
-        self.args = args
-        self.stats = stats
-        self.ranks = [_Rank(r, asyncio.Queue()) for r in range(tp)]
-        self.kv_waiters: dict[str, asyncio.Future[bool]] = {}
-        # request id -> when each decode rank's finished_recving report was handed to its stream
-        self.recv_handed: dict[str, list[float]] = {}
-        self.engine_events: list[int] = []
-        self.stored: set[int] = set()  # prompt blocks this engine holds (never evicted here)
-        self.steps = 0
-        self.running = 0
-        self.tasks: list[asyncio.Task[Any]] = []
-        self.server: Any = None
-        self.address = ""
-
-    async def start(self, control: str, channel: Any) -> None:
-        from bench.events import rank_messages
-        from pdserve.v1 import control_pb2 as cpb
-        from pdserve.v1 import control_pb2_grpc, engine_pb2_grpc
-        from services.common.grpc_server import ServiceServer
-
-        self.server = ServiceServer(["pdserve.v1.Engine"])
-        engine_pb2_grpc.add_EngineServicer_to_server(_EngineApi(self), self.server.server)
-        port = self.server.bind("127.0.0.1", 0)
-        await self.server.start()
-        self.address = f"127.0.0.1:{port}"
-        stub = control_pb2_grpc.ControlStub(channel)
-        role = cpb.ROLE_PREFILL if self.role == "prefill" else cpb.ROLE_DECODE
-        for rank in self.ranks:
-            identity = cpb.RankIdentity(engine_id=self.engine_id, role=role, epoch=self.epoch, tp_rank=rank.index,
-                                        tp_size=self.tp, pp_size=1)
-            rank.outbox.put_nowait(cpb.RankMessage(hello=cpb.Hello(
-                rank=identity, compatibility_hash=_COMPAT, protocol_version=1, engine_address=self.address,
-                hash_seed=self.args.hash_seed, block_size=_BLOCK)))
-            call = stub.Connect(self._noting_handed(rank_messages(rank.outbox)))
-            first = await call.read()
-            if first.WhichOneof("payload") != "welcome":
-                raise RuntimeError(f"{self.engine_id} rank {rank.index}: no Welcome ({first})")
-            self.tasks.append(asyncio.ensure_future(self._read(rank, call)))
-        self.tasks.append(asyncio.ensure_future(self._beats(self.args.heartbeat_interval)))
-
-    async def _noting_handed(self, messages: Any) -> Any:
-        """`messages` as they are handed to the stream, noting when each rank's report of a
-        finished receive went out (the KVReady round trip is timed from the last rank's)."""
-        async for m in messages:
-            kind = m.WhichOneof("payload")
-            if kind in ("report", "reports"):
-                reports = [m.report] if kind == "report" else m.reports.reports
-                now = time.monotonic()
-                for report in reports:
-                    for rid in report.finished_recving:
-                        handed = self.recv_handed.get(rid)
-                        if handed is not None:
-                            handed.append(now)
-            yield m
-
-    def run(self, end: float) -> None:
-        self.tasks.append(asyncio.ensure_future(self._steps(end)))
-
-    async def _read(self, rank: _Rank, call: Any) -> None:
-        import grpc
-
-        try:
-            while (msg := await call.read()) is not grpc.aio.EOF:
-                kind = msg.WhichOneof("payload")
-                if kind == "ack":
-                    rank.acked = msg.ack.seq
-                elif kind in ("kv_ready", "kv_failed"):
-                    rid = getattr(msg, kind).request_id
-                    waiter = self.kv_waiters.pop(rid, None)
-                    if waiter is not None and not waiter.done():
-                        waiter.set_result(kind == "kv_ready")
-                elif kind == "peer_update":
-                    for left in msg.peer_update.left:
-                        self.stats["left"].add(f"{left.engine_id}/{left.tp_rank}")
-        except grpc.aio.AioRpcError as e:
-            if not self.stats.get("stopping"):
-                self.stats["streams_ended"].append(f"{self.engine_id}/{rank.index}: {e.code().name}")
-            return
-        if not self.stats.get("stopping"):
-            self.stats["streams_ended"].append(f"{self.engine_id}/{rank.index}: EOF")
-
-    def _report(self, rank: _Rank, worker: Any = None, engine_hashes: list[int] | None = None,
-                merged: range | None = None) -> None:
-        """One report of `rank`: its pending transfer results (for every rank of the engine with
-        `--transfer-per engine`), `worker` events (for the `merged` ranks too), engine events."""
-        rank.last_sent = time.monotonic()
-        from connectors.kv_events import BlockStored, event_to_proto
-        from pdserve.v1 import control_pb2 as cpb
-        from pdserve.v1 import kv_events_pb2
-
-        rank.seq += 1
-        report = cpb.StepReport(seq=rank.seq, finished_sending=rank.sending, finished_recving=rank.recving)
-        rank.sending, rank.recving = [], []
-        if self.args.transfer_per == "engine" and (report.finished_sending or report.finished_recving):
-            report.merged_transfer_ranks.extend(r for r in range(self.tp) if r != rank.index)
-        if worker:  # encoded once per step, as ControlClient does for a scheduler that accepts it
-            if isinstance(worker, bytes):
-                report.packed_worker_events = worker
-            else:
-                report.compact_worker_events.CopyFrom(worker)
-            if merged:
-                report.merged_event_ranks.extend(merged)
-        if engine_hashes:
-            stored = BlockStored(tuple(engine_hashes), None, (), _BLOCK)
-            if self.args.worker_events == "compact":
-                report.compact_engine_events.CopyFrom(_compact_proto([stored]))
-                report.engine_events.CopyFrom(kv_events_pb2.EventBatch(ts=time.time()))
-            else:
-                report.engine_events.CopyFrom(kv_events_pb2.EventBatch(ts=time.time(),
-                                                                       events=[event_to_proto(stored)]))
-        rank.outbox.put_nowait(cpb.RankMessage(report=report))
-        self.stats["reports"] += 1
-
-    async def _steps(self, end: float) -> None:
-        from bench.events import scrambled_base
-        from connectors.kv_events import MEDIUM_CPU_OFFLOAD, BlockStored, event_to_proto
-        from pdserve.v1 import kv_events_pb2
-
-        period = 1.0 / self.args.step_hz
-        await asyncio.sleep(random.random() * period)
-        n = self.args.events_per_step
-        while time.monotonic() < end:
-            # distinct per (engine, step, i), with entropy in every bit like real block hashes
-            base = scrambled_base((self.index * 2 + (self.role == "decode")) * (1 << 32) + self.steps)
-            events = [BlockStored((base + i,), None, (), _BLOCK, medium=MEDIUM_CPU_OFFLOAD) for i in range(n)]
-            worker: Any = (_compact_proto(events) if self.args.worker_events == "compact"
-                           else kv_events_pb2.EventBatch(events=[event_to_proto(e) for e in events]).SerializeToString())
-            hashes, self.engine_events = self.engine_events, []
-            if self.args.report_per == "engine":
-                # rank 0 carries the step's worker events for every rank; the others report
-                # only when they have transfer results (and beat when idle)
-                self._report(self.ranks[0], worker, hashes, merged=range(1, self.tp))
-                for rank in self.ranks[1:]:
-                    if rank.sending or rank.recving:
-                        self._report(rank)
-            else:
-                for rank in self.ranks:
-                    self._report(rank, worker, hashes if rank.index == 0 else None)
-            self.steps += 1
-            await asyncio.sleep(period)
-
-    async def _beats(self, beat_s: float) -> None:
-        """Every rank beats at the scheduler's interval from registration on, as ControlClient does."""
-        from pdserve.v1 import control_pb2 as cpb
-
-        await asyncio.sleep(random.random() * beat_s)
-        while True:
-            now = time.monotonic()
-            for rank in self.ranks:
-                if rank.index and now - rank.last_sent < beat_s:
-                    continue  # as ControlClient: reports since the last beat prove liveness
-                rank.last_sent = now
-                beat = cpb.Heartbeat()
-                if rank.index == 0:
-                    beat.load.CopyFrom(cpb.EngineLoad(num_running=self.running, kv_usage=0.1,
-                                                      num_free_blocks=1000))
-                rank.outbox.put_nowait(cpb.RankMessage(heartbeat=beat))
-            await asyncio.sleep(beat_s)
-
-    def transfer_done_on_every_rank(self, request_id: str, sending: bool) -> None:
-        """Every rank finished its part: each reports it, or rank 0 for all (`--transfer-per engine`)."""
-        for rank in self.reporting_ranks():
-            (rank.sending if sending else rank.recving).append(request_id)
-
-    def reporting_ranks(self) -> list[_Rank]:
-        """The ranks that report a transfer result (rank 0 alone with `--transfer-per engine`)."""
-        return self.ranks[:1] if self.args.transfer_per == "engine" else self.ranks
-
-    async def stop(self) -> None:
-        for rank in self.ranks:
-            rank.outbox.put_nowait(None)
-        for task in self.tasks:
-            task.cancel()
-        if self.server is not None:
-            await self.server.stop(0)
-
-
-class _EngineApi:
-    """The Engine service of a simulated engine: no model, real gRPC."""
-
-    def __init__(self, engine: SimEngine) -> None:
-        self.engine = engine
-        from connectors.hashing import BlockHasher
-
-        self.hasher = BlockHasher(_BLOCK, engine.args.hash_seed)
-
-    async def Prefill(self, request: Any, context: Any) -> Any:
-        from pdserve.v1 import engine_pb2 as pb
-        from pdserve.v1 import generation_pb2 as gen_pb
-
-        e = self.engine
-        tokens = list(request.prompt_token_ids)
-        hashes = self.hasher.external_hashes(tokens)
-        cached = 0
-        while cached < len(hashes) and hashes[cached] in e.stored:
-            cached += 1
-        e.stored.update(hashes)
-        e.engine_events.extend(hashes[cached:])
-        e.transfer_done_on_every_rank(request.request_id, sending=True)
-        descriptor = pb.TransferDescriptor(engine_id=e.engine_id, epoch=e.epoch, request_id=request.request_id,
-                                           block_ids=list(range(len(tokens) // _BLOCK)), num_tokens=len(tokens),
-                                           tp_size=e.tp, block_size=_BLOCK, num_kv_heads=e.tp,
-                                           lease_expires_unix_ms=int((time.time() + 30) * 1000))
-        return pb.PrefillResponse(request_id=request.request_id, first_token_id=1, descriptor=descriptor,
-                                  num_cached_tokens=cached * _BLOCK, finish_reason=gen_pb.FINISH_REASON_UNSPECIFIED,
-                                  first_token_text="a")
-
-    async def Decode(self, request: Any, context: Any) -> Any:
-        from pdserve.v1 import engine_pb2 as pb
-        from pdserve.v1 import generation_pb2 as gen_pb
-
-        e = self.engine
-        e.running += 1
-        try:
-            if request.HasField("descriptor"):
-                waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-                e.kv_waiters[request.request_id] = waiter
-                t0 = time.monotonic()
-                handed = e.recv_handed[request.request_id] = []
-                reporting = e.reporting_ranks()
-                for rank in reporting:
-                    rank.recving.append(request.request_id)
-                    e._report(rank)
-                try:
-                    ok = await waiter
-                finally:
-                    del e.recv_handed[request.request_id]
-                done = time.monotonic()
-                client_id = request.request_id.rsplit(".", 1)[0]
-                # The control-plane round trip starts when the last rank's report left (a real
-                # engine's ranks are processes writing at once; here one loop writes all of them
-                # one after another, which is the simulator's time, reported apart).
-                last = max(handed) if len(handed) == len(reporting) else t0
-                e.stats["kv_untimed_ranks"] += len(handed) != len(reporting)  # not every report seen
-                e.stats["kv_wait_ms"][client_id] = (done - last) * 1e3
-                e.stats["kv_spread_ms"][client_id] = (last - t0) * 1e3
-                if not ok:
-                    e.stats["kv_failed"] += 1
-            start = len(request.output_token_ids)
-            last = request.sampling.max_tokens - 1
-            for i in range(start, request.sampling.max_tokens):
-                finish = gen_pb.FINISH_REASON_LENGTH if i == last else gen_pb.FINISH_REASON_UNSPECIFIED
-                yield pb.DecodeResponse(request_id=request.request_id, token_ids=[2 + i % 50], text="b",
-                                        finish_reason=finish)
-        finally:
-            e.running -= 1
-
-    async def Abort(self, request: Any, context: Any) -> Any:
-        from pdserve.v1 import engine_pb2 as pb
-
-        return pb.AbortResponse(found=True)
-
-    async def Release(self, request: Any, context: Any) -> Any:
-        from pdserve.v1 import engine_pb2 as pb
-
-        return pb.ReleaseResponse(found=True)
-
-    async def Drain(self, request: Any, context: Any) -> Any:
-        from pdserve.v1 import engine_pb2 as pb
-
-        return pb.DrainResponse()
-
-    async def Inspect(self, request: Any, context: Any) -> Any:
-        from pdserve.v1 import engine_pb2 as pb
-
-        return pb.InspectResponse()
-
-
-async def _sim_main(a: argparse.Namespace) -> None:
-    import logging
-
-    from services.common.grpc_server import insecure_channel
-
-    logging.getLogger("services").setLevel(logging.ERROR)  # one plaintext warning per Engine server
-
-    stats: dict[str, Any] = {"left": set(), "streams_ended": [], "reports": 0, "kv_wait_ms": {}, "kv_spread_ms": {},
-                             "kv_untimed_ranks": 0, "kv_failed": 0}
-    engines = []
-    for i in range(a.first, a.first + a.count):
-        engines.append(SimEngine(i // 2, "prefill" if i % 2 == 0 else "decode", a.tp, a, stats))
-    channels = [insecure_channel(a.control) for _ in engines]
-    for engine, channel in zip(engines, channels, strict=True):
-        await engine.start(a.control, channel)
-    print("ready", flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-    stats["reports"] = 0
-    end = time.monotonic() + a.duration
-    for engine in engines:
-        engine.run(end)
-    await asyncio.sleep(a.duration)
-    unacked = sum(r.seq - r.acked for e in engines for r in e.ranks)
-    # the figures go out once the client's last requests finished; the ranks keep beating
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-    print(json.dumps({"reports": stats["reports"], "left": sorted(stats["left"]),
-                      "streams_ended": stats["streams_ended"], "kv_wait_ms": stats["kv_wait_ms"],
-                      "kv_spread_ms": stats["kv_spread_ms"], "kv_untimed_ranks": stats["kv_untimed_ranks"],
-                      "kv_failed": stats["kv_failed"], "unacked_reports": unacked,
-                      "steps": sum(e.steps for e in engines)}), flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-    stats["stopping"] = True
-    for engine in engines:
-        await engine.stop()
-    for channel in channels:
-        await channel.close()
-
-
-# -- the client: Generate traffic and one KVEvents subscriber -------------------------------------
-
-async def _client_main(a: argparse.Namespace) -> None:
-    import grpc
-
-    from pdserve.v1 import generation_pb2 as gen_pb
-    from pdserve.v1 import generation_pb2_grpc, kv_events_pb2_grpc
-    from pdserve.v1 import kv_events_pb2 as ev_pb
-    from services.common.grpc_server import insecure_channel
-
-    rng = random.Random(7)
-    half = a.prompt_blocks * _BLOCK // 2
-    prefixes = [[rng.randrange(10, 1000) for _ in range(half)] for _ in range(a.prefixes)]
-    channel = insecure_channel(a.target)
-    events_channel = insecure_channel(a.events)
-    stub = generation_pb2_grpc.GenerationStub(channel)
-    counted = {"events": 0}
-    results: list[dict[str, Any]] = []
-    errors: dict[str, int] = {}
-
-    async def subscribe() -> None:
-        call = kv_events_pb2_grpc.KVEventsStub(events_channel).Subscribe(ev_pb.SubscribeRequest())
-        try:
-            async for msg in call:
-                if msg.WhichOneof("payload") == "batch":
-                    counted["events"] += len(msg.batch.events)
-        except grpc.aio.AioRpcError:
-            pass
-
-    async def one(i: int) -> None:
-        prompt = rng.choice(prefixes) + [rng.randrange(10, 1000) for _ in range(half)]
-        request = gen_pb.GenerateRequest(request_id=f"s{i}", token_ids=gen_pb.TokenIds(ids=prompt),
-                                         sampling=gen_pb.SamplingParams(max_tokens=a.output_tokens,
-                                                                        ignore_eos=True))
-        t0 = time.monotonic()
-        try:
-            async for msg in stub.Generate(request, timeout=60):
-                if msg.WhichOneof("payload") == "complete":
-                    c = msg.complete
-                    results.append({"id": f"s{i}", "overhead_ms": c.scheduler_overhead_ms,
-                                    "e2e_ms": (time.monotonic() - t0) * 1e3,
-                                    "cached": c.usage.cached_tokens})
-        except grpc.aio.AioRpcError as e:
-            errors[e.code().name] = errors.get(e.code().name, 0) + 1
-
-    sub = asyncio.ensure_future(subscribe())
-    await asyncio.sleep(0.5)
-    print("ready", flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-    start = time.monotonic()
-    events0 = counted["events"]
-    tasks: list[asyncio.Task[None]] = []
-    i = 0
-    while (now := time.monotonic()) < start + a.duration:
-        due = int((now - start) * a.rate)
-        while i < due:
-            tasks.append(asyncio.ensure_future(one(i)))
-            i += 1
-        await asyncio.sleep(0.005)
-    events = counted["events"] - events0
-    elapsed = time.monotonic() - start
-    await asyncio.wait(tasks, timeout=30) if tasks else None
-    sub.cancel()
-    print(json.dumps({"sent": i, "results": results, "errors": errors, "events": events,
-                      "seconds": elapsed}), flush=True)
-    await channel.close()
-    await events_channel.close()
 
 
 # -- the driver ---------------------------------------------------------------------------------
@@ -579,61 +186,95 @@ def _wait_serving(port: int, proc: subprocess.Popen[str], timeout: float = 60.0)
     raise RuntimeError(f"bench scale: the scheduler did not listen on {port} within {timeout} s")
 
 
-def _point(args: argparse.Namespace, ranks: int, event_loop: str, transfer_per: str) -> dict[str, Any]:
-    from services.common.config import SchedulerConfig
+@dataclass(slots=True)
+class _Replica:
+    """One `pdserve scheduler` process and its ports."""
+
+    proc: subprocess.Popen[str]
+    port: int
+    control: int
+    events: int
+
+
+def _start_replicas(args: argparse.Namespace, n: int, event_loop: str) -> list[_Replica]:
+    """`n` scheduler replicas, each its own process (ranks connect to every one)."""
     from services.local_cluster import free_port
 
+    replicas = []
+    for _ in range(n):
+        port, control, events = free_port(), free_port(), free_port()
+        proc = _spawn([sys.executable, "-m", "services.common.cli", "scheduler", "--port", str(port),
+                       "--control-port", str(control), "--events-port", str(events), "--metrics-port", "0",
+                       "--routing-policy", "prefix", "--log-level", "WARNING",
+                       "--heartbeat-interval-s", str(args.heartbeat_interval),
+                       "--heartbeat-timeout-s", str(args.heartbeat_timeout),
+                       "--max-queue-per-engine", "4096", "--event-loop", event_loop,
+                       # every request takes the disaggregated path: its transfer is control-plane work
+                       "--path-policy", "remote"], stdin=False)
+        replicas.append(_Replica(proc, port, control, events))
+    for r in replicas:
+        _wait_serving(r.control, r.proc)
+        _wait_serving(r.port, r.proc)
+    return replicas
+
+
+def _start_sims(args: argparse.Namespace, engines: int, transfer_per: str, replicas: list[_Replica],
+                seconds: float) -> list[subprocess.Popen[str]]:
+    from services.common.config import SchedulerConfig
+
+    controls = ",".join(f"127.0.0.1:{r.control}" for r in replicas)
+    sims = []
+    nproc = max(1, min(args.sim_procs, engines))
+    for k in range(nproc):
+        first, count = k * engines // nproc, (k + 1) * engines // nproc - k * engines // nproc
+        sims.append(_spawn([sys.executable, "-m", _MODULE, "--role", "engines", "--control", controls,
+                            "--first", str(first), "--count", str(count), "--tp",
+                            str(args.tp), "--step-hz", str(args.step_hz), "--events-per-step",
+                            str(args.events_per_step), "--report-per", args.report_per,
+                            "--transfer-per", transfer_per, "--worker-events", args.worker_events,
+                            "--duration", str(seconds), "--heartbeat-interval",
+                            str(args.heartbeat_interval), "--hash-seed", SchedulerConfig().hash_seed]))
+    return sims
+
+
+def _cpu(procs: list[subprocess.Popen[str]]) -> float:
+    return sum(_proc_cpu_s(p.pid) for p in procs)
+
+
+def _point(args: argparse.Namespace, ranks: int, event_loop: str, transfer_per: str,
+           num_schedulers: int = 1) -> dict[str, Any]:
     engines = max(2, ranks // args.tp)
     ranks = engines * args.tp
-    hash_seed = SchedulerConfig().hash_seed
-    port, control, events = free_port(), free_port(), free_port()
-    exe = [sys.executable, "-m", "services.common.cli"]
-    sched = _spawn([*exe, "scheduler", "--port", str(port), "--control-port", str(control), "--events-port",
-                    str(events), "--metrics-port", "0", "--routing-policy", "prefix", "--log-level", "WARNING",
-                    "--heartbeat-interval-s", str(args.heartbeat_interval),
-                    "--heartbeat-timeout-s", str(args.heartbeat_timeout),
-                    "--max-queue-per-engine", "4096", "--event-loop", event_loop,
-                    # every request takes the disaggregated path: its transfer is control-plane work
-                    "--path-policy", "remote"], stdin=False)
-    procs: list[subprocess.Popen[str]] = [sched]
+    replicas = _start_replicas(args, num_schedulers, event_loop)
+    scheds = [r.proc for r in replicas]
+    procs: list[subprocess.Popen[str]] = list(scheds)
     try:
-        _wait_serving(control, sched)
-        _wait_serving(port, sched)
-        sims = []
-        nproc = max(1, min(args.sim_procs, engines))
-        for k in range(nproc):
-            first, count = k * engines // nproc, (k + 1) * engines // nproc - k * engines // nproc
-            sims.append(_spawn([sys.executable, "-m", _MODULE, "--role", "engines", "--control",
-                                f"127.0.0.1:{control}", "--first", str(first), "--count", str(count), "--tp",
-                                str(args.tp), "--step-hz", str(args.step_hz), "--events-per-step",
-                                str(args.events_per_step), "--report-per", args.report_per,
-                                "--transfer-per", transfer_per, "--worker-events", args.worker_events,
-                                "--duration", str(args.duration), "--heartbeat-interval",
-                                str(args.heartbeat_interval), "--hash-seed", hash_seed]))
+        sims = _start_sims(args, engines, transfer_per, replicas, args.duration + args.saturate_s)
         procs += sims
         t0 = time.monotonic()
         for sim in sims:
             if _readline(sim, "engine simulator") != "ready":
                 raise RuntimeError("bench scale: engine simulator not ready")
         setup_s = time.monotonic() - t0
-        client = _spawn([sys.executable, "-m", _MODULE, "--role", "client", "--target", f"127.0.0.1:{port}",
-                         "--events", f"127.0.0.1:{events}", "--rate", str(args.request_rate * engines),
+        client = _spawn([sys.executable, "-m", _MODULE, "--role", "client",
+                         "--target", ",".join(f"127.0.0.1:{r.port}" for r in replicas),
+                         "--events", f"127.0.0.1:{replicas[0].events}", "--rate", str(args.request_rate * engines),
                          "--duration", str(args.duration), "--prompt-blocks", str(args.prompt_blocks),
-                         "--prefixes", str(args.prefixes), "--output-tokens", str(args.output_tokens)])
+                         "--prefixes", str(args.prefixes), "--output-tokens", str(args.output_tokens),
+                         "--saturate-s", str(args.saturate_s), "--concurrency", str(args.concurrency)])
         procs.append(client)
         _readline(client, "client")
         time.sleep(1.0)  # a first round of heartbeats
-        rss0 = _proc_rss_mib(sched.pid)
+        rss0 = sum(_proc_rss_mib(p.pid) for p in scheds)
         load = [*sims, client]
-        cpu0, w0 = _proc_cpu_s(sched.pid), time.monotonic()
-        load_cpu0 = sum(_proc_cpu_s(p.pid) for p in load)
+        cpu0, w0, load_cpu0 = _cpu(scheds), time.monotonic(), _cpu(load)
         for p in load:
             _tell(p)
         time.sleep(args.duration)
-        cpu1, w1 = _proc_cpu_s(sched.pid), time.monotonic()
-        load_cpu1 = sum(_proc_cpu_s(p.pid) for p in load)
-        rss1 = _proc_rss_mib(sched.pid)
+        cpu1, w1, load_cpu1 = _cpu(scheds), time.monotonic(), _cpu(load)
+        rss1 = sum(_proc_rss_mib(p.pid) for p in scheds)
         got = json.loads(_readline(client, "client"))  # after its last request ended
+        saturated = _saturated(client, scheds, load) if args.saturate_s > 0 else None
         for sim in sims:
             _tell(sim)
         sim_out = [json.loads(_readline(sim, "engine simulator")) for sim in sims]
@@ -646,6 +287,35 @@ def _point(args: argparse.Namespace, ranks: int, event_loop: str, transfer_per: 
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+    point = {"ranks": ranks, "event_loop": event_loop, "transfer_per": transfer_per, "schedulers": num_schedulers,
+             "engines": engines, "seconds": w1 - w0, "setup_s": setup_s, "rss_mib": rss1, "rss_start_mib": rss0}
+    point |= _figures(got, sim_out, ranks, num_schedulers, (cpu1 - cpu0) / (w1 - w0), (load_cpu1 - load_cpu0) / (w1 - w0))
+    if saturated is not None:
+        point |= saturated
+    return point
+
+
+def _saturated(client: subprocess.Popen[str], scheds: list[subprocess.Popen[str]],
+               load: list[subprocess.Popen[str]]) -> dict[str, Any]:
+    """The closed-loop phase: requests routed per second with the replicas saturated, and what
+    each routed request cost in scheduler CPU (the capacity one core per replica would give)."""
+    cpu0, w0, load_cpu0 = _cpu(scheds), time.monotonic(), _cpu(load)
+    _tell(client)
+    got = json.loads(_readline(client, "client"))
+    cpu1, w1, load_cpu1 = _cpu(scheds), time.monotonic(), _cpu(load)
+    sched_s = cpu1 - cpu0
+    return {"routed_per_s": got["completed"] / got["seconds"], "saturated_requests": got["completed"],
+            "saturated_errors": got["errors"],
+            "saturated_overhead_p50_ms": percentile(got["overhead_ms"], 50),
+            "saturated_overhead_p99_ms": percentile(got["overhead_ms"], 99),
+            "saturated_scheduler_cpu_share": sched_s / (w1 - w0),
+            "saturated_load_generator_cpu_share": (load_cpu1 - load_cpu0) / (w1 - w0),
+            "routed_per_scheduler_cpu_s": got["completed"] / sched_s if sched_s > 0 else 0.0}
+
+
+def _figures(got: dict[str, Any], sim_out: list[dict[str, Any]], ranks: int, num_schedulers: int,
+             sched_share: float, load_share: float) -> dict[str, Any]:
+    """The open-loop phase's figures (`--request-rate`)."""
     kv_wait: dict[str, float] = {}
     kv_spread: dict[str, float] = {}
     for s in sim_out:
@@ -654,9 +324,7 @@ def _point(args: argparse.Namespace, ranks: int, event_loop: str, transfer_per: 
     overheads = [r["overhead_ms"] + kv_wait.get(r["id"], 0.0) for r in got["results"]]
     left = {x for s in sim_out for x in s["left"]}
     ended = [x for s in sim_out for x in s["streams_ended"]]
-    seconds = w1 - w0
-    return {"ranks": ranks, "event_loop": event_loop, "transfer_per": transfer_per, "engines": engines, "seconds": seconds, "setup_s": setup_s,
-            "requests_sent": got["sent"], "requests_ok": len(got["results"]), "request_errors": got["errors"],
+    return {"requests_sent": got["sent"], "requests_ok": len(got["results"]), "request_errors": got["errors"],
             "routing_decisions_per_s": len(got["results"]) / got["seconds"],
             "overhead_p50_ms": percentile(overheads, 50), "overhead_p99_ms": percentile(overheads, 99),
             "scheduler_only_overhead_p50_ms": percentile([r["overhead_ms"] for r in got["results"]], 50),
@@ -668,13 +336,12 @@ def _point(args: argparse.Namespace, ranks: int, event_loop: str, transfer_per: 
             "prefix_hit_rate": (sum(1 for r in got["results"] if r["cached"]) / len(got["results"])
                                 if got["results"] else 0.0),
             "events_per_s": got["events"] / got["seconds"],
-            "rank_reports_per_s": sum(s["reports"] for s in sim_out) / seconds,
+            "rank_reports_per_s": sum(s["reports"] for s in sim_out) / max(s["seconds"] for s in sim_out),
             "unacked_reports_at_end": sum(s["unacked_reports"] for s in sim_out),
-            "scheduler_cpu_share": (cpu1 - cpu0) / seconds,
-            # the engine simulators and the client on the same cores, for the CPU split
-            "load_generator_cpu_share": (load_cpu1 - load_cpu0) / seconds,
-            "cpu_ms_per_rank_s": (cpu1 - cpu0) / seconds / ranks * 1e3,
-            "rss_mib": rss1, "rss_start_mib": rss0,
+            # every replica together; the engine simulators and the client on the same cores
+            "scheduler_cpu_share": sched_share, "load_generator_cpu_share": load_share,
+            "cpu_ms_per_rank_s": sched_share / ranks * 1e3,
+            "cpu_ms_per_rank_s_per_replica": sched_share / ranks * 1e3 / num_schedulers,
             "false_down": len(left) + len(ended), "left": sorted(left)[:10], "streams_ended": ended[:10]}
 
 
@@ -731,44 +398,78 @@ def run(args: argparse.Namespace) -> int:
     if not loops or any(x not in EVENT_LOOPS for x in loops):
         raise ValueError(f"--scheduler-loop: expected a comma-separated list of {', '.join(EVENT_LOOPS)}, "
                          f"got {args.scheduler_loop!r}")
+    try:
+        replicas = [int(x) for x in args.schedulers.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--schedulers: expected comma-separated integers, got {args.schedulers!r}") from None
+    if not replicas or min(replicas) < 1:
+        raise ValueError(f"--schedulers: every value must be >= 1, got {args.schedulers!r}")
+    if args.saturate_s < 0 or args.concurrency < 1:
+        raise ValueError("--saturate-s must be >= 0 and --concurrency >= 1")
     transfers = [x.strip() for x in args.transfer_per.split(",") if x.strip()]
     if not transfers or any(x not in ("rank", "engine") for x in transfers):
         raise ValueError(f"--transfer-per: expected a comma-separated list of rank, engine, got {args.transfer_per!r}")
     points = []
-    # The smallest point is the baseline: with --repeat (bench/repeats.py) every other run
-    # measures the points largest first, so a machine drifting during the runs charges both ends.
+    # The smallest point (and the first replica count) is the baseline: with --repeat
+    # (bench/repeats.py) every other run measures the points largest first, so a machine
+    # drifting during the runs charges both ends.
     baseline_first = getattr(args, "baseline_first", True)
-    for n in sizes if baseline_first else sizes[::-1]:
-        for loop in loops:
-            for transfer in transfers:
-                what = f"{n} ranks, scheduler on {loop}, transfer results per {transfer}"
-                print(f"bench scale: {what} (a fresh scheduler; registration, then {args.duration:g} s measured) ...",
-                      file=sys.stderr, flush=True)
-                points.append(_point(args, n, loop, transfer))
-                p = points[-1]
-                print(f"bench scale: {what} done: setup {p['setup_s']:.0f} s, overhead p50 "
-                      f"{p['overhead_p50_ms']:.2f} ms, false down {p['false_down']}", file=sys.stderr, flush=True)
-    points.sort(key=lambda p: sizes.index(p["ranks"]))  # stable: loops and transfer modes keep their order
+    order = (lambda xs: xs) if baseline_first else (lambda xs: xs[::-1])
+    for n in order(sizes):
+        for num in order(replicas):
+            for loop in loops:
+                for transfer in transfers:
+                    points.append(_measure(args, n, loop, transfer, num))
+    points.sort(key=lambda p: (sizes.index(p["ranks"]), replicas.index(p["schedulers"])))  # stable
     config = {k: getattr(args, k) for k in ("scheduler_loop", "tp", "duration", "step_hz", "events_per_step", "report_per",
                                             "worker_events", "transfer_per", "request_rate",
                                             "prompt_blocks", "output_tokens", "sim_procs", "heartbeat_interval",
-                                            "heartbeat_timeout")}
+                                            "heartbeat_timeout", "schedulers", "saturate_s", "concurrency")}
     config["baseline_first"] = baseline_first
     return _report(args, points, config, list(os.getloadavg()))
 
 
+def _measure(args: argparse.Namespace, n: int, loop: str, transfer: str, num_schedulers: int) -> dict[str, Any]:
+    what = f"{n} ranks, {num_schedulers} scheduler replica(s) on {loop}, transfer results per {transfer}"
+    print(f"bench scale: {what} (fresh schedulers; registration, then {args.duration:g} s measured"
+          f"{f' + {args.saturate_s:g} s saturated' if args.saturate_s else ''}) ...", file=sys.stderr, flush=True)
+    p = _point(args, n, loop, transfer, num_schedulers)
+    routed = f", routed {p['routed_per_s']:.0f}/s saturated" if "routed_per_s" in p else ""
+    print(f"bench scale: {what} done: setup {p['setup_s']:.0f} s, overhead p50 {p['overhead_p50_ms']:.2f} ms"
+          f"{routed}, false down {p['false_down']}", file=sys.stderr, flush=True)
+    return p
+
+
+def replica_speedups(points: list[dict[str, Any]]) -> dict[str, float]:
+    """Requests routed per second (saturated) with N replicas over the first replica count's, at
+    the largest rank count (same loop and transfer mode): {"2": 1.8, ...}."""
+    last = points[-1]
+    same = [p for p in points if "routed_per_s" in p and (p["ranks"], p.get("event_loop"), p.get("transfer_per"))
+            == (last["ranks"], last.get("event_loop"), last.get("transfer_per"))]
+    if len(same) < 2 or not same[0]["routed_per_s"]:
+        return {}
+    return {str(p["schedulers"]): p["routed_per_s"] / same[0]["routed_per_s"] for p in same[1:]}
+
+
 def _report(args: argparse.Namespace, points: list[dict[str, Any]], config: dict[str, Any],
             load: list[float] | None) -> int:
-    last = points[-1]  # growth compares points of the last-listed scheduler loop and transfer mode
-    first = next(p for p in points if (p.get("event_loop"), p.get("transfer_per"))
-                 == (last.get("event_loop"), last.get("transfer_per")))
+    last = points[-1]  # growth compares points of the last-listed replica count, loop and transfer mode
+    first = next(p for p in points if (p.get("event_loop"), p.get("transfer_per"), p.get("schedulers", 1))
+                 == (last.get("event_loop"), last.get("transfer_per"), last.get("schedulers", 1)))
     growth = {k: (last[k] / first[k] if first[k] else None)
               for k in ("overhead_p50_ms", "overhead_p99_ms", "events_per_s", "cpu_ms_per_rank_s", "rss_mib",
                         "routing_decisions_per_s")}
     result: dict[str, Any] = {k: last[k] for k in ("ranks", "overhead_p50_ms", "overhead_p99_ms", "events_per_s",
-                                                   "rss_mib", "false_down")}
+                                                   "rss_mib", "false_down", "cpu_ms_per_rank_s")}
+    result["schedulers"] = last.get("schedulers", 1)
+    if "routed_per_s" in last:
+        result["routed_per_s"] = last["routed_per_s"]
+    speedups = replica_speedups(points)
+    if speedups:
+        result["replica_speedup"] = speedups[str(result["schedulers"])]
+        result["replica_speedups"] = speedups
     result |= {"points": points, "growth_first_to_last": growth, "config": config, "load_average": load}
-    if len({p["ranks"] for p in points}) > 1:
+    if len({(p["ranks"], p.get("schedulers", 1)) for p in points}) > 1:
         result["baseline_first"] = config.get("baseline_first", True)
     if args.plot:
         _plot(points, args.plot)
@@ -778,49 +479,22 @@ def _report(args: argparse.Namespace, points: list[dict[str, Any]], config: dict
     print(f"Scheduler at scale: tp {config.get('tp')}, {config.get('step_hz')} steps/s per engine x "
           f"{config.get('events_per_step')} events per rank report, {config.get('request_rate')} req/s per engine "
           f"(load average at the end {load[0] if load else float('nan'):.1f})")
-    print(f"  {'ranks':>6} {'loop':>7} {'xfer':>6} {'req/s':>7} {'ovh p50':>8} {'ovh p99':>8} {'events/s':>9} {'reports/s':>10} "
+    print(f"  {'ranks':>6} {'repl':>4} {'loop':>7} {'xfer':>6} {'req/s':>7} {'routed/s':>8} {'ovh p50':>8} {'ovh p99':>8} {'events/s':>9} {'reports/s':>10} "
           f"{'CPU ms/rank/s':>14} {'sched/gen CPU':>13} {'RSS MiB':>8} {'false down':>10} {'errors':>7}")
     for p in points:
-        print(f"  {p['ranks']:>6} {p.get('event_loop', 'asyncio'):>7} {p.get('transfer_per', config.get('transfer_per', 'rank')):>6} "
-              f"{p['routing_decisions_per_s']:>7.1f} {p['overhead_p50_ms']:>8.2f} "
+        print(f"  {p['ranks']:>6} {p.get('schedulers', 1):>4} {p.get('event_loop', 'asyncio'):>7} "
+              f"{p.get('transfer_per', config.get('transfer_per', 'rank')):>6} "
+              f"{p['routing_decisions_per_s']:>7.1f} {p.get('routed_per_s', float('nan')):>8.1f} "
+              f"{p['overhead_p50_ms']:>8.2f} "
               f"{p['overhead_p99_ms']:>8.2f} {p['events_per_s']:>9.0f} {p['rank_reports_per_s']:>10.0f} "
               f"{p['cpu_ms_per_rank_s']:>14.3f} "
               f"{p['scheduler_cpu_share']:>6.2f}/{p.get('load_generator_cpu_share', float('nan')):<6.2f} "
               f"{p['rss_mib']:>8.0f} {p['false_down']:>10} "
               f"{sum(p['request_errors'].values()):>7}")
     print("  growth first -> last point: " + ", ".join(f"{k} {v:.2f}x" for k, v in growth.items() if v))
+    if speedups:
+        print("  requests routed per second (saturated) over 1 replica's: "
+              + ", ".join(f"{n} replicas {v:.2f}x" for n, v in speedups.items()))
     if args.plot:
         print(f"  plot: {args.plot}")
     return 0
-
-
-def _main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--role", choices=["engines", "client"], required=True)
-    p.add_argument("--control", default="")
-    p.add_argument("--target", default="")
-    p.add_argument("--events", default="")
-    p.add_argument("--first", type=int, default=0)
-    p.add_argument("--count", type=int, default=1)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--step-hz", type=float, default=2.0)
-    p.add_argument("--events-per-step", type=int, default=16)
-    p.add_argument("--report-per", choices=["engine", "rank"], default="rank")
-    p.add_argument("--transfer-per", choices=["engine", "rank"], default="rank")
-    p.add_argument("--worker-events", choices=["packed", "compact"], default="packed")
-    p.add_argument("--duration", type=float, default=1.0)
-    p.add_argument("--heartbeat-interval", type=float, default=1.0)
-    p.add_argument("--hash-seed", default="")
-    p.add_argument("--rate", type=float, default=1.0)
-    p.add_argument("--prompt-blocks", type=int, default=8)
-    p.add_argument("--prefixes", type=int, default=16)
-    p.add_argument("--output-tokens", type=int, default=4)
-    a = p.parse_args()
-    if a.role == "engines":
-        asyncio.run(_sim_main(a))
-    else:
-        asyncio.run(_client_main(a))
-
-
-if __name__ == "__main__":
-    _main()

@@ -100,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", choices=["vllm"], default=None,
                         help="vllm: the same workload against vLLM colocated, vLLM 1P1D NixlConnector, pdserve, "
                              "and pdserve with vLLM engines where available")
-    parser.add_argument("--systems", default="vllm_colocated,vllm_pd_nixl,pdserve,pdserve_vllm",
+    parser.add_argument("--systems", default="vllm_colocated,vllm_pd_nixl,pdserve,pdserve_vllm,pdserve_vllm_staging",
                         help="--compare vllm: which systems to run (comma-separated)")
     parser.add_argument("--phases", action="store_true",
                         help="--compare vllm: also time the workload's prefill-only and decode-only passes "

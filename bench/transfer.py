@@ -11,13 +11,15 @@ vLLM, Dynamo and llm-d use); (d) `grpc` — a gRPC server stream of the same byt
 chunks; (e) `memcpy` — a single-thread copy in one process (the local limit).
 
 A second like-for-like pair runs on CMA: `pdserve-cma` is (a) with `--ucx-tls all` (UCX picks
-CMA) and `ucxx-cma` is (b) with `UCX_TLS=all`, same polling. Ratios compare pdserve with
-`ucxx` and `pdserve-cma` with `ucxx-cma` (each pair on one transport); pdserve's default
-configuration (SysV shared memory, see docs/architecture.md) against NIXL and gRPC.
+CMA) and `ucxx-cma` is (b) with `UCX_TLS=all`, same polling; a third on NIXL: `pdserve-nixl` is
+(a) with `--kv-transport nixl` against (c). Ratios compare each baseline with the pdserve run
+on its transport (`compared_with`: `ucxx` with `pdserve`, `ucxx-cma` with `pdserve-cma`,
+`nixl` with `pdserve-nixl` where that runs, else with `pdserve`); gRPC with pdserve's default
+configuration (SysV shared memory, see docs/architecture.md).
 
 With `--hosts 2` every writer runs in host a and every reader in host b of bench/two_hosts.py
 (network namespaces joined by a veth link, each process in its own IPC, PID, mount and UTS
-namespace), so UCX goes over TCP on that link for all of pdserve, raw ucxx and NIXL; the
+namespace), so UCX goes over TCP on that link for all of pdserve (both transports), raw ucxx and NIXL; the
 report names the transport each reader's endpoint used (connectors/ucx/ep_info.py).
 
 Cases: one request of 1, 16, 256 and 1024 blocks, and 32 requests of 16 blocks concurrently.
@@ -46,15 +48,17 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-METHODS = ("pdserve", "pdserve-cma", "ucxx", "ucxx-cma", "nixl", "grpc", "memcpy")
+METHODS = ("pdserve", "pdserve-cma", "pdserve-nixl", "ucxx", "ucxx-cma", "nixl", "grpc", "memcpy")
 BASELINES = {"ucxx": "min_ratio_vs_ucxx", "ucxx-cma": "min_ratio_cma_vs_ucxx_cma", "nixl": "min_ratio_vs_nixl",
              "grpc": "min_ratio_vs_grpc"}
-# Which pdserve run each baseline is compared with: the one on the same transport.
-COMPARED_WITH = {"ucxx-cma": "pdserve-cma"}
+# Which pdserve run each baseline is compared with: the one on the same transport (nixl with
+# pdserve-nixl when that runs too, else with pdserve; see `compared_with`).
+COMPARED_WITH = {"ucxx-cma": "pdserve-cma", "nixl": "pdserve-nixl"}
 TRANSPORTS = {"pdserve": "SysV shared memory (UCX_TLS=^cma)", "ucxx": "SysV shared memory (UCX_TLS=^cma)",
               "pdserve-cma": "CMA (UCX_TLS=all)", "ucxx-cma": "CMA (UCX_TLS=all)",
+              "pdserve-nixl": "pdserve --kv-transport nixl (NIXL's UCX backend)",
               "nixl": "NIXL's UCX backend, UCX's default transports", "grpc": "TCP loopback", "memcpy": "one process"}
-HOSTS_METHODS = ("pdserve", "ucxx", "nixl")  # what --hosts 2 runs (each side in its own host)
+HOSTS_METHODS = ("pdserve", "pdserve-nixl", "ucxx", "nixl")  # what --hosts 2 runs (each side in its own host)
 CHUNK = 4 << 20
 DEFAULT_SIZES = "1,16,256,1024"
 # Throughput, not failure detection, is measured: a loaded machine may take seconds per pull.
@@ -229,12 +233,19 @@ def _rows(cases: list[Case], shape: Shape, methods: list[str],
             row.gbps[m] = nbytes / statistics.median(seconds) / 1e9 if seconds else None
             row.gbps_min[m] = nbytes / max(seconds) / 1e9 if seconds else None
             row.gbps_max[m] = nbytes / min(seconds) / 1e9 if seconds else None
+        pairs = compared_with(methods)
         for m in methods:
-            if m != "pdserve":
-                ours, theirs = row.gbps.get(COMPARED_WITH.get(m, "pdserve")), row.gbps[m]
+            if not m.startswith("pdserve"):
+                ours, theirs = row.gbps.get(pairs.get(m, "pdserve")), row.gbps[m]
                 row.ratios[m] = ours / theirs if ours and theirs else None
         rows.append(row)
     return rows
+
+
+def compared_with(methods: list[str]) -> dict[str, str]:
+    """Baseline -> the pdserve run it is compared with in this run: the one on its transport
+    where that one runs, else `pdserve`."""
+    return {m: run if run in methods else "pdserve" for m, run in COMPARED_WITH.items()}
 
 
 def _summary(rows: list[Row], shape: Shape, args: argparse.Namespace) -> dict[str, Any]:
@@ -244,7 +255,7 @@ def _summary(rows: list[Row], shape: Shape, args: argparse.Namespace) -> dict[st
     summary: dict[str, Any] = {
         "block_nbytes": shape.block_nbytes, "iters": args.iters, "hosts": args.hosts,
         "transports": transports,
-        "compared_with": {m: COMPARED_WITH.get(m, "pdserve") for m in BASELINES},
+        "compared_with": {m: compared_with(list(rows[0].gbps) if rows else []).get(m, "pdserve") for m in BASELINES},
         "rows": [{"case": r.case, "num_blocks": r.num_blocks, "num_bytes": r.num_bytes, "gbps": r.gbps,
                   "gbps_min": r.gbps_min, "gbps_max": r.gbps_max, "ratio_vs": r.ratios} for r in rows],
     }
@@ -261,11 +272,13 @@ def _print_table(rows: list[Row], methods: list[str], summary: dict[str, Any], o
     for m in methods:
         used = summary["transports_used"].get(m)
         print(f"  {m:>11}: {summary['transports'].get(m, TRANSPORTS[m])}" + (f"; UCX used {used}" if used else ""))
+    pairs = compared_with(methods)
+    baselines = [m for m in methods if not m.startswith("pdserve")]
     print(f"{'case':>8} {'MiB':>8} " + " ".join(f"{m:>11}" for m in methods) + "   ratio vs "
-          + " / ".join(f"{m} ({COMPARED_WITH.get(m, 'pdserve')})" for m in methods if m != "pdserve"))
+          + " / ".join(f"{m} ({pairs.get(m, 'pdserve')})" for m in baselines))
     for r in rows:
         cells = " ".join(f"{r.gbps[m]:11.2f}" if r.gbps[m] else f"{'-':>11}" for m in methods)
-        ratios = " ".join(f"{r.ratios[m]:.2f}x" if r.ratios[m] else "-" for m in methods if m != "pdserve")
+        ratios = " ".join(f"{r.ratios[m]:.2f}x" if r.ratios[m] else "-" for m in baselines)
         print(f"{r.case:>8} {r.num_bytes / 2**20:8.1f} {cells}   {ratios}")
     for key in BASELINES.values():
         value = summary[key]
@@ -473,13 +486,27 @@ def _child_setup() -> None:
 
 # -- (a) pdserve UCX connector -------------------------------------------------------------------
 
-def _pdserve_writer(conn: Connection, shape: Shape, ucx_tls: str = "") -> None:
-    _child_setup()
+def _pdserve_connector(conn: Connection, shape: Shape, role: str, ucx_tls: str, kv_transport: str) -> Any:
+    """The connector of one side, or None (told to the parent) where its transport is not installed."""
     from connectors.ucx.worker import UcxConnectorConfig, UcxWorkerConnector
 
-    c = UcxWorkerConnector(engine_id="bench-prefill", epoch=1, tp_rank=0, tp_size=1, num_kv_heads=shape.kv_heads,
-                           compatibility_hash="bench", kv_cache=shape.tensor(seed=1),
-                           config=UcxConnectorConfig(ucx_tls=ucx_tls, transfer_timeout_s=BENCH_TIMEOUT_S))
+    writer = role == "prefill"
+    try:
+        return UcxWorkerConnector(engine_id=f"bench-{role}", epoch=1 if writer else 2, tp_rank=0, tp_size=1,
+                                  num_kv_heads=shape.kv_heads, compatibility_hash="bench",
+                                  kv_cache=shape.tensor(seed=1 if writer else 0),
+                                  config=UcxConnectorConfig(ucx_tls=ucx_tls, transfer_timeout_s=BENCH_TIMEOUT_S,
+                                                            kv_transport=kv_transport))
+    except RuntimeError as e:  # NixlUnavailable
+        conn.send(("unavailable", str(e)))
+        return None
+
+
+def _pdserve_writer(conn: Connection, shape: Shape, ucx_tls: str = "", kv_transport: str = "ucx-tag") -> None:
+    _child_setup()
+    c = _pdserve_connector(conn, shape, "prefill", ucx_tls, kv_transport)
+    if c is None:
+        return
     conn.send(("ok", c.get_handshake_metadata()))
     conn.recv()
     conn.send(("ok", None))
@@ -501,14 +528,13 @@ def _pdserve_writer(conn: Connection, shape: Shape, ucx_tls: str = "") -> None:
     c.shutdown()
 
 
-def _pdserve_reader(conn: Connection, shape: Shape, ucx_tls: str = "") -> None:
+def _pdserve_reader(conn: Connection, shape: Shape, ucx_tls: str = "", kv_transport: str = "ucx-tag") -> None:
     _child_setup()
     from connectors.ucx.handshake import KVTransferDescriptor
-    from connectors.ucx.worker import UcxConnectorConfig, UcxWorkerConnector
 
-    c = UcxWorkerConnector(engine_id="bench-decode", epoch=2, tp_rank=0, tp_size=1, num_kv_heads=shape.kv_heads,
-                           compatibility_hash="bench", kv_cache=shape.tensor(),
-                           config=UcxConnectorConfig(ucx_tls=ucx_tls, transfer_timeout_s=BENCH_TIMEOUT_S))
+    c = _pdserve_connector(conn, shape, "decode", ucx_tls, kv_transport)
+    if c is None:
+        return
     c.add_peer(conn.recv())
     conn.send(("ok", None))
     conn.send(("ok", None))
@@ -790,6 +816,8 @@ _PAIRS: dict[str, tuple[Callable[[Connection, Shape], None], Callable[[Connectio
     # The connector over UCX's own transport choice (CMA on one host): faster under CPU
     # contention, but a writer dying mid-read aborts the reader (see docs/architecture.md).
     "pdserve-cma": (functools.partial(_pdserve_writer, ucx_tls="all"), functools.partial(_pdserve_reader, ucx_tls="all")),
+    "pdserve-nixl": (functools.partial(_pdserve_writer, kv_transport="nixl"),
+                     functools.partial(_pdserve_reader, kv_transport="nixl")),
     "ucxx": (_ucxx_writer, _ucxx_reader),
     "ucxx-cma": (functools.partial(_ucxx_writer, tls="all"), functools.partial(_ucxx_reader, tls="all")),
     "nixl": (_nixl_writer, _nixl_reader),

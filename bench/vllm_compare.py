@@ -12,8 +12,13 @@ the same total of compute threads):
   (`--path-policy remote`: prefill engine, KV pull, decode engine, as vLLM's 1P1D).
 - `pdserve_vllm`: the same cluster with vLLM engines (`--engine vllm`), where the engine
   service's `vllm` backend can run here (`services.engine.registry.check_backend`); otherwise
-  reported under `absent` with the reason. A system that fails is reported under `absent` as
-  `failed: …` (the others' figures are kept) and the command exits 1.
+  reported under `absent` with the reason. vLLM's KV registered in place (zero-copy).
+- `pdserve_vllm_staging`: `pdserve_vllm` with `--kv-staging host`, the explicit fallback that
+  copies every block through a host mirror: the baseline of the zero-copy path.
+A system that fails is reported under `absent` as `failed: …` (the others' figures are kept)
+and the command exits 1. Both pdserve systems report `kv_bytes_registered` and
+`kv_mirror_bytes` (every engine rank's /metrics, summed: what the data plane registered, and the
+mirror's bytes, 0 when in place) and `kv_staging`.
 
 `--vllm-arg KEY=VALUE` goes to every vLLM engine of every system: the servers get it as the
 flag `--key-with-dashes VALUE` (`true` alone as `--key`, `false` as `--no-key`), pdserve's vLLM
@@ -62,10 +67,11 @@ from bench.thread_cpu import ThreadCpu
 from bench.workload import percentiles
 from services.local_cluster import free_port
 
-SYSTEMS = ("vllm_colocated", "vllm_pd_nixl", "pdserve", "pdserve_vllm")
+SYSTEMS = ("vllm_colocated", "vllm_pd_nixl", "pdserve", "pdserve_vllm", "pdserve_vllm_staging")
 METRICS = ("wall_s", "tok_s", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p99_ms", "threads")
 # Beside the issue's METRICS: the first inter-token gap (prefill -> decode hand-off) and the rest.
 EXTRA_METRICS = ("itl_first_p50_ms", "itl_first_p99_ms", "itl_rest_p99_ms")
+KV_METRICS = ("kv_bytes_registered", "kv_mirror_bytes")  # pdserve's systems only
 START_TIMEOUT_S = 1200.0  # ~26 s on a quiet 2-core machine; over 10 min at load average 20+
 
 
@@ -337,14 +343,53 @@ def pdserve_vllm_engine_available() -> str:
     return ""
 
 
-def run_pdserve(args: argparse.Namespace, wl: Workload, share: CpuShare, engine: str) -> dict[str, Any]:
+def run_pdserve(args: argparse.Namespace, wl: Workload, share: CpuShare, engine: str,
+                kv_staging: str = "none") -> dict[str, Any]:
     """pdserve 1P1D with `engine` (native | vllm) behind its scheduler (bench serve's cluster),
     every request on the remote path (prefill engine -> KV pull -> decode engine, as vLLM's
-    1P1D), driven over its OpenAI HTTP API by the same client as the vLLM systems."""
+    1P1D), driven over its OpenAI HTTP API by the same client as the vLLM systems; with the
+    KV bytes its engines registered (`engine_kv_bytes`)."""
     mode_args = argparse.Namespace(**{**vars(args), "engine": engine})
-    with started_cluster("pdserve" if engine == "native" else "pdserve_vllm", mode_args,
-                         num_prefill=1, scheduler_args=ALWAYS_REMOTE) as cluster:
-        return measure(cluster.http_url, wl, args.concurrency, share.total_threads)
+    name = "pdserve" if engine == "native" else "pdserve_vllm" + ("_staging" if kv_staging != "none" else "")
+    engine_args = ["--kv-staging", kv_staging] if kv_staging != "none" else []
+    with started_cluster(name, mode_args, num_prefill=1, scheduler_args=ALWAYS_REMOTE,
+                         engine_args=engine_args) as cluster:
+        out = measure(cluster.http_url, wl, args.concurrency, share.total_threads)
+        return {**out, **engine_kv_bytes(cluster), "kv_staging": kv_staging}
+
+
+KV_BYTES_METRICS = {"pdserve_engine_kv_bytes_registered": "kv_bytes_registered",
+                    "pdserve_engine_kv_mirror_bytes": "kv_mirror_bytes"}
+
+
+def engine_kv_bytes(cluster: Any) -> dict[str, int]:
+    """`kv_bytes_registered` and `kv_mirror_bytes`: the sums over every engine rank's /metrics
+    (rank r of an engine serves them on its metrics port + r). Raises RuntimeError when no rank
+    exports them: a figure the report claims must have been read."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sums = dict.fromkeys(KV_BYTES_METRICS.values(), 0.0)
+    found = 0
+    for name in cluster.engine_names:
+        base = cluster.components[name].metrics_port
+        for rank in range(engine_tp(cluster, name)):
+            url = f"http://127.0.0.1:{base + rank}/metrics"
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                text = resp.read().decode()
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name in KV_BYTES_METRICS:
+                        sums[KV_BYTES_METRICS[sample.name]] += sample.value
+                        found += 1
+    if not found:
+        raise RuntimeError("no engine rank exports pdserve_engine_kv_bytes_registered")
+    return {key: int(value) for key, value in sums.items()}
+
+
+def engine_tp(cluster: Any, name: str) -> int:
+    spec = cluster.spec
+    tp = spec.prefill_tp if name.startswith("prefill") else spec.decode_tp
+    return tp or spec.tp
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -353,6 +398,9 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.target:
         raise ValueError("--compare vllm starts its own systems; it takes no --target")
     server_flags(args.vllm_arg)  # a bad --vllm-arg fails here, before any system starts
+    unknown = sorted(set(args.systems.split(",")) - set(SYSTEMS))
+    if unknown:
+        raise ValueError(f"--systems: unknown {', '.join(unknown)} (known: {', '.join(SYSTEMS)})")
     from bench.serve import _vocab
 
     out = Path(args.out)
@@ -364,12 +412,13 @@ def run_compare(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {"systems": {}, "absent": {}, "workload": {k: getattr(args, k) for k in (
         "num_requests", "concurrency", "prompt_len", "output_len", "seed", "dtype")},
         "threads": {}}
-    no_vllm = vllm_available()
+    no_vllm, no_engine = vllm_available(), pdserve_vllm_engine_available()
     plans = [("vllm_colocated", no_vllm, colocated, lambda: run_vllm_colocated(args, wl, colocated, out / "logs")),
              ("vllm_pd_nixl", no_vllm, disaggregated, lambda: run_vllm_pd(args, wl, disaggregated, out / "logs")),
              ("pdserve", "", disaggregated, lambda: run_pdserve(args, wl, disaggregated, "native")),
-             ("pdserve_vllm", pdserve_vllm_engine_available(), disaggregated,
-              lambda: run_pdserve(args, wl, disaggregated, "vllm"))]
+             ("pdserve_vllm", no_engine, disaggregated, lambda: run_pdserve(args, wl, disaggregated, "vllm")),
+             ("pdserve_vllm_staging", no_engine, disaggregated,
+              lambda: run_pdserve(args, wl, disaggregated, "vllm", kv_staging="host"))]
     # SIGTERM (timeout, CI) unwinds like Ctrl-C, so every started server is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     report["baseline_first"] = getattr(args, "baseline_first", True)
@@ -406,22 +455,25 @@ def run_compare(args: argparse.Namespace) -> int:
     return 1 if report.get("failed") else 0
 
 
+RATIO_PAIRS = [(p, v) for p in ("pdserve", "pdserve_vllm") for v in ("vllm_colocated", "vllm_pd_nixl")] + [
+    ("pdserve_vllm", "pdserve_vllm_staging")]
+
+
 def ratios(systems: dict[str, dict[str, Any]]) -> dict[str, float]:
-    """Each pdserve system against each vLLM system measured: throughput (> 1: pdserve faster)
-    and TTFT p50 (< 1: pdserve's first token sooner)."""
+    """Each pdserve system against each vLLM system measured, and zero-copy against the staging
+    copy: throughput (> 1: the first faster), TTFT p50 and ITL p99 (< 1: the first sooner)."""
     out: dict[str, float] = {}
-    for p in ("pdserve", "pdserve_vllm"):
-        for v in ("vllm_colocated", "vllm_pd_nixl"):
-            if p in systems and v in systems:
-                if systems[v]["tok_s"]:
-                    out[f"{p}_over_{v}_tok_s_ratio"] = round(systems[p]["tok_s"] / systems[v]["tok_s"], 3)
-                if systems[v]["ttft_p50_ms"]:
-                    out[f"{p}_over_{v}_ttft_p50_ratio"] = round(systems[p]["ttft_p50_ms"] / systems[v]["ttft_p50_ms"], 3)
+    for p, v in RATIO_PAIRS:
+        if p not in systems or v not in systems:
+            continue
+        for key, name in (("tok_s", "tok_s"), ("ttft_p50_ms", "ttft_p50"), ("itl_p99_ms", "itl_p99")):
+            if systems[v].get(key):
+                out[f"{p}_over_{v}_{name}_ratio"] = round(systems[p][key] / systems[v][key], 3)
     return out
 
 
 def table(report: dict[str, Any]) -> str:
-    columns = METRICS + EXTRA_METRICS
+    columns = METRICS + EXTRA_METRICS + KV_METRICS
     head = f"{'system':<16}" + "".join(f"{m:>17}" for m in columns)
     rows = [f"{name:<16}" + "".join(f"{r.get(m, ''):>17}" for m in columns) for name, r in report["systems"].items()]
     absent = [f"{name:<16} absent: {why}" for name, why in report["absent"].items()]

@@ -3,8 +3,11 @@
 The decode rank (reader) reads the prefill rank's (writer's) blocks itself: every piece of a
 pull (`transport.pieces`: one per coalesced run of whole blocks, or one per block of a head
 range when the TP sizes differ) becomes one row of a NIXL descriptor list, and the whole list
-moves as one READ posted from C over NIXL's UCX backend (CMA on one host, RDMA across hosts).
-The writer does no per-piece work: it validates the pull and waits for the reader's `done`.
+moves as one READ posted from C over NIXL's UCX backend (CMA or cuda_ipc on one host, RDMA
+across hosts; over TCP, where UCX has no one-sided read, the writer's own UCX worker answers,
+so the writer progresses its agent while it serves). Host regions are NIXL DRAM, GPU regions
+VRAM with their device id (`NixlMemory`). The writer does no per-piece work: it validates the
+pull and waits for the reader's `done`.
 The reader describes each region to NIXL once (`prep_xfer_dlist` of a `strided_list`: one per
 head range and side, made on its first READ, a peer's released when it is removed) and builds
 each READ with `make_prepped_xfer` from block indices (`block_indices`), so the per-READ setup
@@ -17,7 +20,8 @@ validation, refusal, renewal and release are the tag transport's, message for me
   (epoch, lease, every block pinned for the request, range) and answers `go` {x} instead of
   sending DATA, or `refuse` {x, why} as before. The blocks stay pinned from `go` until the
   reader's `done` (or the serve timeout).
-- Read ahead of `go`: the reader posts the READ right after sending `pull`, not after `go`, so
+- Read ahead of `go` (host-memory writers; a GPU writer's READ waits for `go`, which follows
+  its compute fence): the reader posts the READ right after sending `pull`, not after `go`, so
   the writer's wake-up and validation overlap the copy. The bytes count only when BOTH the READ
   is DONE and `go` arrived: `go` means the lease was live and every block pinned for the
   request at validation, and a pin, once dropped, never comes back for the same request (a
@@ -40,6 +44,7 @@ Why NIXL, and what it measured: docs/decisions/0009-nixl-rma-transport.md.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import logging
 import os
@@ -70,8 +75,6 @@ class NixlUnavailable(RuntimeError):
 def nixl_importable() -> bool:
     """Whether NIXL is installed, without loading it (its bundled native libraries are loaded
     only where an agent is made: loading them beside grpc_tools' protoc crashed a test run)."""
-    import importlib.util
-
     return any(importlib.util.find_spec(name) is not None for name in ("nixl_cu12", "nixl"))
 
 
@@ -92,20 +95,66 @@ def _nixl_api() -> Any:
     return api
 
 
+@dataclass(frozen=True, slots=True)
+class NixlMemory:
+    """Where a region lies, as NIXL names it: `mem_type` "DRAM" (host) or "VRAM" (a GPU, device
+    id `device`, the CUDA ordinal), from `base` for `nbytes`."""
+
+    mem_type: str
+    device: int
+    base: int
+    nbytes: int
+
+    @classmethod
+    def of(cls, region: Any) -> NixlMemory:
+        """A flat uint8 host array (DRAM, device 0) or CUDA array (VRAM on its tensor's device;
+        anything with `__cuda_array_interface__` and a `device` with an `index`)."""
+        nbytes = region_nbytes(region)
+        if not is_device_region(region):
+            return cls("DRAM", 0, int(region.ctypes.data), nbytes)
+        index = getattr(getattr(region, "device", None), "index", None)
+        if not isinstance(index, int) or index < 0:
+            raise ValueError("a GPU KV region must say its CUDA device (a torch CUDA tensor)")
+        return cls("VRAM", index, int(region.__cuda_array_interface__["data"][0]), nbytes)
+
+
+def vram_problem(package: str, torch_cuda: str | None, mem_types: list[str], ucx_modules: list[str]) -> str | None:
+    """Why this NIXL build cannot move GPU KV, or None: `package` the NIXL module imported
+    (nixl_cu12...), `torch_cuda` the CUDA torch was built for (`torch.version.cuda`),
+    `mem_types` its UCX backend's memory types, `ucx_modules` the UCX transport libraries
+    it bundles (libuct_cuda...; empty: not known, not checked)."""
+    if not any(t.startswith("VRAM") for t in mem_types):
+        return (f"--kv-transport nixl: this NIXL build ({package}) registers no GPU memory (its UCX backend offers "
+                f"{', '.join(mem_types) or 'nothing'}); install the NIXL wheel of your CUDA (nixl-cu12 / nixl-cu13), "
+                "use --kv-transport ucx-tag, or --kv-staging host")
+    if ucx_modules and not any("uct_cuda" in m for m in ucx_modules):
+        return (f"--kv-transport nixl: this NIXL build ({package}) bundles a UCX without CUDA transports "
+                f"({', '.join(sorted(ucx_modules))}); install the NIXL wheel of your CUDA, use --kv-transport "
+                "ucx-tag, or --kv-staging host")
+    built_for = package.rpartition("_cu")[2] if "_cu" in package else None
+    if built_for and torch_cuda and torch_cuda.split(".")[0] != built_for:
+        return (f"--kv-transport nixl: NIXL is built for CUDA {built_for} ({package}), torch for CUDA {torch_cuda}; "
+                f"install nixl-cu{torch_cuda.split('.')[0]}")
+    return None
+
+
 def descriptor_rows(segments: tuple[Segment, ...], geometry: HeadGeometry, base: int, *,
-                    remote: bool) -> np.ndarray:
-    """The NIXL descriptor list (Nx3 uint64: address, length, device 0) of `segments` on one side:
-    the writer's (`remote=True`, its region at `base`) or the reader's. Rows are `pieces` in wire
-    order, so row i of the reader's list receives row i of the writer's."""
-    rows = [(base + offset, length, 0) for seg in segments for offset, length in pieces(seg, geometry, remote=remote)]
+                    remote: bool, device: int = 0) -> np.ndarray:
+    """The NIXL descriptor list (Nx3 uint64: address, length, device id) of `segments` on one
+    side: the writer's (`remote=True`, its region at `base`) or the reader's. Rows are `pieces`
+    in wire order, so row i of the reader's list receives row i of the writer's. `device`: the
+    region's CUDA device (0 for host memory)."""
+    rows = [(base + offset, length, device) for seg in segments
+            for offset, length in pieces(seg, geometry, remote=remote)]
     return np.array(rows, dtype=np.uint64).reshape(-1, 3)
 
 
-def strided_list(base: int, geometry: HeadGeometry, num_blocks: int, head: int, num_heads: int) -> np.ndarray:
+def strided_list(base: int, geometry: HeadGeometry, num_blocks: int, head: int, num_heads: int,
+                 device: int = 0) -> np.ndarray:
     """A prepared descriptor list of a region, in NIXL's compressed form (one Nx5 row: address,
-    length, device 0, stride, count): descriptor i is heads [head, head + num_heads) of block i
+    length, device id, stride, count): descriptor i is heads [head, head + num_heads) of block i
     of the region at `base` (whole blocks when the range is all of a block's heads)."""
-    return np.array([[base + head * geometry.head_nbytes, num_heads * geometry.head_nbytes, 0,
+    return np.array([[base + head * geometry.head_nbytes, num_heads * geometry.head_nbytes, device,
                       geometry.block_nbytes, num_blocks]], dtype=np.uint64)
 
 
@@ -147,11 +196,14 @@ class NixlAddress:
     base: int
     nbytes: int
     geometry: HeadGeometry
+    mem_type: str = "DRAM"  # "VRAM": the region is on GPU `device`
+    device: int = 0
 
     def encode(self) -> bytes:
         return bytes(msgpack.packb({"ucx": self.ucx, "nixl": self.agent_metadata, "base": self.base,
                                     "nbytes": self.nbytes, "heads": self.geometry.num_local_heads,
-                                    "head_nbytes": self.geometry.head_nbytes}, use_bin_type=True))
+                                    "head_nbytes": self.geometry.head_nbytes, "mem": self.mem_type,
+                                    "dev": self.device}, use_bin_type=True))
 
     @classmethod
     def decode(cls, data: bytes) -> NixlAddress:
@@ -161,15 +213,16 @@ class NixlAddress:
         try:
             raw = msgpack.unpackb(data, raw=False)
             ucx, meta = raw["ucx"], raw["nixl"]
-            ints = [raw[k] for k in ("base", "nbytes", "heads", "head_nbytes")]
+            ints = [raw[k] for k in ("base", "nbytes", "heads", "head_nbytes")] + [raw.get("dev", 0)]
+            mem_type = raw.get("mem", "DRAM")
         except Exception as e:
             raise ValueError(f"not a nixl transport address ({type(e).__name__}: {e}); is the peer on "
                              "--kv-transport ucx-tag?") from None
-        if not (isinstance(ucx, bytes) and isinstance(meta, bytes)
+        if not (isinstance(ucx, bytes) and isinstance(meta, bytes) and mem_type in ("DRAM", "VRAM")
                 and all(isinstance(v, int) and v >= 0 for v in ints)):
             raise ValueError("malformed nixl transport address")
-        base, nbytes, heads, head_nbytes = ints
-        return cls(ucx, meta, base, nbytes, HeadGeometry(heads, head_nbytes))
+        base, nbytes, heads, head_nbytes, device = ints
+        return cls(ucx, meta, base, nbytes, HeadGeometry(heads, head_nbytes), mem_type, device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,16 +239,16 @@ class _PeerRegion:
 
 
 class NixlTransport(UcxTagTransport):
-    """See the module docstring. Host-memory regions only (a GPU region raises ValueError; NIXL
-    itself reads VRAM, not wired up here). Every NIXL call runs on the progress thread, apart
-    from the agent's creation and the region's registration here."""
+    """See the module docstring. A host region is registered as NIXL DRAM, a GPU region (a CUDA
+    tensor) as VRAM with its device id; a NIXL build that cannot move GPU memory refuses a GPU
+    region at start with the reason (`vram_problem`). Every NIXL call runs on the progress
+    thread, apart from the agent's creation and the region's registration here."""
 
     def __init__(self, region: Any, block_nbytes: int, local_key: PeerKey, *,
                  ucx_config: dict[str, str] | None = None, serve_timeout_s: float = 30.0, name: str = "nixl",
                  geometry: HeadGeometry | None = None) -> None:
         api = _nixl_api()
-        if is_device_region(region):
-            raise ValueError("--kv-transport nixl: GPU KV regions are not supported yet; use ucx-tag")
+        memory = NixlMemory.of(region)
         super().__init__(region, block_nbytes, local_key, ucx_config=ucx_config, serve_timeout_s=serve_timeout_s,
                          name=name, geometry=geometry)
         if geometry is None:
@@ -207,11 +260,18 @@ class NixlTransport(UcxTagTransport):
         # Error handling off, as the tag transport: a dead writer surfaces as a failed / refused
         # READ (NIXL's UCX reports it; the reader process survives, checked in tests).
         self._agent.create_backend("UCX", {"ucx_error_handling_mode": "none"})
-        self._base = int(region.ctypes.data)
-        self._nbytes = region_nbytes(region)
-        self._reg = self._agent.register_memory([(self._base, self._nbytes, 0, "")], "DRAM")
+        if memory.mem_type == "VRAM":
+            problem = vram_problem(api.__name__.split(".")[0], _torch_cuda(), self._agent.get_backend_mem_types("UCX"),
+                                   _bundled_ucx_modules(api))
+            if problem is not None:
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+                raise RuntimeError(problem)
+        self._memory = memory
+        self._base, self._nbytes = memory.base, memory.nbytes
+        self._reg = self._agent.register_memory([(memory.base, memory.nbytes, memory.device, "")], memory.mem_type)
         self._blob = NixlAddress(self._address, self._agent.get_agent_metadata(), self._base, self._nbytes,
-                                 self._geometry).encode()
+                                 self._geometry, memory.mem_type, memory.device).encode()
         self._regions: dict[PeerKey, _PeerRegion] = {}
         self._reads: dict[int, Any] = {}  # xfer id -> live NIXL transfer handle
         self._cancelled: list[Any] = []  # handles NIXL could not release yet (retried)
@@ -220,6 +280,9 @@ class NixlTransport(UcxTagTransport):
         self._local_lists: dict[tuple[int, int], Any] = {}  # this region's prepared lists by head range
         # Lists (and agents) of removed peers, released once no uncancelled READ may use them.
         self._retired: list[tuple[list[Any], str | None]] = []
+
+    def _register_region(self, region: Any, ucx_config: dict[str, str]) -> None:
+        return None  # NIXL registers the region (its own UCX); the tag context carries control only
 
     @property
     def prepared_lists(self) -> int:
@@ -251,8 +314,16 @@ class NixlTransport(UcxTagTransport):
     def _ctrl_handlers(self) -> dict[str, Callable[[dict[str, Any]], None]]:
         return {**super()._ctrl_handlers(), "go": self._on_go_msg}
 
+    def _must_poll(self) -> bool:
+        return bool(self._serves)
+
     def _reap(self) -> bool:
         busy = super()._reap()
+        if self._serves:
+            # Serving: over TCP (no one-sided RMA) a reader's READ is answered by this agent's
+            # own UCX worker, which nothing else progresses (no NIXL progress thread: it spins
+            # a core while idle). Fetching notifications progresses it.
+            self._agent.get_new_notifs()
         if self._cancelled:
             self._cancelled = [h for h in self._cancelled if not _release(h)]
         self._release_retired()
@@ -334,7 +405,10 @@ class NixlTransport(UcxTagTransport):
     def _do_pull(self, op: PullOp) -> None:
         super()._do_pull(op)  # validates locally, lays out the pieces, sends `pull`
         pull = self._pulls.get(op.xfer_id)
-        if pull is not None and not pull.finished:
+        region = self._regions.get(op.peer)
+        # A GPU writer's blocks may still be written by compute queued before the descriptor
+        # left (its fence is waited on before `go`): read them only after `go`.
+        if pull is not None and not pull.finished and (region is None or region.address.mem_type != "VRAM"):
             self._post_read(pull)
 
     def _on_go_msg(self, message: dict[str, Any]) -> None:
@@ -342,7 +416,10 @@ class NixlTransport(UcxTagTransport):
         pull = self._pulls.get(xfer_id)
         if pull is None or pull.finished:
             return
-        if xfer_id in self._read_done:
+        if xfer_id not in self._reads and xfer_id not in self._read_done:  # a GPU writer: read now
+            self._accepted.add(xfer_id)
+            self._post_read(pull)
+        elif xfer_id in self._read_done:
             self._complete(pull)
         else:
             self._accepted.add(xfer_id)
@@ -389,23 +466,25 @@ class NixlTransport(UcxTagTransport):
         segments read different head ranges (no pairing of engines does this), from one-off
         descriptor lists."""
         span = head_span(segments)
-        peer = region.address
+        peer, mine = region.address, self._memory
         if span is None:
-            local = descriptor_rows(segments, self._geometry, self._base, remote=False)
-            remote = descriptor_rows(segments, peer.geometry, peer.base, remote=True)
-            return self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(local, "DRAM"),
-                                               self._agent.get_xfer_descs(remote, "DRAM"), region.agent)
+            local = descriptor_rows(segments, self._geometry, self._base, remote=False, device=mine.device)
+            remote = descriptor_rows(segments, peer.geometry, peer.base, remote=True, device=peer.device)
+            return self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(local, mine.mem_type),
+                                               self._agent.get_xfer_descs(remote, peer.mem_type), region.agent)
         remote_head, local_head, num_heads = span
         remote_range = (remote_head, num_heads or peer.geometry.num_local_heads)
         local_range = (local_head, num_heads or self._geometry.num_local_heads)
         remote_list = region.lists.get(remote_range)
         if remote_list is None:
             remote_list = region.lists[remote_range] = self._agent.prep_xfer_dlist(
-                region.agent, strided_list(peer.base, peer.geometry, region.num_blocks, *remote_range), "DRAM")
+                region.agent, strided_list(peer.base, peer.geometry, region.num_blocks, *remote_range, peer.device),
+                peer.mem_type)
         local_list = self._local_lists.get(local_range)
         if local_list is None:
             local_list = self._local_lists[local_range] = self._agent.prep_xfer_dlist(
-                "NIXL_INIT_AGENT", strided_list(self._base, self._geometry, self._num_blocks, *local_range), "DRAM")
+                "NIXL_INIT_AGENT", strided_list(self._base, self._geometry, self._num_blocks, *local_range,
+                                                mine.device), mine.mem_type)
         return self._agent.make_prepped_xfer("READ", local_list, block_indices(segments, remote=False),
                                              remote_list, block_indices(segments, remote=True))
 
@@ -433,6 +512,28 @@ class NixlTransport(UcxTagTransport):
         self._serves[(request.reader, request.xfer_id)] = _Serve(request.request_id, request.reader, 0,
                                                                  time.monotonic() + self._serve_timeout_s)
         self._send_ctrl(ep, {"k": "go", "x": request.xfer_id})
+
+
+def _torch_cuda() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.version.cuda
+
+
+def _bundled_ucx_modules(api: Any) -> list[str]:
+    """The UCX transport libraries the NIXL wheel bundles (`<package>.libs/ucx/libuct_*.so*`;
+    empty where it bundles none, e.g. a NIXL built against the system's UCX)."""
+    package = api.__name__.split(".")[0]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    libs = os.path.join(os.path.dirname(next(iter(spec.submodule_search_locations))), f"{package}.libs", "ucx")
+    try:
+        return sorted(n for n in os.listdir(libs) if n.startswith("libuct_") and ".so" in n)
+    except OSError:
+        return []
 
 
 def _release(handle: Any) -> bool:

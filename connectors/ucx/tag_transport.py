@@ -22,6 +22,7 @@ Peer death is not signalled by UCX here (error handling is off); pulls end by ti
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -122,7 +123,8 @@ class UcxTagTransport(KVTransport):
 
     def __init__(self, region: Any, block_nbytes: int, local_key: PeerKey, *,
                  ucx_config: dict[str, str] | None = None, serve_timeout_s: float = 30.0, name: str = "ucx",
-                 geometry: HeadGeometry | None = None, addressing: BlockAddressing | None = None) -> None:
+                 geometry: HeadGeometry | None = None, addressing: BlockAddressing | None = None,
+                 num_blocks: int | None = None) -> None:
         import ucxx._lib.libucxx as ucx_api
         from ucxx._lib.arr import Array
 
@@ -133,14 +135,17 @@ class UcxTagTransport(KVTransport):
         self._api = ucx_api
         self._array = Array
         self._region = region
-        self._num_blocks = addressing.num_blocks if addressing is not None else nbytes // block_nbytes
+        # `num_blocks`: the blocks peers address when the region is a staging pool of fewer slots
+        # (the listener's `source_segments` maps a served request's blocks to their slots).
+        self._num_blocks = (addressing.num_blocks if addressing is not None
+                            else num_blocks if num_blocks is not None else nbytes // block_nbytes)
         self._block_nbytes = block_nbytes
         if geometry is not None and geometry.block_nbytes != block_nbytes:
             raise ValueError(f"geometry {geometry} does not make blocks of {block_nbytes} bytes")
         self._geometry = geometry or HeadGeometry(1, 0)
         self._ctx = ucx_api.UCXContext(config_dict=dict(ucx_config or {}),
                                        feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
-        self._registration = _register_device_region(self._ctx, region, ucx_config or {})
+        self._registration = self._register_region(region, ucx_config or {})
         self._worker = ucx_api.UCXWorker(self._ctx)
         self._worker.init_blocking_progress_mode()
         self._address = bytes(self._worker.address.tobytes())
@@ -263,7 +268,8 @@ class UcxTagTransport(KVTransport):
             # us, so while requests are pending keep polling (yielding the CPU) for a while
             # after the last progress; sleep on UCX's event fd only when nothing moves.
             now = time.monotonic()
-            if ((self._pending or self._lanes or self._pulls) and now - last_busy < _PENDING_SPIN_S) or now < self._expect_until:
+            if self._must_poll() or ((self._pending or self._lanes or self._pulls) and now - last_busy < _PENDING_SPIN_S) \
+                    or now < self._expect_until:
                 os.sched_yield()
                 continue
             if idle_rounds <= _SPIN_ROUNDS:
@@ -277,6 +283,16 @@ class UcxTagTransport(KVTransport):
                 except (BlockingIOError, InterruptedError):
                     pass
         self._fail_all("shutdown")
+
+    def _register_region(self, region: Any, ucx_config: dict[str, str]) -> MemoryRegistration | None:
+        """Registers the region with this transport's UCX context (a subclass that moves the
+        bytes through another library registers it there instead)."""
+        return _register_device_region(self._ctx, region, ucx_config)
+
+    def _must_poll(self) -> bool:
+        """Whether work is under way that no UCX event of this worker announces (a subclass's
+        other progress engine): the loop then polls without sleeping."""
+        return False
 
     def _run_commands(self) -> bool:
         ran = False
@@ -564,6 +580,13 @@ class UcxTagTransport(KVTransport):
         if why is not None:
             self._send_ctrl(ep, {"k": "refuse", "x": request.xfer_id, "why": why})
             return
+        source = getattr(self._listener, "source_segments", None)
+        if source is not None:
+            segments = source(request)
+            if segments is None:  # unpinned since it was accepted
+                self._send_ctrl(ep, {"k": "refuse", "x": request.xfer_id, "why": "unknown_request"})
+                return
+            request = dataclasses.replace(request, segments=segments)
         self._accept_pull(ep, request)
 
     def _accept_pull(self, ep: Any, request: PullRequest) -> None:

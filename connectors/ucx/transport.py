@@ -153,6 +153,11 @@ class TransportListener(Protocol):
     def on_pull_finished(self, result: PullResult) -> None:
         """Reader side: a `PullOp` ended."""
 
+    # Optional, writer side: `source_segments(request) -> tuple[Segment, ...] | None`, called
+    # after `on_pull_request` accepted: where the request's blocks lie in the registered region
+    # when that is not the blocks' own place (a host staging pool); None refuses the pull
+    # (`unknown_request`: unpinned in between).
+
 
 class KVTransport(ABC):
     """Moves KV block runs between ranks' registered regions."""

@@ -30,6 +30,7 @@ Contracts:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -83,8 +84,10 @@ class UcxConnectorConfig:
     """Data-plane settings (EngineConfig carries the same names).
 
     `ucx_tls` empty means UCX_TLS from the environment if set, else `DEFAULT_UCX_TLS`.
-    `kv_staging` "host" moves GPU KV through a pinned host mirror (connectors/ucx/host_staging.py)
-    instead of UCX's CUDA transports; "none" registers the GPU tensor itself.
+    `kv_staging` "host" moves KV through a bounded pool of host block slots (pinned for GPU KV,
+    connectors/ucx/host_staging.py) instead of the KV tensor itself; "none" registers the
+    tensor itself. `kv_staging_blocks`: the pool's slots (0: the transfer window,
+    `max_inflight_transfers` x 16 blocks, at most the cache).
     `kv_transport` "ucx-tag" (`UcxTagTransport`: the writer sends tagged messages) or "nixl"
     (`NixlTransport`: the reader posts one NIXL READ per pull; needs nixl-cu12).
     `expected_transports` (e.g. "rdma"): a pull over a slower UCX transport is a fallback,
@@ -97,6 +100,7 @@ class UcxConnectorConfig:
     ucx_tls: str = ""
     ucx_net_devices: str = ""
     kv_staging: str = "none"
+    kv_staging_blocks: int = 0
     kv_transport: str = DEFAULT_KV_TRANSPORT
     expected_transports: str = ""
 
@@ -109,6 +113,11 @@ class UcxConnectorConfig:
             raise ValueError("max_inflight_transfers: must be >= 1")
         if self.kv_staging not in ("none", "host"):
             raise ValueError(f"kv_staging: must be none or host, got {self.kv_staging!r}")
+        if self.kv_staging_blocks < 0:
+            raise ValueError(f"kv_staging_blocks: must be >= 0 (0: the transfer window), got {self.kv_staging_blocks}")
+        if self.kv_staging == "host" and self.kv_transport == "nixl":
+            raise ValueError("kv_staging host moves KV through a pool the writer fills per request, which a NIXL "
+                             "READ (addressed by the writer's KV blocks) cannot see: use --kv-transport ucx-tag")
         if self.kv_transport not in KV_TRANSPORTS:
             raise ValueError(f"kv_transport: must be one of {', '.join(KV_TRANSPORTS)}, got {self.kv_transport!r}")
         TransportExpectation.parse(self.expected_transports)
@@ -130,7 +139,6 @@ class _Results:
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     failed_recving: set[str] = field(default_factory=set)
-    staging_in: dict[str, tuple[int, ...]] = field(default_factory=dict)  # pulled, not yet copied to the GPU
 
 
 @dataclass(slots=True)
@@ -222,6 +230,7 @@ class _Recv:
     num_bytes: int = 0
     seconds: float = 0.0
     bytes_by_transport: dict[str, int] = field(default_factory=dict)
+    copying: list[Any] = field(default_factory=list)  # host staging: copies into the KV tensor under way
 
 
 class ReadyFence(Protocol):
@@ -238,6 +247,8 @@ class _Lease:
     readers_left: int
     active: int = 0
     ready: ReadyFence | None = None  # waited on before the first byte is served
+    slots: dict[int, int] | None = None  # host staging: block id -> its slot in the pool
+    staged: Any = None  # host staging: the Future of the copy into the slots
 
 
 class UcxWorkerConnector(WorkerConnector):
@@ -271,6 +282,7 @@ class UcxWorkerConnector(WorkerConnector):
         self._stats = UcxTransferStats()
         self._last_renew = time.monotonic()
         self._staging: Any = None  # HostStaging when config.kv_staging == "host"
+        self._op_slots: dict[int, tuple[Any, tuple[int, ...]]] = {}  # staging: xfer id -> (slot run, KV ids)
         self._expected = TransportExpectation.parse(self.config.expected_transports)
         self._peer_transports: dict[PeerKey, str] = {}  # the transport of the last pull from each writer
         self._warned_fallbacks: set[PeerKey] = set()
@@ -293,12 +305,16 @@ class UcxWorkerConnector(WorkerConnector):
         if self._transport is not None:
             raise RuntimeError("KV caches are already registered")
         tensor = kv_cache if isinstance(kv_cache, KVRegion) else _single_tensor(kv_cache)
-        if self.config.kv_staging == "host" and not isinstance(tensor, KVRegion):
-            from connectors.ucx.host_staging import HostStaging
-
-            self._staging = HostStaging(tensor)
-            tensor = self._staging.mirror
+        if not isinstance(tensor, KVRegion) and not hasattr(tensor, "is_contiguous") and self.config.kv_staging != "host":
+            raise ValueError("a KV block source (not a tensor) is registered through host staging only")
         region, layout = self._describe_in_place(tensor) if isinstance(tensor, KVRegion) else self._describe(tensor)
+        if self.config.kv_staging == "host" and not isinstance(tensor, KVRegion):
+            from connectors.ucx.host_staging import HostStaging, default_pool_blocks
+
+            num_slots = self.config.kv_staging_blocks or default_pool_blocks(layout.num_blocks,
+                                                                             self.config.max_inflight_transfers)
+            self._staging = HostStaging(tensor, min(num_slots, layout.num_blocks))
+            region = _host_region(self._staging.slots)  # UCX sees the pool, the handshake the cache
         if transport is None:
             transport = self._make_transport(region, layout, tensor.layout if isinstance(tensor, KVRegion) else None)
         self._metadata = UcxHandshakeMetadata(self.key.engine_id, self.key.epoch, self.key.tp_rank, self.tp_size,
@@ -319,6 +335,14 @@ class UcxWorkerConnector(WorkerConnector):
         mirror = registered if self._staging is not None else 0
         return registered, mirror
 
+    def staging_slots(self) -> tuple[int, int, int] | None:
+        """Host staging: (slots in use, slots in the pool, most in use at once); None without staging."""
+        if self._staging is None:
+            return None
+        with self._lock:
+            pool = self._staging.pool
+            return pool.num_used, pool.num_slots, pool.peak_used
+
     def _make_transport(self, region: Any, layout: KVRegionLayout, addressing: BlockAddressing | None = None
                         ) -> KVTransport:
         """The configured transport (`kv_transport`); NixlUnavailable when nixl is asked for and
@@ -337,7 +361,7 @@ class UcxWorkerConnector(WorkerConnector):
 
         return UcxTagTransport(region, layout.block_nbytes, self.key, ucx_config=self.config.ucx_options(),
                                serve_timeout_s=self.config.lease_s, name=name, geometry=geometry,
-                               addressing=addressing)
+                               addressing=addressing, num_blocks=layout.num_blocks if self._staging else None)
 
     def _describe_in_place(self, kv: KVRegion) -> tuple[Any, KVRegionLayout]:
         """A `KVRegion`: its whole allocation is the region UCX moves (zero copy) and its
@@ -358,8 +382,10 @@ class UcxWorkerConnector(WorkerConnector):
 
     def _describe(self, tensor: Any) -> tuple[Any, KVRegionLayout]:
         """The region UCX moves (a flat uint8 view: numpy for host memory, the CUDA tensor
-        itself for GPU memory) and its layout for the handshake."""
-        if tensor.dim() != 6 or not tensor.is_contiguous() or tensor.device.type not in ("cpu", "cuda"):
+        itself for GPU memory; None for a staged block source, whose pool is the region) and
+        its layout for the handshake."""
+        source = not hasattr(tensor, "is_contiguous")  # a host_staging.BlockSource
+        if len(tensor.shape) != 6 or not (source or tensor.is_contiguous()) or tensor.device.type not in ("cpu", "cuda"):
             raise ValueError("kv_cache must be a contiguous CPU or CUDA tensor [blocks, heads, layers, 2, block_size, "
                              f"head_dim], got shape {tuple(tensor.shape)} on {tensor.device}")
         num_blocks, heads, num_layers, two, block_size, head_dim = (int(d) for d in tensor.shape)
@@ -367,8 +393,8 @@ class UcxWorkerConnector(WorkerConnector):
         per_rank = head_end - head_start
         if two != 2 or heads != per_rank:
             raise ValueError(f"kv_cache dims 1 and 3 must be {per_rank} (heads of this rank) and 2, got {heads}, {two}")
-        region = _cuda_region(tensor) if tensor.device.type == "cuda" else _host_region(tensor)
-        nbytes = tensor.numel() * tensor.element_size()
+        region = None if source else _cuda_region(tensor) if tensor.device.type == "cuda" else _host_region(tensor)
+        nbytes = num_blocks * heads * num_layers * two * block_size * head_dim * _element_size(tensor.dtype)
         layout = KVRegionLayout(num_blocks=num_blocks, block_nbytes=nbytes // num_blocks, num_layers=num_layers,
                                 block_size=block_size, head_dim=head_dim, num_kv_heads=self.num_kv_heads,
                                 head_start=head_start, head_end=head_end,
@@ -469,6 +495,11 @@ class UcxWorkerConnector(WorkerConnector):
                                     descriptor.request_id, self._segments(read, descriptor.tp_size, remote, local),
                                     self.config.transfer_timeout_s) for read in plan)
             recv.open = {op.xfer_id for op in recv.ops}
+            too_big = self._staging_problem(recv.ops)
+            if too_big is not None:
+                logger.error("cannot pull %s: %s", request_id, too_big)
+                self._fail_locked(recv, "staging_pool_too_small", set())
+                return
             self._recvs[request_id] = recv
             self._queued.extend((request_id, op) for op in recv.ops)
             self._dispatch_locked()
@@ -507,29 +538,83 @@ class UcxWorkerConnector(WorkerConnector):
         return tuple(Segment(s.remote_block, s.local_block, s.num_blocks, read.src_offset, read.dst_offset,
                              read.num_heads) for s in runs)
 
+    def _staging_problem(self, ops: tuple[PullOp, ...]) -> str | None:
+        """Why these ops can never be staged (an op larger than the whole pool), or None."""
+        if self._staging is None:
+            return None
+        pool = self._staging.pool
+        biggest = max((sum(s.num_blocks for s in op.segments) for op in ops), default=0)
+        if pool.fits(biggest):
+            return None
+        return (f"a pull of {biggest} blocks from one rank does not fit the KV staging pool of {pool.num_slots} "
+                "blocks (raise --kv-staging-blocks)")
+
     def _dispatch_locked(self) -> None:
         while self._queued and self._inflight < self.config.max_inflight_transfers and self._transport is not None:
-            request_id, op = self._queued.pop(0)
+            request_id, op = self._queued[0]
+            if self._staging is not None:
+                staged = self._stage_op_locked(op)
+                if staged is None:
+                    return  # back-pressure: the pool has no free run for it yet; a returning run dispatches
+                op = staged
+            self._queued.pop(0)
             self._inflight += 1
             self._by_xfer[op.xfer_id] = request_id
             self._transport.pull(op)
+
+    def _stage_op_locked(self, op: PullOp) -> PullOp | None:
+        """The op landing in a run of staging slots (each segment in consecutive slots), or None
+        while no run of its size is free."""
+        assert self._staging is not None
+        run = self._staging.pool.allocate(("pull", op.xfer_id), sum(s.num_blocks for s in op.segments))
+        if run is None:
+            return None
+        segments: list[Segment] = []
+        block_ids: list[int] = []
+        at = run.start
+        for seg in op.segments:
+            segments.append(dataclasses.replace(seg, local_block=at))
+            block_ids.extend(range(seg.local_block, seg.local_block + seg.num_blocks))
+            at += seg.num_blocks
+        self._op_slots[op.xfer_id] = (run, tuple(block_ids))
+        return dataclasses.replace(op, segments=tuple(segments))
+
+    def _free_slots_locked(self, owner: tuple[str, Any]) -> None:
+        if self._staging is not None and self._staging.pool.free(owner) is not None:
+            self._dispatch_locked()  # queued pulls may fit now
+
+    def _free_slots_later(self, owner: tuple[str, Any]) -> None:
+        """Frees `owner`'s slots once the copies queued so far ran (one may still use them)."""
+        def free() -> None:
+            with self._lock:
+                self._free_slots_locked(owner)
+
+        assert self._staging is not None
+        self._staging.later(free)
 
     def cancel(self, request_id: str) -> bool:
         """Decode: abandons a pull (no result is reported; late bytes are drained, not written).
         Prefill: unpins the request (later pulls are refused). True if the id was known."""
         with self._lock:
-            found = self._leases.pop(request_id, None) is not None
+            lease = self._leases.pop(request_id, None)
+            if lease is not None:
+                self._lease_ended_locked(request_id, lease)
             recv = self._recvs.pop(request_id, None)
             if recv is None:
-                return found
+                return lease is not None
             self._queued = [(rid, op) for rid, op in self._queued if rid != request_id]
             for op in recv.ops:
                 if self._by_xfer.pop(op.xfer_id, None) is not None:
                     self._inflight -= 1
                     if self._transport is not None:
-                        self._transport.abandon(op.xfer_id)
+                        self._transport.abandon(op.xfer_id)  # no late byte lands in its slots
+                    if self._op_slots.pop(op.xfer_id, None) is not None:
+                        self._free_slots_locked(("pull", op.xfer_id))
             self._dispatch_locked()
-            return True
+            copying = list(recv.copying)
+        for future in copying:  # host staging: no copy into the KV tensor outlives the cancel
+            future.exception()
+        return True
 
     def on_pull_finished(self, result: PullResult) -> None:
         """Transport callback (progress thread)."""
@@ -541,12 +626,40 @@ class UcxWorkerConnector(WorkerConnector):
             recv = self._recvs[request_id]
             op = next(o for o in recv.ops if o.xfer_id == result.xfer_id)
             self._note_transport_locked(recv, op, result)
+            staged = self._op_slots.pop(result.xfer_id, None)
+            if staged is not None:
+                if result.ok:  # the bytes are in the slots: copy them into the KV tensor first
+                    self._copy_in_locked(recv, op, result, *staged)
+                    self._dispatch_locked()
+                    return
+                self._free_slots_locked(("pull", result.xfer_id))
+                result = dataclasses.replace(result, done_segments=())  # slot ids: count nothing as received
             if result.ok:
                 self._op_ended_locked(recv, op, None, (), result.num_bytes, result.seconds)
             else:
                 self._op_ended_locked(recv, op, result.reason or "unknown", _block_ids(result.done_segments),
                                       result.num_bytes, result.seconds)
             self._dispatch_locked()
+
+    def _copy_in_locked(self, recv: _Recv, op: PullOp, result: PullResult, run: Any,
+                        block_ids: tuple[int, ...]) -> None:
+        """Host staging: slots -> KV blocks on the stager thread; the op ends once they are in."""
+        assert self._staging is not None
+        first = op.segments[0]
+        heads = (first.local_head, first.num_heads) if first.num_heads else None
+
+        def copied(error: BaseException | None) -> None:
+            with self._lock:
+                self._free_slots_locked(("pull", op.xfer_id))
+                if self._recvs.get(recv.request_id) is recv and op.xfer_id in recv.open:
+                    if error is not None:
+                        logger.error("copying pulled KV of %s out of the staging pool failed: %s", recv.request_id,
+                                     error)
+                    self._op_ended_locked(recv, op, None if error is None else "staging_error", (), result.num_bytes,
+                                          result.seconds)
+                self._dispatch_locked()
+
+        recv.copying.append(self._staging.copy_in(run, block_ids, heads, then=copied))
 
     def _note_transport_locked(self, recv: _Recv, op: PullOp, result: PullResult) -> None:
         """Records the transport a pull used; a fallback below `expected_transports` is counted
@@ -596,10 +709,7 @@ class UcxWorkerConnector(WorkerConnector):
             stats.durations.append(recv.seconds)
             self._stats.record("transfer_duration", recv.seconds)
             self._stats.record("bytes_transferred", recv.num_bytes)
-            if self._staging is not None:
-                self._results.staging_in[recv.request_id] = recv.local_block_ids  # copied in at the drain
-            else:
-                self._results.finished_recving.add(recv.request_id)
+            self._results.finished_recving.add(recv.request_id)
             self._changed.notify_all()
         else:
             self._fail_locked(recv, recv.reason, recv.received or set())
@@ -641,16 +751,58 @@ class UcxWorkerConnector(WorkerConnector):
                 self._results.finished_sending.add(request_id)
                 self._changed.notify_all()
                 return
-        if self._staging is not None:
-            self._staging.stage_out(ids)  # before any reader can ask for them
         with self._lock:
             if request_id in self._leases:
                 raise ValueError(f"request {request_id} is already pinned for sending")
-            self._leases[request_id] = _Lease(ids, time.monotonic() + lease, num_readers, ready=ready)
+            pinned = _Lease(ids, time.monotonic() + lease, num_readers, ready=ready)
+            if self._staging is not None:
+                self._stage_out_locked(request_id, pinned)
+            self._leases[request_id] = pinned
         if self._transport is not None:
             # The reader's pull usually follows within milliseconds: poll briefly for it
             # instead of paying a wake-up on a busy host.
             self._transport.expect_activity(_EXPECT_PULL_S)
+
+    def _stage_out_locked(self, request_id: str, lease: _Lease) -> None:
+        """Host staging: a run of slots for the request's blocks (ascending, so consecutive
+        blocks stay consecutive) and the copy into them, which the first reader waits for
+        (after the compute fence). ValueError, nothing changed, when the pool has no room."""
+        from connectors.ucx.host_staging import CopyFence
+
+        assert self._staging is not None
+        pool, ordered = self._staging.pool, sorted(lease.block_ids)
+        if not pool.fits(len(ordered)):
+            raise ValueError(f"request {request_id}: {len(ordered)} blocks do not fit the KV staging pool of "
+                             f"{pool.num_slots} blocks (raise --kv-staging-blocks)")
+        run = pool.allocate(("send", request_id), len(ordered))
+        if run is None:
+            raise ValueError(f"request {request_id}: the KV staging pool is full ({pool.num_used} of {pool.num_slots} "
+                             "blocks held by pinned prefills and pulls; raise --kv-staging-blocks)")
+        lease.slots = {b: run.start + i for i, b in enumerate(ordered)}
+        lease.staged = self._staging.copy_out(ordered, run, after=lease.ready)
+        lease.ready = CopyFence(lease.staged)
+
+    def _lease_ended_locked(self, request_id: str, lease: _Lease) -> None:
+        """A lease is gone: its staging slots return (after its copy, if still running)."""
+        if lease.slots is None:
+            return
+        if lease.staged is not None and not lease.staged.done():
+            self._free_slots_later(("send", request_id))
+        else:
+            self._free_slots_locked(("send", request_id))
+
+    def source_segments(self, request: PullRequest) -> tuple[Segment, ...] | None:
+        """Transport callback (writer, after `on_pull_request` accepted): with host staging the
+        request's blocks are served from their slots (None: the request was cancelled since,
+        its slots are gone), else from where they are."""
+        if self._staging is None:
+            return request.segments
+        with self._lock:
+            lease = self._leases.get(request.request_id)
+            slots = lease.slots if lease is not None else None
+        if slots is None:
+            return None
+        return tuple(dataclasses.replace(seg, remote_block=slots[seg.remote_block]) for seg in request.segments)
 
     def on_pull_request(self, request: PullRequest) -> str | None:
         """Transport callback: validates a reader's pull against our epoch and leases (after
@@ -701,6 +853,7 @@ class UcxWorkerConnector(WorkerConnector):
             lease.readers_left -= 1
             if lease.readers_left <= 0 and lease.active <= 0:
                 del self._leases[request_id]
+                self._lease_ended_locked(request_id, lease)
                 self._results.finished_sending.add(request_id)
                 self._changed.notify_all()
 
@@ -729,18 +882,14 @@ class UcxWorkerConnector(WorkerConnector):
         if transport is not None:
             for peer, rids in renew.items():
                 transport.renew(peer, rids)
-        self._stage_in(r)
+        self._record_staging()
         return TransferResults(frozenset(r.finished_sending), frozenset(r.finished_recving),
                                frozenset(r.failed_recving))
 
-    def _stage_in(self, r: _Results) -> None:
-        """Host staging: copies pulled blocks to the GPU (on the draining thread, off the UCX
-        progress thread) before their requests count as received."""
+    def _record_staging(self) -> None:
+        """Host staging: the copies' bytes and seconds since the last drain, as stats series."""
         if self._staging is None:
             return
-        for request_id, block_ids in r.staging_in.items():
-            self._staging.stage_in(block_ids)
-            r.finished_recving.add(request_id)
         staged = self._staging.take_stats()
         if not staged.num_copies:
             return
@@ -753,8 +902,7 @@ class UcxWorkerConnector(WorkerConnector):
         (True) or `timeout_s` passed (False). Lets a drain loop sleep instead of spinning."""
         with self._changed:
             return self._changed.wait_for(lambda: bool(self._results.finished_sending or self._results.finished_recving
-                                                       or self._results.failed_recving or self._results.staging_in),
-                                          timeout_s)
+                                                       or self._results.failed_recving), timeout_s)
 
     def take_failure_reasons(self) -> dict[str, str]:
         """Why each failed pull failed (request id -> reason, e.g. timeout, stale_epoch,
@@ -768,6 +916,7 @@ class UcxWorkerConnector(WorkerConnector):
         for rid, lease in list(self._leases.items()):
             if now >= lease.expires_at and lease.active <= 0:
                 del self._leases[rid]
+                self._lease_ended_locked(rid, lease)
                 self._results.finished_sending.add(rid)
                 logger.info("lease of %s expired before every reader was done", rid)
                 self._stats.lease_expiries += 1
@@ -828,6 +977,8 @@ class UcxWorkerConnector(WorkerConnector):
             transport, self._transport = self._transport, None
         if transport is not None:
             transport.shutdown()
+        if self._staging is not None:
+            self._staging.shutdown()
         with self._lock:  # whatever the transport did not end (queued, or not yet started)
             for request_id in list(self._recvs):
                 recv = self._recvs.pop(request_id)
@@ -845,6 +996,12 @@ class UcxWorkerConnector(WorkerConnector):
 def _block_ids(segments: tuple[Segment, ...]) -> set[int]:
     """The local block ids `segments` cover."""
     return {b for s in segments for b in range(s.local_block, s.local_block + s.num_blocks)}
+
+
+def _element_size(dtype: Any) -> int:
+    import torch
+
+    return int(torch.empty(0, dtype=dtype).element_size())
 
 
 def _host_region(tensor: Any) -> np.ndarray:

@@ -14,7 +14,8 @@ Defaults mean vLLM's own, so the defaults serve: `--dtype auto` is vLLM's auto (
 dtype where the platform supports it); an unset `--max-model-len` is vLLM's auto-fit (`-1`: the
 model's context if the KV budget holds one such sequence, else the longest that fits — on CPU the
 budget is `--kv-cache-memory`, 256 MiB by default, smaller than a float32 8k-token context of the
-demo model). On CUDA the KV budget is `--gpu-memory-fraction` of the device's memory when set,
+demo model). On CUDA the KV budget is `--gpu-memory-fraction` of the device's memory when set
+(also vLLM's `gpu_memory_utilization`, so engines sharing a GPU pass vLLM's free-memory check),
 else vLLM's `gpu_memory_utilization`; `--devices` becomes the workers' `CUDA_VISIBLE_DEVICES`.
 """
 
@@ -24,7 +25,7 @@ import dataclasses
 import logging
 import os
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,13 +121,29 @@ AUTO_FIT_MAX_MODEL_LEN = -1  # vLLM: the longest context the KV budget holds, up
 
 def kv_budget(s: VllmEngineSettings, *, cuda: bool, device_memory_bytes: int = 0) -> dict[str, Any]:
     """vLLM's KV-budget arguments: on CPU `kv_cache_memory_bytes` from --kv-cache-memory; on CUDA
-    the --gpu-memory-fraction share of the device's memory, or nothing (vLLM's
+    the --gpu-memory-fraction share of the device's memory (and the same share as vLLM's
+    `gpu_memory_utilization`, its start-up check of free memory), or nothing (vLLM's
     `gpu_memory_utilization`, which --vllm-arg may set) when the fraction is 0."""
     if not cuda:
         return {"kv_cache_memory_bytes": s.kv_cache_bytes}
     if s.gpu_memory_fraction > 0:
-        return {"kv_cache_memory_bytes": int(device_memory_bytes * s.gpu_memory_fraction)}
+        # vLLM sizes the KV by kv_cache_memory_bytes and still refuses to start unless
+        # gpu_memory_utilization of the GPU is free (0.92 by default): the second engine on a
+        # shared GPU (`pdserve up`'s placement) would never start. The KV share is what must be free.
+        return {"kv_cache_memory_bytes": int(device_memory_bytes * s.gpu_memory_fraction),
+                "gpu_memory_utilization": s.gpu_memory_fraction}
     return {}
+
+
+def executor_env(s: VllmEngineSettings, *, cuda: bool) -> dict[str, str]:
+    """vLLM environment for the engine's executor: on CPU at tp 1 the worker runs inside vLLM's
+    engine-core process ("uni" executor, `VLLM_ENABLE_V1_MULTIPROCESSING=0`) instead of a process
+    of its own. vLLM's CPU platform otherwise forces its multiprocessing executor, whose engine
+    core and worker each busy-wait (`sched_yield`) on their shared-memory queue between steps:
+    two spinning processes per engine beside the compute, which on a 2-core host running a
+    prefill and a decode engine took the cores the decode steps needed (decision 0021). The
+    environment wins when it sets the variable; tp > 1 and CUDA keep vLLM's choice."""
+    return {} if cuda or s.tp != 1 else {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def _cuda_memory_bytes() -> tuple[bool, int]:
@@ -138,6 +155,31 @@ def _cuda_memory_bytes() -> tuple[bool, int]:
     import torch
 
     return True, int(torch.cuda.get_device_properties(0).total_memory)
+
+
+def worker_environment(s: VllmEngineSettings, environ: Mapping[str, str]) -> dict[str, str]:
+    """What this process's environment gets before vLLM starts (its workers inherit it):
+    `PYTHONHASHSEED` (vLLM's NONE_HASH), `OMP_NUM_THREADS` from --torch-threads unless set, and
+    for --devices the workers' `CUDA_VISIBLE_DEVICES` — indices among the GPUs this process
+    sees, so an inherited `CUDA_VISIBLE_DEVICES` (a device plugin's "4,5", or GPU UUIDs) is
+    mapped through, never replaced. Raises ValueError for an index it does not hold."""
+    env = {"PYTHONHASHSEED": s.connector.hash_seed}
+    if s.torch_threads > 0 and "OMP_NUM_THREADS" not in environ:
+        env["OMP_NUM_THREADS"] = str(s.torch_threads)
+    if s.devices:
+        from engine.device import parse_devices
+
+        ids = parse_devices(s.devices)
+        inherited = environ.get("CUDA_VISIBLE_DEVICES")
+        if inherited is None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, ids))
+        else:
+            visible = [x.strip() for x in inherited.split(",") if x.strip()]
+            if any(i >= len(visible) for i in ids):
+                raise ValueError(f"--devices {s.devices}: this process sees {len(visible)} GPU(s) "
+                                 f"(CUDA_VISIBLE_DEVICES={inherited!r}); indices are among those")
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[i] for i in ids)
+    return env
 
 
 def engine_args(s: VllmEngineSettings, *, cuda: bool = False, device_memory_bytes: int = 0) -> AsyncEngineArgs:
@@ -203,17 +245,15 @@ class VllmEngine:
         self._external_tokens: dict[str, int] = {}  # vLLM's external request id -> connector-loaded tokens
 
     async def start(self) -> None:
-        if self.settings.devices:
-            # Before vLLM (or torch) first touches CUDA in this process: its workers inherit it.
-            os.environ["CUDA_VISIBLE_DEVICES"] = self.settings.devices
+        # Before vLLM (or torch) first touches CUDA in this process: its workers inherit it.
+        os.environ.update(worker_environment(self.settings, os.environ))
         cuda, device_memory = _cuda_memory_bytes()
         if not cuda and self.settings.block_size % CPU_BLOCK_MULTIPLE:
             raise ValueError(f"block_size {self.settings.block_size}: vLLM's CPU attention needs a multiple of "
                              f"{CPU_BLOCK_MULTIPLE}; run the whole cluster (scheduler and engines) with "
                              f"--block-size {CPU_BLOCK_MULTIPLE}")
-        os.environ["PYTHONHASHSEED"] = self.settings.connector.hash_seed  # vLLM's NONE_HASH, in its processes
-        if self.settings.torch_threads > 0:
-            os.environ.setdefault("OMP_NUM_THREADS", str(self.settings.torch_threads))
+        for name, value in executor_env(self.settings, cuda=cuda).items():
+            os.environ.setdefault(name, value)
         args = engine_args(self.settings, cuda=cuda, device_memory_bytes=device_memory)
         self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger(self.view)])
         _record_external_tokens(self.llm.output_processor, self._external_tokens)

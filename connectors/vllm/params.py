@@ -49,9 +49,11 @@ class PdserveConnectorConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_server_name: str = ""
-    # "none": vLLM's KV is registered in place; "host": a block-major mirror of it is (CPU only),
-    # copied in and out per transfer (the measured fallback, `pdserve_engine_kv_mirror_bytes`).
+    # "none": vLLM's KV is registered in place; "host": a bounded pool of block-major slots is
+    # (CPU only), blocks copied in and out per transfer (the measured fallback,
+    # `pdserve_engine_kv_mirror_bytes`); `kv_staging_blocks` its slots (0: the transfer window).
     kv_staging: str = "none"
+    kv_staging_blocks: int = 0
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> PdserveConnectorConfig:
@@ -78,6 +80,8 @@ class PdserveConnectorConfig:
             raise ValueError("PdserveConnector: max_inflight_transfers must be >= 1")
         if self.kv_staging not in ("none", "host"):
             raise ValueError(f"PdserveConnector: kv_staging must be none or host, got {self.kv_staging!r}")
+        if self.kv_staging_blocks < 0:
+            raise ValueError(f"PdserveConnector: kv_staging_blocks must be >= 0, got {self.kv_staging_blocks}")
 
 
 def descriptor_to_params(d: KVTransferDescriptor) -> dict[str, Any]:

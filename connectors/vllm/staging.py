@@ -1,29 +1,29 @@
-"""`KVStaging`: the `--kv-staging host` fallback — a block-major mirror of vLLM's per-layer KV
-tensors registered instead of them (by default vLLM's KV is registered in place: `kv_region.py`).
+"""`KVStaging`: the `--kv-staging host` fallback — vLLM's per-layer KV tensors as blocks of
+pdserve's block-major layout, copied through the data plane's bounded staging pool
+(`connectors/ucx/host_staging.py`) instead of being registered (by default vLLM's KV is
+registered in place: `kv_region.py`).
 
 vLLM's CPU attention keeps one tensor per layer, `[num_blocks, num_kv_heads, block_size,
 2 * head_size]`, where each head's block holds its K rows then its V rows (the backend views it
 as `[num_blocks, heads, 2 * block_size, head_size]` and chunks dim 2). A run of blocks is
 therefore one contiguous range *per layer* — 30 ranges for the demo model — which is what makes
 vLLM's own NIXL path send ~60 descriptors per request. pdserve's data plane moves one run as one
-message, so each rank registers a region in pdserve's layout instead, `[num_blocks, heads,
-num_layers, 2, block_size, head_dim]` ("NHL2BD", every block's KV for all layers contiguous,
-heads outermost inside a block, so a head range of a block is one piece for heterogeneous TP;
-a (head, layer) of a block is vLLM's `[2, block_size, head_size]` head block as it is, no
-transpose), indexed by vLLM's own block ids:
+message, so the pool's slots hold blocks in pdserve's layout instead, `[heads, num_layers, 2,
+block_size, head_dim]` per block ("NHL2BD", every block's KV for all layers contiguous, heads
+outermost inside a block, so a head range of a block is one piece for heterogeneous TP; a
+(head, layer) of a block is vLLM's `[2, block_size, head_size]` head block as it is, no
+transpose), addressed by vLLM's own block ids:
 
-- prefill: `gather(block_ids)` copies a finished prompt's blocks in, before they are pinned;
-- decode: pulls land in the region; `scatter(block_ids)` copies them out into vLLM's tensors
+- prefill: `read(block_ids)` gathers a finished prompt's blocks when they are pinned (into
+  the pool, on the stager thread);
+- decode: pulls land in the pool; `write(block_ids, ...)` scatters them into vLLM's tensors
   before vLLM is told they arrived.
 
-The price is one memcpy per block on each side and a second copy of the KV memory (reported as
-`pdserve_engine_kv_mirror_bytes`); the region is the layout the handshake describes
-(`NHL2BD/vllm-staging`).
+The price is one copy per block on each side and the pool's memory (reported as
+`pdserve_engine_kv_mirror_bytes`); the handshake describes the layout as NHL2BD.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 
@@ -33,7 +33,9 @@ LAYOUT = "NHL2BD"
 
 
 class KVStaging:
-    """See the module docstring. Not thread-safe: call it from the worker's step thread."""
+    """vLLM's KV as a `host_staging.BlockSource` (see the module docstring). `read` / `write`
+    run on the stager thread, on blocks vLLM does not touch meanwhile (pinned, or not yet
+    reported received)."""
 
     def __init__(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layers = unique_layer_views(kv_caches)
@@ -49,28 +51,31 @@ class KVStaging:
         num_blocks, heads, block_size, two_d = (int(d) for d in first.shape)
         self.layers = layers
         self.num_blocks, self.num_heads, self.block_size, self.head_dim = num_blocks, heads, block_size, two_d // 2
-        self.region = torch.empty((num_blocks, heads, len(layers), 2, block_size, self.head_dim), dtype=first.dtype)
+        self.shape = (num_blocks, heads, len(layers), 2, block_size, self.head_dim)
+        self.dtype = first.dtype
+        self.device = first.device
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def gather(self, block_ids: Sequence[int]) -> None:
-        """vLLM's tensors -> the region, for `block_ids`."""
-        if not block_ids:
-            return
-        idx = torch.tensor(list(block_ids), dtype=torch.long)
+    def read(self, block_ids: list[int]) -> torch.Tensor:
+        """vLLM's blocks `block_ids` as NHL2BD blocks `[n, heads, layers, 2, block_size, head_dim]`."""
+        idx = torch.tensor(block_ids, dtype=torch.long)
         n = len(block_ids)
+        out = torch.empty((n, *self.shape[1:]), dtype=self.dtype)
         for layer, t in enumerate(self.layers):
-            blocks = t.index_select(0, idx).view(n, self.num_heads, 2, self.block_size, self.head_dim)
-            self.region[idx, :, layer] = blocks
+            out[:, :, layer] = t.index_select(0, idx).view(n, self.num_heads, 2, self.block_size, self.head_dim)
+        return out
 
-    def scatter(self, block_ids: Sequence[int]) -> None:
-        """The region -> vLLM's tensors, for `block_ids`."""
-        if not block_ids:
-            return
-        idx = torch.tensor(list(block_ids), dtype=torch.long)
+    def write(self, block_ids: list[int], blocks: torch.Tensor, heads: slice = slice(None)) -> None:
+        """NHL2BD `blocks` -> vLLM's blocks `block_ids` (only local `heads` of them)."""
+        idx = torch.tensor(block_ids, dtype=torch.long)
         n = len(block_ids)
         for layer, t in enumerate(self.layers):
-            blocks = self.region[idx, :, layer].reshape(n, self.num_heads, self.block_size, 2 * self.head_dim)
-            t.index_copy_(0, idx, blocks)
+            if heads == slice(None):
+                t.index_copy_(0, idx, blocks[:, :, layer].reshape(n, self.num_heads, self.block_size,
+                                                                   2 * self.head_dim))
+            else:
+                part = blocks[:, heads, layer]
+                t[idx, heads] = part.reshape(n, part.shape[1], self.block_size, 2 * self.head_dim)

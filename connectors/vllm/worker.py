@@ -24,10 +24,11 @@ Per step (vLLM calls these on the worker's step thread):
   once its readers are done, its lease ran out, the pdserve scheduler released it, or it was
   cancelled.
 
-With `kv_staging="host"` (the explicit, measured fallback) the rank registers a block-major
-mirror instead (`staging.KVStaging`, CPU tensors only): finished prompts are gathered into it
-at `wait_for_save`, finished pulls scattered out of it before they are reported; its bytes show
-in `pdserve_engine_kv_mirror_bytes`.
+With `kv_staging="host"` (the explicit, measured fallback) the rank registers the data plane's
+bounded staging pool instead (`connectors/ucx/host_staging.py` over `staging.KVStaging`, CPU
+tensors only): a finished prompt's blocks are copied into block-major slots when pinned at
+`wait_for_save`, a pull's out of them into vLLM's tensors before it is reported, both on the
+stager thread; the pool's bytes show in `pdserve_engine_kv_mirror_bytes`.
 
 Contracts: every pull vLLM waits on is reported to vLLM exactly once; every pinned prefill is
 reported finished_sending exactly once; vLLM ids are reported, pdserve ids travel on the wire.
@@ -161,10 +162,9 @@ class VllmWorkerHalf:
             if self.staging.block_size != self.block_size:
                 raise ValueError(f"vLLM's KV tensors hold {self.staging.block_size}-token blocks, the engine is "
                                  f"configured for {self.block_size}")
-            region = self.staging.region
-            nbytes = region.numel() * region.element_size()
-            self.memory = KVMemory(f"{KV_LAYOUT}/vllm-staging", "cpu", nbytes, nbytes)
-            self._device = region.device
+            region = self.staging  # the pool's blocks come from it; the pool's bytes are known once registered
+            self.memory = KVMemory(f"{KV_LAYOUT}/vllm-staging", "cpu", 0, 0)
+            self._device = self.staging.device
         else:
             first = next(iter(kv_caches.values()), None)
             region = describe_kv_caches(kv_caches, num_blocks=num_blocks or (int(first.shape[0]) if first is not None
@@ -184,7 +184,8 @@ class VllmWorkerHalf:
             num_kv_heads=self.model.num_kv_heads, compat_hash=self.compatibility_hash(), hash_seed=c.hash_seed,
             block_size=self.block_size, transfer_timeout_s=c.transfer_timeout_s, lease_s=c.lease_s,
             max_inflight=c.max_inflight_transfers, ucx_tls=c.ucx_tls, ucx_net_devices=c.ucx_net_devices,
-            metrics_port=c.metrics_port, security=security)
+            metrics_port=c.metrics_port, security=security, kv_staging=c.kv_staging,
+            kv_staging_blocks=c.kv_staging_blocks)
         self.agent = _TeeRankAgent(factory, self.rank, self.tp_size, self._on_results)
         if self.rank == 0:
             self.agent.set_inbox(self._on_control)
@@ -192,6 +193,9 @@ class VllmWorkerHalf:
                 self.metrics = EngineMetrics(self.agent.registry, c.engine_id, c.role, tp_size=self.tp_size)
                 self.metrics.track_load(lambda: self._last_load)
         self.agent.register_kv_caches(region)
+        if self.staging is not None:  # what the pool registered (the hash covered only the layout)
+            registered, mirror = self.agent.ucx.registered_bytes()
+            memory = self.memory = KVMemory(memory.layout, memory.device_kind, registered, mirror)
         if self.agent.kv_memory is not None:  # what vLLM's region holds, over the agent's generic count
             self.agent.kv_memory.set(c.engine_id, c.role, self.rank, memory.num_bytes_registered,
                                      memory.num_mirror_bytes)
@@ -283,8 +287,6 @@ class VllmWorkerHalf:
         agent = self._require_agent()
         fence = self.fences(self._device)  # after the forward that wrote these blocks was queued
         for send in meta.sends:
-            if self.staging is not None:
-                self.staging.gather(send.block_ids)
             with self._lock:
                 self._sends[send.request_id] = send.vllm_id
             try:
@@ -318,8 +320,6 @@ class VllmWorkerHalf:
             ended = [(rid, self._pulls.pop(rid)) for rid in (done.finished_recving | failed) if rid in self._pulls]
         for request_id, pull in ended:
             if pull.vllm_waits:
-                if self.staging is not None:
-                    self.staging.scatter(pull.local_block_ids)
                 out.finished_recving.add(pull.vllm_id)
                 if request_id in failed:
                     out.failed_recving.add(pull.vllm_id)

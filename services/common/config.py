@@ -188,7 +188,11 @@ class EngineConfig:
     gpu_memory_fraction: float = opt(0.0, "share of each rank's GPU memory its KV cache takes, e.g. 0.4 when "
                                           "two engines share a GPU (CUDA only); 0: use kv_cache_memory")
     kv_staging: str = opt("none", "KV pulls of GPU memory: none (UCX CUDA transports, fail at start if missing) "
-                                  "or host (bounce through a host copy, slower, measured and labelled)")
+                                  "or host (bounce through a bounded pinned pool of kv_staging_blocks, slower, "
+                                  "measured and labelled)")
+    kv_staging_blocks: int = opt(0, "with kv_staging host: blocks of each rank's pinned staging pool, the only "
+                                    "memory UCX registers (0: the transfer window, max_inflight_transfers x 16, at "
+                                    "most the cache)")
     kv_cache_memory: str = opt("256MiB", "KV cache memory budget per rank (e.g. 512MiB, 8GiB)")
     block_size: int = opt(16, "KV block size in tokens; must match the scheduler")
     hash_seed: str = opt(DEFAULT_HASH_SEED, "block-hash seed; must match the scheduler")
@@ -241,6 +245,9 @@ class EngineConfig:
         _require(self.device in ("auto", "cpu", "cuda"), "device", f"must be auto, cpu or cuda, got {self.device!r}")
         _require(0.0 <= self.gpu_memory_fraction < 1.0, "gpu_memory_fraction", "must be in [0, 1)")
         _require(self.kv_staging in ("none", "host"), "kv_staging", f"must be none or host, got {self.kv_staging!r}")
+        _require(self.kv_staging_blocks >= 0, "kv_staging_blocks", "must be >= 0 (0: the transfer window)")
+        _require(self.kv_staging == "none" or self.kv_transport == "ucx-tag", "kv_staging",
+                 "host staging moves KV with --kv-transport ucx-tag only (a NIXL READ addresses the KV itself)")
         _require(self.kv_transport in ("ucx-tag", "nixl"), "kv_transport",
                  f"must be ucx-tag or nixl, got {self.kv_transport!r}")
         _require(self.kv_transport == "ucx-tag" or self.engine == "native", "kv_transport",

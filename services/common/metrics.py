@@ -194,7 +194,8 @@ _SPECS = (
                "KV bytes this rank registered with the data plane (vLLM engines: vLLM's own KV, in place)",
                (*_ER, "rank")),
     MetricSpec("pdserve_engine_kv_mirror_bytes", _G,
-               "Bytes of a copy of the engine's KV the data plane moves instead (--kv-staging host; 0 in place)",
+               "Bytes of the host staging pool the data plane moves KV through instead (--kv-staging host, "
+               "--kv-staging-blocks; 0 in place)",
                (*_ER, "rank")),
     # --- KV transfer, per prefill→decode pair ---
     MetricSpec("pdserve_transfer_operations_total", _C,

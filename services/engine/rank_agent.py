@@ -106,7 +106,8 @@ class RankAgentFactory:
     dtype: str = ""  # stated in Hello beside the compatibility hash (which covers it too)
     device_kind: str = ""
     kv_transport: str = "ucx-tag"  # or "nixl" (connectors/ucx/nixl_transport.py)
-    kv_staging: str = "none"  # "host": GPU KV bounces through pinned host memory (connectors/ucx/host_staging.py)
+    kv_staging: str = "none"  # "host": KV bounces through a bounded pinned pool (connectors/ucx/host_staging.py)
+    kv_staging_blocks: int = 0  # the pool's blocks (0: the transfer window)
     metrics_port: int = 0  # rank r serves /metrics on metrics_port + r; 0 disables
     security: ChannelSecurity | None = None  # TLS to the scheduler, the engine's certificate as identity
     offload: OffloadRankInit | None = None  # the CPU offload tier's per-rank half; None = no tier
@@ -124,6 +125,7 @@ class RankAgent(WorkerConnector):
         config = UcxConnectorConfig(transfer_timeout_s=factory.transfer_timeout_s, lease_s=factory.lease_s,
                                     max_inflight_transfers=factory.max_inflight, ucx_tls=factory.ucx_tls,
                                     ucx_net_devices=factory.ucx_net_devices, kv_staging=factory.kv_staging,
+                                    kv_staging_blocks=factory.kv_staging_blocks,
                                     kv_transport=factory.kv_transport,
                                     expected_transports=factory.expected_transports)
         self.ucx = UcxWorkerConnector(engine_id=factory.engine_id, epoch=factory.epoch, tp_rank=rank,

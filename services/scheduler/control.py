@@ -1,9 +1,10 @@
 """The `Control` servicer: one bidirectional stream per rank of every engine.
 
-Protobuf lives here and nowhere deeper: Hellos become `RankHello`, reports become
-`KVConnectorOutput` for `connectors.aggregator.KVOutputAggregator`, whose engine-level results
-feed the `TransferTracker`; its outcomes go to `on_transfer_outcome` (the Generation servicer's
-hook, which applies the release-once rule) and from there to the engines' rank-0 streams.
+Protobuf lives here and in `control_convert.py` and nowhere deeper: Hellos become
+`RankHello`, reports become `KVConnectorOutput` for `connectors.aggregator.KVOutputAggregator`,
+whose engine-level results feed the `TransferTracker`; its outcomes go to `on_transfer_outcome`
+(the Generation servicer's hook, which applies the release-once rule) and from there to the
+engines' rank-0 streams.
 
 Contracts (see control.proto):
 - The first message must be a Hello: a malformed one ends the stream with INVALID_ARGUMENT, a
@@ -40,31 +41,41 @@ import asyncio
 import bisect
 import contextlib
 import logging
-import operator
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from connectors import compact_events
 from connectors.aggregator import AggregatedResult, KVOutputAggregator
-from connectors.kv_events import AllBlocksCleared, KVCacheEvent, KVEventBatch, event_from_proto
-from connectors.outputs import KVConnectorOutput
+from connectors.kv_events import AllBlocksCleared, KVEventBatch, event_from_proto
 from pdserve.v1 import control_pb2 as pb
-from pdserve.v1 import control_pb2_grpc, kv_events_pb2
+from pdserve.v1 import control_pb2_grpc
+from services.scheduler.control_convert import (
+    CompactEventsError,
+    CompactKindsError,
+    WorkerEventDecoder,
+    compact_from_proto,
+    global_rank,
+    hello_from_proto,
+    identity_to_proto,
+    merged_event_ranks,
+    merged_transfer_ranks,
+    output_from_proto,
+    peer_info_to_proto,
+    same_events,
+)
 from services.scheduler.engine_positions import EnginePositions
+from services.scheduler.event_joiner import EventJoiner
 from services.scheduler.event_sink import CompactBatch, EventSink, NullEventSink, ProtoBackedBatch
 from services.scheduler.lifecycle import EngineRef
 from services.scheduler.loop_stalls import LoopStalls
 from services.scheduler.registry import (
-    PROTOCOL_VERSION,
     EngineRegistry,
     EngineState,
     LoadInfo,
-    RankHello,
     RankId,
     RankState,
     RegistrationError,
@@ -76,8 +87,6 @@ from services.scheduler.transfers import OutcomeKind, TransferOutcome, TransferT
 
 logger = logging.getLogger(__name__)
 
-_ROLE_FROM_PB = {pb.ROLE_PREFILL: Role.PREFILL, pb.ROLE_DECODE: Role.DECODE}
-_ROLE_TO_PB = {v: k for k, v in _ROLE_FROM_PB.items()}
 HELLO_TIMEOUT_S = 10.0
 MAX_HELD_MESSAGES = 10_000
 MAX_REPORTS_PER_MESSAGE = 256
@@ -109,205 +118,6 @@ class RankConnection:
     # ControlServicer.deliver) while the queue is empty and no write holds the lock.
     context: grpc.aio.ServicerContext | None = None
     write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-
-def hello_from_proto(m: pb.Hello) -> RankHello:
-    """Converts a Hello; raises RegistrationError(INVALID) when required parts are missing."""
-    if not m.HasField("rank"):
-        raise RegistrationError(RegistrationErrorKind.INVALID, "hello: rank identity missing")
-    role = _ROLE_FROM_PB.get(m.rank.role)
-    if role is None:
-        raise RegistrationError(RegistrationErrorKind.INVALID, "hello: role must be ROLE_PREFILL or ROLE_DECODE")
-    r = m.rank
-    return RankHello(engine_id=r.engine_id, role=role, epoch=r.epoch, tp_rank=r.tp_rank, tp_size=r.tp_size,
-                     pp_rank=r.pp_rank, pp_size=r.pp_size or 1, compatibility_hash=m.compatibility_hash,
-                     engine_address=m.engine_address, handshake_metadata=m.handshake_metadata,
-                     protocol_version=m.protocol_version or PROTOCOL_VERSION, last_sent_seq=m.last_sent_seq,
-                     hash_seed=m.hash_seed if m.HasField("hash_seed") else None,
-                     block_size=m.block_size if m.HasField("block_size") else None,
-                     dtype=m.dtype if m.HasField("dtype") else None,
-                     device_kind=m.device_kind if m.HasField("device_kind") else None)
-
-
-def _identity(engine: EngineState, rank_id: RankId) -> pb.RankIdentity:
-    return pb.RankIdentity(engine_id=engine.engine_id, role=_ROLE_TO_PB[engine.role], epoch=engine.epoch,
-                           tp_rank=rank_id.tp_rank, tp_size=engine.tp_size, pp_rank=rank_id.pp_rank,
-                           pp_size=engine.pp_size)
-
-
-def _peer_info(engine: EngineState, rank: RankState) -> pb.PeerInfo:
-    return pb.PeerInfo(rank=_identity(engine, rank.hello.rank_id), engine_address=rank.hello.engine_address,
-                       handshake_metadata=rank.hello.handshake_metadata)
-
-
-def _global_rank(engine: EngineState, rank_id: RankId) -> int:
-    return rank_id.pp_rank * engine.tp_size + rank_id.tp_rank
-
-
-class CompactEventsError(ValueError):
-    """A report's compact_worker_events or compact_engine_events are malformed (counted apart
-    from other malformed reports: `reports_malformed_compact_events`)."""
-
-
-class CompactKindsError(CompactEventsError):
-    """Their `kinds` is malformed (wrong length, an unknown kind byte): also counted in
-    `reports_malformed_compact_kinds`."""
-
-
-def _compact_from_proto(m: pb.CompactEvents, verify: bool, what: str = "") -> compact_events.CompactEvents:
-    """`compact_events.from_proto` (and `verify` when asked) with its errors as CompactEventsError."""
-    try:
-        compact = compact_events.from_proto(m)
-        if verify:
-            compact_events.verify(compact)
-    except compact_events.KindsError as e:
-        raise CompactKindsError(f"{what}{e}") from None
-    except ValueError as e:
-        raise CompactEventsError(f"{what}{e}") from None
-    return compact
-
-
-def output_from_proto(report: pb.StepReport, events: tuple[KVCacheEvent, ...] | None = None) -> KVConnectorOutput:
-    """The aggregator's view of a StepReport; raises ValueError for malformed events.
-    `events`, when given, are the report's worker events already decoded."""
-    if events is None:
-        events = tuple(event_from_proto(e) for e in report.worker_events)
-    return KVConnectorOutput(
-        finished_sending=frozenset(report.finished_sending),
-        finished_recving=frozenset(report.finished_recving),
-        failed_recving=frozenset(report.failed_recving),
-        invalid_block_ids=frozenset(report.invalid_block_ids),
-        kv_cache_events=events)
-
-
-# StepReport fields other than worker_events, cleared to serialize the worker events alone.
-_NON_EVENT_FIELDS = tuple(f.name for f in pb.StepReport.DESCRIPTOR.fields if f.name != "worker_events")
-
-
-def worker_events_key(report: pb.StepReport) -> bytes:
-    """The serialized worker events of `report` (b"" when it has none): equal keys decode to
-    equal events, so one decoded copy serves every rank that sent the same bytes."""
-    if not report.worker_events:
-        return b""
-    only = pb.StepReport()
-    only.CopyFrom(report)
-    for name in _NON_EVENT_FIELDS:
-        only.ClearField(name)
-    return only.SerializeToString()
-
-
-def unpack_worker_events(packed: bytes) -> tuple[KVCacheEvent, ...]:
-    """The events of a `packed_worker_events` (ValueError when it is not an EventBatch holding
-    only events, or an event is malformed)."""
-    try:
-        batch = kv_events_pb2.EventBatch.FromString(packed)
-    except DecodeError as e:
-        raise ValueError(f"packed_worker_events: not an EventBatch ({e})") from None
-    extra = [f.name for f, _ in batch.ListFields() if f.name != "events"]
-    if extra:
-        raise ValueError(f"packed_worker_events: only `events` may be set, not {', '.join(extra)}")
-    return tuple(event_from_proto(e) for e in batch.events)
-
-
-@dataclass(slots=True)
-class _Decoded:
-    events: tuple[KVCacheEvent, ...]
-    uses_left: int
-
-
-class WorkerEventDecoder:
-    """Decodes worker events once per distinct serialized form per engine, not once per rank.
-
-    Every TP rank reports the same worker events of a step; the first copy is decoded
-    (`event_from_proto`) and the result is served to the other ranks from a cache. An entry is
-    dropped once `uses` reports took it (the engine's rank count), and the cache holds at most
-    `max_entries` entries and `max_bytes` key bytes (oldest dropped first), so a rank that never
-    reports only costs a later re-decode; `max_entries=0` decodes every copy (no cache). Decoding is a pure function of the bytes, so a hit
-    returns exactly what decoding would.
-    """
-
-    __slots__ = ("_bytes", "_entries", "hits", "max_bytes", "max_entries", "misses")
-
-    def __init__(self, max_entries: int = 4096, max_bytes: int = 64 << 20) -> None:
-        self._entries: dict[tuple[str, int, bytes], _Decoded] = {}
-        self._bytes = 0
-        self.max_entries = max_entries
-        self.max_bytes = max_bytes
-        self.hits = 0
-        self.misses = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def decode(self, engine_id: str, epoch: int, uses: int, report: pb.StepReport) -> tuple[KVCacheEvent, ...]:
-        """The report's worker events (ValueError when one is malformed; nothing is cached)."""
-        packed = report.packed_worker_events
-        if packed:
-            if report.worker_events:
-                raise ValueError("a report carries both worker_events and packed_worker_events")
-            raw = packed
-        else:
-            raw = worker_events_key(report)
-        if not raw:
-            return ()
-        key = (engine_id, epoch, raw)
-        entry = self._entries.get(key)
-        if entry is not None:
-            self.hits += 1
-            entry.uses_left -= 1
-            if entry.uses_left <= 0:
-                del self._entries[key]
-                self._bytes -= len(raw)
-            return entry.events
-        self.misses += 1
-        events = unpack_worker_events(packed) if packed else tuple(event_from_proto(e) for e in report.worker_events)
-        if uses > 1 and self.max_entries and len(raw) <= self.max_bytes:
-            self._entries[key] = _Decoded(events, uses - 1)
-            self._bytes += len(raw)
-            while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
-                old = next(iter(self._entries))
-                del self._entries[old]
-                self._bytes -= len(old[2])
-        return events
-
-
-def merged_event_ranks(report: pb.StepReport, own: int, num_ranks: int) -> tuple[int, ...]:
-    """The other ranks whose worker events `report` carries (StepReport.merged_event_ranks);
-    ValueError for a rank outside the engine, a repeat, or the sender itself."""
-    return _other_ranks("merged_event_ranks", tuple(report.merged_event_ranks), own, num_ranks)
-
-
-def merged_transfer_ranks(report: pb.StepReport, own: int, num_ranks: int) -> tuple[int, ...]:
-    """The other ranks whose transfer results `report` carries (StepReport.merged_transfer_ranks);
-    ValueError for a rank outside the engine, a repeat, the sender itself, or a list on a
-    report without transfer results."""
-    ranks = _other_ranks("merged_transfer_ranks", tuple(report.merged_transfer_ranks), own, num_ranks)
-    if ranks and not (report.finished_sending or report.finished_recving or report.failed_recving):
-        raise ValueError("merged_transfer_ranks without transfer results")
-    return ranks
-
-
-def _other_ranks(name: str, ranks: tuple[int, ...], own: int, num_ranks: int) -> tuple[int, ...]:
-    if not ranks:
-        return ()
-    if len(set(ranks)) != len(ranks):
-        raise ValueError(f"{name} repeats a rank: {list(ranks)}")
-    for r in ranks:
-        if r >= num_ranks:
-            raise ValueError(f"{name}: rank {r} is not one of the engine's {num_ranks} ranks")
-        if r == own:
-            raise ValueError(f"{name} names the sender's own rank {own}")
-    return ranks
-
-
-def _same_events(published: list[KVCacheEvent], decoded: tuple[KVCacheEvent, ...]) -> bool:
-    """Whether `published` is `decoded`, object for object."""
-    return len(published) == len(decoded) and all(map(operator.is_, published, decoded))
-
-
-def batch_from_proto(m: kv_events_pb2.EventBatch) -> KVEventBatch:
-    return KVEventBatch(ts=m.ts, events=[event_from_proto(e) for e in m.events],
-                        data_parallel_rank=m.data_parallel_rank if m.HasField("data_parallel_rank") else None)
 
 
 class ControlServicer(control_pb2_grpc.ControlServicer):
@@ -374,6 +184,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self.worker_events = WorkerEventDecoder()
         # Rank 0's report positions per engine (convergence of a restarted replica).
         self.positions = EnginePositions()
+        # Compact worker events: one decode and one aggregator call per step's copies, not per rank.
+        self.joiner = EventJoiner(self.aggregator, self._publish_compact)
         self._monitor_task: asyncio.Task[None] | None = None
         # Joined ranks not yet announced, per role to tell: (announcement number, peer), sent as
         # one PeerUpdate per stream at the next loop turn (a burst of N registrations costs one
@@ -423,6 +235,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         if due is not None and now >= due:
             self._tick_due = None
             self.stalls.observe(due, now)
+        self.joiner.flush_all()  # bounds how long a noted copy may wait (see EventJoiner)
         for rank_id in self.registry.expire(self._stalled_since):
             engine = self.registry.engine(rank_id.engine_id)
             if engine is not None:
@@ -557,7 +370,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         engine = engine or self.registry.engine(ref.engine_id, ref.epoch)
         if engine is not None and engine.ranks:
             other = Role.DECODE if engine.role == Role.PREFILL else Role.PREFILL
-            left = [_identity(engine, rid) for rid in engine.ranks]
+            left = [identity_to_proto(engine, rid) for rid in engine.ranks]
             self._broadcast(other, pb.SchedulerMessage(peer_update=pb.PeerUpdate(left=left)))
         for hook in self.on_engine_down:
             hook(ref, reason)
@@ -570,7 +383,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             self.down.discard(ref)
             logger.info("engine %s epoch %#x is back", engine.engine_id, engine.epoch)
             other = Role.DECODE if engine.role == Role.PREFILL else Role.PREFILL
-            joined = [_peer_info(engine, r) for r in engine.ranks.values()]
+            joined = [peer_info_to_proto(engine, r) for r in engine.ranks.values()]
             self._broadcast(other, pb.SchedulerMessage(peer_update=pb.PeerUpdate(joined=joined)))
             for hook in self.on_engine_up:
                 hook(ref)
@@ -645,7 +458,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             self.telemetry.metrics.count_control_reconnect(engine.engine_id)
         if reg.new_rank:
             other = Role.DECODE if engine.role == Role.PREFILL else Role.PREFILL
-            self._announce_joined(other, _peer_info(engine, reg.rank))
+            self._announce_joined(other, peer_info_to_proto(engine, reg.rank))
         self.counters["hello_accepted"] += 1
         logger.info("rank %s tp=%d/%d of %s engine %s epoch %#x registered", hello.tp_rank, hello.tp_rank,
                     hello.tp_size, engine.role, engine.engine_id, engine.epoch)
@@ -669,9 +482,9 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
     def _welcome(self, engine: EngineState, rank: RankState) -> pb.SchedulerMessage:
         other = Role.DECODE if engine.role == Role.PREFILL else Role.PREFILL
-        peers = [_peer_info(e, r) for e in self.registry.by_role(other)
+        peers = [peer_info_to_proto(e, r) for e in self.registry.by_role(other)
                  if EngineRef(e.engine_id, e.epoch) not in self.down for r in e.ranks.values()]
-        welcome = pb.Welcome(expected_ranks=[_identity(engine, r) for r in engine.expected_ranks()], peers=peers,
+        welcome = pb.Welcome(expected_ranks=[identity_to_proto(engine, r) for r in engine.expected_ranks()], peers=peers,
                              last_acked_seq=rank.last_applied_seq,
                              heartbeat_interval_ms=int(self.heartbeat_interval_s * 1000),
                              scheduler_id=self.scheduler_id,
@@ -797,25 +610,37 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
     def _apply_compact(self, engine: EngineState, own: int, merged: tuple[int, ...], transfer_ranks: tuple[int, ...],
                        report: pb.StepReport, engine_batch: ProtoBackedBatch | None) -> None:
-        """`apply_report` for worker events in compact form: counted from the hash array
-        (`add_shared_hashes`), published as a `CompactBatch` when every event is (the common
-        case), else the published ones decoded from the events' protobuf bytes."""
+        """`apply_report` for worker events in compact form: counted from the hash array, a copy
+        that another rank of the step already sent neither decoded nor applied on its own
+        (`EventJoiner`), published as a `CompactBatch` when every event is (the common case),
+        else the published ones decoded from the events' protobuf bytes."""
         if report.worker_events or report.packed_worker_events:
             raise CompactEventsError("a report carries compact_worker_events and another form of worker events")
-        compact = _compact_from_proto(report.compact_worker_events, self.verify_compact)
-        own_output = output_from_proto(report, ())
-        published = self.aggregator.add_shared_hashes(engine.engine_id, engine.epoch, (own, *merged),
-                                                      compact.key, compact.hashes, compact.sizes, compact.kinds)
-        result = self.aggregator.add_report(engine.engine_id, engine.epoch, own, own_output)
-        self._merge_transfers(engine, transfer_ranks, report, result)
+        m = report.compact_worker_events
+        compact, published = self.joiner.add(engine.engine_id, engine.epoch, (own, *merged), engine.tp_size * engine.pp_size,
+                                       m.SerializeToString(), lambda: compact_from_proto(m, self.verify_compact))
         if engine_batch is not None:
             self.sink.publish(engine.engine_id, engine.epoch, engine_batch)
+        self._publish_compact(engine.engine_id, engine.epoch, compact, published)
+        self._apply_transfers(engine, own, transfer_ranks, report)
+
+    def _publish_compact(self, engine_id: str, epoch: int, compact: compact_events.CompactEvents,
+                         published: list[int] | None) -> None:
+        """Publishes what the aggregator released of compact events (None: all of them)."""
         if published is None:
-            self.sink.publish(engine.engine_id, engine.epoch, CompactBatch(time.time(), compact))
+            self.sink.publish(engine_id, epoch, CompactBatch(time.time(), compact))
         elif published:
             events = compact.events()
-            self.sink.publish(engine.engine_id, engine.epoch,
-                              KVEventBatch(ts=time.time(), events=[events[i] for i in published]))
+            self.sink.publish(engine_id, epoch, KVEventBatch(ts=time.time(), events=[events[i] for i in published]))
+
+    def _apply_transfers(self, engine: EngineState, own: int, transfer_ranks: tuple[int, ...],
+                         report: pb.StepReport) -> None:
+        """The report's transfer results (skipped when it has none, the common report)."""
+        if not (report.finished_sending or report.finished_recving or report.failed_recving
+                or report.invalid_block_ids or report.transfer_stats):
+            return
+        result = self.aggregator.add_report(engine.engine_id, engine.epoch, own, output_from_proto(report, ()))
+        self._merge_transfers(engine, transfer_ranks, report, result)
         self._finish(engine, report, result)
 
     def _engine_batch(self, engine: EngineState, rank_id: RankId, report: pb.StepReport) -> ProtoBackedBatch | None:
@@ -830,7 +655,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         if report.HasField("compact_engine_events"):
             if m.events:
                 raise CompactEventsError("a report carries compact_engine_events and engine_events.events")
-            compact = _compact_from_proto(report.compact_engine_events, self.verify_compact, "engine events: ")
+            compact = compact_from_proto(report.compact_engine_events, self.verify_compact, "engine events: ")
             self.counters["reports_compact_engine_events"] += 1
             return CompactBatch(m.ts, compact, dp)
         if m.events:
@@ -863,7 +688,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
     def apply_report(self, engine: EngineState, rank_id: RankId, report: pb.StepReport) -> None:
         """Feeds one new report to the aggregator, tracker and event sink (ValueError: malformed,
         nothing applied)."""
-        own = _global_rank(engine, rank_id)
+        own = global_rank(engine, rank_id)
         merged = merged_event_ranks(report, own, engine.tp_size * engine.pp_size)
         transfer_ranks = merged_transfer_ranks(report, own, engine.tp_size * engine.pp_size)
         engine_batch = self._engine_batch(engine, rank_id, report)
@@ -873,6 +698,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         # Copies of these events still to come from other ranks (none when this report merges them).
         uses = engine.tp_size * engine.pp_size - len(merged)
         events = self.worker_events.decode(engine.engine_id, engine.epoch, uses, report)
+        if events:
+            self.joiner.flush(engine.engine_id)  # its noted compact copies apply first
         if merged and not events:
             raise ValueError("merged_event_ranks without worker events")
         output = output_from_proto(report, events)
@@ -890,7 +717,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             self.sink.publish(engine.engine_id, engine.epoch, engine_batch)
         if result.events:
             batch: KVEventBatch
-            if _same_events(result.events, events):
+            if same_events(result.events, events):
                 # Every decoded event of this report, in order: the report's own protobuf
                 # events (or their packed bytes) describe the batch, so the gRPC encoding
                 # copies them.

@@ -1,5 +1,6 @@
 """The `Generation` servicer: validate, tokenize, hash, route, run the prefill and decode legs on
-the engines, relay the token stream, and own every request's lifecycle.
+the engines and relay the token stream. Each request's state is one `Request` (request.py),
+owned by the `RequestTable` from admission to its end; this servicer moves it as the legs run.
 
 Contracts (see generation.proto):
 - Bad input is refused before any state changes (INVALID_ARGUMENT / NOT_FOUND with a message);
@@ -22,7 +23,7 @@ Contracts (see generation.proto):
   token already streamed, up to `max_migrations` times; the client sees neither an error nor a
   repeated token.
 - Client cancel or deadline: both legs get an Abort, the prefill blocks are released; whichever
-  of done / abort / lease comes first releases them, exactly once (counted in the RequestTable).
+  of done / abort / lease comes first releases them, exactly once (counted in the RequestTable's outcomes).
 """
 
 from __future__ import annotations
@@ -34,39 +35,37 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from connectors.hashing import BlockHasher
 from pdserve.v1 import engine_pb2 as eng_pb
-from pdserve.v1 import engine_pb2_grpc as eng_grpc
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import generation_pb2_grpc as gen_grpc
 from services.common.config import SchedulerConfig
-from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.request_owner import owned_id
-from services.common.security import ChannelSecurity, component_channel_security, open_channel
-from services.common.tracing import ComponentTracer, client_interceptors, tracing_active
+from services.common.security import component_channel_security
+from services.common.tracing import ComponentTracer, tracing_active
 from services.common.version import __version__
 from services.scheduler.admission import Admission
 from services.scheduler.control import ControlServicer
+from services.scheduler.engine_channels import EngineChannels
 from services.scheduler.engine_views import EngineViews
-from services.scheduler.lifecycle import EngineRef, ReleaseCause, RequestRecord, RequestState, RequestTable
+from services.scheduler.lifecycle import RUNNING, EngineRef, ReleaseCause, RequestState
 from services.scheduler.path_costs import PathCosts
-from services.scheduler.path_policy import PathDecision
 from services.scheduler.registry import EngineState, Role
+from services.scheduler.request import Request
+from services.scheduler.request_table import RequestTable
 from services.scheduler.routing import EngineView, Route, Router, RoutingDecision, RoutingRequest
 from services.scheduler.telemetry import SchedulerTelemetry
 from services.scheduler.tokenization import ModelFacts, PromptTokenizer
 from services.scheduler.transfers import OutcomeKind, TransferOutcome
-from services.scheduler.validation import Limits, RequestError, ValidRequest, validate
+from services.scheduler.validation import Limits, RequestError, validate
 
 logger = logging.getLogger(__name__)
 
 ABORT_RPC_TIMEOUT_S = 2.0
-ROTATION_GRACE_S = 600.0  # calls on a channel replaced after a certificate rotation may run this long
 STREAM_END_TIMEOUT_S = 1.0
 
 
@@ -85,74 +84,6 @@ async def _read_to_end(responses: AsyncIterator[Any]) -> None:
 
 class LegFailed(Exception):
     """An engine leg failed in a way the scheduler recovers from (retry, recompute, migrate)."""
-
-
-class EngineChannels:
-    """One channel and Engine stub per engine, re-created when the engine's address changes or
-    the scheduler's certificate files were rotated (calls in flight on the old channel finish)."""
-
-    def __init__(self, security: ChannelSecurity | None = None) -> None:
-        self.security = security  # mTLS towards the engines when the scheduler has certificates
-        self._stubs: dict[str, tuple[tuple[str, Any], grpc.aio.Channel, eng_grpc.EngineStub]] = {}
-        self._retired: dict[grpc.aio.Channel, asyncio.Task[None]] = {}  # closing after a rotation
-
-    def stub(self, engine: EngineState) -> eng_grpc.EngineStub:
-        key = (engine.address, self.security.stamp() if self.security is not None else None)
-        entry = self._stubs.get(engine.engine_id)
-        if entry is None or entry[0] != key:
-            if entry is not None:
-                grace = ROTATION_GRACE_S if entry[0][0] == engine.address else None
-                old = entry[1]
-                task = asyncio.get_running_loop().create_task(old.close(grace))
-                self._retired[old] = task
-                task.add_done_callback(lambda _: self._retired.pop(old, None))
-            channel = open_channel(engine.address, self.security, CHANNEL_OPTIONS,
-                                   interceptors=client_interceptors() or None)
-            entry = (key, channel, eng_grpc.EngineStub(channel))
-            self._stubs[engine.engine_id] = entry
-        return entry[2]
-
-    async def close(self) -> None:
-        for _, channel, _ in self._stubs.values():
-            await channel.close(None)
-        for channel in list(self._retired):
-            await channel.close(None)
-        self._stubs.clear()
-
-
-@dataclass(slots=True)
-class Flight:
-    """A request in flight: its record plus what the servicer needs to run and end it."""
-
-    record: RequestRecord
-    valid: ValidRequest
-    started: float
-    # The id the client sees (record.request_id is what engines see).
-    client_id: str
-    output_ids: list[int] = field(default_factory=list)
-    slots: list[str] = field(default_factory=list)
-    call: Any = None
-    engine_failed: str | None = None
-    num_cached_tokens: int = 0
-    num_transferred_tokens: int = 0
-    prefill_engine_id: str = ""
-    first_token_at: float | None = None
-    last_token_at: float = 0.0
-    dispatched: bool = False
-    # Time spent waiting on engines and on the client (not the scheduler's own work).
-    outside_s: float = 0.0
-    decode_tp_size: int = 0  # of the routed decode engine (prefill ranks pin for its readers)
-    path_reason: str = ""
-    path: PathDecision | None = None
-    ttft_s: float | None = None  # arrival to the first token sent (scheduler-side)
-    # Prompt tokens counted in an engine's backlog for this request until its prefill is done:
-    # (engine id, own uncached tokens, backlog + own at dispatch) — see PathCosts.
-    backlog: tuple[str, int, int] | None = None
-    # The decode engine this request's ITL target is registered on, and the target.
-    itl_engine: str | None = None
-    itl_target_s: float | None = None
-    leg_started_at: float = 0.0
-    kv_ready_at: float | None = None
 
 
 _FINISH_FROM_ENGINE = {gen_pb.FINISH_REASON_STOP, gen_pb.FINISH_REASON_LENGTH}
@@ -184,7 +115,6 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         self.hasher = BlockHasher(config.block_size, config.hash_seed)
         self.limits = Limits(config.max_prompt_tokens or facts.max_model_len - 1, config.max_new_tokens,
                              config.default_max_tokens)
-        self.flights: dict[str, Flight] = {}
         self.draining = False
         self.tracer = ComponentTracer("scheduler")
         self._background: set[asyncio.Task[Any]] = set()
@@ -216,7 +146,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         except RequestError as e:
             await context.abort(e.code, e.message)
 
-    async def generate(self, request: gen_pb.GenerateRequest,
+    async def generate(self, message: gen_pb.GenerateRequest,
                        time_remaining: float | None) -> AsyncGenerator[gen_pb.GenerateResponse, None]:
         """One request's whole lifecycle, for every front end (the gRPC Generate RPC, the HTTP
         API): chunks, then one Complete. A refusal raises RequestError before the first
@@ -224,39 +154,39 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         gone) or closing the iterator ends the request as cancelled, both legs aborted.
         `time_remaining` is the client's own deadline in seconds (None: the default one)."""
         arrived = time.monotonic()
-        with self.tracer.span("generate", request_id=request.request_id or None) as span:
+        with self.tracer.span("generate", request_id=message.request_id or None) as span:
             try:
                 with self.tracer.span("route") as route_span:
-                    flight, route = self._admit(request, time_remaining, arrived)
+                    request, route = self._admit(message, time_remaining, arrived)
                     if route_span.is_recording():
-                        self._trace_route(span, route_span, flight, route)
+                        self._trace_route(span, route_span, request, route)
             except RequestError:
                 self.metrics.request_rejected()
                 raise
-            self.metrics.request_started(flight.record.num_prompt_tokens)
+            self.metrics.request_started(request.num_prompt_tokens)
             self.telemetry.routed(route, self.router.policy.name)
             state, reason = RequestState.ABORTED, "cancelled"
             try:
-                async for response in self._run(flight, route):
+                async for response in self._run(request, route):
                     paused = time.monotonic()
                     yield response
-                    flight.outside_s += time.monotonic() - paused
+                    request.outside_s += time.monotonic() - paused
                 state, reason = RequestState.FINISHED, "done"
             except RequestError as e:
                 state, reason = self._end_state(e)
                 raise
             finally:
-                if flight.ttft_s is not None and span.is_recording():
-                    span.set_attribute("pdserve.ttft_ms", 1000.0 * flight.ttft_s)
-                self._end(flight, state, reason)
+                if request.ttft_s is not None and span.is_recording():
+                    span.set_attribute("pdserve.ttft_ms", 1000.0 * request.ttft_s)
+                self._end(request, state, reason)
 
     @staticmethod
-    def _trace_route(span: Any, route_span: Any, flight: Flight, route: Route) -> None:
+    def _trace_route(span: Any, route_span: Any, request: Request, route: Route) -> None:
         """Span attributes: the engines' request id (client id + suffix) and the routing decision."""
-        span.set_attribute("pdserve.request_id", flight.record.request_id)
-        span.set_attribute("pdserve.client_request_id", flight.client_id)
-        span.set_attribute("pdserve.prompt_tokens", flight.record.num_prompt_tokens)
-        route_span.set_attribute("pdserve.request_id", flight.record.request_id)
+        span.set_attribute("pdserve.request_id", request.request_id)
+        span.set_attribute("pdserve.client_request_id", request.client_id)
+        span.set_attribute("pdserve.prompt_tokens", request.num_prompt_tokens)
+        route_span.set_attribute("pdserve.request_id", request.request_id)
         route_span.set_attribute("pdserve.route.decode", route.decode.engine_id or "")
         route_span.set_attribute("pdserve.route.prefill", route.prefill.engine_id or "")
         route_span.set_attribute("pdserve.route.reason", route.prefill.reason)
@@ -280,14 +210,14 @@ class GenerationServicer(gen_grpc.GenerationServicer):
 
     # -- admission and routing ----------------------------------------------------------------
 
-    def _admit(self, request: gen_pb.GenerateRequest, time_remaining: float | None,
-               arrived: float) -> tuple[Flight, Route]:
+    def _admit(self, message: gen_pb.GenerateRequest, time_remaining: float | None,
+               arrived: float) -> tuple[Request, Route]:
         """Validates and routes; raises RequestError with nothing changed, else takes the slots."""
         if self.draining:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "the scheduler is draining")
-        valid = validate(request, self.facts, self.limits, self.tokenizer)
-        client_id = request.request_id or uuid.uuid4().hex
-        request_id = f"{request.request_id}.{uuid.uuid4().hex[:12]}" if request.request_id else client_id
+        valid = validate(message, self.facts, self.limits, self.tokenizer)
+        client_id = message.request_id or uuid.uuid4().hex
+        request_id = f"{message.request_id}.{uuid.uuid4().hex[:12]}" if message.request_id else client_id
         request_id = owned_id(request_id, self.control.scheduler_id)  # engines tell the owning replica
         timeout = self.config.default_deadline_s
         if time_remaining is not None:
@@ -302,23 +232,19 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             route = dataclasses.replace(route, prefill=RoutingDecision(None, "resumed"))
         if route.decode.engine_id is None or route.path is None:
             raise self._no_decode_error(frozenset())
-        record = self.table.admit(request_id, len(valid.prompt_token_ids), timeout)
         if itl is None and self.config.path_itl_target_ms > 0:
             itl = self.config.path_itl_target_ms / 1000.0
-        flight = Flight(record, valid, arrived, client_id, path_reason=route.path.reason, itl_target_s=itl,
-                        path=route.path)
+        request = self.table.admit(request_id, valid, timeout, client_id=client_id, arrived=arrived)
+        request.path, request.path_reason, request.itl_target_s = route.path, route.path.reason, itl
         decode_engine = self.registry.engines.get(route.decode.engine_id)
-        flight.decode_tp_size = decode_engine.tp_size if decode_engine is not None else 0
-        self._take_slot(flight, route.decode.engine_id)
+        request.decode_tp_size = decode_engine.tp_size if decode_engine is not None else 0
+        self._take_slot(request, route.decode.engine_id)
         if route.prefill.engine_id is not None:
-            self._take_slot(flight, route.prefill.engine_id)
+            self._take_slot(request, route.prefill.engine_id)
         prefilling = route.prefill.engine_id or route.decode.engine_id
-        self._add_backlog(flight, prefilling, route.path.num_uncached_tokens)
-        self._register_itl(flight, route.decode.engine_id)
-        flight.output_ids = list(valid.output_token_ids)  # resumed: streamed before, by a replica that died
-        record.num_streamed_tokens = len(flight.output_ids)
-        self.flights[request_id] = flight
-        return flight, route
+        self._add_backlog(request, prefilling, route.path.num_uncached_tokens)
+        self._register_itl(request, route.decode.engine_id)
+        return request, route
 
     # -- path costs: backlog, measurements, ITL targets ---------------------------------------
 
@@ -326,31 +252,31 @@ class GenerationServicer(gen_grpc.GenerationServicer):
     def costs(self) -> PathCosts:
         return self.router.path.costs
 
-    def _add_backlog(self, flight: Flight, engine_id: str, num_tokens: int) -> None:
+    def _add_backlog(self, request: Request, engine_id: str, num_tokens: int) -> None:
         ahead = self.costs.backlog_tokens[engine_id]
         self.costs.add_backlog(engine_id, num_tokens)
-        flight.backlog = (engine_id, num_tokens, ahead + num_tokens)
+        request.backlog = (engine_id, num_tokens, ahead + num_tokens)
 
-    def _settle_backlog(self, flight: Flight, engine_id: str, seconds: float | None) -> None:
+    def _settle_backlog(self, request: Request, engine_id: str, seconds: float | None) -> None:
         """The engine computed (or gave up on) this request's prompt; `seconds` since dispatch
         of a remote prefill feeds the prefill fit (None: nothing to learn)."""
-        if flight.backlog is None or flight.backlog[0] != engine_id:
+        if request.backlog is None or request.backlog[0] != engine_id:
             return
-        _, own, total = flight.backlog
-        flight.backlog = None
+        _, own, total = request.backlog
+        request.backlog = None
         self.costs.remove_backlog(engine_id, own)
         if seconds is not None:
             self.costs.observe_prefill(total, seconds)
 
-    def _register_itl(self, flight: Flight, engine_id: str | None) -> None:
+    def _register_itl(self, request: Request, engine_id: str | None) -> None:
         """Moves the request's ITL target to the decode engine it runs on (None: removes it)."""
-        if flight.itl_target_s is None:
+        if request.itl_target_s is None:
             return
-        if flight.itl_engine is not None:
-            self.costs.remove_itl_target(flight.itl_engine, flight.itl_target_s)
-        flight.itl_engine = engine_id
+        if request.itl_engine is not None:
+            self.costs.remove_itl_target(request.itl_engine, request.itl_target_s)
+        request.itl_engine = engine_id
         if engine_id is not None:
-            self.costs.add_itl_target(engine_id, flight.itl_target_s)
+            self.costs.add_itl_target(engine_id, request.itl_target_s)
 
     def _views(self, role: Role, exclude: frozenset[str] = frozenset()) -> list[EngineView]:
         """The routable engines of `role` with room, as views (kept between requests where
@@ -360,16 +286,16 @@ class GenerationServicer(gen_grpc.GenerationServicer):
     def _no_decode_error(self, exclude: frozenset[str]) -> RequestError:
         if any(e.engine_id not in exclude for e in self.registry.routable(Role.DECODE)):
             return RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"every decode engine has {self.admission.max_inflight_per_engine} requests in flight")
+                                f"every decode engine has {self.admission.max_inflight_per_engine} requests in request")
         return RequestError(grpc.StatusCode.UNAVAILABLE, "no healthy decode engine")
 
-    def _take_slot(self, flight: Flight, engine_id: str) -> None:
+    def _take_slot(self, request: Request, engine_id: str) -> None:
         if self.admission.try_acquire(engine_id):
-            flight.slots.append(engine_id)
+            request.slots.append(engine_id)
 
-    def _give_slot(self, flight: Flight, engine_id: str) -> None:
-        if engine_id in flight.slots:
-            flight.slots.remove(engine_id)
+    def _give_slot(self, request: Request, engine_id: str) -> None:
+        if engine_id in request.slots:
+            request.slots.remove(engine_id)
             self.admission.release(engine_id)
 
     def _engine(self, engine_id: str) -> EngineState:
@@ -380,164 +306,155 @@ class GenerationServicer(gen_grpc.GenerationServicer):
 
     # -- the request path ---------------------------------------------------------------------
 
-    async def _run(self, flight: Flight, route: Route) -> AsyncIterator[gen_pb.GenerateResponse]:
+    async def _run(self, request: Request, route: Route) -> AsyncIterator[gen_pb.GenerateResponse]:
         descriptor: eng_pb.TransferDescriptor | None = None
         if route.prefill.engine_id is not None:
-            response = await self._prefill_leg(flight, route.prefill.engine_id)
+            response = await self._prefill_leg(request, route.prefill.engine_id)
             if response is not None:
-                yield self._chunk(flight, [response.first_token_id], response.first_token_text)
+                yield self._chunk(request, [response.first_token_id], response.first_token_text)
                 if response.finish_reason in _FINISH_FROM_ENGINE:
-                    yield self._complete(flight, response.finish_reason)
+                    yield self._complete(request, response.finish_reason)
                     return
                 descriptor = response.descriptor
-        async for out in self._decode_leg(flight, route.decode.engine_id or "", descriptor):
+        async for out in self._decode_leg(request, route.decode.engine_id or "", descriptor):
             yield out
 
-    def _remaining(self, flight: Flight) -> float:
-        remaining = flight.record.deadline - self.table.clock()
+    def _remaining(self, request: Request) -> float:
+        remaining = self.table.remaining(request)
         if remaining <= 0:
             raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                               f"request deadline exceeded after {time.monotonic() - flight.started:.3f} s")
+                               f"request deadline exceeded after {time.monotonic() - request.arrived:.3f} s")
         return remaining
 
-    def _leg_error(self, flight: Flight, e: BaseException, what: str) -> Exception:
+    def _leg_error(self, request: Request, e: BaseException, what: str) -> Exception:
         """Maps an engine call's failure to LegFailed (recoverable) or RequestError (final)."""
         if isinstance(e, asyncio.CancelledError):
             task = asyncio.current_task()
-            if flight.engine_failed is None or (task is not None and task.cancelling()):
+            if request.engine_failed is None or (task is not None and task.cancelling()):
                 raise e
-            return LegFailed(f"{what}: {flight.engine_failed}")
+            return LegFailed(f"{what}: {request.engine_failed}")
         assert isinstance(e, grpc.aio.AioRpcError)
-        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and flight.record.deadline <= self.table.clock():
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and request.deadline <= self.table.clock():
             return RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline exceeded")
         if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
             return RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"engine refused the request: {e.details()}")
         return LegFailed(f"{what}: {e.code().name} {e.details()}")
 
-    async def _prefill_leg(self, flight: Flight, engine_id: str) -> eng_pb.PrefillResponse | None:
+    async def _prefill_leg(self, request: Request, engine_id: str) -> eng_pb.PrefillResponse | None:
         """Runs prefill (with retries per policy); None means decode-only recompute."""
-        record = flight.record
         while True:
             try:
                 engine = self._engine(engine_id)
-                self.table.start_prefill(record, EngineRef(engine.engine_id, engine.epoch))
-                response = await self._call_prefill(flight, engine)
-                self._give_slot(flight, engine_id)
+                request.start_prefill(EngineRef(engine.engine_id, engine.epoch))
+                response = await self._call_prefill(request, engine)
+                self._give_slot(request, engine_id)
                 return response
             except LegFailed as failure:
-                logger.warning("request %s: prefill on %s failed: %s", record.request_id, engine_id, failure)
-                self._settle_backlog(flight, engine_id, None)
-                self._give_slot(flight, engine_id)
-                self._abort_on(engine_id, record.request_id)
-                record.failed_prefill_engines.add(engine_id)
-                next_engine = self._next_prefill(record, engine_id)
+                logger.warning("request %s: prefill on %s failed: %s", request.request_id, engine_id, failure)
+                self._settle_backlog(request, engine_id, None)
+                self._give_slot(request, engine_id)
+                self._abort_on(engine_id, request.request_id)
+                next_engine = self._next_prefill(request, engine_id)
                 self.telemetry.prefill_failed(retried=next_engine is not None)
-                if record.state == RequestState.PREFILLING:
-                    self.table.prefill_failed(record, retry=next_engine is not None)
+                request.prefill_failed(engine_id, retry=next_engine is not None)
                 if next_engine is None:
                     return None  # decode-only: the decode engine computes the prompt
                 engine_id = next_engine
-                self._take_slot(flight, engine_id)
+                self._take_slot(request, engine_id)
 
-    def _next_prefill(self, record: RequestRecord, failed: str) -> str | None:
-        if self.config.prefill_failure_policy != "retry" or record.num_prefill_attempts >= self.config.max_prefill_attempts:
+    def _next_prefill(self, request: Request, failed: str) -> str | None:
+        if self.config.prefill_failure_policy != "retry" or request.num_prefill_attempts >= self.config.max_prefill_attempts:
             return None
-        views = self._views(Role.PREFILL, frozenset(record.failed_prefill_engines | {failed}))
+        views = self._views(Role.PREFILL, frozenset(request.failed_prefill_engines | {failed}))
         if not views:
             return None
-        return self.router.policy.choose_prefill(RoutingRequest([], record.num_prompt_tokens), views).engine_id
+        return self.router.policy.choose_prefill(RoutingRequest([], request.num_prompt_tokens), views).engine_id
 
-    async def _call_prefill(self, flight: Flight, engine: EngineState) -> eng_pb.PrefillResponse:
-        record = flight.record
-        request = eng_pb.PrefillRequest(request_id=record.request_id, prompt_token_ids=flight.valid.prompt_token_ids,
-                                        sampling=flight.valid.sampling, decode_tp_size=flight.decode_tp_size)
-        self._dispatched(flight)
-        call = self.channels.stub(engine).Prefill(request, timeout=self._remaining(flight))
-        flight.call = call
+    async def _call_prefill(self, request: Request, engine: EngineState) -> eng_pb.PrefillResponse:
+        message = eng_pb.PrefillRequest(request_id=request.request_id, prompt_token_ids=request.valid.prompt_token_ids,
+                                        sampling=request.valid.sampling, decode_tp_size=request.decode_tp_size)
+        self._dispatched(request)
+        call = self.channels.stub(engine).Prefill(message, timeout=self._remaining(request))
+        request.call = call
         try:
             started = time.monotonic()
             try:
                 response: eng_pb.PrefillResponse = await call
             finally:
-                flight.outside_s += time.monotonic() - started
-            self._settle_backlog(flight, engine.engine_id, time.monotonic() - started)
+                request.outside_s += time.monotonic() - started
+            self._settle_backlog(request, engine.engine_id, time.monotonic() - started)
         except (asyncio.CancelledError, grpc.aio.AioRpcError) as e:
-            raise self._leg_error(flight, e, "prefill") from None
+            raise self._leg_error(request, e, "prefill") from None
         finally:
-            flight.call = None
+            request.call = None
         d = response.descriptor
         if response.finish_reason not in _FINISH_FROM_ENGINE and (d.engine_id != engine.engine_id
                                                                   or d.epoch != engine.epoch):
             raise LegFailed(f"prefill answered for engine {d.engine_id!r} epoch {d.epoch:#x}, "
                             f"expected {engine.engine_id!r} epoch {engine.epoch:#x}")
-        self.table.prefill_done(record, self._lease_deadline(d.lease_expires_unix_ms))
-        flight.num_cached_tokens = response.num_cached_tokens
-        flight.prefill_engine_id = engine.engine_id
+        request.prefill_done(self._lease_deadline(d.lease_expires_unix_ms), response.num_cached_tokens)
         return response
 
-    def _dispatched(self, flight: Flight) -> None:
-        flight.engine_failed = None
-        if not flight.dispatched:
-            flight.dispatched = True
-            self.metrics.observe_queue_time(time.monotonic() - flight.started)
+    def _dispatched(self, request: Request) -> None:
+        request.engine_failed = None
+        if not request.dispatched:
+            request.dispatched = True
+            self.metrics.observe_queue_time(time.monotonic() - request.arrived)
 
     def _lease_deadline(self, lease_expires_unix_ms: int) -> float:
         if lease_expires_unix_ms:
             return self.table.clock() + (lease_expires_unix_ms / 1000.0 - time.time())
         return self.table.clock() + self.config.lease_s
 
-    async def _decode_leg(self, flight: Flight, engine_id: str,
+    async def _decode_leg(self, request: Request, engine_id: str,
                           descriptor: eng_pb.TransferDescriptor | None) -> AsyncIterator[gen_pb.GenerateResponse]:
-        record = flight.record
         while True:
             try:
                 engine = self._engine(engine_id)
                 ref = EngineRef(engine.engine_id, engine.epoch)
-                if record.decode is None:
-                    self.table.start_decode(record, ref)
+                if request.decode is None:
+                    request.start_decode(ref)
                 else:
-                    self.table.migrate(record, ref)
-                if descriptor is not None and record.prefill is not None:
-                    self.control.tracker.start(record.request_id, record.prefill, ref)
-                self._register_itl(flight, engine.engine_id)
-                async for out in self._stream_decode(flight, engine, descriptor):
+                    request.migrate(ref)
+                if descriptor is not None and request.prefill is not None:
+                    self.control.tracker.start(request.request_id, request.prefill, ref)
+                self._register_itl(request, engine.engine_id)
+                async for out in self._stream_decode(request, engine, descriptor):
                     yield out
                 return
             except LegFailed as failure:
-                logger.warning("request %s: decode on %s failed: %s", record.request_id, engine_id, failure)
+                logger.warning("request %s: decode on %s failed: %s", request.request_id, engine_id, failure)
                 self.metrics.count_migration("decode_failed")
-                self._settle_backlog(flight, engine_id, None)
-                engine_id = self._migration_target(flight, engine_id)
+                self._settle_backlog(request, engine_id, None)
+                engine_id = self._migration_target(request, engine_id)
                 descriptor = None
 
-    def _migration_target(self, flight: Flight, failed: str) -> str:
-        record = flight.record
-        self._drop_transfer(record, ReleaseCause.TRANSFER_FAILED)
-        self._abort_on(failed, record.request_id)
-        self._give_slot(flight, failed)
-        if record.num_migrations >= self.config.max_migrations:
+    def _migration_target(self, request: Request, failed: str) -> str:
+        self._drop_transfer(request, ReleaseCause.TRANSFER_FAILED)
+        self._abort_on(failed, request.request_id)
+        self._give_slot(request, failed)
+        if request.num_migrations >= self.config.max_migrations:
             raise RequestError(grpc.StatusCode.UNAVAILABLE,
-                               f"decode failed {record.num_migrations + 1} times; giving up")
-        exclude = frozenset(record.failed_decode_engines | {failed})
+                               f"decode failed {request.num_migrations + 1} times; giving up")
+        exclude = frozenset(request.failed_decode_engines | {failed})
         choice = self.router.choose_decode(self._views(Role.DECODE, exclude))
         if choice.engine_id is None:
             raise self._no_decode_error(exclude)
-        if record.decode is None:  # the failure came before the decode leg opened
-            record.failed_decode_engines.add(failed)
-        self._take_slot(flight, choice.engine_id)
+        if request.decode is None:  # the failure came before the decode leg opened
+            request.failed_decode_engines.add(failed)
+        self._take_slot(request, choice.engine_id)
         return choice.engine_id
 
-    async def _stream_decode(self, flight: Flight, engine: EngineState,
+    async def _stream_decode(self, request: Request, engine: EngineState,
                              descriptor: eng_pb.TransferDescriptor | None) -> AsyncIterator[gen_pb.GenerateResponse]:
-        record = flight.record
-        request = eng_pb.DecodeRequest(request_id=record.request_id, prompt_token_ids=flight.valid.prompt_token_ids,
-                                       output_token_ids=flight.output_ids, sampling=flight.valid.sampling)
+        message = eng_pb.DecodeRequest(request_id=request.request_id, prompt_token_ids=request.valid.prompt_token_ids,
+                                       output_token_ids=request.output_token_ids, sampling=request.valid.sampling)
         if descriptor is not None:
-            request.descriptor.CopyFrom(descriptor)
-        self._dispatched(flight)
-        call = self.channels.stub(engine).Decode(request, timeout=self._remaining(flight))
-        flight.call = call
-        flight.leg_started_at, flight.kv_ready_at = time.monotonic(), None
+            message.descriptor.CopyFrom(descriptor)
+        self._dispatched(request)
+        call = self.channels.stub(engine).Decode(message, timeout=self._remaining(request))
+        request.call = call
+        request.leg_started_at, request.kv_ready_at = time.monotonic(), None
         first = True
         try:
             responses = aiter(call)
@@ -548,145 +465,129 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                 except StopAsyncIteration:
                     break
                 finally:
-                    flight.outside_s += time.monotonic() - waiting
+                    request.outside_s += time.monotonic() - waiting
                 if first and descriptor is not None:
-                    self._transferred(flight, engine.engine_id, response.num_transferred_tokens)
+                    self._transferred(request, engine.engine_id, response.num_transferred_tokens)
                 if first:
-                    self._settle_backlog(flight, engine.engine_id, None)  # see PathCosts: not sampled
-                    flight.num_cached_tokens = max(flight.num_cached_tokens, response.num_cached_tokens)
+                    self._settle_backlog(request, engine.engine_id, None)  # see PathCosts: not sampled
+                    request.num_cached_tokens = max(request.num_cached_tokens, response.num_cached_tokens)
                     first = False
                 if response.token_ids:
-                    yield self._chunk(flight, list(response.token_ids), response.text)
+                    yield self._chunk(request, list(response.token_ids), response.text)
                 if response.finish_reason in _FINISH_FROM_ENGINE:
-                    yield self._complete(flight, response.finish_reason)
+                    yield self._complete(request, response.finish_reason)
                     if tracing_active():
                         await _read_to_end(responses)
                     return
                 if response.finish_reason == gen_pb.FINISH_REASON_ABORT:
                     raise LegFailed("the decode engine aborted the request")
         except (asyncio.CancelledError, grpc.aio.AioRpcError) as e:
-            raise self._leg_error(flight, e, "decode") from None
+            raise self._leg_error(request, e, "decode") from None
         finally:
-            flight.call = None
+            request.call = None
         raise LegFailed("decode stream ended without a finish reason")
 
-    def _transferred(self, flight: Flight, decode_id: str, num_tokens: int) -> None:
+    def _transferred(self, request: Request, decode_id: str, num_tokens: int) -> None:
         """The decode engine reported the prompt tokens it pulled; with the KVReady time this is
         one sample of the pair's transfer cost."""
-        flight.num_transferred_tokens = num_tokens
+        request.num_transferred_tokens = num_tokens
         self.metrics.count_transferred_tokens(num_tokens)
-        if flight.kv_ready_at is not None and flight.prefill_engine_id:
-            self.costs.observe_transfer(flight.prefill_engine_id, decode_id, num_tokens,
-                                        flight.kv_ready_at - flight.leg_started_at)
+        if request.kv_ready_at is not None and request.prefill_engine_id:
+            self.costs.observe_transfer(request.prefill_engine_id, decode_id, num_tokens,
+                                        request.kv_ready_at - request.leg_started_at)
 
-    def _chunk(self, flight: Flight, token_ids: list[int], text: str) -> gen_pb.GenerateResponse:
+    def _chunk(self, request: Request, token_ids: list[int], text: str) -> gen_pb.GenerateResponse:
         now = time.monotonic()
-        if flight.first_token_at is None:
-            self.metrics.observe_ttft(now - flight.started, self._path(flight))
+        if request.first_token_at is None:
+            self.metrics.observe_ttft(now - request.arrived, request.path_name)
             self.metrics.count_first_tokens(len(token_ids))
-            self._first_token(flight, now)
+            self._first_token(request, now)
         else:
-            self.metrics.observe_inter_token_latency(now - flight.last_token_at, len(token_ids))
-            if len(flight.output_ids) >= 2:  # the gap before the second token holds the transfer
-                decode_id = flight.record.decode.engine_id if flight.record.decode is not None else None
-                self.costs.observe_itl((now - flight.last_token_at) / len(token_ids), decode_id, now)
-        flight.first_token_at = flight.first_token_at or now
-        flight.last_token_at = now
-        index = self.table.tokens_streamed(flight.record, len(token_ids))
-        flight.output_ids.extend(token_ids)
-        return gen_pb.GenerateResponse(request_id=flight.client_id,
+            self.metrics.observe_inter_token_latency(now - request.last_token_at, len(token_ids))
+            if len(request.output_token_ids) >= 2:  # the gap before the second token holds the transfer
+                decode_id = request.decode.engine_id if request.decode is not None else None
+                self.costs.observe_itl((now - request.last_token_at) / len(token_ids), decode_id, now)
+        index = request.stream(token_ids, now)
+        return gen_pb.GenerateResponse(request_id=request.client_id,
                                        chunk=gen_pb.Chunk(token_ids=token_ids, text=text, index=index))
 
-    def _first_token(self, flight: Flight, now: float) -> None:
+    def _first_token(self, request: Request, now: float) -> None:
         """The decision's outcome: the actual TTFT beside the prediction, fed back to the cost
         model when the request took the path decided (not after a failed prefill or a migration)."""
-        flight.ttft_s = now - flight.started
-        decision = flight.path
+        request.ttft_s = now - request.arrived
+        decision = request.path
         if decision is None or decision.predicted_ttft_s is None:
             return
-        local = not flight.prefill_engine_id
-        if local != decision.local or (not local and flight.prefill_engine_id != decision.prefill_id) \
-                or flight.record.num_migrations:
+        local = not request.prefill_engine_id
+        if local != decision.local or (not local and request.prefill_engine_id != decision.prefill_id) \
+                or request.num_migrations:
             return
         self.metrics.observe_path_ttft_error(decision.path,
-                                             abs(decision.predicted_ttft_s - flight.ttft_s) / flight.ttft_s)
+                                             abs(decision.predicted_ttft_s - request.ttft_s) / request.ttft_s)
         if local:
-            uncached = max(1, flight.record.num_prompt_tokens - flight.num_cached_tokens)
+            uncached = max(1, request.num_prompt_tokens - request.num_cached_tokens)
             self.costs.observe_local_prefill(decision.decode_id, now, uncached)
-        self.router.path.observe_ttft(decision, flight.ttft_s)
+        self.router.path.observe_ttft(decision, request.ttft_s)
 
-    def _complete(self, flight: Flight, finish_reason: int) -> gen_pb.GenerateResponse:
-        record = flight.record
-        usage = gen_pb.Usage(prompt_tokens=record.num_prompt_tokens, cached_tokens=flight.num_cached_tokens,
-                             transferred_tokens=flight.num_transferred_tokens,
-                             generated_tokens=len(flight.output_ids))
+    def _complete(self, request: Request, finish_reason: int) -> gen_pb.GenerateResponse:
+        usage = gen_pb.Usage(prompt_tokens=request.num_prompt_tokens, cached_tokens=request.num_cached_tokens,
+                             transferred_tokens=request.num_transferred_tokens,
+                             generated_tokens=len(request.output_token_ids))
         complete = gen_pb.Complete(finish_reason=finish_reason, usage=usage,  # type: ignore[arg-type]
-                                   prefill_engine_id=flight.prefill_engine_id,
-                                   decode_engine_id=record.decode.engine_id if record.decode else "",
-                                   num_migrations=record.num_migrations, path_reason=flight.path_reason,
-                                   scheduler_overhead_ms=1000.0 * max(0.0, time.monotonic() - flight.started
-                                                                       - flight.outside_s),
-                                   ttft_ms=1000.0 * (flight.ttft_s or 0.0))
-        if flight.path is not None and flight.path.predicted_ttft_s is not None:
-            complete.predicted_ttft_ms = 1000.0 * flight.path.predicted_ttft_s
-            if flight.path.alternative_ttft_s is not None:
-                complete.alternative_ttft_ms = 1000.0 * flight.path.alternative_ttft_s
-        return gen_pb.GenerateResponse(request_id=flight.client_id, complete=complete)
+                                   prefill_engine_id=request.prefill_engine_id,
+                                   decode_engine_id=request.decode.engine_id if request.decode else "",
+                                   num_migrations=request.num_migrations, path_reason=request.path_reason,
+                                   scheduler_overhead_ms=1000.0 * max(0.0, time.monotonic() - request.arrived
+                                                                       - request.outside_s),
+                                   ttft_ms=1000.0 * (request.ttft_s or 0.0))
+        if request.path is not None and request.path.predicted_ttft_s is not None:
+            complete.predicted_ttft_ms = 1000.0 * request.path.predicted_ttft_s
+            if request.path.alternative_ttft_s is not None:
+                complete.alternative_ttft_ms = 1000.0 * request.path.alternative_ttft_s
+        return gen_pb.GenerateResponse(request_id=request.client_id, complete=complete)
 
     # -- the end of a request -----------------------------------------------------------------
 
-    def _end(self, flight: Flight, state: RequestState, reason: str) -> None:
+    def _end(self, request: Request, state: RequestState, reason: str) -> None:
         """Ends a request once: aborts live legs, releases prefill blocks, frees slots."""
-        record = flight.record
-        if self.flights.get(record.request_id) is not flight:
+        if not self.table.owns(request):
             return
-        if not record.done:
-            if state == RequestState.FINISHED and record.state not in (RequestState.DECODING,
-                                                                       RequestState.PREFILLING,
-                                                                       RequestState.TRANSFERRING):
+        if not request.done:
+            if state == RequestState.FINISHED and request.state not in RUNNING:
                 state = RequestState.FAILED
-            self.table.finish(record, state, reason)
-        if record.state != RequestState.FINISHED:
-            if record.decode is not None:
-                self._abort_on(record.decode.engine_id, record.request_id)
-            if record.prefill is not None and not record.prefill_pinned:
-                self._abort_on(record.prefill.engine_id, record.request_id)
-        cause = ReleaseCause.FINISHED if record.state == RequestState.FINISHED else ReleaseCause.ABORT
-        self._drop_transfer(record, cause)
-        self._abort_counters(record)
-        for engine_id in list(flight.slots):
-            self._give_slot(flight, engine_id)
-        if flight.backlog is not None:
-            self._settle_backlog(flight, flight.backlog[0], None)
-        self._register_itl(flight, None)
-        del self.flights[record.request_id]
-        self.table.remove(record)
+            request.finish(state, reason)
+        if request.state != RequestState.FINISHED:
+            if request.decode is not None:
+                self._abort_on(request.decode.engine_id, request.request_id)
+            if request.prefill is not None and not request.prefill_pinned:
+                self._abort_on(request.prefill.engine_id, request.request_id)
+        cause = ReleaseCause.FINISHED if request.state == RequestState.FINISHED else ReleaseCause.ABORT
+        self._drop_transfer(request, cause)
+        self._abort_counters(request)
+        for engine_id in list(request.slots):
+            self._give_slot(request, engine_id)
+        if request.backlog is not None:
+            self._settle_backlog(request, request.backlog[0], None)
+        self._register_itl(request, None)
+        self.table.remove(request)
         outcome = {RequestState.FINISHED: "success", RequestState.FAILED: "error"}.get(
-            record.state, "deadline" if reason == "deadline" else "cancelled")
-        self.metrics.request_finished(outcome, time.monotonic() - flight.started, self._path(flight))
+            request.state, "deadline" if reason == "deadline" else "cancelled")
+        self.metrics.request_finished(outcome, time.monotonic() - request.arrived, request.path_name)
 
-    def _abort_counters(self, record: RequestRecord) -> None:
+    def _abort_counters(self, request: Request) -> None:
         """Drops the request's pending transfer counters (late reports of it are absorbed) on
         every engine it was sent to — its prefill and decode engines and those it left — not
         on every engine: per request that was O(engines) work and as many remembered ids."""
         aggregator = self.control.aggregator
-        engines = record.failed_prefill_engines | record.failed_decode_engines
-        for ref in (record.prefill, record.decode):
-            if ref is not None:
-                engines.add(ref.engine_id)
-        for engine_id in engines:
+        for engine_id in request.engines_sent_to():
             if aggregator.engine_epoch(engine_id) is not None:
-                aggregator.abort(record.request_id, engine_id)
+                aggregator.abort(request.request_id, engine_id)
 
-    @staticmethod
-    def _path(flight: Flight) -> str:
-        return "disaggregated" if flight.prefill_engine_id else "decode_only"
-
-    def _drop_transfer(self, record: RequestRecord, cause: ReleaseCause) -> None:
+    def _drop_transfer(self, request: Request, cause: ReleaseCause) -> None:
         """Stops tracking the request's transfer and releases its prefill blocks (once)."""
-        self.control.tracker.cancel(record.request_id)
-        if record.prefill is not None and self.table.release_prefill(record, cause):
-            self.control.release(record.prefill, record.request_id)
+        self.control.tracker.cancel(request.request_id)
+        if request.prefill is not None and request.release_prefill(cause):
+            self.control.release(request.prefill, request.request_id)
 
     def _abort_on(self, engine_id: str, request_id: str) -> None:
         engine = self.registry.engine(engine_id)
@@ -708,30 +609,25 @@ class GenerationServicer(gen_grpc.GenerationServicer):
 
     def on_transfer_outcome(self, outcome: TransferOutcome) -> None:
         """Applies the release-once rule, then delivers the outcome to its engine."""
-        record = self.table.get(outcome.request_id)
+        request = self.table.get(outcome.request_id)
         if outcome.kind == OutcomeKind.RELEASE:
             cause = ReleaseCause.TRANSFER_FAILED if outcome.failed else ReleaseCause.TRANSFERRED
-            if record is None or not self.table.release_prefill(record, cause):
-                self.table.release_noops[cause] += 1 if record is None else 0
+            if request is None:
+                self.table.release_noops[cause] += 1
                 return
-        elif outcome.kind == OutcomeKind.KV_READY and record is not None:
-            self.table.kv_arrived(record)
-            flight = self.flights.get(outcome.request_id)
-            if flight is not None:
-                flight.kv_ready_at = time.monotonic()
+            if not request.release_prefill(cause):
+                return
+        elif outcome.kind == OutcomeKind.KV_READY and request is not None:
+            request.kv_arrived(time.monotonic())
         self.control.deliver(outcome)
 
     def on_engine_down(self, ref: EngineRef, reason: str) -> None:
         """Fails the legs running on a dead engine over (their calls are cancelled)."""
-        for flight in list(self.flights.values()):
-            record = flight.record
-            if record.prefill == ref and record.prefill_pinned:
-                self.table.release_prefill(record, ReleaseCause.ENGINE_GONE)
-            on_prefill = record.state == RequestState.PREFILLING and record.prefill == ref
-            on_decode = record.decode == ref and record.state in (RequestState.TRANSFERRING, RequestState.DECODING)
-            if (on_prefill or on_decode) and flight.call is not None:
-                flight.engine_failed = f"engine {ref.engine_id} down: {reason}"
-                flight.call.cancel()
+        for request in self.table:
+            if request.prefill == ref and request.prefill_pinned:
+                request.release_prefill(ReleaseCause.ENGINE_GONE)
+            if request.on_leg(ref):
+                request.cancel_leg(f"engine {ref.engine_id} down: {reason}")
 
     # -- drain --------------------------------------------------------------------------------
 
@@ -739,9 +635,9 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         """Refuses new requests and waits for the in-flight ones; True when none is left."""
         self.draining = True
         deadline = time.monotonic() + timeout_s
-        while self.flights and time.monotonic() < deadline:
+        while self.table and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        return not self.flights
+        return not self.table
 
     async def close(self) -> None:
         for task in list(self._background):

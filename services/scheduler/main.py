@@ -63,7 +63,7 @@ async def serve(config: SchedulerConfig) -> int:
         await started.wait()  # a signal during start-up drains once the ports are up
         clean = await service.drain()
         if not clean:
-            logger.warning("drain timed out with %d requests in flight", len(service.generation.flights))
+            logger.warning("drain timed out with %d requests in flight", len(service.generation.table))
 
     # Before start(): its gRPC ports report SERVING before the HTTP API is up, and a SIGTERM in
     # between must still drain and exit 0, not kill the process with buffered spans unexported.

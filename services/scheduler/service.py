@@ -47,11 +47,12 @@ from services.scheduler.engine_positions import EnginePositions
 from services.scheduler.event_sink import EventSink
 from services.scheduler.generation import GenerationServicer
 from services.scheduler.http_api import HttpApi
-from services.scheduler.lifecycle import EngineRef, ReleaseCause, RequestTable
+from services.scheduler.lifecycle import EngineRef, ReleaseCause
 from services.scheduler.path_costs import CostPriors, PathCosts
 from services.scheduler.path_policy import PathConfig, PathPolicy
 from services.scheduler.peer_snapshots import PeerSnapshots
 from services.scheduler.registry import EngineRegistry
+from services.scheduler.request_table import RequestTable
 from services.scheduler.routing import Router, RoutingPolicy, make_policy
 from services.scheduler.telemetry import SchedulerTelemetry
 from services.scheduler.tokenization import ModelFacts, PromptTokenizer, read_model_facts
@@ -241,9 +242,9 @@ class SchedulerService:
         engine frees them itself; the ReleaseBlocks makes sure)."""
         while True:
             await asyncio.sleep(0.5)
-            for record in self.table.lease_expired():
-                if record.prefill is not None and self.table.release_prefill(record, ReleaseCause.LEASE_EXPIRED):
-                    self.control.release(record.prefill, record.request_id)
+            for request in self.table.lease_expired():
+                if request.prefill is not None and request.release_prefill(ReleaseCause.LEASE_EXPIRED):
+                    self.control.release(request.prefill, request.request_id)
 
     async def drain(self, timeout_s: float | None = None) -> bool:
         """Health NOT_SERVING, new requests refused, waits for in-flight ones (True: all done)."""
@@ -273,7 +274,6 @@ class SchedulerService:
         """What is left after every request ended (empty when clean): requests, transfers, slots."""
         problems = [f"request {x}" for x in self.table.leaks()]
         problems += [f"transfer {r}" for r in self.control.tracker.transfers]
-        problems += [f"flight {r}" for r in self.generation.flights]
         problems += self.router.path.costs.leaks()
         if self.admission.total():
             problems.append(f"{self.admission.total()} admission slots held")

@@ -1,5 +1,5 @@
 """`make gpu-check --dry-run`: every section of the GPU check (parity with transformers, a 1P1D
-cluster, KV transfer bandwidth) runs on the CPU at tiny sizes, so the script cannot rot while
+cluster, KV transfer bandwidth, vLLM's layouts without vLLM, the CUDA test files collected) runs on the CPU at tiny sizes, so the script cannot rot while
 no GPU is lent; without a GPU and without --dry-run it refuses at once, naming the missing CUDA.
 Cost: one tiny cluster and one transfer process pair: 140 s to 400 s measured on a 2-core host
 shared with seven other test runs (most of it process start-up under that load)."""
@@ -30,7 +30,7 @@ def test_make_gpu_check_dry_run_passes_every_section(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert (report["device"], report["dry_run"], report["ok"]) == ("cpu", True, True)
     sections = report["sections"]
-    assert list(sections) == ["parity", "cluster", "transfer"]
+    assert list(sections) == ["parity", "cluster", "transfer", "vllm_layouts", "cuda_tests"]
     [row] = sections["parity"]["models"]
     assert row["float32_equal"] and row["float32_token_agreement"] == 1.0 and 0 <= row["bfloat16_token_agreement"] <= 1
     requests = sections["cluster"]["requests"]
@@ -40,6 +40,12 @@ def test_make_gpu_check_dry_run_passes_every_section(tmp_path: Path) -> None:
     assert [r["num_blocks"] for r in rows] == [16, 64]
     assert all(r["gbps"]["pdserve"] > 0 and r["gbps"]["copy"] > 0 for r in rows)
     assert sections["transfer"]["unavailable"] == {"nixl": "NIXL VRAM reads need a GPU"}
+    vllm = sections["vllm_layouts"]["layouts"]
+    assert [r["layout"] for r in vllm] == ["BHLNC", "LBHNC"]
+    assert all(r["whole_blocks_exact"] and r["head_ranges_exact"] and r["run_gbps"] > 0 for r in vllm)
+    # dry: the CUDA test files are collected (they import and exist), not run
+    assert sections["cuda_tests"]["collected"] >= 15 and sections["cuda_tests"]["missing"] == []
+    assert report["environment"]["carry"]["ok"]
     assert "PASSED" in result.stdout
 
 

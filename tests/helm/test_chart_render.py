@@ -510,9 +510,9 @@ def _makefile_install_commands() -> list[str]:
     return [line.strip() for line in recipe.group(1).splitlines() if "$(PIP) install" in line]
 
 
-def _normalize(command: str, torch_args: str) -> str:
-    command = command.replace("$(PIP)", "pip").replace("$(TORCH_ARGS)", torch_args).replace("-e .", ".")
-    return " ".join(command.split())
+def _normalize(command: str, torch_args: str, ucx: str) -> str:
+    command = command.replace("$(PIP)", "pip").replace("$(TORCH_ARGS)", torch_args).replace("$(UCX)", ucx)
+    return " ".join(command.replace("-e .", ".").replace("-e '.", "'.").split())
 
 
 def _dockerfile_installs(name: str) -> list[str]:
@@ -520,15 +520,22 @@ def _dockerfile_installs(name: str) -> list[str]:
     return [" ".join(line.split()[1:]) for line in lines if line.startswith("RUN pip install")]
 
 
-@pytest.mark.parametrize(("dockerfile", "torch_args"), [
-    ("Dockerfile", ""),
-    ("Dockerfile.cpu", "-c constraints-cpu.txt --extra-index-url https://download.pytorch.org/whl/cpu"),
+@pytest.mark.parametrize(("dockerfile", "torch_args", "ucx"), [
+    ("Dockerfile", "--extra-index-url https://download.pytorch.org/whl/cu130", "cu13"),
+    ("Dockerfile.cpu", "-c constraints-cpu.txt --extra-index-url https://download.pytorch.org/whl/cpu", "cu12"),
 ])
-def test_dockerfiles_install_exactly_what_the_makefile_installs(dockerfile: str, torch_args: str) -> None:
+def test_dockerfiles_install_exactly_what_the_makefile_installs(dockerfile: str, torch_args: str, ucx: str) -> None:
     make = _makefile_install_commands()
     assert len(make) >= 2
-    assert _dockerfile_installs(dockerfile) == [_normalize(c, torch_args) for c in make]
-    if torch_args:
+    assert _dockerfile_installs(dockerfile) == [_normalize(c, torch_args, ucx) for c in make]
+    makefile = (ROOT / "Makefile").read_text()
+    assert f"TORCH_ARGS := {torch_args}" in makefile or "cpu" in torch_args
+    assert f"UCX := {ucx}" in makefile
+    if ucx == "cu13":  # the GPU image and the GPU check's wheels: one CUDA major
+        assert "FROM ${CUDA_IMAGE}" in (ROOT / dockerfile).read_text()
+        assert "ARG CUDA_IMAGE=nvidia/cuda:13." in (ROOT / dockerfile).read_text()
+        assert "ucxx-cu13==" in makefile and "libucx-cu13==" in makefile and "cu12==" not in makefile
+    if "cpu" in torch_args:
         assert "--extra-index-url https://download.pytorch.org/whl/cpu" in (ROOT / "Makefile").read_text()
         assert "constraints-cpu.txt" in (ROOT / "Makefile").read_text()
 

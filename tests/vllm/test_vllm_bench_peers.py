@@ -17,6 +17,7 @@ import pytest
 from services.common.cli import main
 
 VLLM_SYSTEMS = ("vllm_colocated", "vllm_pd_nixl", "pdserve_vllm")
+PDSERVE_KEYS = ("kv_bytes_registered", "kv_mirror_bytes", "kv_staging")
 
 
 def run_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str, Any]:
@@ -48,8 +49,13 @@ def test_bench_serve_compare_vllm_tiny(tmp_path: Path, capsys: pytest.CaptureFix
             "itl_first_p50_ms", "itl_first_p99_ms", "itl_rest_p99_ms", "cpu"}
     assert report["absent"] == {} and set(report["systems"]) == set(VLLM_SYSTEMS), report["absent"]
     for name in VLLM_SYSTEMS:
-        assert set(report["systems"][name]) - {"proxy"} == keys, name
+        assert set(report["systems"][name]) - {"proxy", *PDSERVE_KEYS} == keys, name
         assert report["systems"][name]["tok_s"] > 0, name
+    # pdserve with vLLM engines: vLLM's own KV registered in place (both engines' /metrics), no mirror
+    pdserve_vllm = report["systems"]["pdserve_vllm"]
+    assert set(PDSERVE_KEYS) <= set(pdserve_vllm)
+    assert pdserve_vllm["kv_bytes_registered"] > 0 and pdserve_vllm["kv_mirror_bytes"] == 0
+    assert pdserve_vllm["kv_staging"] == "none"
     # vLLM's 1P1D went through the proxy (one client for every system): both legs of each request
     legs = report["systems"]["vllm_pd_nixl"]["proxy"]
     assert legs["prefill_ms"]["p50"] > 0 and legs["decode_first_byte_ms"]["p50"] >= legs["prefill_ms"]["p50"]

@@ -42,8 +42,40 @@ def test_explicit_settings_pass_through(vengine: ModuleType) -> None:
 def test_kv_budget_per_platform(vengine: ModuleType) -> None:
     assert vengine.kv_budget(_settings(vengine), cuda=False) == {"kv_cache_memory_bytes": 256 << 20}
     gpu = _settings(vengine, gpu_memory_fraction=0.25)
-    assert vengine.kv_budget(gpu, cuda=True, device_memory_bytes=80 << 30) == {"kv_cache_memory_bytes": 20 << 30}
+    # the share is also vLLM's gpu_memory_utilization: its start-up check wants that much free,
+    # not its default 0.92 (which the second engine on a shared GPU never finds)
+    assert vengine.kv_budget(gpu, cuda=True, device_memory_bytes=80 << 30) == {
+        "kv_cache_memory_bytes": 20 << 30, "gpu_memory_utilization": 0.25}
+    args = vengine.engine_args(gpu, cuda=True, device_memory_bytes=80 << 30)
+    assert (args.kv_cache_memory_bytes, args.gpu_memory_utilization) == (20 << 30, 0.25)
+    # --vllm-arg still has the last word
+    args = vengine.engine_args(_settings(vengine, gpu_memory_fraction=0.25, vllm_args={"gpu_memory_utilization": 0.5}),
+                               cuda=True, device_memory_bytes=80 << 30)
+    assert args.gpu_memory_utilization == 0.5
     # no fraction given: vLLM's gpu_memory_utilization decides
     assert vengine.kv_budget(_settings(vengine), cuda=True, device_memory_bytes=80 << 30) == {}
     args = vengine.engine_args(_settings(vengine), cuda=True, device_memory_bytes=80 << 30)
     assert args.kv_cache_memory_bytes is None
+
+
+def test_devices_become_the_workers_cuda_visible_devices(vengine: ModuleType) -> None:
+    env = vengine.worker_environment(_settings(vengine, devices="2,3", torch_threads=2), {})
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["OMP_NUM_THREADS"] == "2" and env["PYTHONHASHSEED"]
+    # indices among the GPUs the engine process sees (a device plugin's list, or UUIDs)
+    inherited = {"CUDA_VISIBLE_DEVICES": "4,5,6,7", "OMP_NUM_THREADS": "1"}
+    env = vengine.worker_environment(_settings(vengine, devices="1,3", torch_threads=2), inherited)
+    assert env["CUDA_VISIBLE_DEVICES"] == "5,7" and "OMP_NUM_THREADS" not in env
+    env = vengine.worker_environment(_settings(vengine, devices="0"), {"CUDA_VISIBLE_DEVICES": "GPU-a1, GPU-b2"})
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-a1"
+    with pytest.raises(ValueError, match=r"--devices 2: this process sees 2 GPU\(s\)"):
+        vengine.worker_environment(_settings(vengine, devices="2"), {"CUDA_VISIBLE_DEVICES": "4,5"})
+    # no --devices: the inherited placement stands
+    assert "CUDA_VISIBLE_DEVICES" not in vengine.worker_environment(_settings(vengine), inherited)
+
+
+def test_cpu_tp1_worker_runs_in_the_engine_core_process(vengine: ModuleType) -> None:
+    """On CPU at tp 1 the "uni" executor (no worker process busy-waiting beside the engine core);
+    tp 2 and CUDA keep vLLM's own executor choice."""
+    assert vengine.executor_env(_settings(vengine), cuda=False) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert vengine.executor_env(_settings(vengine, tp=2), cuda=False) == {}
+    assert vengine.executor_env(_settings(vengine), cuda=True) == {}

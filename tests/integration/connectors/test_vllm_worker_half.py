@@ -4,7 +4,8 @@ drains what the control stream would). A finished prompt's blocks are gathered a
 as runs, scattered into the decode side's tensors, and reported to vLLM exactly once. About 5 s.
 
 The halves get per-layer tensors of their own (not one allocation with per-layer views, as vLLM
-allocates), so they run on the explicit `kv_staging="host"` fallback; the in-place path is tested
+allocates), so they run on the explicit `kv_staging="host"` fallback (the bounded pool, copies on
+its stager thread); the in-place path is tested
 with vLLM-shaped allocations in tests/integration/ucx/test_ucx_vllm_layouts.py."""
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def test_rank0_serves_the_engine_load_it_is_handed_on_metrics() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     config = PdserveConnectorConfig(engine_id="decode-9", role="decode", epoch=5, scheduler="127.0.0.1:1",
-                                    metrics_port=port, kv_staging="host")
+                                    metrics_port=port, kv_staging="host", kv_staging_blocks=4)
     w = VllmWorkerHalf(config, rank=0, tp_size=1, model=MODEL, block_size=B)
     w.register_kv_caches(caches(3))
     try:
@@ -130,3 +131,7 @@ def test_rank0_serves_the_engine_load_it_is_handed_on_metrics() -> None:
         w.shutdown()
     assert 'pdserve_engine_running_requests{engine="decode-9",role="decode"} 3.0' in text
     assert 'pdserve_engine_kv_cache_usage_ratio{engine="decode-9",role="decode"} 0.25' in text
+    # Host staging registers its bounded pool (4 blocks of the 12-block cache), reported as the mirror.
+    pool = 4 * H * L * 2 * B * D * 4
+    mirror = [line for line in text.splitlines() if line.startswith("pdserve_engine_kv_mirror_bytes{")]
+    assert mirror and all(float(line.rsplit(" ", 1)[1]) == pool for line in mirror), mirror

@@ -110,6 +110,25 @@ def test_bench_scale_quick(capsys: pytest.CaptureFixture[str], tmp_path: Path) -
     assert 0 < result["rss_mib"] < 1024
 
 
+def test_bench_scale_two_replicas_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--schedulers 1,2`: every rank registered with both replicas (requests round-robin over
+    them all complete), then the closed loop's requests routed per second, side by side."""
+    assert main(["bench", "scale", "--ranks", "4", "--tp", "2", "--schedulers", "1,2", "--duration", "1.5",
+                 "--saturate-s", "1.5", "--concurrency", "4", "--sim-procs", "1", "--request-rate", "2",
+                 "--step-hz", "4", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    one, two = result["points"]
+    assert (one["schedulers"], two["schedulers"], result["schedulers"]) == (1, 2, 2)
+    for p in (one, two):
+        assert p["false_down"] == 0 and p["request_errors"] == {} and p["saturated_errors"] == 0
+        assert p["requests_ok"] == p["requests_sent"] > 0 and p["saturated_requests"] > 0
+        assert p["kv_ready_p50_ms"] > 0 and p["kv_ready_from_first_report"] == 0
+        assert p["routed_per_s"] > 0 and p["routed_per_scheduler_cpu_s"] > 0
+    assert result["replica_speedup"] == pytest.approx(two["routed_per_s"] / one["routed_per_s"])
+    assert two["cpu_ms_per_rank_s"] == pytest.approx(2 * two["cpu_ms_per_rank_s_per_replica"])
+    assert "replica_speedup" in result and result["routed_per_s"] == two["routed_per_s"]
+
+
 def test_bench_scale_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "scale", "--ranks", "1"]) == 2
     assert "every value must be >= 2" in capsys.readouterr().err
@@ -117,3 +136,7 @@ def test_bench_scale_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> No
     assert "--scheduler-loop: expected a comma-separated list of uvloop, asyncio" in capsys.readouterr().err
     assert main(["bench", "scale", "--transfer-per", "rank,node"]) == 2
     assert "--transfer-per: expected a comma-separated list of rank, engine" in capsys.readouterr().err
+    assert main(["bench", "scale", "--schedulers", "1,0"]) == 2
+    assert "--schedulers: every value must be >= 1" in capsys.readouterr().err
+    assert main(["bench", "scale", "--schedulers", "two"]) == 2
+    assert "--schedulers: expected comma-separated integers" in capsys.readouterr().err

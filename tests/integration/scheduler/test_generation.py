@@ -357,7 +357,7 @@ async def test_health_serving_and_drain_refuses_new_work() -> None:
             check = health_pb2.HealthCheckRequest(service="pdserve.v1.Generation")
             assert (await health.Check(check)).status == health_pb2.HealthCheckResponse.SERVING
             running = asyncio.ensure_future(c.generate([1, 2, 3], max_tokens=10))
-            await eventually(lambda: bool(c.service.generation.flights))
+            await eventually(lambda: len(c.service.generation.table) > 0)
             drained = asyncio.ensure_future(c.service.drain(5.0))
             await eventually(lambda: c.service.generation.draining)
             assert (await health.Check(check)).status == health_pb2.HealthCheckResponse.NOT_SERVING

@@ -83,7 +83,7 @@ async def test_scheduler_redials_engines_after_its_certificate_rotates(tmp_path:
     files change, the next call gets a new channel (and the old one is retired, not cut)."""
     from types import SimpleNamespace
 
-    from services.scheduler.generation import EngineChannels
+    from services.scheduler.engine_channels import EngineChannels
 
     pki = make_local_pki(tmp_path)
     channels = EngineChannels(ChannelSecurity(ca=str(pki.ca_cert), cert=str(pki.server_cert),

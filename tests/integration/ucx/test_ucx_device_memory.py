@@ -1,8 +1,11 @@
 """KV in GPU memory over the UCX data plane, and the explicit host bounce (`kv_staging="host"`).
 
-The host-staging tests run everywhere (a CPU tensor stands in for the device: the same mirror,
-copies and ordering). The CUDA tests need a GPU and are skipped with the reason otherwise;
-`make gpu-check` runs them on a GPU machine (bench/gpu_check.py).
+The host-staging tests run everywhere (a CPU tensor stands in for the device: the same bounded
+pool, stager thread, copies and ordering; only the side CUDA stream is not exercised). The
+staged pair's pools are smaller than the cache and than what the test moves at once (decode:
+48 slots for 68 blocks pulled together), so pulls wait for slots and runs are reused. The CUDA
+tests need a GPU and are skipped with the reason otherwise; `make gpu-check` runs them on a GPU
+machine (bench/gpu_check.py).
 """
 
 from __future__ import annotations
@@ -58,9 +61,13 @@ def _pull_random_lists(prefill: RankProc, decode: RankProc, seed: int) -> int:
     return sum(sizes)
 
 
+PREFILL_POOL, DECODE_POOL = 96, 48  # blocks of the staged pair's pools (the caches hold 256)
+
+
 def _pair(device: str, kv_staging: str) -> Iterator[tuple[RankProc, RankProc]]:
-    prefill = RankProc("prefill-0", 11, seed=5, device=device, kv_staging=kv_staging)
-    decode = RankProc("decode-0", 22, device=device, kv_staging=kv_staging)
+    pools = (PREFILL_POOL, DECODE_POOL) if kv_staging == "host" else (0, 0)
+    prefill = RankProc("prefill-0", 11, seed=5, device=device, kv_staging=kv_staging, kv_staging_blocks=pools[0])
+    decode = RankProc("decode-0", 22, device=device, kv_staging=kv_staging, kv_staging_blocks=pools[1])
     try:
         decode.call("add_peer", prefill.call("meta"))
         yield prefill, decode
@@ -84,6 +91,35 @@ def test_host_staging_moves_blocks_byte_exact_and_is_measured(staged_pair: tuple
     assert staged_in["host_staged_bytes"] == num_blocks * BLOCK_NBYTES
     assert staged_in["host_staging_duration"] > 0
     assert prefill.call("staging")["host_staged_bytes"] == num_blocks * BLOCK_NBYTES  # copied out before pinning
+    # Only the pools are registered (and reported as the mirror), and every slot came back;
+    # the decode pool was full at some point: the 68 blocks queued for its 48 slots.
+    assert tuple(prefill.call("registered_bytes")) == (PREFILL_POOL * BLOCK_NBYTES,) * 2
+    assert tuple(decode.call("registered_bytes")) == (DECODE_POOL * BLOCK_NBYTES,) * 2
+    assert tuple(prefill.call("staging_slots"))[:2] == (0, PREFILL_POOL)
+    used, slots, peak = decode.call("staging_slots")
+    assert (used, slots) == (0, DECODE_POOL) and 40 <= peak <= DECODE_POOL
+
+
+def test_a_full_staging_pool_refuses_to_pin_and_a_pull_larger_than_the_pool_fails_with_the_reason(
+        staged_pair: tuple[RankProc, RankProc]) -> None:
+    prefill, decode = staged_pair
+    prefill.call("expect_send", "big", list(range(90)))  # 90 of the 96 slots
+    with pytest.raises(RuntimeError, match="staging pool is full .*90 of 96"):
+        prefill.call("expect_send", "more", list(range(100, 110)))
+    with pytest.raises(RuntimeError, match="do not fit the KV staging pool of 96"):
+        prefill.call("expect_send", "huge", list(range(97)))
+    assert prefill.call("staging_slots")[0] == 90  # the refusals took nothing
+    prefill.call("cancel", "big")
+    assert prefill.call("staging_slots")[0] == 0
+    too_big = list(range(DECODE_POOL + 1))
+    prefill.call("expect_send", "wide", too_big)
+    decode.call("start_pull", "wide", _descriptor(prefill, "wide", too_big), too_big)
+    got = decode.call("wait_results", ["wide"], WAIT_S)
+    assert got["failed_recving"] == ["wide"] and got["reasons"] == {"wide": "staging_pool_too_small"}
+    assert sorted(decode.call("invalid")) == too_big
+    prefill.call("cancel", "wide")
+    assert decode.call("staging_slots")[0] == 0 == prefill.call("staging_slots")[0]
+    assert prefill.call("pending") == 0 and decode.call("pending") == 0
 
 
 @NO_CUDA

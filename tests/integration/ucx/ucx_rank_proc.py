@@ -17,7 +17,7 @@ from typing import Any
 SPEC_DEFAULTS: dict[str, Any] = {
     "tp_rank": 0, "tp_size": 1, "num_kv_heads": 2, "num_blocks": 256, "num_layers": 2, "block_size": 4,
     "head_dim": 8, "seed": 0, "timeout_s": 2.0, "lease_s": 30.0, "max_inflight": 64, "hash": "compat-test",
-    "device": "cpu", "kv_staging": "none", "kv_transport": "ucx-tag",
+    "device": "cpu", "kv_staging": "none", "kv_staging_blocks": 0, "kv_transport": "ucx-tag",
     "vllm_layout": None,  # a KVCacheLayout name: vLLM's own tensors (allocate_like_vllm), registered in place
 }
 
@@ -135,6 +135,7 @@ def rank_main(conn: Connection, spec: dict[str, Any]) -> None:
         kv = region = kv.to(spec["device"])
     config = UcxConnectorConfig(transfer_timeout_s=spec["timeout_s"], lease_s=spec["lease_s"],
                                 max_inflight_transfers=spec["max_inflight"], kv_staging=spec["kv_staging"],
+                                kv_staging_blocks=spec["kv_staging_blocks"],
                                 kv_transport=spec["kv_transport"])
     connector = UcxWorkerConnector(engine_id=spec["engine_id"], epoch=spec["epoch"], tp_rank=spec["tp_rank"],
                                    tp_size=spec["tp_size"], num_kv_heads=spec["num_kv_heads"],
@@ -205,6 +206,8 @@ def rank_main(conn: Connection, spec: dict[str, Any]) -> None:
         "region_memory_type": lambda: connector.handshake_metadata.region.memory_type,
         "region_layout": lambda: connector.handshake_metadata.region.layout,
         "staging": lambda: {k: sum(v) for k, v in connector_stats_data(connector).items()},
+        "staging_slots": connector.staging_slots,
+        "registered_bytes": connector.registered_bytes,
     }
     while True:
         try:

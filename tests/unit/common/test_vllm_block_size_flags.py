@@ -69,3 +69,27 @@ def test_compare_vllm_refuses_a_bad_vllm_arg_before_starting_anything(tmp_path: 
     assert main(["bench", "serve", "--compare", "vllm", "--out", str(tmp_path), "--vllm-arg", "dtype=float16"]) == 2
     assert "dtype is set by pdserve: use --dtype" in capsys.readouterr().err
     assert not (tmp_path / "serve_compare.json").exists()
+
+
+def test_compare_vllm_refuses_an_unknown_system_before_starting_anything(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from services.common.cli import main
+
+    assert main(["bench", "serve", "--compare", "vllm", "--out", str(tmp_path),
+                 "--systems", "pdserve,pdserve_vllm_stagin"]) == 2
+    assert "--systems: unknown pdserve_vllm_stagin (known: vllm_colocated," in capsys.readouterr().err
+    assert not (tmp_path / "serve_compare.json").exists()
+
+
+def test_compare_vllm_ratios_put_zero_copy_beside_the_staging_copy() -> None:
+    from bench.vllm_compare import ratios
+
+    def system(tok_s: float, ttft: float, itl: float) -> dict[str, float]:
+        return {"tok_s": tok_s, "ttft_p50_ms": ttft, "itl_p99_ms": itl}
+
+    out = ratios({"pdserve_vllm": system(30.0, 500.0, 200.0), "pdserve_vllm_staging": system(20.0, 1000.0, 400.0),
+                  "vllm_colocated": system(40.0, 400.0, 800.0)})
+    assert out["pdserve_vllm_over_pdserve_vllm_staging_tok_s_ratio"] == 1.5
+    assert out["pdserve_vllm_over_pdserve_vllm_staging_ttft_p50_ratio"] == 0.5
+    assert out["pdserve_vllm_over_vllm_colocated_itl_p99_ratio"] == 0.25
+    assert not any(key.startswith("pdserve_over") for key in out)  # native pdserve not measured

@@ -14,7 +14,7 @@ from connectors.kv_events import (
 )
 from pdserve.v1 import control_pb2 as pb
 from pdserve.v1 import kv_events_pb2
-from services.scheduler.control import WorkerEventDecoder, output_from_proto, worker_events_key
+from services.scheduler.control_convert import WorkerEventDecoder, output_from_proto, worker_events_key
 
 EVENTS = (
     BlockStored((11, 12), 10, tuple(range(32)), 16, lora_id=3, medium=MEDIUM_CPU_OFFLOAD,

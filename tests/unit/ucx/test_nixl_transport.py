@@ -5,6 +5,7 @@ never loaded here (see `nixl_importable`)."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import msgpack
 import numpy as np
@@ -12,7 +13,15 @@ import pytest
 import torch
 
 from connectors.ucx.handshake import UcxHandshakeMetadata
-from connectors.ucx.nixl_transport import NixlAddress, block_indices, descriptor_rows, head_span, strided_list
+from connectors.ucx.nixl_transport import (
+    NixlAddress,
+    NixlMemory,
+    block_indices,
+    descriptor_rows,
+    head_span,
+    strided_list,
+    vram_problem,
+)
 from connectors.ucx.transport import HeadGeometry, Segment
 from connectors.ucx.worker import UcxConnectorConfig, UcxWorkerConnector
 from services.common.config import EngineConfig
@@ -160,3 +169,46 @@ def _connector_on_nixl() -> UcxWorkerConnector:
     return UcxWorkerConnector(engine_id="decode-n", epoch=1, tp_rank=0, tp_size=1, num_kv_heads=2,
                               compatibility_hash="h", kv_cache=torch.zeros(8, 2, 2, 2, 4, 8),
                               config=UcxConnectorConfig(kv_transport="nixl"))
+
+
+class _CudaStandIn:
+    """A flat uint8 CUDA array as NIXL's transport sees one (no GPU here): its interface and device."""
+
+    def __init__(self, address: int, nbytes: int, index: int) -> None:
+        self.__cuda_array_interface__ = {"data": (address, False), "shape": (nbytes,), "typestr": "|u1",
+                                         "strides": None, "version": 3}
+        self.device = SimpleNamespace(type="cuda", index=index)
+
+
+def test_a_gpu_region_is_vram_with_its_device_id_in_every_descriptor() -> None:
+    host = np.zeros(4096, dtype=np.uint8)
+    assert NixlMemory.of(host) == NixlMemory("DRAM", 0, int(host.ctypes.data), 4096)
+    gpu = NixlMemory.of(_CudaStandIn(0x7F00_0000_0000, 8192, index=3))
+    assert gpu == NixlMemory("VRAM", 3, 0x7F00_0000_0000, 8192)
+    geometry = HeadGeometry(2, 100)
+    rows = descriptor_rows((Segment(4, 1, 2),), geometry, gpu.base, remote=False, device=gpu.device)
+    assert rows.tolist() == [[gpu.base + 200, 400, 3]]
+    assert strided_list(gpu.base, geometry, 8, 0, 2, gpu.device).tolist() == [[gpu.base, 200, 3, 200, 8]]
+    with pytest.raises(ValueError, match="CUDA device"):
+        NixlMemory.of(_CudaStandIn(0x1000, 16, index=None))  # type: ignore[arg-type]
+
+
+def test_the_address_says_where_the_region_lies_and_an_older_one_reads_as_host_memory() -> None:
+    address = NixlAddress(b"u", b"m", 1 << 40, 1 << 20, HeadGeometry(2, 640), "VRAM", 1)
+    assert NixlAddress.decode(address.encode()) == address
+    old = msgpack.packb({"ucx": b"u", "nixl": b"m", "base": 1, "nbytes": 2, "heads": 1, "head_nbytes": 2})
+    decoded = NixlAddress.decode(old)
+    assert (decoded.mem_type, decoded.device) == ("DRAM", 0)
+    with pytest.raises(ValueError, match="malformed"):
+        NixlAddress.decode(msgpack.packb({"ucx": b"u", "nixl": b"m", "base": 1, "nbytes": 2, "heads": 1,
+                                          "head_nbytes": 2, "mem": "FILE"}))
+
+
+def test_a_nixl_build_that_cannot_move_gpu_memory_is_refused_with_the_reason() -> None:
+    cuda_ucx = ["libuct_cma.so.0", "libuct_cuda.so.0"]
+    assert vram_problem("nixl_cu12", "12.8", ["DRAM_SEG", "VRAM_SEG"], cuda_ucx) is None
+    assert vram_problem("nixl", "13.0", ["DRAM_SEG", "VRAM_SEG"], []) is None  # system UCX: not known
+    assert "registers no GPU memory" in (vram_problem("nixl_cu12", "12.8", ["DRAM_SEG"], cuda_ucx) or "")
+    assert "UCX without CUDA" in (vram_problem("nixl_cu12", "12.8", ["VRAM_SEG"], ["libuct_cma.so.0"]) or "")
+    mismatch = vram_problem("nixl_cu12", "13.0", ["DRAM_SEG", "VRAM_SEG"], cuda_ucx) or ""
+    assert "built for CUDA 12" in mismatch and "install nixl-cu13" in mismatch

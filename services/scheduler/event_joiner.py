@@ -1,0 +1,142 @@
+"""`EventJoiner`: an engine's ranks' identical compact worker events, decoded and applied once.
+
+In the per-rank protocol every TP rank reports the same worker events of a step in its own
+report. The first copy is decoded and applied to the aggregator at once; a later copy with the
+same bytes (the caller's `content` key) from a rank not yet counted is only noted here: no
+decode, no aggregator call. The noted copies are applied together, with the ranks' joint mask
+(`KVOutputAggregator.add_shared_hashes`, whose state and published events equal applying them
+rank by rank), when the last rank's copy arrives.
+
+Contracts:
+- Per engine, copies reach the aggregator in arrival order: a report of the engine whose events
+  are not the noted copy's (other bytes, a rank already counted, another epoch) or that the
+  caller applies by another route (`flush` first) applies the noted copies before itself.
+- The state afterwards and the published events are those of rank-by-rank application, each
+  block's events in the same order. An event comes out at the report that completes it or
+  later: the noted copies apply when the step's last copy arrives, so events of different
+  blocks that ranks complete one by one come out together, in event order; and where noted
+  copies would complete a block before every rank reported (the missing ranks held it
+  already), at the next `flush` (the engine's next report of other events, or `flush_all`,
+  which the Control servicer's heartbeat sweep calls).
+- A copy that arrives apart from its step's others (the engine's last copy is another step's,
+  e.g. a rank's ReportBatch of several steps while the scheduler is behind) is applied on its
+  own, as rank by rank, but decoded once per engine and content while recent (up to
+  MAX_DECODED_PER_ENGINE contents, forgotten at every `flush_all`).
+- A copy the aggregator refuses (ValueError: stale epoch, unknown rank) changes nothing here;
+  noted copies of an epoch the aggregator no longer holds are dropped, not applied.
+
+Plain data in and out; no protobuf, no asyncio (one caller thread).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+from connectors.aggregator import KVOutputAggregator
+from connectors.compact_events import CompactEvents
+
+logger = logging.getLogger(__name__)
+
+# publish(engine_id, epoch, compact, published): `published` are the indices of the events the
+# aggregator released (None: all of them, in order); never called with none.
+# Decoded copies kept per engine for copies that arrive apart from their step's others.
+MAX_DECODED_PER_ENGINE = 16
+PublishCompact = Callable[[str, int, CompactEvents, "list[int] | None"], None]
+
+
+@dataclass(slots=True)
+class _Noted:
+    """The engine's last applied copy: its content, ranks counted, ranks noted but not applied."""
+
+    epoch: int
+    content: Hashable
+    compact: CompactEvents
+    counted: set[int]
+    waiting: list[int] = field(default_factory=list)
+
+
+class EventJoiner:
+    """See the module docstring. `publish` receives what the aggregator releases."""
+
+    def __init__(self, aggregator: KVOutputAggregator, publish: PublishCompact) -> None:
+        self.aggregator = aggregator
+        self.publish = publish
+        self._noted: dict[str, _Noted] = {}
+        # Per engine, the copies decoded lately (content -> events), for copies that arrive
+        # apart from their step's others (a rank's ReportBatch of several steps while the
+        # scheduler is behind): decoded once all the same. Bounded per engine, oldest dropped.
+        self._decoded: dict[str, dict[Hashable, CompactEvents]] = {}
+        self._decoded_epoch: dict[str, int] = {}
+        self.num_joined = 0   # copies applied with another rank's (no decode, no own call)
+        self.num_decoded = 0  # copies decoded and applied on arrival
+
+    def __len__(self) -> int:
+        """Engines with a copy noted (applied or waiting)."""
+        return len(self._noted)
+
+    def add(self, engine_id: str, epoch: int, ranks: tuple[int, ...], num_ranks: int, content: Hashable,
+            decode: Callable[[], CompactEvents]) -> tuple[CompactEvents, list[int] | None]:
+        """One report's copy of compact worker events, counted for `ranks` (the sender, and the
+        ranks it merges) of an engine of `num_ranks` ranks; `decode` gives its events (called
+        only when the noted copy's `content` differs; its ValueError propagates, nothing
+        applied). Returns the copy's events and the indices of those this report releases (None:
+        all, in order; [] none) for the caller to publish; earlier reports' events that a flush
+        releases go to `publish` first."""
+        noted = self._noted.get(engine_id)
+        if (noted is not None and noted.epoch == epoch and noted.content == content
+                and noted.counted.isdisjoint(ranks)):
+            noted.counted.update(ranks)
+            noted.waiting.extend(ranks)
+            self.num_joined += 1
+            if len(noted.counted) < num_ranks:
+                return noted.compact, []
+            del self._noted[engine_id]
+            self._decoded.get(engine_id, {}).pop(noted.content, None)  # every rank counted it
+            return noted.compact, self._apply_waiting(engine_id, noted)
+        compact = self._decode(engine_id, epoch, content, decode)
+        if noted is not None:
+            self.flush(engine_id)
+        published = self.aggregator.add_shared_hashes(engine_id, epoch, ranks, compact.key, compact.hashes,
+                                                      compact.sizes, compact.kinds)
+        self.num_decoded += 1
+        if len(ranks) < num_ranks:
+            self._noted[engine_id] = _Noted(epoch, content, compact, set(ranks))
+        return compact, published
+
+    def _decode(self, engine_id: str, epoch: int, content: Hashable,
+                decode: Callable[[], CompactEvents]) -> CompactEvents:
+        if self._decoded_epoch.get(engine_id) != epoch:
+            self._decoded[engine_id], self._decoded_epoch[engine_id] = {}, epoch
+        cache = self._decoded[engine_id]
+        compact = cache.get(content)
+        if compact is None:
+            compact = decode()
+            cache[content] = compact
+            if len(cache) > MAX_DECODED_PER_ENGINE:
+                del cache[next(iter(cache))]
+        return compact
+
+    def flush(self, engine_id: str) -> None:
+        """Applies the engine's noted copies now (what they release goes to `publish`) and
+        forgets its last copy: call before applying the engine's worker events by another route."""
+        noted = self._noted.pop(engine_id, None)
+        if noted is not None:
+            published = self._apply_waiting(engine_id, noted)
+            if published is None or published:
+                self.publish(engine_id, noted.epoch, noted.compact, published)
+
+    def flush_all(self) -> None:
+        """`flush` of every engine; also forgets the decoded copies (they serve a burst only)."""
+        for engine_id in list(self._noted):
+            self.flush(engine_id)
+        self._decoded.clear()
+        self._decoded_epoch.clear()
+
+    def _apply_waiting(self, engine_id: str, noted: _Noted) -> list[int] | None:
+        if not noted.waiting or self.aggregator.engine_epoch(engine_id) != noted.epoch:
+            return []  # nothing waits, or the epoch's state is gone
+        c = noted.compact
+        return self.aggregator.add_shared_hashes(engine_id, noted.epoch, noted.waiting, c.key, c.hashes,
+                                                 c.sizes, c.kinds)
