@@ -30,14 +30,11 @@ Plain data in and out; no protobuf, no asyncio (one caller thread).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from connectors.aggregator import KVOutputAggregator
 from connectors.compact_events import CompactEvents
-
-logger = logging.getLogger(__name__)
 
 # publish(engine_id, epoch, compact, published): `published` are the indices of the events the
 # aggregator released (None: all of them, in order); never called with none.
