@@ -94,7 +94,8 @@ class EventJoiner:
             del self._noted[engine_id]
             self._decoded.get(engine_id, {}).pop(noted.content, None)  # every rank counted it
             return noted.compact, self._apply_waiting(engine_id, noted)
-        compact = self._decode(engine_id, epoch, content, decode)
+        # A copy counted for every rank (merged) comes once: nothing to keep for later copies.
+        compact = decode() if len(ranks) >= num_ranks else self._decode(engine_id, epoch, content, decode)
         if noted is not None:
             del self._noted[engine_id]
             if noted.waiting:
