@@ -366,6 +366,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self.counters["engines_down"] += 1
         for outcome in self.tracker.fail_engine(ref, reason):
             self.on_transfer_outcome(outcome)
+        self.joiner.flush(ref.engine_id)  # what its ranks reported before it went down comes first
         self.sink.publish(ref.engine_id, ref.epoch, KVEventBatch(ts=time.time(), events=[AllBlocksCleared()]))
         engine = engine or self.registry.engine(ref.engine_id, ref.epoch)
         if engine is not None and engine.ranks:

@@ -30,14 +30,11 @@ Plain data in and out; no protobuf, no asyncio (one caller thread).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from connectors.aggregator import KVOutputAggregator
 from connectors.compact_events import CompactEvents
-
-logger = logging.getLogger(__name__)
 
 # publish(engine_id, epoch, compact, published): `published` are the indices of the events the
 # aggregator released (None: all of them, in order); never called with none.
@@ -48,13 +45,14 @@ PublishCompact = Callable[[str, int, CompactEvents, "list[int] | None"], None]
 
 @dataclass(slots=True)
 class _Noted:
-    """The engine's last applied copy: its content, ranks counted, ranks noted but not applied."""
+    """The engine's last decoded copy: its content, the ranks counted, those noted but not applied."""
 
     epoch: int
     content: Hashable
     compact: CompactEvents
     counted: set[int]
     waiting: list[int] = field(default_factory=list)
+    swept: bool = False  # a flush_all passed since a rank's copy last joined
 
 
 class EventJoiner:
@@ -89,15 +87,19 @@ class EventJoiner:
                 and noted.counted.isdisjoint(ranks)):
             noted.counted.update(ranks)
             noted.waiting.extend(ranks)
+            noted.swept = False
             self.num_joined += 1
             if len(noted.counted) < num_ranks:
                 return noted.compact, []
             del self._noted[engine_id]
             self._decoded.get(engine_id, {}).pop(noted.content, None)  # every rank counted it
             return noted.compact, self._apply_waiting(engine_id, noted)
-        compact = self._decode(engine_id, epoch, content, decode)
+        # A copy counted for every rank (merged) comes once: nothing to keep for later copies.
+        compact = decode() if len(ranks) >= num_ranks else self._decode(engine_id, epoch, content, decode)
         if noted is not None:
-            self.flush(engine_id)
+            del self._noted[engine_id]
+            if noted.waiting:
+                self._flush_noted(engine_id, noted)
         published = self.aggregator.add_shared_hashes(engine_id, epoch, ranks, compact.key, compact.hashes,
                                                       compact.sizes, compact.kinds)
         self.num_decoded += 1
@@ -119,20 +121,31 @@ class EventJoiner:
         return compact
 
     def flush(self, engine_id: str) -> None:
-        """Applies the engine's noted copies now (what they release goes to `publish`) and
-        forgets its last copy: call before applying the engine's worker events by another route."""
-        noted = self._noted.pop(engine_id, None)
-        if noted is not None:
-            published = self._apply_waiting(engine_id, noted)
-            if published is None or published:
-                self.publish(engine_id, noted.epoch, noted.compact, published)
+        """Applies the engine's noted copies now (what they release goes to `publish`): call
+        before applying the engine's worker events by another route. The last copy stays known,
+        so the step's copies still to come join it."""
+        noted = self._noted.get(engine_id)
+        if noted is not None and noted.waiting:
+            self._flush_noted(engine_id, noted)
 
     def flush_all(self) -> None:
-        """`flush` of every engine; also forgets the decoded copies (they serve a burst only)."""
-        for engine_id in list(self._noted):
-            self.flush(engine_id)
+        """`flush` of every engine; forgets a last copy no rank sent since the previous
+        `flush_all`, and the decoded copies (they serve a burst only)."""
+        for engine_id, noted in list(self._noted.items()):
+            if noted.swept and not noted.waiting:
+                del self._noted[engine_id]
+                continue
+            noted.swept = True
+            if noted.waiting:
+                self._flush_noted(engine_id, noted)
         self._decoded.clear()
         self._decoded_epoch.clear()
+
+    def _flush_noted(self, engine_id: str, noted: _Noted) -> None:
+        published = self._apply_waiting(engine_id, noted)
+        noted.waiting = []
+        if published is None or published:
+            self.publish(engine_id, noted.epoch, noted.compact, published)
 
     def _apply_waiting(self, engine_id: str, noted: _Noted) -> list[int] | None:
         if not noted.waiting or self.aggregator.engine_epoch(engine_id) != noted.epoch:

@@ -359,3 +359,65 @@ async def test_control_client_refuses_merged_transfers_the_scheduler_does_not_ac
     with pytest.raises(ValueError, match="merged_transfer_ranks without transfer results"):
         client.report(StepReport(merged_transfer_ranks=(1,)))
     assert client.last_seq == 0
+
+
+async def test_per_rank_compact_copies_of_a_step_are_decoded_and_applied_once(harness: ControlHarness) -> None:
+    """Every rank of a tp 4 engine sends each step's compact events itself (the per-rank protocol,
+    through ControlClient): each step is published once, whole, after its last rank's copy, and
+    parsed once (the other copies are joined, EventJoiner), also with a rank behind."""
+    from services.scheduler.event_sink import CompactBatch
+
+    servicer = harness.servicer
+    assert servicer is not None
+    servicer.verify_compact = True
+    ranks = [await harness.connect(hello("p7", "prefill", tp_rank=r, tp_size=4, epoch=87)) for r in range(4)]
+    steps = [_stored(100 + 3 * s, 101 + 3 * s, 102 + 3 * s) for s in range(3)]
+
+    async def send(r: int, events: list) -> None:  # type: ignore[type-arg]
+        applied = servicer.counters["reports_applied"]
+        ranks[r].report(StepReport(worker_events=events))
+        await eventually(lambda: servicer.counters["reports_applied"] == applied + 1)
+
+    for events in steps[:2]:
+        for r in (2, 0, 3, 1):
+            await send(r, events)
+    assert len(harness.sink.batches) == 2
+    for r in (1, 2, 0):  # rank 3 is behind: step 2 waits for it
+        await send(r, steps[2])
+    assert len(harness.sink.batches) == 2
+    await send(3, steps[2])
+    await eventually(lambda: len(harness.sink.batches) == 3)
+    assert all(isinstance(b, CompactBatch) for _, _, b in harness.sink.batches)
+    assert [list(b.events) for _, _, b in harness.sink.batches] == steps
+    assert servicer.joiner.num_decoded == 3 and servicer.joiner.num_joined == 9
+    assert servicer.counters["reports_applied"] == 12 and servicer.counters["reports_malformed"] == 0
+    assert servicer.aggregator.pending_reports()["p7"].blocks == 0
+
+
+async def test_copies_noted_before_an_engine_goes_down_are_published_before_its_clear(
+        harness: ControlHarness) -> None:
+    """Rank 1 drops block 5 and stores it again; its second copy of that step completes the
+    block (ranks 0 and 2 still hold it) but waits for rank 2's copy: when the engine goes down
+    first, the block is published before the engine's AllBlocksCleared, as it was reported."""
+    from connectors.kv_events import MEDIUM_CPU_OFFLOAD, AllBlocksCleared, BlockRemoved, BlockStored
+    from services.scheduler.lifecycle import EngineRef
+
+    servicer = harness.servicer
+    assert servicer is not None
+    ranks = [await harness.connect(hello("p8", "prefill", tp_rank=r, tp_size=3, epoch=88)) for r in range(3)]
+    assert servicer._monitor_task is not None
+    servicer._monitor_task.cancel()  # no heartbeat sweep: it would apply the noted copy on its own
+
+    async def send(r: int, events: list) -> None:  # type: ignore[type-arg]
+        applied = servicer.counters["reports_applied"]
+        ranks[r].report(StepReport(worker_events=events))
+        await eventually(lambda: servicer.counters["reports_applied"] == applied + 1)
+
+    for r in range(3):
+        await send(r, _stored(5))
+    await send(1, [BlockRemoved((5,), MEDIUM_CPU_OFFLOAD)])
+    await send(0, _stored(5))  # rank 0 holds it already: nothing changes
+    await send(1, _stored(5))  # completes block 5 again, but is noted: rank 2's copy is to come
+    servicer.engine_down(EngineRef("p8", 88), "test")
+    kinds = [[type(e) for e in b.events] for _, _, b in harness.sink.batches]
+    assert kinds == [[BlockStored], [BlockRemoved], [BlockStored], [AllBlocksCleared]]
