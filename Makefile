@@ -169,4 +169,4 @@ gpu-check:
 	$(if $(GPU_CHECK_WHEEL_FILES),$(PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
 	    --upgrade --target $(GPU_CHECK_SITE) $(GPU_CHECK_WHEEL_FILES))
 	PYTHONPATH=$(if $(GPU_CHECK_WHEEL_FILES),$(GPU_CHECK_SITE):)protos:. PYTHONUNBUFFERED=1 $(GPU_CHECK_PY) -m services.common.cli bench gpu-check \
-	  --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
+	  --out $(GPU_CHECK_OUT) --wheel-dir $(GPU_CHECK_WHEEL_DIR) $(GPU_CHECK_ARGS)

@@ -88,6 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default="16,64,256,1024", help="blocks per KV pull in the transfer section")
     parser.add_argument("--iters", type=int, default=5, help="timed pulls per size and method (median)")
     parser.add_argument("--workdir", default="", help="where the tiny checkpoints and cluster logs go (default: temp)")
+    parser.add_argument("--wheel-dir", default=".whl", help="the wheels a device run carries beside the tree (measured)")
     parser.add_argument("--vllm-layouts", default=",".join(ALL_LAYOUTS),
                         help="vLLM KV layouts the vllm_layouts section moves (dry run: BHLNC,LBHNC)")
 
@@ -101,8 +102,8 @@ def run(args: argparse.Namespace) -> int:
         _require_cuda()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pdserve-gpu-check-"))
     ctx = CheckContext(device, args.dry_run, workdir, time.monotonic() + args.budget_s, args)
-    report: dict[str, Any] = {"device": device, "dry_run": args.dry_run, "environment": environment(device),
-                              "sections": {}}
+    report: dict[str, Any] = {"device": device, "dry_run": args.dry_run,
+                              "environment": environment(device, args.wheel_dir), "sections": {}}
     started = time.monotonic()
     for name in sections:
         report["sections"][name] = _run_section(name, ctx)
@@ -219,7 +220,7 @@ def _log(text: str) -> None:
     print(f"[gpu-check] {text}", file=sys.stderr, flush=True)
 
 
-def environment(device: str) -> dict[str, Any]:
+def environment(device: str, wheel_dir: str = ".whl") -> dict[str, Any]:
     """Versions and hardware the report was made with (each probe may fail on its own)."""
     import torch
 
@@ -228,7 +229,7 @@ def environment(device: str) -> dict[str, Any]:
     if device == "cuda":
         env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     try:  # what a device run carries (the tree + .whl, against 48 of its 64 MiB)
-        env["carry"] = measure_carry(ROOT, ROOT / ".whl")
+        env["carry"] = measure_carry(ROOT, ROOT / wheel_dir)
     except OSError as e:
         env["carry"] = f"unavailable: {e}"
     for name, probe in (("transformers", _version_of("transformers")), ("grpcio", _version_of("grpc")),

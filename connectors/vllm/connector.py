@@ -20,6 +20,7 @@ would not hold its whole prompt's KV).
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -29,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-from connectors.vllm.params import PdserveConnectorConfig, PdserveConnectorMetadata
+from connectors.vllm.params import REFUSAL_FILE_ENV, PdserveConnectorConfig, PdserveConnectorMetadata
 from connectors.vllm.scheduler import VllmSchedulerHalf
 from connectors.vllm.worker import ModelShape, VllmWorkerHalf
 
@@ -70,7 +71,20 @@ def _check_kv_cache_groups(kv_cache_config: KVCacheConfig | None) -> None:
         spec = group.kv_cache_spec
         if not isinstance(spec, FullAttentionSpec):
             raise ValueError(f"PdserveConnector moves full-attention KV only; this model's cache is "
-                             f"{type(spec).__name__}, whose blocks behind the window are freed")
+                             f"{type(spec).__name__}, whose blocks behind the window are freed (a prefill's blocks "
+                             "would not hold its whole prompt's KV). Serve it colocated, or with "
+                             "--vllm-arg disable_sliding_window=true (full attention, as the model's context allows)")
+
+
+def _report_refusal(reason: str) -> None:
+    """Leaves `reason` where the engine service reads it (`REFUSAL_FILE_ENV`), if it asked."""
+    path = os.environ.get(REFUSAL_FILE_ENV)
+    if path:
+        try:
+            with open(path, "w") as f:
+                f.write(reason)
+        except OSError:
+            logger.warning("could not write the start refusal to %s", path)
 
 
 class PdserveMetadata(PdserveConnectorMetadata, KVConnectorMetadata):
@@ -96,7 +110,11 @@ class PdserveConnector(KVConnectorBase_V1):
         if transfer.kv_role != "kv_both":
             raise ValueError(f"PdserveConnector needs kv_role kv_both, got {transfer.kv_role!r}")
         self.config = PdserveConnectorConfig.from_extra(transfer.kv_connector_extra_config)
-        _check_kv_cache_groups(kv_cache_config)
+        try:
+            _check_kv_cache_groups(kv_cache_config)
+        except ValueError as e:
+            _report_refusal(str(e))
+            raise
         self._vllm_config = vllm_config
         self._num_blocks = int(kv_cache_config.num_blocks) if kv_cache_config is not None else None
         block_size = int(vllm_config.cache_config.block_size)

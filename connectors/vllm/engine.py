@@ -38,8 +38,9 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from connectors.vllm.params import PdserveConnectorConfig
+from connectors.vllm.params import REFUSAL_FILE_ENV, PdserveConnectorConfig
 from engine.request import SamplingParams
+from services.engine.registry import EngineRefused
 
 logger = logging.getLogger(__name__)
 
@@ -255,7 +256,19 @@ class VllmEngine:
         for name, value in executor_env(self.settings, cuda=cuda).items():
             os.environ.setdefault(name, value)
         args = engine_args(self.settings, cuda=cuda, device_memory_bytes=device_memory)
-        self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger(self.view)])
+        fd, refusal = tempfile.mkstemp(prefix="pdserve-vllm-refusal-")
+        os.close(fd)
+        os.environ[REFUSAL_FILE_ENV] = refusal  # the engine core inherits it
+        try:
+            self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger(self.view)])
+        except Exception as e:
+            with open(refusal) as f:
+                reason = f.read().strip()
+            if reason:
+                raise EngineRefused(f"vLLM engine {self.settings.connector.engine_id} refused at start: {reason}") from e
+            raise
+        finally:
+            os.unlink(refusal)
         _record_external_tokens(self.llm.output_processor, self._external_tokens)
         await self.llm.collective_rpc("pdserve_connect")
         logger.info("vLLM engine %s ready (%d KV blocks of %d tokens)", self.settings.connector.engine_id,

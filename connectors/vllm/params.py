@@ -20,6 +20,11 @@ from typing import Any
 
 from connectors.ucx.handshake import KVTransferDescriptor
 
+# vLLM runs the connector in its engine-core process and reports a failed start only as "Engine
+# core initialization failed": the connector writes why it refused to the file this variable
+# names (set by `VllmEngine.start`), which the engine service reads back.
+REFUSAL_FILE_ENV = "PDSERVE_VLLM_REFUSAL_FILE"
+
 REMOTE_DECODE = "do_remote_decode"
 REMOTE_PREFILL = "do_remote_prefill"
 PDSERVE_ID = "pdserve_request_id"

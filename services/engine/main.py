@@ -25,7 +25,13 @@ from services.common.grpc_server import ServiceServer, install_drain_handler
 from services.common.security import component_server_security, peer_name_guards
 from services.common.tracing import server_interceptors
 from services.engine.backend import EngineBackend
-from services.engine.registry import BackendFactory, BackendUnavailable, backend_factory, check_backend
+from services.engine.registry import (
+    BackendFactory,
+    BackendUnavailable,
+    EngineRefused,
+    backend_factory,
+    check_backend,
+)
 from services.engine.servicer import EngineServicer
 
 logger = logging.getLogger(__name__)
@@ -101,6 +107,9 @@ def run_engine(args: argparse.Namespace, role: str) -> int:
     setup_tracing(role, attributes={"pdserve.engine_id": config.engine_id, "pdserve.rank": 0})
     try:
         asyncio.run(serve(config, backend_factory(config.engine)))
+    except EngineRefused as e:
+        print(f"pdserve {role}: {e}", file=sys.stderr)
+        return 2
     finally:
         shutdown_tracing()  # flush batched spans (after the SIGTERM drain too)
     return 0

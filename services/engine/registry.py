@@ -23,6 +23,11 @@ class BackendUnavailable(RuntimeError):
     """The chosen backend cannot run in this environment (the message says why, in one line)."""
 
 
+class EngineRefused(RuntimeError):
+    """The backend refused the model or configuration while starting (the message says why, in
+    one line; `pdserve prefill/decode` exits with status 2 and it)."""
+
+
 @dataclass(frozen=True, slots=True)
 class BackendEntry:
     module: str  # the package exposing create_backend

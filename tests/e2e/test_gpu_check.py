@@ -45,7 +45,8 @@ def test_make_gpu_check_dry_run_passes_every_section(tmp_path: Path) -> None:
     assert all(r["whole_blocks_exact"] and r["head_ranges_exact"] and r["run_gbps"] > 0 for r in vllm)
     # dry: the CUDA test files are collected (they import and exist), not run
     assert sections["cuda_tests"]["collected"] >= 15 and sections["cuda_tests"]["missing"] == []
-    assert report["environment"]["carry"]["ok"]
+    carry = report["environment"]["carry"]  # the tree + GPU_CHECK_WHEEL_DIR (no wheels here)
+    assert carry["ok"] and carry["wheel_bytes"] == 0 and carry["tree_bytes"] > 0
     assert "PASSED" in result.stdout
 
 
