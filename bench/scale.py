@@ -291,7 +291,10 @@ def _point(args: argparse.Namespace, ranks: int, event_loop: str, transfer_per: 
              "engines": engines, "seconds": w1 - w0, "setup_s": setup_s, "rss_mib": rss1, "rss_start_mib": rss0}
     point |= _figures(got, sim_out, ranks, num_schedulers, (cpu1 - cpu0) / (w1 - w0), (load_cpu1 - load_cpu0) / (w1 - w0))
     if saturated is not None:
-        point |= saturated
+        kv_wait = {k: v for sim in sim_out for k, v in sim["kv_wait_ms"].items()}
+        overheads = [ms + kv_wait.get(rid, 0.0) for rid, ms in saturated.pop("overhead_ms").items()]
+        point |= saturated | {"saturated_overhead_p50_ms": percentile(overheads, 50),
+                              "saturated_overhead_p99_ms": percentile(overheads, 99)}
     return point
 
 
@@ -305,9 +308,7 @@ def _saturated(client: subprocess.Popen[str], scheds: list[subprocess.Popen[str]
     cpu1, w1, load_cpu1 = _cpu(scheds), time.monotonic(), _cpu(load)
     sched_s = cpu1 - cpu0
     return {"routed_per_s": got["completed"] / got["seconds"], "saturated_requests": got["completed"],
-            "saturated_errors": got["errors"],
-            "saturated_overhead_p50_ms": percentile(got["overhead_ms"], 50),
-            "saturated_overhead_p99_ms": percentile(got["overhead_ms"], 99),
+            "saturated_errors": got["errors"], "overhead_ms": got["overhead_ms"],
             "saturated_scheduler_cpu_share": sched_s / (w1 - w0),
             "saturated_load_generator_cpu_share": (load_cpu1 - load_cpu0) / (w1 - w0),
             "routed_per_scheduler_cpu_s": got["completed"] / sched_s if sched_s > 0 else 0.0}
@@ -316,11 +317,12 @@ def _saturated(client: subprocess.Popen[str], scheds: list[subprocess.Popen[str]
 def _figures(got: dict[str, Any], sim_out: list[dict[str, Any]], ranks: int, num_schedulers: int,
              sched_share: float, load_share: float) -> dict[str, Any]:
     """The open-loop phase's figures (`--request-rate`)."""
+    ids = {r["id"] for r in got["results"]}  # this phase's requests (not the closed loop's)
     kv_wait: dict[str, float] = {}
     kv_spread: dict[str, float] = {}
     for s in sim_out:
-        kv_wait.update(s["kv_wait_ms"])
-        kv_spread.update(s["kv_spread_ms"])
+        kv_wait.update((k, v) for k, v in s["kv_wait_ms"].items() if k in ids)
+        kv_spread.update((k, v) for k, v in s["kv_spread_ms"].items() if k in ids)
     overheads = [r["overhead_ms"] + kv_wait.get(r["id"], 0.0) for r in got["results"]]
     left = {x for s in sim_out for x in s["left"]}
     ended = [x for s in sim_out for x in s["streams_ended"]]

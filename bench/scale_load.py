@@ -498,7 +498,7 @@ async def _saturate(a: argparse.Namespace, one: Any) -> dict[str, Any]:
 
     await asyncio.gather(*(worker() for _ in range(a.concurrency)))
     return {"completed": len(done), "seconds": time.monotonic() - start,
-            "overhead_ms": [r["overhead_ms"] for r in done]}
+            "overhead_ms": {r["id"]: r["overhead_ms"] for r in done}}
 
 
 def _main() -> None:
