@@ -142,7 +142,7 @@ def executor_env(s: VllmEngineSettings, *, cuda: bool) -> dict[str, str]:
     of its own. vLLM's CPU platform otherwise forces its multiprocessing executor, whose engine
     core and worker each busy-wait (`sched_yield`) on their shared-memory queue between steps:
     two spinning processes per engine beside the compute, which on a 2-core host running a
-    prefill and a decode engine took the cores the decode steps needed (decision 0021). The
+    prefill and a decode engine took the cores the decode steps needed (decision 0024). The
     environment wins when it sets the variable; tp > 1 and CUDA keep vLLM's choice."""
     return {} if cuda or s.tp != 1 else {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
