@@ -29,9 +29,9 @@ demo model's tokenizer facts) and:
   (vLLM's executor aggregates its workers' KVConnectorOutputs) can.
 - `--scheduler-loop asyncio,uvloop` runs every point once per scheduler event loop
   (`pdserve scheduler --event-loop`), side by side.
-- `--worker-events packed` (default) sends the events as `packed_worker_events` and
-  `engine_events.events`; `compact` as `compact_worker_events` and `compact_engine_events`, what
-  `ControlClient` sends to a scheduler that accepts them (the simulators then spend more CPU).
+- `--worker-events compact` (default) sends the events as `compact_worker_events` and
+  `compact_engine_events`, what `ControlClient` sends to pdserve's scheduler (which accepts them);
+  `packed` as `packed_worker_events` and `engine_events.events` (cheaper for the simulators).
 - `--schedulers 1,2` runs every point once per replica count: N `pdserve scheduler` processes,
   every simulated rank connected to every one (its reports to each, transfer results to the
   owning replica alone, as `ControlFanout` does), requests round-robin over them. The CPU
@@ -90,12 +90,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="worker events from every rank (default: the protocol the engines speak) or "
                              "once per engine step from rank 0 (StepReport.merged_event_ranks; other ranks "
                              "report only transfer results; no engine sends these yet)")
-    parser.add_argument("--worker-events", choices=["packed", "compact"], default="packed",
-                        help="the form of the events in rank reports: packed (packed_worker_events and "
-                             "engine_events.events, every pass's figures) or compact (compact_worker_events and "
-                             "compact_engine_events, what ControlClient sends to a scheduler that accepts them; "
-                             "the simulator then spends more CPU encoding, which on a shared machine shows up "
-                             "in the KVReady figures)")
+    parser.add_argument("--worker-events", choices=["packed", "compact"], default="compact",
+                        help="the form of the events in rank reports: compact (compact_worker_events and "
+                             "compact_engine_events, what ControlClient sends to pdserve's scheduler; the "
+                             "simulator spends more CPU encoding, which on a shared machine shows up in the "
+                             "KVReady figures) or packed (packed_worker_events and engine_events.events)")
     parser.add_argument("--transfer-per", default="rank",
                         help="comma-separated: rank (every rank reports its transfer results, as pdserve's "
                              "engines do today) and/or engine (rank 0 reports them once for all its ranks, "
