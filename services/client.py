@@ -178,6 +178,31 @@ def _channel_settings(credentials: grpc.ChannelCredentials | None, metadata: Seq
             tuple(metadata) + tuple(security.metadata()))
 
 
+class _Attempts:
+    """One request's turns over the replicas: which stub next, the time left before the
+    deadline, and whether a failed attempt may be retried (RETRYABLE, attempts left)."""
+
+    __slots__ = ("_client", "_deadline", "_left")
+
+    def __init__(self, client: AsyncClient | Client, timeout: float | None) -> None:
+        self._client = client
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._left = client.max_attempts_per_replica * len(client._stubs)
+
+    def next(self) -> tuple[pb_grpc.GenerationStub, float | None]:
+        c = self._client
+        stub = c._stubs[c._next % len(c._stubs)]
+        c._next += 1
+        return stub, None if self._deadline is None else max(0.001, self._deadline - time.monotonic())
+
+    def retry(self, code: grpc.StatusCode, builder: _ResultBuilder) -> bool:
+        self._left -= 1
+        if code not in RETRYABLE or self._left <= 0:
+            return False
+        builder.result.num_retries += 1
+        return True
+
+
 class AsyncClient:
     """asyncio client; one channel, many concurrent streams."""
 
@@ -215,12 +240,9 @@ class AsyncClient:
     async def _run(self, request: pb.GenerateRequest, builder: _ResultBuilder,
                    timeout: float | None) -> AsyncIterator[StreamChunk]:
         """The request on the replicas in turn, resumed after a replica's UNAVAILABLE."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        attempts = self.max_attempts_per_replica * len(self._stubs)
+        attempts = _Attempts(self, timeout)
         while True:
-            stub = self._stubs[self._next % len(self._stubs)]
-            self._next += 1
-            remaining = None if deadline is None else max(0.001, deadline - time.monotonic())
+            stub, remaining = attempts.next()
             try:
                 async for resp in stub.Generate(builder.resumed(request), timeout=remaining, metadata=self._metadata):
                     chunk = builder.add(resp)
@@ -228,10 +250,8 @@ class AsyncClient:
                         yield chunk
                 return
             except grpc.aio.AioRpcError as e:
-                attempts -= 1
-                if e.code() not in RETRYABLE or attempts <= 0:
+                if not attempts.retry(e.code(), builder):
                     raise
-                builder.result.num_retries += 1
                 await asyncio.sleep(RETRY_PAUSE_S)
 
     async def stream(self, prompt: str | Sequence[int], *, timeout: float | None = None,
@@ -288,12 +308,9 @@ class Client:
     def _run(self, request: pb.GenerateRequest, builder: _ResultBuilder,
              timeout: float | None) -> Iterator[StreamChunk]:
         """The request on the replicas in turn, resumed after a replica's UNAVAILABLE."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        attempts = self.max_attempts_per_replica * len(self._stubs)
+        attempts = _Attempts(self, timeout)
         while True:
-            stub = self._stubs[self._next % len(self._stubs)]
-            self._next += 1
-            remaining = None if deadline is None else max(0.001, deadline - time.monotonic())
+            stub, remaining = attempts.next()
             try:
                 for resp in stub.Generate(builder.resumed(request), timeout=remaining, metadata=self._metadata):
                     chunk = builder.add(resp)
@@ -301,10 +318,8 @@ class Client:
                         yield chunk
                 return
             except grpc.RpcError as e:
-                attempts -= 1
-                if e.code() not in RETRYABLE or attempts <= 0:  # type: ignore[attr-defined]
+                if not attempts.retry(e.code(), builder):  # type: ignore[attr-defined]
                     raise
-                builder.result.num_retries += 1
                 time.sleep(RETRY_PAUSE_S)
 
     def stream(self, prompt: str | Sequence[int], *, timeout: float | None = None,
