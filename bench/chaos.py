@@ -425,7 +425,9 @@ def moved_added_ms(outcomes: list[StreamOutcome]) -> list[float]:
     typical = steady[len(steady) // 2] if steady else 0.0
     added = []
     for o in outcomes:
-        gaps = [o.token_times_s[k] - o.token_times_s[k - 1] for k in o.resumed_at if 0 < k < len(o.token_times_s)]
+        # A resume that failed again (the replica not back yet) resumes at the same token: one gap.
+        gaps = [o.token_times_s[k] - o.token_times_s[k - 1] for k in sorted(set(o.resumed_at))
+                if 0 < k < len(o.token_times_s)]
         if gaps:
             added.append(round((sum(gaps) - typical * len(gaps)) * 1000, 1))
     return added
