@@ -130,6 +130,8 @@ class SchedulerService:
             self.plane.republisher.position_of = self.control.positions.last
             self.plane.republisher.scheduler_id = self.scheduler_id
             self.plane.servicer.converged = lambda: self.converged
+            if self.plane.zmq is not None:
+                self.plane.zmq.converged = lambda: self.converged
             self.telemetry.metrics.track_convergence(lambda: self.converged)
             self.control.on_registered.append(self.plane.engine_up)
             self.control.on_engine_up.append(self.plane.engine_up)
