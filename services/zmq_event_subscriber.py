@@ -37,7 +37,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from connectors.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from connectors.wire import decode_batch
+from connectors.wire import WireFormatError, decode_batch
 from services.scheduler.events.zmq_publisher import END_SEQ, SNAPSHOT_REQUEST
 from services.scheduler.prefix_index import DEFAULT_MEDIUM
 
@@ -125,6 +125,8 @@ class ZmqEventSubscriber:
                 self._follow(pub, replay)
             except ReplicaLost as e:
                 logger.info("KV events from %s: %s; resuming at the next replica from a snapshot", pub, e)
+            except (zmq.ZMQError, WireFormatError) as e:
+                logger.warning("KV events from %s failed (%s); resuming at the next replica from a snapshot", pub, e)
             if self._closed.is_set():
                 return
             i += 1
