@@ -127,10 +127,6 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     if args.allow_plaintext:
         scheduler_args.append("--allow-plaintext")
         engine_args.append("--allow-plaintext")
-    if args.zmq_endpoint:
-        scheduler_args += ["--zmq-endpoint", args.zmq_endpoint]
-    if args.zmq_replay_endpoint:
-        scheduler_args += ["--zmq-replay-endpoint", args.zmq_replay_endpoint]
     if args.auth_tokens_file:
         scheduler_args += ["--auth-tokens-file", args.auth_tokens_file]
     placement = gpu_placement(args)
@@ -157,7 +153,8 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
                        events_port=args.events_port, http_port=args.http_port, metrics=args.metrics, torch_threads=args.torch_threads,
                        kv_cache_memory=args.kv_cache_memory, scheduler_args=scheduler_args,
                        log_dir=args.log_dir, tls=args.tls, tls_dir=args.tls_dir, engine_args=engine_args,
-                       engine=args.engine, vllm_args=list(args.vllm_arg), num_schedulers=args.schedulers)
+                       engine=args.engine, vllm_args=list(args.vllm_arg), num_schedulers=args.schedulers,
+                       zmq_endpoint=args.zmq_endpoint, zmq_replay_endpoint=args.zmq_replay_endpoint)
 
 
 def _check_engine(engine: str, vllm_args: list[str]) -> None:
@@ -255,6 +252,9 @@ def print_endpoints(cluster: LocalCluster, args: argparse.Namespace, flags: str)
         print(f"  OpenAI API     {cluster.replica_http_url(r)}   (base_url of any OpenAI client){token_hint}{tag}")
         print(f"  KV events      {host}:{r.events_port}   (pdserve events --target {host}:{r.events_port}{flags}){tag}")
         print(f"  control plane  {host}:{r.control_port}{tag}")
+        if r.zmq_endpoint:
+            replay = f" --zmq-replay {r.zmq_replay_endpoint}" if r.zmq_replay_endpoint else ""
+            print(f"  ZMQ KV events  {r.zmq_endpoint}   (pdserve events --zmq {r.zmq_endpoint}{replay}){tag}")
         if len(cluster.replicas) > 1:
             print(f"  Generate API   {host}:{r.port}{tag}")
 

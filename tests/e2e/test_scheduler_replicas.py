@@ -78,7 +78,7 @@ def test_replica_killed_mid_stream_loses_nothing(replicas: LocalCluster, prompts
     steady, moving = EventSubscriber(events_b), EventSubscriber(f"{events_a},{events_b}")
     steady.start()
     moving.start()
-    zmq_a, zmq_b = ((f"tcp://{replicas.spec.host}:{r.zmq_port}", f"tcp://{replicas.spec.host}:{r.zmq_replay_port}")
+    zmq_a, zmq_b = ((r.zmq_endpoint, r.zmq_replay_endpoint)
                     for r in (a, b))
     zmq_steady, zmq_moving = ZmqEventSubscriber([zmq_b]), ZmqEventSubscriber([zmq_a, zmq_b])
     zmq_steady.start()
