@@ -291,6 +291,10 @@ def _summary(rows: list[Row], shape: Shape, args: argparse.Namespace) -> dict[st
         "rows": [{"case": r.case, "num_blocks": r.num_blocks, "num_bytes": r.num_bytes, "gbps": r.gbps,
                   "gbps_min": r.gbps_min, "gbps_max": r.gbps_max, "ratio_vs": r.ratios} for r in rows],
     }
+    if shape.kv_staging == "host":  # the small pool's worst case against the pool every pull fits
+        pool_ratios = [r.ratios.get("pdserve-pool") for r in rows]
+        summary["min_ratio_pool_vs_full"] = (min(x for x in pool_ratios if x is not None)
+                                             if pool_ratios and None not in pool_ratios else None)
     for method, key in BASELINES.items():
         ratios = [r.ratios.get(method) for r in rows if r.num_blocks >= 16]
         known = [x for x in ratios if x is not None]
