@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
+from engine.config import ModelConfig
+from engine.demo_model import demo_model_dir
 from engine.device import HostDevices, cpu_has_native_bf16, probe_host, resolve_dtype, resolve_kind
 from services.common.config import ENGINES, check_vllm_args, parse_vllm_args
 from services.common.logs import setup_logging
@@ -80,6 +84,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=0,
                         help="KV block size of the whole cluster; 0: 16, or 32 with --engine vllm (vLLM's CPU "
                              "attention needs a multiple of 32)")
+
+
+def check_model_tp(args: argparse.Namespace) -> None:
+    """Refuses (ValueError: exit 2, nothing started) a TP size the model's heads cannot split
+    over, before any engine starts and fails (the supervisor would restart it forever). The
+    native engine's rule is `ModelConfig.check_tp`; vLLM's is that TP divides the attention heads."""
+    sizes = sorted({args.prefill_tp or args.tp, args.decode_tp or args.tp} - {1})
+    if not sizes:
+        return
+    model_dir = Path(args.model) if args.model else demo_model_dir()
+    source = "the demo model" if not args.model else args.model
+    try:
+        raw = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model {source}: cannot read config.json ({e})") from None
+    for tp in sizes:
+        try:
+            if args.engine == "native":
+                ModelConfig.from_dict(raw, source=str(model_dir / "config.json")).check_tp(tp)
+            elif int(raw.get("num_attention_heads", 0) or 0) % tp:
+                raise ValueError(f"tp={tp} does not divide num_attention_heads={raw.get('num_attention_heads')}")
+        except ValueError as e:
+            raise ValueError(f"{source} cannot run at tensor-parallel size {tp}: {e}") from None
 
 
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
@@ -240,6 +267,7 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     spec = spec_from_args(args)
+    check_model_tp(args)
     cluster = LocalCluster(spec)
     placement = gpu_placement(args)
     replicas = f"{args.schedulers} scheduler replicas" if args.schedulers > 1 else "scheduler"
