@@ -104,8 +104,9 @@ def test_host_staging_moves_blocks_byte_exact_and_is_measured(staged_pair: tuple
 
 def test_a_pull_of_three_pools_completes_byte_exact_through_both_pools_in_rounds(
         staged_pair: tuple[RankProc, RankProc]) -> None:
-    """3x the decode pool (and 1.5x the prefill's), pinned while the prefill pool is nearly
-    full: the prefill stages it per pull, the decode reads it in chunk pulls; every slot returns."""
+    """3x the decode pool (and 1.5x the prefill's), pinned and pulled while the prefill pool is
+    nearly full: the prefill stages it per pull (its pulls wait in line for a run), the decode
+    reads it in chunk pulls; every slot returns."""
     prefill, decode = staged_pair
     prefill.call("expect_send", "big", list(range(150, 240)))  # 90 of the 96 prefill slots, pinned
     assert prefill.call("staging_slots")[0] == 90
@@ -114,8 +115,8 @@ def test_a_pull_of_three_pools_completes_byte_exact_through_both_pools_in_rounds
     decode.call("zero", local)
     prefill.call("expect_send", "wide", remote)  # larger than the pool: staged per pull
     assert prefill.call("staging_slots")[0] == 90
-    prefill.call("cancel", "big")  # frees the run the pulls wait for
     decode.call("start_pull", "wide", _descriptor(prefill, "wide", remote), local)
+    prefill.call("cancel", "big")  # frees the run the chunk pulls wait for at the prefill
     got = decode.call("wait_results", ["wide"], WAIT_S)
     assert got["finished_recving"] == ["wide"] and got["failed_recving"] == [], got
     assert prefill.call("wait_results", ["wide"], WAIT_S)["finished_sending"] == ["wide"]
