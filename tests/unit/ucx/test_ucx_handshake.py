@@ -260,3 +260,27 @@ def test_split_segments_cuts_runs_into_chunks_in_order_keeping_head_ranges() -> 
     assert split_segments(segments, 100) == [segments]
     with pytest.raises(ValueError):
         split_segments(segments, 0)
+
+
+def test_a_pull_larger_than_the_pool_from_a_writer_of_an_older_build_fails_at_once_with_the_reason() -> None:
+    """An older writer counts one `done` per reader, so no chunk pulls go to it: the pull fails
+    as before (nothing queued, nothing staged)."""
+    staged = UcxConnectorConfig(kv_staging="host", kv_staging_blocks=4)
+    prefill = UcxWorkerConnector(engine_id="prefill-o", epoch=3, tp_rank=0, tp_size=1, num_kv_heads=2,
+                                 compatibility_hash="h1", kv_cache=torch.ones(64, 2, 2, 2, 4, 8))
+    decode = UcxWorkerConnector(engine_id="decode-o", epoch=4, tp_rank=0, tp_size=1, num_kv_heads=2,
+                                compatibility_hash="h1", kv_cache=torch.zeros(64, 2, 2, 2, 4, 8), config=staged)
+    try:
+        meta = UcxHandshakeMetadata.decode(prefill.get_handshake_metadata(), expected_hash="h1")
+        assert (meta.chunked_pulls, meta.max_pull_blocks) == (True, 0)
+        assert decode.handshake_metadata.max_pull_blocks == 4
+        decode.add_peer(dataclasses.replace(meta, chunked_pulls=False))
+        decode.start_pull("old", KVTransferDescriptor("prefill-o", 3, "old", tuple(range(10)), 40, 1, 4, 2),
+                          list(range(10)))
+        assert decode.get_transfer_results().failed_recving == {"old"}
+        assert decode.take_failure_reasons() == {"old": "staging_pool_too_small"}
+        assert decode.get_block_ids_with_load_errors() == set(range(10))
+        assert decode.num_pending() == 0 and decode.staging_slots() == (0, 4, 0)
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
