@@ -108,6 +108,7 @@ class ClusterSpec:
     # Scheduler replicas, all active; every engine connects to each. Replica 0 takes the ports
     # above; replica i the same ports + 10 * i when they were given, else free ones.
     num_schedulers: int = 1
+    zmq: bool = False  # every replica also publishes vLLM-format KV events on ZMQ (PUB + replay ROUTER)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +120,8 @@ class ReplicaPorts:
     control_port: int
     events_port: int
     http_port: int
+    zmq_port: int = 0  # PUB and replay ROUTER (ClusterSpec.zmq; 0: none)
+    zmq_replay_port: int = 0
 
 
 @dataclass(slots=True)
@@ -173,8 +176,9 @@ class LocalCluster:
 
         def port(given: int) -> int:
             return given + 10 * i if given else free_port(s.host)
+        zmq_ports = (free_port(s.host), free_port(s.host)) if s.zmq else (0, 0)
         return ReplicaPorts("scheduler" if i == 0 else f"scheduler-{i}", port(s.port), port(s.control_port),
-                            port(s.events_port), port(s.http_port))
+                            port(s.events_port), port(s.http_port), *zmq_ports)
 
     @staticmethod
     def is_scheduler(name: str) -> bool:
@@ -250,8 +254,14 @@ class LocalCluster:
         argv = self._cli("scheduler", "--host", s.host, "--port", str(r.port),
                          "--control-port", str(r.control_port), "--events-port", str(r.events_port),
                          "--http-port", str(r.http_port), "--metrics-port", str(metrics_port), *(["--model", s.model] if s.model else []),
-                         *self._peer_args(r), *s.scheduler_args)
+                         *self._peer_args(r), *self._zmq_args(r), *s.scheduler_args)
         return Component(r.name, argv, metrics_port or None)
+
+    def _zmq_args(self, r: ReplicaPorts) -> list[str]:
+        if not r.zmq_port:
+            return []
+        return ["--zmq-endpoint", f"tcp://{self.spec.host}:{r.zmq_port}",
+                "--zmq-replay-endpoint", f"tcp://{self.spec.host}:{r.zmq_replay_port}"]
 
     def _peer_args(self, r: ReplicaPorts) -> list[str]:
         """The other replicas' KVEvents endpoints: a replica restarted takes its index from them."""
