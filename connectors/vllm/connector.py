@@ -59,7 +59,7 @@ def _check_kv_cache_groups(kv_cache_config: KVCacheConfig | None) -> None:
     """Raises ValueError, naming why, for KV the connector cannot move whole."""
     if kv_cache_config is None:
         return
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     groups = kv_cache_config.kv_cache_groups
     if len(groups) > 1:
@@ -69,11 +69,16 @@ def _check_kv_cache_groups(kv_cache_config: KVCacheConfig | None) -> None:
                          "connector that transfers per group")
     for group in groups:
         spec = group.kv_cache_spec
-        if not isinstance(spec, FullAttentionSpec):
-            raise ValueError(f"PdserveConnector moves full-attention KV only; this model's cache is "
-                             f"{type(spec).__name__}, whose blocks behind the window are freed (a prefill's blocks "
+        if isinstance(spec, FullAttentionSpec):
+            continue
+        reason = f"PdserveConnector moves full-attention KV only; this model's cache is {type(spec).__name__}"
+        if isinstance(spec, SlidingWindowSpec):
+            window = spec.sliding_window
+            raise ValueError(f"{reason}, whose blocks behind the {window}-token window are freed (a prefill's blocks "
                              "would not hold its whole prompt's KV). Serve it colocated, or with "
-                             "--vllm-arg disable_sliding_window=true (full attention, as the model's context allows)")
+                             "--vllm-arg disable_sliding_window=true (full attention; vLLM then caps the context "
+                             f"at {window} tokens)")
+        raise ValueError(f"{reason} (not every prompt token's KV is kept in its blocks). Serve it colocated")
 
 
 def _report_refusal(reason: str) -> None:

@@ -74,7 +74,7 @@ def test_an_all_sliding_window_model_is_refused_at_start_with_the_reason(all_sli
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert last.startswith("pdserve prefill: vLLM engine sliding-0 refused at start: PdserveConnector moves "
                            "full-attention KV only; this model's cache is SlidingWindowSpec"), last
-    assert "Serve it colocated" in last
+    assert "behind the 32-token window" in last and "vLLM then caps the context at 32 tokens" in last, last
 
 
 def test_mixed_sliding_and_full_layers_are_one_full_attention_group_with_this_connector() -> None:
@@ -99,6 +99,20 @@ def test_mixed_sliding_and_full_layers_are_one_full_attention_group_with_this_co
     unify_hybrid_kv_cache_specs(sliding)
     assert {type(s) for s in sliding.values()} == {SlidingWindowSpec}
 
+
+
+def test_a_local_attention_group_is_refused_with_what_would_serve_it() -> None:
+    import torch
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from connectors.vllm.connector import _check_kv_cache_groups
+
+    chunked = ChunkedLocalAttentionSpec(block_size=32, num_kv_heads=2, head_size=16, dtype=torch.float32,
+                                        attention_chunk_size=64)
+    with pytest.raises(ValueError, match=r"cache is ChunkedLocalAttentionSpec \(not every prompt token's KV is kept "
+                                         r"in its blocks\). Serve it colocated$"):
+        _check_kv_cache_groups(KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                                             kv_cache_groups=[KVCacheGroupSpec(["l0"], chunked)]))
 
 WINDOW = 48  # not a multiple of BLOCK: the window's edge falls inside a block
 MAX_TOKENS = 16
