@@ -76,8 +76,8 @@ def _check_kv_cache_groups(kv_cache_config: KVCacheConfig | None) -> None:
             window = spec.sliding_window
             raise ValueError(f"{reason}, whose blocks behind the {window}-token window are freed (a prefill's blocks "
                              "would not hold its whole prompt's KV). Serve it colocated, or with "
-                             "--vllm-arg disable_sliding_window=true (full attention; vLLM then caps the context "
-                             f"at {window} tokens)")
+                             f"--vllm-arg disable_sliding_window=true and --max-model-len {window} or less (full "
+                             "attention; vLLM caps the context at the window)")
         raise ValueError(f"{reason} (not every prompt token's KV is kept in its blocks). Serve it colocated")
 
 

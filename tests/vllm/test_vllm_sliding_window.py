@@ -74,7 +74,8 @@ def test_an_all_sliding_window_model_is_refused_at_start_with_the_reason(all_sli
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert last.startswith("pdserve prefill: vLLM engine sliding-0 refused at start: PdserveConnector moves "
                            "full-attention KV only; this model's cache is SlidingWindowSpec"), last
-    assert "behind the 32-token window" in last and "vLLM then caps the context at 32 tokens" in last, last
+    assert "behind the 32-token window" in last, last
+    assert "--vllm-arg disable_sliding_window=true and --max-model-len 32 or less" in last, last
 
 
 def test_mixed_sliding_and_full_layers_are_one_full_attention_group_with_this_connector() -> None:
