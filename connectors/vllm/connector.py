@@ -14,7 +14,10 @@ takes LBHNC only. The worker half registers whatever was allocated (`kv_region.p
 Refused at start, with the reason: more than one KV cache group (hybrid attention / Mamba, or
 sliding-window layers under vLLM's hybrid allocator) and groups that are not full attention
 (sliding-window or chunked-local blocks are freed behind the window, so a prefill's block list
-would not hold its whole prompt's KV).
+would not hold its whole prompt's KV). A model mixing sliding and full layers is served: the
+connector does not declare vLLM's `SupportsHMA`, so vLLM turns its hybrid allocator off and
+keeps every layer's KV in one full-attention group (the sliding layers still attend within
+their window; tests/vllm/test_vllm_sliding_window.py).
 """
 
 from __future__ import annotations
