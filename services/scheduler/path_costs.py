@@ -3,9 +3,10 @@
 Pure and synchronous (the servicer feeds it; the policy reads it). The facts:
 
 - **Prefill time**: seconds from dispatch until a prefill engine answered, against the prompt
-  tokens it had to compute *including those queued ahead of it* (the backlog at dispatch). So
-  a prediction for `backlog + uncached` tokens is a prediction of the wait plus the compute, in
-  one line. The per-token part is also what a decode-local prefill costs a decode engine (same
+  tokens it computed meanwhile: those queued ahead of it (the backlog at dispatch), its own,
+  and those sent after it that joined its step (`PromptBacklog`; no sample when that is
+  unknown). So a prediction for `backlog + uncached` tokens is a prediction of the wait plus
+  the compute, in one line. The per-token part is also what a decode-local prefill costs a decode engine (same
   model, same kind of device). One fit for all prefill engines, not one per engine: a handful of
   samples per engine gave fixed parts noisy enough to outweigh a whole prefix; what differs
   between engines is their backlog and load, which the policy reads per engine. Decode-local
@@ -44,6 +45,7 @@ from dataclasses import dataclass, field
 
 from services.scheduler.decode_stalls import DecodeStalls
 from services.scheduler.linear_fit import DEFAULT_DECAY, LinearFit
+from services.scheduler.prompt_backlog import PromptBacklog
 
 __all__ = ["DEFAULT_DECAY", "CostPriors", "LinearFit", "PathCosts", "TtftCorrection"]
 
@@ -102,7 +104,7 @@ class PathCosts:
     priors: CostPriors = field(default_factory=CostPriors)
     decay: float = DEFAULT_DECAY
     transfer: dict[tuple[str, str], LinearFit] = field(default_factory=dict)
-    backlog_tokens: Counter[str] = field(default_factory=Counter)
+    backlog: PromptBacklog = field(default_factory=PromptBacklog)
     itl_targets: dict[str, Counter[float]] = field(default_factory=dict)
     itl_s: float | None = None
     prefill: LinearFit | None = None
@@ -204,15 +206,22 @@ class PathCosts:
 
     # -- backlog and ITL targets ---------------------------------------------------------------
 
-    def add_backlog(self, engine_id: str, num_tokens: int) -> None:
-        self.backlog_tokens[engine_id] += num_tokens
+    @property
+    def backlog_tokens(self) -> Counter[str]:
+        """Engine id -> prompt tokens sent there and not computed yet (read only)."""
+        return self.backlog.tokens
 
-    def remove_backlog(self, engine_id: str, num_tokens: int) -> None:
-        left = self.backlog_tokens[engine_id] - num_tokens
-        if left > 0:
-            self.backlog_tokens[engine_id] = left
-        else:
-            del self.backlog_tokens[engine_id]
+    def add_backlog(self, engine_id: str, num_tokens: int) -> int:
+        """A prompt sent to `engine_id`; returns the ticket `settle_backlog` takes."""
+        return self.backlog.add(engine_id, num_tokens)
+
+    def settle_backlog(self, engine_id: str, ticket: int, seconds: float | None) -> None:
+        """The engine computed the ticket's prompt `seconds` after its dispatch (None: gave up,
+        or nothing to learn); a sample of the prefill fit when the tokens computed meanwhile
+        are known (see `PromptBacklog`)."""
+        num_tokens = self.backlog.settle(engine_id, ticket, seconds is not None)
+        if num_tokens is not None and seconds is not None:
+            self.observe_prefill(num_tokens, seconds)
 
     def add_itl_target(self, engine_id: str, target_s: float) -> None:
         self.itl_targets.setdefault(engine_id, Counter())[target_s] += 1
@@ -243,5 +252,4 @@ class PathCosts:
 
     def leaks(self) -> list[str]:
         """Backlog or ITL targets left after every request ended (empty when clean)."""
-        return [f"backlog {e}: {n} tokens" for e, n in self.backlog_tokens.items()] + \
-            [f"itl targets {e}: {dict(t)}" for e, t in self.itl_targets.items()]
+        return self.backlog.leaks() + [f"itl targets {e}: {dict(t)}" for e, t in self.itl_targets.items()]

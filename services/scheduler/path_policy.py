@@ -347,7 +347,12 @@ class PathPolicy:
             return
         if inputs.path == PATH_LOCAL and not inputs.busy:
             self.costs.observe_prefill(inputs.num_backlog_tokens + inputs.num_uncached_tokens, actual_s)
-        self.costs.observe_ttft(inputs.engine_id, inputs.path, self.raw_ttft_s(inputs), actual_s)
+        raw = self.raw_ttft_s(inputs)
+        logger.debug("TTFT outcome %s on %s: backlog %d, uncached %d, busy %s; predicted %.4f s, actual %.4f s "
+                     "(raw now %.4f s, correction %.3f)", inputs.path, inputs.engine_id, inputs.num_backlog_tokens,
+                     inputs.num_uncached_tokens, inputs.busy, decision.predicted_ttft_s or 0.0, actual_s, raw,
+                     self.costs.correction(inputs.engine_id, inputs.path))
+        self.costs.observe_ttft(inputs.engine_id, inputs.path, raw, actual_s)
 
     @staticmethod
     def _busy(d: EngineView) -> bool:
