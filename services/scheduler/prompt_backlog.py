@@ -43,10 +43,11 @@ class PromptBacklog:
         self.tokens[engine_id] += num_tokens
         return ticket
 
-    def settle(self, engine_id: str, ticket: int, computed: bool) -> int | None:
+    def settle(self, engine_id: str, ticket: int, computed: bool) -> tuple[int, int] | None:
         """The engine answered the ticket's prompt (`computed`) or gave up on it. Returns the
-        tokens it computed between the dispatch and the answer (ahead, own, joined), or None:
-        not computed, an unknown ticket, or a later dispatch still waiting (window unknown)."""
+        tokens that were ahead of it at dispatch and all it computed between the dispatch and
+        the answer (ahead, own, joined), or None: not computed, an unknown ticket, or a later
+        dispatch still waiting (window unknown)."""
         waiting = self._waiting.get(engine_id)
         entry = waiting.pop(ticket, None) if waiting is not None else None
         if entry is None:
@@ -69,7 +70,7 @@ class PromptBacklog:
                 later_waiting = True
         if later_waiting:
             return None
-        return entry.num_ahead + entry.num_tokens + entry.num_joined
+        return entry.num_ahead, entry.num_ahead + entry.num_tokens + entry.num_joined
 
     def leaks(self) -> list[str]:
         return [f"backlog {e}: {n} tokens" for e, n in self.tokens.items()] + \

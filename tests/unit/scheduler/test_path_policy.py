@@ -102,8 +102,9 @@ def test_ttft_target_lifts_the_stall_budget_only_when_remote_misses_it() -> None
 
 def test_itl_target_of_requests_decoding_there_forbids_a_local_stall() -> None:
     guarded = [view("d0", num_inflight=2, itl_target_s=0.02)]
+    # No step measured: a forward pass of the prior's prefill fit (10.2 ms) plus the stall.
     assert policy().decide(PathRequest(200), P, guarded, {}).reason == REMOTE_ITL_TARGET  # 40 ms stall
-    assert policy().decide(PathRequest(50), P, guarded, {}).reason == LOCAL_SHORT_PROMPT  # 10 ms stall
+    assert policy().decide(PathRequest(40), P, guarded, {}).reason == LOCAL_SHORT_PROMPT  # 8 ms stall
     # Another decode engine without such a request takes the local prefill.
     d = policy().decide(PathRequest(200), P, [*guarded, view("d9", num_inflight=2)], {})
     assert (d.reason, d.decode_id) == (LOCAL_SHORT_PROMPT, "d9")

@@ -13,8 +13,8 @@ def test_later_prompts_that_answer_first_joined_the_step() -> None:
     first = b.add("p", 100)
     joined = b.add("p", 30)
     assert b.tokens["p"] == 130
-    assert b.settle("p", joined, computed=True) == 130  # 100 ahead + its own 30
-    assert b.settle("p", first, computed=True) == 130  # its own 100 + 30 that joined its step
+    assert b.settle("p", joined, computed=True) == (100, 130)  # 100 ahead + its own 30
+    assert b.settle("p", first, computed=True) == (0, 130)  # its own 100 + 30 that joined its step
     assert b.leaks() == [] and b.tokens == {}
 
 
@@ -23,7 +23,7 @@ def test_no_sample_while_a_later_prompt_waits_or_for_a_prompt_given_up() -> None
     first, later, failed = b.add("p", 100), b.add("p", 30), b.add("q", 5)
     assert b.settle("p", first, computed=True) is None  # `later` may have joined its step, or not
     assert b.settle("q", failed, computed=False) is None
-    assert b.settle("p", later, computed=True) == 130
+    assert b.settle("p", later, computed=True) == (100, 130)
     assert b.settle("p", later, computed=True) is None  # settled twice: no-op
     assert b.leaks() == []
 
@@ -45,3 +45,19 @@ def test_one_batch_of_four_prompts_is_one_sample_of_its_size_not_a_flat_line() -
     assert costs.prefill_s(15) == pytest.approx(step(15), rel=0.25)
     assert costs.prefill_s(400) == pytest.approx(step(400), rel=0.25)
     assert costs.leaks() == []
+
+
+def test_a_prompt_that_finds_the_engine_busy_waits_two_steps() -> None:
+    """Measured 4 December 2026: a 9-token prompt sent while 22 tokens computed took 0.19 s, two
+    steps; one step of 31 tokens (0.13 s) was the old prediction."""
+    costs = PathCosts()
+    step = lambda n: 0.065 + 0.0022 * n  # noqa: E731
+    for n in (1, 22, 385, 17):
+        costs.settle_backlog("p", costs.add_backlog("p", n), step(n))
+    busy = costs.add_backlog("p", 22)
+    queued = costs.add_backlog("p", 9)
+    costs.settle_backlog("p", busy, step(22))
+    costs.settle_backlog("p", queued, step(22) + step(9))  # learnt as one step of 31 tokens
+    assert costs.prefill.params() == pytest.approx((0.065, 0.0022), rel=0.01)
+    assert costs.queued_prefill_s(22, 9) == pytest.approx(step(22) + step(9), rel=0.01)
+    assert costs.queued_prefill_s(0, 9) == pytest.approx(step(9), rel=0.01)
