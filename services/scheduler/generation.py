@@ -242,8 +242,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         if route.prefill.engine_id is not None:
             self._take_slot(request, route.prefill.engine_id)
         prefilling = route.prefill.engine_id or route.decode.engine_id
-        self._add_backlog(request, prefilling, route.path.num_uncached_tokens,
-                          len(valid.prompt_token_ids) - route.path.num_uncached_tokens)
+        self._add_backlog(request, prefilling, route.path.num_uncached_tokens)
         self._register_itl(request, route.decode.engine_id)
         return request, route
 
@@ -253,8 +252,8 @@ class GenerationServicer(gen_grpc.GenerationServicer):
     def costs(self) -> PathCosts:
         return self.router.path.costs
 
-    def _add_backlog(self, request: Request, engine_id: str, num_tokens: int, num_cached: int) -> None:
-        request.backlog = (engine_id, self.costs.add_backlog(engine_id, num_tokens, max(0, num_cached)))
+    def _add_backlog(self, request: Request, engine_id: str, num_tokens: int) -> None:
+        request.backlog = (engine_id, self.costs.add_backlog(engine_id, num_tokens))
 
     def _settle_backlog(self, request: Request, engine_id: str, seconds: float | None) -> None:
         """The engine computed (or gave up on) this request's prompt; `seconds` since dispatch

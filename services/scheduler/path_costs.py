@@ -11,10 +11,7 @@ Pure and synchronous (the servicer feeds it; the policy reads it). The facts:
   (`PromptBacklog`; no sample when that is unknown) — from prompts that found nothing ahead.
   One that found a step in progress does not know how much of it was left: a 22-token prompt
   sent near the end of a 1,253-token step read as 1,275 tokens in 1.0 s and halved the fitted
-  per-token cost. Prompts with cached tokens there feed a second fit instead: what their step
-  took beyond the prefill fit's prediction, against the cached tokens (`context_s`: attention
-  over the prefix, its blocks pinned and described; measured, a 1-token prompt behind a
-  384-token cached prefix took 30-60 % longer than a 20-token prompt alone). The per-token part is also what a decode-local prefill costs a decode engine (same
+  per-token cost. The per-token part is also what a decode-local prefill costs a decode engine (same
   model, same kind of device). One fit for all prefill engines, not one per engine: a handful of
   samples per engine gave fixed parts noisy enough to outweigh a whole prefix; what differs
   between engines is their backlog and load, which the policy reads per engine. Decode-local
@@ -116,7 +113,6 @@ class PathCosts:
     itl_targets: dict[str, Counter[float]] = field(default_factory=dict)
     itl_s: float | None = None
     prefill: LinearFit | None = None
-    context: LinearFit | None = None
     # (engine id, path) -> correction of that engine's TTFT predictions on that path (the
     # prefill engine's for remote, the decode engine's for decode_local).
     corrections: dict[tuple[str, str], TtftCorrection] = field(default_factory=dict)
@@ -126,7 +122,6 @@ class PathCosts:
     def __post_init__(self) -> None:
         p = self.priors
         self.prefill = LinearFit(p.prefill_fixed_s, p.prefill_per_token_s, self.decay)
-        self.context = LinearFit(0.0, 0.0, self.decay)
         self._all_transfer = LinearFit(p.transfer_fixed_s, p.transfer_per_token_s, self.decay)
         self.decode = DecodeStalls(p.prefill_per_token_s, self.decay)
 
@@ -179,14 +174,12 @@ class PathCosts:
         assert self.prefill is not None
         return self.prefill.predict(num_tokens)
 
-    def queued_prefill_s(self, num_ahead: int, num_tokens: int, num_cached: int = 0) -> float:
+    def queued_prefill_s(self, num_ahead: int, num_tokens: int) -> float:
         """Seconds until an engine with `num_ahead` prompt tokens queued has computed
-        `num_tokens` more after `num_cached` cached ones: the step in progress, then the next
-        (one step when idle)."""
-        assert self.prefill is not None and self.context is not None
+        `num_tokens` more: the step in progress, then the next (one step when idle)."""
+        assert self.prefill is not None
         extra = self.prefill.params()[0] if num_ahead > 0 else 0.0
-        context = self.context.predict(num_cached) if num_cached > 0 else 0.0
-        return extra + self.prefill_s(num_ahead + num_tokens) + context
+        return extra + self.prefill_s(num_ahead + num_tokens)
 
     def compute_s(self, num_tokens: int) -> float:
         """The per-token part only: how long computing `num_tokens` stalls an engine's batch."""
@@ -234,9 +227,9 @@ class PathCosts:
         """Engine id -> prompt tokens sent there and not computed yet (read only)."""
         return self.backlog.tokens
 
-    def add_backlog(self, engine_id: str, num_tokens: int, num_cached: int = 0) -> int:
+    def add_backlog(self, engine_id: str, num_tokens: int) -> int:
         """A prompt sent to `engine_id`; returns the ticket `settle_backlog` takes."""
-        return self.backlog.add(engine_id, num_tokens, num_cached)
+        return self.backlog.add(engine_id, num_tokens)
 
     def settle_backlog(self, engine_id: str, ticket: int, seconds: float | None) -> None:
         """The engine computed the ticket's prompt `seconds` after its dispatch (None: gave up,
@@ -244,20 +237,13 @@ class PathCosts:
         are known (see `PromptBacklog`)."""
         window = self.backlog.settle(engine_id, ticket, seconds is not None)
         if window is not None and seconds is not None:
-            num_ahead, num_tokens, num_cached = window
-            self.observe_queued_prefill(num_ahead, num_tokens, seconds, num_cached)
+            self.observe_queued_prefill(*window, seconds)
 
-    def observe_queued_prefill(self, num_ahead: int, num_tokens: int, seconds: float, num_cached: int = 0) -> None:
-        """`seconds` for `num_tokens` computed after `num_cached` cached ones, `num_ahead` of
-        them queued ahead when the prompt was sent: a sample only when nothing was, of the
-        prefill fit without cached tokens, else of the context fit (see the module docstring)."""
-        assert self.prefill is not None and self.context is not None
-        if num_ahead:
-            return
-        if num_cached <= 0:
+    def observe_queued_prefill(self, num_ahead: int, num_tokens: int, seconds: float) -> None:
+        """`seconds` for `num_tokens` computed, `num_ahead` of them queued ahead when the prompt
+        was sent: a sample only when nothing was (see the module docstring)."""
+        if num_ahead == 0:
             self.observe_prefill(num_tokens, seconds)
-        else:
-            self.context.observe(num_cached, max(0.0, seconds - self.prefill.predict(num_tokens)))
 
     def add_itl_target(self, engine_id: str, target_s: float) -> None:
         self.itl_targets.setdefault(engine_id, Counter())[target_s] += 1

@@ -132,14 +132,13 @@ class TtftInputs:
     """What a TTFT prediction is made from: the path, the engine computing the first token (the
     prefill engine for remote, the decode engine for local), the prompt tokens queued there
     ahead of the request, the request's own uncached tokens, and (local) whether requests were
-    decoding there; the prompt's tokens cached there."""
+    decoding there."""
 
     path: str
     engine_id: str
     num_backlog_tokens: int
     num_uncached_tokens: int
     busy: bool = False
-    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,8 +307,7 @@ class PathPolicy:
         uncached tokens; the KV transfer then delays the second token (`transfer_s`)."""
         c = self.costs
         uncached = self._uncached(request, prefill.engine_id, matched_blocks)
-        inputs = TtftInputs(PATH_REMOTE, prefill.engine_id, prefill.num_backlog_tokens if with_backlog else 0, uncached,
-                            num_cached_tokens=request.num_tokens - uncached)
+        inputs = TtftInputs(PATH_REMOTE, prefill.engine_id, prefill.num_backlog_tokens if with_backlog else 0, uncached)
         pull = self._uncached(request, d.engine_id, matched_blocks)
         ttft = self.raw_ttft_s(inputs) * c.correction(prefill.engine_id, PATH_REMOTE)
         return _Option(ttft + self.config.decode_load_s * d.load_score, d, False, uncached, pull, ttft, inputs,
@@ -321,15 +319,14 @@ class PathPolicy:
         least that, and the queued local prefills, half a step of waiting and the step that
         holds the prefill: a measured plain step plus the measured stall of the uncached tokens."""
         uncached = self._uncached(request, d.engine_id, matched_blocks)
-        inputs = TtftInputs(PATH_LOCAL, d.engine_id, d.num_backlog_tokens, uncached, self._busy(d),
-                            request.num_tokens - uncached)
+        inputs = TtftInputs(PATH_LOCAL, d.engine_id, d.num_backlog_tokens, uncached, self._busy(d))
         ttft = self.raw_ttft_s(inputs) * self.costs.correction(d.engine_id, PATH_LOCAL)
         return _Option(ttft + self.config.decode_load_s * d.load_score, d, True, uncached, 0, ttft, inputs)
 
     def raw_ttft_s(self, inputs: TtftInputs) -> float:
         """The fits' TTFT prediction, before the correction (see `_remote_option`, `_local_option`)."""
         c = self.costs
-        alone = c.queued_prefill_s(inputs.num_backlog_tokens, inputs.num_uncached_tokens, inputs.num_cached_tokens)
+        alone = c.queued_prefill_s(inputs.num_backlog_tokens, inputs.num_uncached_tokens)
         if inputs.path == PATH_REMOTE:
             return alone
         # An idle decode engine prefills like a prefill engine (same model and device); a busy
@@ -350,8 +347,7 @@ class PathPolicy:
             return
         if inputs.path == PATH_LOCAL and not inputs.busy:
             self.costs.observe_queued_prefill(inputs.num_backlog_tokens,
-                                              inputs.num_backlog_tokens + inputs.num_uncached_tokens, actual_s,
-                                              inputs.num_cached_tokens)
+                                              inputs.num_backlog_tokens + inputs.num_uncached_tokens, actual_s)
         raw = self.raw_ttft_s(inputs)
         logger.debug("TTFT outcome %s on %s: backlog %d, uncached %d, busy %s; predicted %.4f s, actual %.4f s "
                      "(raw now %.4f s, correction %.3f)", inputs.path, inputs.engine_id, inputs.num_backlog_tokens,

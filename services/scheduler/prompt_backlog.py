@@ -24,9 +24,7 @@ from dataclasses import dataclass, field
 class _Waiting:
     num_tokens: int  # the request's own uncached tokens
     num_ahead: int  # the engine's backlog when it was sent
-    num_cached: int = 0  # the request's prompt tokens cached there (context the step reads)
     num_joined: int = 0  # tokens of later dispatches that answered first (joined its step)
-    num_joined_cached: int = 0
 
 
 @dataclass(slots=True)
@@ -37,21 +35,19 @@ class PromptBacklog:
     _waiting: dict[str, dict[int, _Waiting]] = field(default_factory=dict)
     _next_ticket: int = 0
 
-    def add(self, engine_id: str, num_tokens: int, num_cached: int = 0) -> int:
-        """A prompt of `num_tokens` uncached tokens (and `num_cached` cached there) was sent to
-        `engine_id`; returns its ticket."""
+    def add(self, engine_id: str, num_tokens: int) -> int:
+        """A prompt of `num_tokens` uncached tokens was sent to `engine_id`; returns its ticket."""
         ticket = self._next_ticket
         self._next_ticket += 1
-        self._waiting.setdefault(engine_id, {})[ticket] = _Waiting(num_tokens, self.tokens[engine_id], num_cached)
+        self._waiting.setdefault(engine_id, {})[ticket] = _Waiting(num_tokens, self.tokens[engine_id])
         self.tokens[engine_id] += num_tokens
         return ticket
 
-    def settle(self, engine_id: str, ticket: int, computed: bool) -> tuple[int, int, int] | None:
+    def settle(self, engine_id: str, ticket: int, computed: bool) -> tuple[int, int] | None:
         """The engine answered the ticket's prompt (`computed`) or gave up on it. Returns the
-        tokens that were ahead of it at dispatch, all it computed between the dispatch and the
-        answer (ahead, own, joined), and the cached tokens of its own and the joined prompts;
-        or None: not computed, an unknown ticket, or a later dispatch still waiting (window
-        unknown)."""
+        tokens that were ahead of it at dispatch and all it computed between the dispatch and
+        the answer (ahead, own, joined), or None: not computed, an unknown ticket, or a later
+        dispatch still waiting (window unknown)."""
         waiting = self._waiting.get(engine_id)
         entry = waiting.pop(ticket, None) if waiting is not None else None
         if entry is None:
@@ -70,13 +66,11 @@ class PromptBacklog:
         for other_ticket, other in waiting.items():
             if other_ticket < ticket:
                 other.num_joined += entry.num_tokens
-                other.num_joined_cached += entry.num_cached
             else:
                 later_waiting = True
         if later_waiting:
             return None
-        return (entry.num_ahead, entry.num_ahead + entry.num_tokens + entry.num_joined,
-                entry.num_cached + entry.num_joined_cached)
+        return entry.num_ahead, entry.num_ahead + entry.num_tokens + entry.num_joined
 
     def leaks(self) -> list[str]:
         return [f"backlog {e}: {n} tokens" for e, n in self.tokens.items()] + \

@@ -11,10 +11,10 @@ from services.scheduler.prompt_backlog import PromptBacklog
 def test_later_prompts_that_answer_first_joined_the_step() -> None:
     b = PromptBacklog()
     first = b.add("p", 100)
-    joined = b.add("p", 30, num_cached=384)
+    joined = b.add("p", 30)
     assert b.tokens["p"] == 130
-    assert b.settle("p", joined, computed=True) == (100, 130, 384)  # 100 ahead + its own 30
-    assert b.settle("p", first, computed=True) == (0, 130, 384)  # its own 100 + 30 that joined its step
+    assert b.settle("p", joined, computed=True) == (100, 130)  # 100 ahead + its own 30
+    assert b.settle("p", first, computed=True) == (0, 130)  # its own 100 + 30 that joined its step
     assert b.leaks() == [] and b.tokens == {}
 
 
@@ -23,7 +23,7 @@ def test_no_sample_while_a_later_prompt_waits_or_for_a_prompt_given_up() -> None
     first, later, failed = b.add("p", 100), b.add("p", 30), b.add("q", 5)
     assert b.settle("p", first, computed=True) is None  # `later` may have joined its step, or not
     assert b.settle("q", failed, computed=False) is None
-    assert b.settle("p", later, computed=True) == (100, 130, 0)
+    assert b.settle("p", later, computed=True) == (100, 130)
     assert b.settle("p", later, computed=True) is None  # settled twice: no-op
     assert b.leaks() == []
 
@@ -65,19 +65,3 @@ def test_a_prompt_that_finds_the_engine_busy_waits_two_steps_and_teaches_nothing
     costs.settle_backlog("p", big, 2 * step(1253))  # waited for a step in progress: no sample
     costs.settle_backlog("p", late, 1.0)
     assert costs.prefill.params() == learnt and costs.leaks() == []
-
-
-def test_cached_context_is_learnt_beside_the_prefill_fit() -> None:
-    """Measured 4 December 2026: a 1-token prompt behind a 384-token cached prefix took ~0.13 s,
-    a 20-token prompt with nothing cached ~0.11 s; one fit of computed tokens predicted the
-    first at 0.085 s (30-40 % low, a third of the workload's decisions)."""
-    costs = PathCosts()
-    step = lambda n, cached=0: 0.065 + 0.0022 * n + 0.00016 * cached  # noqa: E731
-    for n in (1, 22, 385, 17, 30, 9):
-        costs.settle_backlog("p", costs.add_backlog("p", n), step(n))
-    fit = costs.prefill.params()
-    for n in (1, 1, 40, 1):
-        costs.settle_backlog("p", costs.add_backlog("p", n, num_cached=384), step(n, 384))
-    assert costs.prefill.params() == fit  # prompts with cached tokens teach the context fit only
-    assert costs.queued_prefill_s(0, 1, 384) == pytest.approx(step(1, 384), rel=0.05)
-    assert costs.queued_prefill_s(0, 20) == pytest.approx(step(20), rel=0.05)
