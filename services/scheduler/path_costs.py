@@ -7,11 +7,9 @@ Pure and synchronous (the servicer feeds it; the policy reads it). The facts:
   whatever else waited: two steps, one more fixed part (`queued_prefill_s`; measured per
   decision, 4 December 2026: one step predicted 35-45 % low whenever a prompt queued). The
   samples: seconds from dispatch until the engine answered, against the prompt tokens it
-  computed meanwhile — its own and those sent after it that joined its step
-  (`PromptBacklog`; no sample when that is unknown) — from prompts that found nothing ahead.
-  One that found a step in progress does not know how much of it was left: a 22-token prompt
-  sent near the end of a 1,253-token step read as 1,275 tokens in 1.0 s and halved the fitted
-  per-token cost. The per-token part is also what a decode-local prefill costs a decode engine (same
+  computed meanwhile — those ahead of it (the backlog at dispatch), its own, and those sent
+  after it that joined its step (`PromptBacklog`; no sample when that is unknown) — less one
+  fixed part when some were ahead. The per-token part is also what a decode-local prefill costs a decode engine (same
   model, same kind of device). One fit for all prefill engines, not one per engine: a handful of
   samples per engine gave fixed parts noisy enough to outweigh a whole prefix; what differs
   between engines is their backlog and load, which the policy reads per engine. Decode-local
@@ -240,10 +238,10 @@ class PathCosts:
             self.observe_queued_prefill(*window, seconds)
 
     def observe_queued_prefill(self, num_ahead: int, num_tokens: int, seconds: float) -> None:
-        """`seconds` for `num_tokens` computed, `num_ahead` of them queued ahead when the prompt
-        was sent: a sample only when nothing was (see the module docstring)."""
-        if num_ahead == 0:
-            self.observe_prefill(num_tokens, seconds)
+        """`seconds` for `num_tokens` computed, `num_ahead` of them queued ahead: with a queue,
+        two steps (see the module docstring), learnt as one step of all the tokens."""
+        assert self.prefill is not None
+        self.observe_prefill(num_tokens, seconds - self.prefill.params()[0] if num_ahead > 0 else seconds)
 
     def add_itl_target(self, engine_id: str, target_s: float) -> None:
         self.itl_targets.setdefault(engine_id, Counter())[target_s] += 1
