@@ -149,6 +149,14 @@ class BatchScheduler:
             i += 1
         if not plan.preempted_ids:
             budget = self._schedule_waiting(plan, budget)
+        return self._with_commands(plan)
+
+    def schedule_commands(self) -> StepPlan:
+        """A plan without chunks: only the finished ids and the connector's commands queued since
+        the last plan (nothing is computed; `update_from_output` need not see it)."""
+        return self._with_commands(StepPlan())
+
+    def _with_commands(self, plan: StepPlan) -> StepPlan:
         plan.finished_ids, self._finished_since_plan = self._finished_since_plan, []
         if self.connector is not None:
             plan.connector_meta = self.connector.build_connector_meta(plan)

@@ -209,6 +209,15 @@ class LLMEngine:
             outputs.append(self._process_token(request, token))
         return outputs
 
+    def flush_commands(self) -> None:
+        """Hands the connector commands queued since the last step (a finished prefill's send)
+        and the finished ids to every rank without computing anything: queued prompts wait for
+        the next `step`."""
+        plan = self.batch_scheduler.schedule_commands()
+        if _no_commands(plan.connector_meta) and not (plan.finished_ids and self._has_connectors):
+            return
+        self.workers.execute(plan)
+
     def _process_token(self, request: Request, token: int) -> RequestOutput:
         detok = self._detok.get(request.request_id)
         delta = detok.add(token) if detok is not None else ""

@@ -253,20 +253,16 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         return self.router.path.costs
 
     def _add_backlog(self, request: Request, engine_id: str, num_tokens: int) -> None:
-        ahead = self.costs.backlog_tokens[engine_id]
-        self.costs.add_backlog(engine_id, num_tokens)
-        request.backlog = (engine_id, num_tokens, ahead + num_tokens)
+        request.backlog = (engine_id, self.costs.add_backlog(engine_id, num_tokens))
 
     def _settle_backlog(self, request: Request, engine_id: str, seconds: float | None) -> None:
         """The engine computed (or gave up on) this request's prompt; `seconds` since dispatch
         of a remote prefill feeds the prefill fit (None: nothing to learn)."""
         if request.backlog is None or request.backlog[0] != engine_id:
             return
-        _, own, total = request.backlog
+        _, ticket = request.backlog
         request.backlog = None
-        self.costs.remove_backlog(engine_id, own)
-        if seconds is not None:
-            self.costs.observe_prefill(total, seconds)
+        self.costs.settle_backlog(engine_id, ticket, seconds)
 
     def _register_itl(self, request: Request, engine_id: str | None) -> None:
         """Moves the request's ITL target to the decode engine it runs on (None: removes it)."""

@@ -2,10 +2,14 @@
 
 Pure and synchronous (the servicer feeds it; the policy reads it). The facts:
 
-- **Prefill time**: seconds from dispatch until a prefill engine answered, against the prompt
-  tokens it had to compute *including those queued ahead of it* (the backlog at dispatch). So
-  a prediction for `backlog + uncached` tokens is a prediction of the wait plus the compute, in
-  one line. The per-token part is also what a decode-local prefill costs a decode engine (same
+- **Prefill time**: one engine step of N prompt tokens, `fixed + per_token * N`. A prompt sent
+  to an engine with a backlog waits for the step in progress, then rides the next step with
+  whatever else waited: two steps, one more fixed part (`queued_prefill_s`; measured per
+  decision, 4 December 2026: one step predicted 35-45 % low whenever a prompt queued). The
+  samples: seconds from dispatch until the engine answered, against the prompt tokens it
+  computed meanwhile — those ahead of it (the backlog at dispatch), its own, and those sent
+  after it that joined its step (`PromptBacklog`; no sample when that is unknown) — less one
+  fixed part when some were ahead. The per-token part is also what a decode-local prefill costs a decode engine (same
   model, same kind of device). One fit for all prefill engines, not one per engine: a handful of
   samples per engine gave fixed parts noisy enough to outweigh a whole prefix; what differs
   between engines is their backlog and load, which the policy reads per engine. Decode-local
@@ -44,6 +48,7 @@ from dataclasses import dataclass, field
 
 from services.scheduler.decode_stalls import DecodeStalls
 from services.scheduler.linear_fit import DEFAULT_DECAY, LinearFit
+from services.scheduler.prompt_backlog import PromptBacklog
 
 __all__ = ["DEFAULT_DECAY", "CostPriors", "LinearFit", "PathCosts", "TtftCorrection"]
 
@@ -102,7 +107,7 @@ class PathCosts:
     priors: CostPriors = field(default_factory=CostPriors)
     decay: float = DEFAULT_DECAY
     transfer: dict[tuple[str, str], LinearFit] = field(default_factory=dict)
-    backlog_tokens: Counter[str] = field(default_factory=Counter)
+    backlog: PromptBacklog = field(default_factory=PromptBacklog)
     itl_targets: dict[str, Counter[float]] = field(default_factory=dict)
     itl_s: float | None = None
     prefill: LinearFit | None = None
@@ -167,6 +172,13 @@ class PathCosts:
         assert self.prefill is not None
         return self.prefill.predict(num_tokens)
 
+    def queued_prefill_s(self, num_ahead: int, num_tokens: int) -> float:
+        """Seconds until an engine with `num_ahead` prompt tokens queued has computed
+        `num_tokens` more: the step in progress, then the next (one step when idle)."""
+        assert self.prefill is not None
+        extra = self.prefill.params()[0] if num_ahead > 0 else 0.0
+        return extra + self.prefill_s(num_ahead + num_tokens)
+
     def compute_s(self, num_tokens: int) -> float:
         """The per-token part only: how long computing `num_tokens` stalls an engine's batch."""
         assert self.prefill is not None
@@ -185,10 +197,14 @@ class PathCosts:
 
     def step_s(self, engine_id: str) -> float:
         """A decode step there without a local prefill: measured, else the mean inter-token gap
-        over all engines, else 0."""
+        over all engines, else a prefill step of one token (a forward pass; 0 was a busy
+        engine's first local prefills predicted at a third of their time, and the correction
+        learnt that error)."""
         assert self.decode is not None
         step = self.decode.step_s(engine_id)
-        return step if step is not None else self.itl_s or 0.0
+        if step is not None:
+            return step
+        return self.itl_s if self.itl_s is not None else self.prefill_s(1)
 
     def stall_s(self, engine_id: str, num_tokens: int) -> float:
         """How much a local prefill of `num_tokens` lengthens a step there: measured (see
@@ -204,15 +220,28 @@ class PathCosts:
 
     # -- backlog and ITL targets ---------------------------------------------------------------
 
-    def add_backlog(self, engine_id: str, num_tokens: int) -> None:
-        self.backlog_tokens[engine_id] += num_tokens
+    @property
+    def backlog_tokens(self) -> Counter[str]:
+        """Engine id -> prompt tokens sent there and not computed yet (read only)."""
+        return self.backlog.tokens
 
-    def remove_backlog(self, engine_id: str, num_tokens: int) -> None:
-        left = self.backlog_tokens[engine_id] - num_tokens
-        if left > 0:
-            self.backlog_tokens[engine_id] = left
-        else:
-            del self.backlog_tokens[engine_id]
+    def add_backlog(self, engine_id: str, num_tokens: int) -> int:
+        """A prompt sent to `engine_id`; returns the ticket `settle_backlog` takes."""
+        return self.backlog.add(engine_id, num_tokens)
+
+    def settle_backlog(self, engine_id: str, ticket: int, seconds: float | None) -> None:
+        """The engine computed the ticket's prompt `seconds` after its dispatch (None: gave up,
+        or nothing to learn); a sample of the prefill fit when the tokens computed meanwhile
+        are known (see `PromptBacklog`)."""
+        window = self.backlog.settle(engine_id, ticket, seconds is not None)
+        if window is not None and seconds is not None:
+            self.observe_queued_prefill(*window, seconds)
+
+    def observe_queued_prefill(self, num_ahead: int, num_tokens: int, seconds: float) -> None:
+        """`seconds` for `num_tokens` computed, `num_ahead` of them queued ahead: with a queue,
+        two steps (see the module docstring), learnt as one step of all the tokens."""
+        assert self.prefill is not None
+        self.observe_prefill(num_tokens, seconds - self.prefill.params()[0] if num_ahead > 0 else seconds)
 
     def add_itl_target(self, engine_id: str, target_s: float) -> None:
         self.itl_targets.setdefault(engine_id, Counter())[target_s] += 1
@@ -243,5 +272,4 @@ class PathCosts:
 
     def leaks(self) -> list[str]:
         """Backlog or ITL targets left after every request ended (empty when clean)."""
-        return [f"backlog {e}: {n} tokens" for e, n in self.backlog_tokens.items()] + \
-            [f"itl targets {e}: {dict(t)}" for e, t in self.itl_targets.items()]
+        return self.backlog.leaks() + [f"itl targets {e}: {dict(t)}" for e, t in self.itl_targets.items()]

@@ -102,8 +102,8 @@ class Request:
     decode_tp_size: int = 0  # of the routed decode engine (prefill ranks pin for its readers)
     slots: list[str] = field(default_factory=list)
     # Prompt tokens counted in an engine's backlog until its prefill is done:
-    # (engine id, own uncached tokens, backlog + own at dispatch) — see PathCosts.
-    backlog: tuple[str, int, int] | None = None
+    # (engine id, ticket) — see PromptBacklog.
+    backlog: tuple[str, int] | None = None
     # The decode engine this request's ITL target is registered on, and the target.
     itl_engine: str | None = None
     itl_target_s: float | None = None

@@ -7,8 +7,9 @@ before anything else runs on it. The loop steps only while there is schedulable 
 idle engine — or one whose requests all wait for remote KV — costs no CPU.
 
 Data-plane commands queued on the scheduler-side connector during a step (a prefill request
-pinned for readers, a pull to start) are flushed to every rank by an extra step before that
-step's outputs are delivered: a descriptor never leaves before every rank pinned its blocks.
+pinned for readers, a pull to start) are flushed to every rank by a command-only plan (no model
+compute: a prompt queued meanwhile waits for the next step) before that step's outputs are
+delivered: a descriptor never leaves before every rank pinned its blocks.
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ class EngineLoop:
         try:
             outputs = self.engine.step()
             if self._flush_pending():
-                outputs += self.engine.step()
+                self.engine.flush_commands()
         except Exception:
             logger.exception("engine step failed")
             raise

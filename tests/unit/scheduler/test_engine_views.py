@@ -24,7 +24,8 @@ def _cluster() -> tuple[EngineRegistry, Admission, PathCosts]:
     return reg, Admission(2), PathCosts()
 
 
-def _change(rng: random.Random, reg: EngineRegistry, admission: Admission, costs: PathCosts) -> None:
+def _change(rng: random.Random, reg: EngineRegistry, admission: Admission, costs: PathCosts,
+            tickets: dict[str, list[int]]) -> None:
     engine_id = rng.choice(sorted(reg.engines))
     what = rng.randrange(9)
     if what == 0:
@@ -34,9 +35,9 @@ def _change(rng: random.Random, reg: EngineRegistry, admission: Admission, costs
     elif what == 2:
         reg.update_load(engine_id, LoadInfo(rng.randrange(3), rng.randrange(3), rng.choice([0.0, 0.5])), False)
     elif what == 3:
-        costs.add_backlog(engine_id, rng.randrange(1, 64))
-    elif what == 4 and costs.backlog_tokens.get(engine_id):
-        costs.remove_backlog(engine_id, costs.backlog_tokens[engine_id])
+        tickets.setdefault(engine_id, []).append(costs.add_backlog(engine_id, rng.randrange(1, 64)))
+    elif what == 4 and tickets.get(engine_id):
+        costs.settle_backlog(engine_id, tickets[engine_id].pop(0), rng.choice([None, 0.1]))
     elif what == 5:
         costs.add_itl_target(engine_id, rng.choice([0.01, 0.02]))
     elif what == 6:
@@ -55,8 +56,9 @@ def test_kept_views_equal_fresh_ones_after_any_changes(seed: int) -> None:
     rng = random.Random(seed)
     reg, admission, costs = _cluster()
     kept = EngineViews(reg, admission, costs)
+    tickets: dict[str, list[int]] = {}
     for _ in range(300):
-        _change(rng, reg, admission, costs)
+        _change(rng, reg, admission, costs, tickets)
         exclude = frozenset(rng.sample(sorted(reg.engines), rng.randrange(2)))
         for role in (Role.PREFILL, Role.DECODE):
             assert kept.views(role, exclude) == EngineViews(reg, admission, costs).views(role, exclude)

@@ -68,20 +68,20 @@ def test_a_pair_without_samples_borrows_the_fit_over_all_pairs() -> None:
 
 def test_backlog_and_itl_targets_balance() -> None:
     costs = PathCosts()
-    costs.add_backlog("p", 100)
-    costs.add_backlog("p", 50)
+    first = costs.add_backlog("p", 100)
+    second = costs.add_backlog("p", 50)
     costs.add_itl_target("d", 0.05)
     costs.add_itl_target("d", 0.02)
     costs.add_itl_target("d", 0.02)
     assert costs.backlog_tokens["p"] == 150 and costs.tightest_itl_target("d") == 0.02
     assert costs.leaks()
-    costs.remove_backlog("p", 100)
+    costs.settle_backlog("p", first, None)
     costs.remove_itl_target("d", 0.02)
     assert costs.tightest_itl_target("d") == 0.02
     costs.remove_itl_target("d", 0.02)
     costs.remove_itl_target("d", 0.3)  # never added: no-op
     assert costs.tightest_itl_target("d") == 0.05
-    costs.remove_backlog("p", 50)
+    costs.settle_backlog("p", second, 0.1)
     costs.remove_itl_target("d", 0.05)
     assert costs.leaks() == [] and costs.tightest_itl_target("d") is None
 
