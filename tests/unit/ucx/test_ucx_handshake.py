@@ -258,7 +258,7 @@ def test_split_segments_cuts_runs_into_chunks_in_order_keeping_head_ranges() -> 
     assert all((s.remote_head, s.local_head, s.num_heads) == (1, 0, 2) for c in chunks for s in c)
     assert chunks[1] == (Segment(14, 4, 1, 1, 0, 2), Segment(40, 20, 1, 1, 0, 2), Segment(50, 30, 2, 1, 0, 2))
     assert split_segments(segments, 100) == [segments]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="max_blocks must be >= 1, got 0"):
         split_segments(segments, 0)
 
 
