@@ -26,7 +26,7 @@ Contracts (see control.proto):
 - Worker events come as `worker_events` or pre-encoded as `packed_worker_events` (an EventBatch
   with only `events` set); either is decoded once per (engine, epoch, bytes), and a batch the
   aggregator publishes unchanged keeps the rank's encoding for gRPC subscribers.
-- A rank silent for `heartbeat_timeout_s`, or whose stream closed and did not reopen within
+- A rank silent for its engine's heartbeat timeout (`EngineRegistry.heartbeat_timeout`), or whose stream closed and did not reopen within
   one heartbeat interval, is dead: its engine is down (transfers touching it
   fail over, an AllBlocksCleared for its epoch goes to the event sink, `on_engine_down` hooks
   run). A rank of a live epoch that speaks again brings its engine back.
@@ -196,7 +196,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         # The loop's own stalls, measured by the monitor on the registry's clock, discounted
         # from ranks' silence.
         self._tick_due: float | None = None
-        self.stalls = LoopStalls(horizon_s=4 * registry.heartbeat_timeout_s,
+        self.stalls = LoopStalls(horizon_s=4 * registry.max_heartbeat_timeout_s,
                                  tolerance_s=min(0.05, registry.heartbeat_timeout_s / 10))
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -241,7 +241,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             if engine is not None:
                 self.engine_down(EngineRef(engine.engine_id, engine.epoch),
                                  f"rank tp={rank_id.tp_rank} pp={rank_id.pp_rank} silent for more than "
-                                 f"{self.registry.heartbeat_timeout_s} s")
+                                 f"{self.registry.heartbeat_timeout(engine)} s")
 
     def _stalled_since(self, t: float) -> float:
         return self.stalls.stalled_since(t)

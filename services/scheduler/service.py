@@ -121,7 +121,9 @@ class SchedulerService:
                 else make_policy(config.routing_policy)
         self.registry = EngineRegistry(block_size=config.block_size, hash_seed=config.hash_seed,
                                        compatibility_hash=config.compatibility_hash,
-                                       heartbeat_timeout_s=config.heartbeat_timeout_s, clock=clock)
+                                       heartbeat_timeout_s=config.heartbeat_timeout_s,
+                                       multirank_cpu_heartbeat_timeout_s=config.multirank_cpu_heartbeat_timeout_s,
+                                       clock=clock)
         self.table = RequestTable(clock, on_release=self.telemetry.release)
         # A replica with peers starts converging: its index learns the engines' blocks from a
         # peer's snapshot before it reports ready (services/scheduler/convergence.py).
