@@ -199,6 +199,20 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self.stalls = LoopStalls(horizon_s=4 * registry.max_heartbeat_timeout_s,
                                  tolerance_s=min(0.05, registry.heartbeat_timeout_s / 10))
 
+    def keepalive_options(self) -> list[tuple[str, int]]:
+        """The Control server's transport liveness: an HTTP/2 PING to every rank each heartbeat
+        interval, and a connection whose PING is not acknowledged within the base heartbeat
+        timeout is closed (its ranks are then down after the reconnect grace). gRPC's own
+        threads answer a PING, without the rank's interpreter: a frozen process or a vanished
+        host is found within `heartbeat_timeout_s` whatever its engine's heartbeat timeout."""
+        return [("grpc.keepalive_time_ms", max(1, int(self.heartbeat_interval_s * 1000))),
+                ("grpc.keepalive_timeout_ms", max(1, int(self.registry.heartbeat_timeout_s * 1000))),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.max_pings_without_data", 0),
+                # Any unanswered PING (a flow-control probe too) ends the connection at the timeout:
+                # a keepalive PING queued behind one would never be sent.
+                ("grpc.http2.ping_timeout_ms", max(1, int(self.registry.heartbeat_timeout_s * 1000)))]
+
     # -- lifecycle ----------------------------------------------------------------------------
 
     def start_monitor(self) -> None:

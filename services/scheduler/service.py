@@ -161,7 +161,8 @@ class SchedulerService:
         self.client_server = ServiceServer([GENERATION_SERVICE], max_message_bytes=size,
                                            interceptors=[self.guard, *server_interceptors()])
         self.control_server = ServiceServer([CONTROL_SERVICE], max_message_bytes=size,
-                                            interceptors=peer_name_guards(config, [CONTROL_SERVICE]))
+                                            interceptors=peer_name_guards(config, [CONTROL_SERVICE]),
+                                            options=self.control.keepalive_options())
         self.events_server = ServiceServer([EVENTS_SERVICE] if self.plane is not None else [],
                                            max_message_bytes=size, interceptors=[self.guard])
         generation_pb2_grpc.add_GenerationServicer_to_server(self.generation, self.client_server.server)
