@@ -155,6 +155,10 @@ class ChaosReport:
     examples: list[str] = field(default_factory=list)
     wall_s: float = 0.0
     e2e_ms: dict[str, float] = field(default_factory=dict)
+    # Streams resumed after tokens had arrived (with replicas: moved to another replica), and
+    # what each resume added to the stream: the gap across it minus the median inter-token gap
+    # of the streams that never resumed.
+    moved_added_ms: list[float] = field(default_factory=list)
     baseline: ChaosReport | None = None
 
     @property
@@ -188,6 +192,8 @@ class ChaosReport:
             # the scheduler-replica view: requests that did not complete, and the longest time
             # from a scheduler kill until a new request was served again
             "requests": self.sent, "requests_lost": self.lost + sum(self.failed.values()),
+            "moved": len(self.moved_added_ms),
+            "moved_p99_added_ms": percentiles(self.moved_added_ms)["p99"] if self.moved_added_ms else None,
             "takeover_s": max((round(k.recovery_s, 2) for k in self.kills
                                if k.victim.startswith("scheduler") and k.recovery_s is not None), default=None),
             # the longest time from a replica's kill until its restart was ready (index converged)
@@ -407,7 +413,24 @@ class ChaosRun:
             r.migrated += 1 if out.num_migrations else 0
         r.examples = r.examples[:20]
         r.e2e_ms = percentiles([o.e2e_s * 1000 for o in self.outcomes if o.status == OK])
+        r.moved_added_ms = moved_added_ms([o for o in self.outcomes if o.status == OK])
         return r
+
+
+def moved_added_ms(outcomes: list[StreamOutcome]) -> list[float]:
+    """Per stream that resumed after tokens arrived: the gaps across its resumes minus as many
+    median inter-token gaps of the streams that never resumed (ms). What moving cost the stream."""
+    steady = sorted(b - a for o in outcomes if not o.resumed_at
+                    for a, b in zip(o.token_times_s, o.token_times_s[1:], strict=False) if b > a)
+    typical = steady[len(steady) // 2] if steady else 0.0
+    added = []
+    for o in outcomes:
+        # A resume that failed again (the replica not back yet) resumes at the same token: one gap.
+        gaps = [o.token_times_s[k] - o.token_times_s[k - 1] for k in sorted(set(o.resumed_at))
+                if 0 < k < len(o.token_times_s)]
+        if gaps:
+            added.append(round((sum(gaps) - typical * len(gaps)) * 1000, 1))
+    return added
 
 
 def run_chaos(cfg: ChaosConfig, progress: Callable[[str], None] | None = None) -> ChaosReport:

@@ -22,6 +22,12 @@ With `--hosts 2` every writer runs in host a and every reader in host b of bench
 namespace), so UCX goes over TCP on that link for all of pdserve (both transports), raw ucxx and NIXL; the
 report names the transport each reader's endpoint used (connectors/ucx/ep_info.py).
 
+With `--kv-staging host` both pdserve sides bounce the KV through their host staging pool
+(connectors/ucx/host_staging.py): `pdserve` with a pool as large as the cache (every pull fits
+at once) against `pdserve-pool` with `--kv-staging-blocks` slots (default a third of the
+largest request), whose larger pulls move in chunk pulls through it; the ratio is
+pdserve-pool / pdserve.
+
 Cases: one request of 1, 16, 256 and 1024 blocks, and 32 requests of 16 blocks concurrently.
 Each timing is the median of `--iters` runs after one warm-up (with the fastest and slowest), measured on the reader from the
 request to the last byte (a control round trip included for every method but memcpy). All
@@ -48,7 +54,9 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-METHODS = ("pdserve", "pdserve-cma", "pdserve-nixl", "ucxx", "ucxx-cma", "nixl", "grpc", "memcpy")
+METHODS = ("pdserve", "pdserve-cma", "pdserve-nixl", "ucxx", "ucxx-cma", "nixl", "grpc", "memcpy", "pdserve-pool")
+DEFAULT_METHODS = METHODS[:-1]
+STAGING_METHODS = ("pdserve", "pdserve-pool")  # what --kv-staging host runs
 BASELINES = {"ucxx": "min_ratio_vs_ucxx", "ucxx-cma": "min_ratio_cma_vs_ucxx_cma", "nixl": "min_ratio_vs_nixl",
              "grpc": "min_ratio_vs_grpc"}
 # Which pdserve run each baseline is compared with: the one on the same transport (nixl with
@@ -57,7 +65,8 @@ COMPARED_WITH = {"ucxx-cma": "pdserve-cma", "nixl": "pdserve-nixl"}
 TRANSPORTS = {"pdserve": "SysV shared memory (UCX_TLS=^cma)", "ucxx": "SysV shared memory (UCX_TLS=^cma)",
               "pdserve-cma": "CMA (UCX_TLS=all)", "ucxx-cma": "CMA (UCX_TLS=all)",
               "pdserve-nixl": "pdserve --kv-transport nixl (NIXL's UCX backend)",
-              "nixl": "NIXL's UCX backend, UCX's default transports", "grpc": "TCP loopback", "memcpy": "one process"}
+              "nixl": "NIXL's UCX backend, UCX's default transports", "grpc": "TCP loopback", "memcpy": "one process",
+              "pdserve-pool": "pdserve --kv-staging host through a pool of --kv-staging-blocks slots (^cma)"}
 HOSTS_METHODS = ("pdserve", "pdserve-nixl", "ucxx", "nixl")  # what --hosts 2 runs (each side in its own host)
 CHUNK = 4 << 20
 DEFAULT_SIZES = "1,16,256,1024"
@@ -92,6 +101,8 @@ class Shape:
     head_dim: int
     block_size: int
     num_blocks: int
+    kv_staging: str = "none"  # of the pdserve methods (pdserve-pool: always host)
+    staging_blocks: int = 0  # pdserve-pool's pool
 
     @property
     def block_nbytes(self) -> int:
@@ -125,7 +136,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=0,
                         help="timed runs per case and method (median; default 5, 21 with --prefill-tp/--decode-tp, "
                              "whose ratio is the median of paired samples)")
-    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+    parser.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated subset of " + ",".join(METHODS))
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="blocks of the single-request cases")
     parser.add_argument("--hosts", type=int, default=1, choices=(1, 2),
                         help="2: each writer in host a and each reader in host b of bench/two_hosts.py (network "
@@ -148,6 +159,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --prefill-tp/--decode-tp: pdserve's KV transport of both pairings (ucx-tag: "
                              "tagged messages; nixl: one NIXL READ per pull), or both (each transport's hetero "
                              "and equal pairings, all four interleaved in one run)")
+    parser.add_argument("--kv-staging", default="none", choices=("none", "host"),
+                        help="host: both pdserve sides bounce KV through their host staging pool; runs pdserve "
+                             "(a pool as large as the cache) against pdserve-pool (--kv-staging-blocks slots)")
+    parser.add_argument("--kv-staging-blocks", type=int, default=0,
+                        help="with --kv-staging host: pdserve-pool's slots (default a third of the largest request)")
     parser.add_argument("--pin-cores", default="auto",
                         help="with --prefill-tp/--decode-tp: CPU cores per role, alike in the hetero and the equal "
                              "pairing (a host where each side has its own): ROLE:CPUS[,ROLE:CPUS] with CPUS N or "
@@ -165,8 +181,12 @@ def run(args: argparse.Namespace) -> int:
         return transfer_tp.run(args, sizes)
     args.kv_heads = args.kv_heads or 3
     args.iters = args.iters or 5
-    if args.hosts == 2 and args.methods == ",".join(METHODS):
+    if args.hosts == 2 and args.methods == ",".join(DEFAULT_METHODS):
         args.methods = ",".join(HOSTS_METHODS)
+    if args.kv_staging == "host" and args.methods == ",".join(DEFAULT_METHODS):
+        args.methods = ",".join(STAGING_METHODS)
+    if args.kv_staging == "host" and args.hosts == 2:
+        raise ValueError("--kv-staging host runs on one host (--hosts 1)")
     cases = [Case(str(n), (n,)) for n in _int_list(args.sizes)]
     if args.concurrent:
         cases.append(Case(f"{args.concurrent}x{args.concurrent_blocks}", (args.concurrent_blocks,) * args.concurrent))
@@ -176,8 +196,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--methods must include pdserve and name only {METHODS}; --iters >= 1")
     if args.hosts == 2 and set(methods) - set(HOSTS_METHODS):
         raise ValueError(f"--hosts 2 runs only {', '.join(HOSTS_METHODS)}")
+    if "pdserve-pool" in methods and args.kv_staging != "host":
+        raise ValueError("pdserve-pool runs with --kv-staging host")
+    largest = max(max(c.request_blocks) for c in cases)
+    if args.kv_staging_blocks < 0:
+        raise ValueError(f"--kv-staging-blocks must be >= 0, got {args.kv_staging_blocks}")
     shape = Shape(args.num_layers, args.kv_heads, args.head_dim, args.block_size,
-                  max(c.num_blocks for c in cases))
+                  max(c.num_blocks for c in cases), args.kv_staging,
+                  args.kv_staging_blocks or max(1, largest // 3))
     _log(args, f"starting {', '.join(methods)} (block {shape.block_nbytes} bytes) ...")
     if args.hosts == 2:
         from bench.two_hosts import TwoHosts, unavailable
@@ -238,6 +264,9 @@ def _rows(cases: list[Case], shape: Shape, methods: list[str],
             if not m.startswith("pdserve"):
                 ours, theirs = row.gbps.get(pairs.get(m, "pdserve")), row.gbps[m]
                 row.ratios[m] = ours / theirs if ours and theirs else None
+        if "pdserve-pool" in methods:  # the small pool against the pool every pull fits
+            pool, full = row.gbps["pdserve-pool"], row.gbps.get("pdserve")
+            row.ratios["pdserve-pool"] = pool / full if pool and full else None
         rows.append(row)
     return rows
 
@@ -254,11 +283,18 @@ def _summary(rows: list[Row], shape: Shape, args: argparse.Namespace) -> dict[st
         transports = {m: "host a -> host b over the veth link (UCX_NET_DEVICES=pdv0)" for m in transports}
     summary: dict[str, Any] = {
         "block_nbytes": shape.block_nbytes, "iters": args.iters, "hosts": args.hosts,
+        "kv_staging": shape.kv_staging,
+        "staging_pools": ({"pdserve": shape.num_blocks, "pdserve-pool": shape.staging_blocks}
+                          if shape.kv_staging == "host" else {}),
         "transports": transports,
         "compared_with": {m: compared_with(list(rows[0].gbps) if rows else []).get(m, "pdserve") for m in BASELINES},
         "rows": [{"case": r.case, "num_blocks": r.num_blocks, "num_bytes": r.num_bytes, "gbps": r.gbps,
                   "gbps_min": r.gbps_min, "gbps_max": r.gbps_max, "ratio_vs": r.ratios} for r in rows],
     }
+    if shape.kv_staging == "host":  # the small pool's worst case against the pool every pull fits
+        pool_ratios = [r.ratios.get("pdserve-pool") for r in rows]
+        summary["min_ratio_pool_vs_full"] = (min(x for x in pool_ratios if x is not None)
+                                             if pool_ratios and None not in pool_ratios else None)
     for method, key in BASELINES.items():
         ratios = [r.ratios.get(method) for r in rows if r.num_blocks >= 16]
         known = [x for x in ratios if x is not None]
@@ -280,6 +316,10 @@ def _print_table(rows: list[Row], methods: list[str], summary: dict[str, Any], o
         cells = " ".join(f"{r.gbps[m]:11.2f}" if r.gbps[m] else f"{'-':>11}" for m in methods)
         ratios = " ".join(f"{r.ratios[m]:.2f}x" if r.ratios[m] else "-" for m in baselines)
         print(f"{r.case:>8} {r.num_bytes / 2**20:8.1f} {cells}   {ratios}")
+    if "pdserve-pool" in methods:
+        print("pdserve-pool / pdserve: " + ", ".join(
+            f"{r.case} {r.ratios['pdserve-pool']:.2f}x" if r.ratios.get("pdserve-pool") else f"{r.case} -"
+            for r in rows) + f" (pools {summary['staging_pools']} blocks)")
     for key in BASELINES.values():
         value = summary[key]
         print(f"{key}: {value:.2f}" if value is not None else f"{key}: n/a")
@@ -486,25 +526,32 @@ def _child_setup() -> None:
 
 # -- (a) pdserve UCX connector -------------------------------------------------------------------
 
-def _pdserve_connector(conn: Connection, shape: Shape, role: str, ucx_tls: str, kv_transport: str) -> Any:
-    """The connector of one side, or None (told to the parent) where its transport is not installed."""
+def _pdserve_connector(conn: Connection, shape: Shape, role: str, ucx_tls: str, kv_transport: str,
+                       pool: bool = False) -> Any:
+    """The connector of one side, or None (told to the parent) where its transport is not installed.
+    With `shape.kv_staging` host: staged through a pool as large as the cache, or with `pool`
+    through `shape.staging_blocks` slots."""
     from connectors.ucx.worker import UcxConnectorConfig, UcxWorkerConnector
 
     writer = role == "prefill"
+    staging = "host" if pool else shape.kv_staging
     try:
         return UcxWorkerConnector(engine_id=f"bench-{role}", epoch=1 if writer else 2, tp_rank=0, tp_size=1,
                                   num_kv_heads=shape.kv_heads, compatibility_hash="bench",
                                   kv_cache=shape.tensor(seed=1 if writer else 0),
                                   config=UcxConnectorConfig(ucx_tls=ucx_tls, transfer_timeout_s=BENCH_TIMEOUT_S,
-                                                            kv_transport=kv_transport))
+                                                            kv_transport=kv_transport, kv_staging=staging,
+                                                            kv_staging_blocks=(shape.staging_blocks if pool
+                                                                               else shape.num_blocks)))
     except RuntimeError as e:  # NixlUnavailable
         conn.send(("unavailable", str(e)))
         return None
 
 
-def _pdserve_writer(conn: Connection, shape: Shape, ucx_tls: str = "", kv_transport: str = "ucx-tag") -> None:
+def _pdserve_writer(conn: Connection, shape: Shape, ucx_tls: str = "", kv_transport: str = "ucx-tag",
+                    pool: bool = False) -> None:
     _child_setup()
-    c = _pdserve_connector(conn, shape, "prefill", ucx_tls, kv_transport)
+    c = _pdserve_connector(conn, shape, "prefill", ucx_tls, kv_transport, pool)
     if c is None:
         return
     conn.send(("ok", c.get_handshake_metadata()))
@@ -528,11 +575,12 @@ def _pdserve_writer(conn: Connection, shape: Shape, ucx_tls: str = "", kv_transp
     c.shutdown()
 
 
-def _pdserve_reader(conn: Connection, shape: Shape, ucx_tls: str = "", kv_transport: str = "ucx-tag") -> None:
+def _pdserve_reader(conn: Connection, shape: Shape, ucx_tls: str = "", kv_transport: str = "ucx-tag",
+                    pool: bool = False) -> None:
     _child_setup()
     from connectors.ucx.handshake import KVTransferDescriptor
 
-    c = _pdserve_connector(conn, shape, "decode", ucx_tls, kv_transport)
+    c = _pdserve_connector(conn, shape, "decode", ucx_tls, kv_transport, pool)
     if c is None:
         return
     c.add_peer(conn.recv())
@@ -822,6 +870,7 @@ _PAIRS: dict[str, tuple[Callable[[Connection, Shape], None], Callable[[Connectio
     "ucxx-cma": (functools.partial(_ucxx_writer, tls="all"), functools.partial(_ucxx_reader, tls="all")),
     "nixl": (_nixl_writer, _nixl_reader),
     "grpc": (_grpc_writer, _grpc_reader),
+    "pdserve-pool": (functools.partial(_pdserve_writer, pool=True), functools.partial(_pdserve_reader, pool=True)),
 }
 
 

@@ -53,6 +53,8 @@ class StreamOutcome:
     ttft_s: float | None = None
     e2e_s: float = 0.0
     token_times_s: list[float] = field(default_factory=list)
+    # How many tokens the stream had at each resume (a retry after tokens arrived).
+    resumed_at: list[int] = field(default_factory=list)
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float]:
@@ -122,7 +124,9 @@ async def stream_checked(client: AsyncClient | str, prompt: list[int], max_token
             backoff = min(retry_backoff_s * 2 ** attempt, retry_backoff_max_s or retry_backoff_s)
             if code in retry_codes and time.perf_counter() - start + backoff < budget_s:
                 out.num_retried_statuses[code.name] = out.num_retried_statuses.get(code.name, 0) + 1
-                out.num_resumes += 1 if out.token_ids else 0
+                if out.token_ids:
+                    out.num_resumes += 1
+                    out.resumed_at.append(len(out.token_ids))
                 attempt += 1
                 await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
                 continue

@@ -9,6 +9,10 @@ scheduler replica; at another (its seqs are its own) with `--snapshot`: the inde
 ZMQ (`--zmq ENDPOINT`): reads vLLM's wire format from a PUB endpoint (the scheduler's or a vLLM
 engine's). With `--from-seq N` and `--zmq-replay ENDPOINT` it first replays from N over a DEALER,
 then continues live without duplicates. Lines carry `"topic"` instead of engine and epoch.
+Across scheduler replicas: `--zmq a_pub,b_pub --zmq-replay a_rep,b_rep --snapshot` takes a
+snapshot from a replica's replay socket, then follows its live stream from the snapshot's seq,
+and moves to the next replica (a new snapshot) when it is lost (services/zmq_event_subscriber.py);
+notices are `{"notice": "SNAPSHOT_BEGIN" | "SNAPSHOT_END", "next_seq", "endpoint"}`.
 """
 
 from __future__ import annotations
@@ -43,8 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--medium", action="append", default=[], help="only this medium, e.g. GPU (repeatable)")
     parser.add_argument("--type", action="append", default=[], choices=sorted(_TYPES),
                         help="only this event type (repeatable)")
-    parser.add_argument("--zmq", metavar="ENDPOINT", help="read vLLM-format events from a ZMQ PUB endpoint")
-    parser.add_argument("--zmq-replay", metavar="ENDPOINT", help="ZMQ ROUTER replay endpoint (with --from-seq)")
+    parser.add_argument("--zmq", metavar="ENDPOINT", help="read vLLM-format events from a ZMQ PUB endpoint "
+                                                          "(a comma list of replicas with --snapshot)")
+    parser.add_argument("--zmq-replay", metavar="ENDPOINT", help="ZMQ ROUTER replay endpoint (with --from-seq; a "
+                                                                 "comma list, one per --zmq replica, with --snapshot)")
     parser.add_argument("--limit", type=int, default=0, help="exit after this many batches (0: never)")
     parser.add_argument("--duration", type=float, default=0.0, help="exit after this many seconds (0: never)")
     parser.add_argument("--json", action="store_true", help="JSON lines (the default output; accepted for symmetry)")
@@ -56,10 +62,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--from-seq must be >= 0, got {args.from_seq}")
     if args.limit < 0 or args.duration < 0:
         raise ValueError("--limit and --duration must be >= 0")
-    if args.snapshot and (args.from_seq is not None or args.zmq):
-        raise ValueError("--snapshot: gRPC only, and not with --from-seq")
+    if args.snapshot and args.from_seq is not None:
+        raise ValueError("--snapshot: not with --from-seq (a seq belongs to one replica)")
     if args.zmq_replay and not args.zmq:
         raise ValueError("--zmq-replay needs --zmq")
+    if args.zmq and args.snapshot:
+        return _run_zmq_replicas(args, sys.stdout)
+    if args.zmq and "," in args.zmq:
+        raise ValueError("--zmq with several replicas needs --snapshot (each replica's seqs are its own)")
     if args.zmq:
         return _run_zmq(args, sys.stdout)
     return _run_grpc(args, sys.stdout)
@@ -172,3 +182,48 @@ def _run_zmq(args: argparse.Namespace, out: TextIO) -> int:
         return 0
     finally:
         ctx.destroy(linger=0)
+
+
+def zmq_replica_endpoints(pubs: str, replays: str | None) -> list[tuple[str, str]]:
+    """(PUB, replay) per replica from the comma lists; ValueError when they do not pair up."""
+    pub_list = [p.strip() for p in pubs.split(",") if p.strip()]
+    replay_list = [r.strip() for r in (replays or "").split(",") if r.strip()]
+    if not pub_list or len(pub_list) != len(replay_list):
+        raise ValueError(f"--zmq --snapshot: one --zmq-replay endpoint per --zmq endpoint "
+                         f"(got {len(pub_list)} and {len(replay_list)})")
+    return list(zip(pub_list, replay_list, strict=True))
+
+
+def _run_zmq_replicas(args: argparse.Namespace, out: TextIO) -> int:
+    import threading
+
+    from services.zmq_event_subscriber import ZmqEventSubscriber
+
+    endpoints = zmq_replica_endpoints(args.zmq, args.zmq_replay)
+    num_batches = 0
+
+    def on_batch(topic: bytes, seq: int, batch: KVEventBatch, snapshot: bool) -> None:
+        nonlocal num_batches
+        if args.limit and num_batches >= args.limit:
+            return
+        line = _zmq_line(topic, seq, batch)
+        if snapshot:
+            line["snapshot"] = True
+        _emit(out, line)
+        num_batches += 1
+        if args.limit and num_batches >= args.limit:
+            sub.close()
+
+    def on_notice(kind: str, endpoint: str, next_seq: int) -> None:
+        _emit(out, {"notice": kind, "next_seq": next_seq, "endpoint": endpoint})
+
+    sub = ZmqEventSubscriber(endpoints, on_batch=on_batch, on_notice=on_notice)
+    timer = threading.Timer(args.duration, sub.close) if args.duration else None
+    if timer is not None:
+        timer.start()
+    try:
+        sub.run()
+    finally:
+        if timer is not None:
+            timer.cancel()
+    return 0

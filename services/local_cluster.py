@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -108,6 +109,20 @@ class ClusterSpec:
     # Scheduler replicas, all active; every engine connects to each. Replica 0 takes the ports
     # above; replica i the same ports + 10 * i when they were given, else free ones.
     num_schedulers: int = 1
+    zmq: bool = False  # every replica also publishes vLLM-format KV events on ZMQ (PUB + replay ROUTER)
+    # Or at these endpoints (replica 0; replica i: a tcp port + 10 * i, another path's "-i"):
+    # `pdserve up --zmq-endpoint / --zmq-replay-endpoint`.
+    zmq_endpoint: str = ""
+    zmq_replay_endpoint: str = ""
+
+
+def replica_endpoint(endpoint: str, i: int) -> str:
+    """Replica i's copy of a ZMQ endpoint given for replica 0: `tcp://host:port` → port + 10 * i
+    (as the other ports), any other endpoint (ipc://path, a wildcard port) → its text + "-i"."""
+    if not endpoint or i == 0:
+        return endpoint
+    m = re.fullmatch(r"(tcp://.*:)(\d+)", endpoint)
+    return f"{m.group(1)}{int(m.group(2)) + 10 * i}" if m else f"{endpoint}-{i}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +134,8 @@ class ReplicaPorts:
     control_port: int
     events_port: int
     http_port: int
+    zmq_endpoint: str = ""  # PUB and replay ROUTER (empty: none)
+    zmq_replay_endpoint: str = ""
 
 
 @dataclass(slots=True)
@@ -173,8 +190,12 @@ class LocalCluster:
 
         def port(given: int) -> int:
             return given + 10 * i if given else free_port(s.host)
+        if s.zmq:
+            zmq = (f"tcp://{s.host}:{free_port(s.host)}", f"tcp://{s.host}:{free_port(s.host)}")
+        else:
+            zmq = (replica_endpoint(s.zmq_endpoint, i), replica_endpoint(s.zmq_replay_endpoint, i))
         return ReplicaPorts("scheduler" if i == 0 else f"scheduler-{i}", port(s.port), port(s.control_port),
-                            port(s.events_port), port(s.http_port))
+                            port(s.events_port), port(s.http_port), *zmq)
 
     @staticmethod
     def is_scheduler(name: str) -> bool:
@@ -250,8 +271,13 @@ class LocalCluster:
         argv = self._cli("scheduler", "--host", s.host, "--port", str(r.port),
                          "--control-port", str(r.control_port), "--events-port", str(r.events_port),
                          "--http-port", str(r.http_port), "--metrics-port", str(metrics_port), *(["--model", s.model] if s.model else []),
-                         *self._peer_args(r), *s.scheduler_args)
+                         *self._peer_args(r), *self._zmq_args(r), *s.scheduler_args)
         return Component(r.name, argv, metrics_port or None)
+
+    @staticmethod
+    def _zmq_args(r: ReplicaPorts) -> list[str]:
+        return [*(["--zmq-endpoint", r.zmq_endpoint] if r.zmq_endpoint else []),
+                *(["--zmq-replay-endpoint", r.zmq_replay_endpoint] if r.zmq_replay_endpoint else [])]
 
     def _peer_args(self, r: ReplicaPorts) -> list[str]:
         """The other replicas' KVEvents endpoints: a replica restarted takes its index from them."""

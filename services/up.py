@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
+from engine.config import ModelConfig
+from engine.demo_model import demo_model_dir
 from engine.device import HostDevices, cpu_has_native_bf16, probe_host, resolve_dtype, resolve_kind
 from services.common.config import ENGINES, check_vllm_args, parse_vllm_args
 from services.common.logs import setup_logging
@@ -82,6 +86,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "attention needs a multiple of 32)")
 
 
+def check_model_tp(args: argparse.Namespace) -> None:
+    """Refuses (ValueError: exit 2, nothing started) a TP size the model's heads cannot split
+    over, before any engine starts and fails (the supervisor would restart it forever). The
+    native engine's rule is `ModelConfig.check_tp`; vLLM's is that TP divides the attention heads."""
+    sizes = sorted({args.prefill_tp or args.tp, args.decode_tp or args.tp} - {1})
+    if not sizes:
+        return
+    model_dir = Path(args.model) if args.model else demo_model_dir()
+    source = "the demo model" if not args.model else args.model
+    try:
+        raw = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model {source}: cannot read config.json ({e})") from None
+    for tp in sizes:
+        try:
+            if args.engine == "native":
+                ModelConfig.from_dict(raw, source=str(model_dir / "config.json")).check_tp(tp)
+            elif int(raw.get("num_attention_heads", 0) or 0) % tp:
+                raise ValueError(f"tp={tp} does not divide num_attention_heads={raw.get('num_attention_heads')}")
+        except ValueError as e:
+            raise ValueError(f"{source} cannot run at tensor-parallel size {tp}: {e}") from None
+
+
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     if args.prefill < 0 or args.decode < 1 or args.tp < 1:
         raise ValueError("need --prefill >= 0, --decode >= 1 and --tp >= 1")
@@ -100,10 +127,6 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     if args.allow_plaintext:
         scheduler_args.append("--allow-plaintext")
         engine_args.append("--allow-plaintext")
-    if args.zmq_endpoint:
-        scheduler_args += ["--zmq-endpoint", args.zmq_endpoint]
-    if args.zmq_replay_endpoint:
-        scheduler_args += ["--zmq-replay-endpoint", args.zmq_replay_endpoint]
     if args.auth_tokens_file:
         scheduler_args += ["--auth-tokens-file", args.auth_tokens_file]
     placement = gpu_placement(args)
@@ -130,7 +153,8 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
                        events_port=args.events_port, http_port=args.http_port, metrics=args.metrics, torch_threads=args.torch_threads,
                        kv_cache_memory=args.kv_cache_memory, scheduler_args=scheduler_args,
                        log_dir=args.log_dir, tls=args.tls, tls_dir=args.tls_dir, engine_args=engine_args,
-                       engine=args.engine, vllm_args=list(args.vllm_arg), num_schedulers=args.schedulers)
+                       engine=args.engine, vllm_args=list(args.vllm_arg), num_schedulers=args.schedulers,
+                       zmq_endpoint=args.zmq_endpoint, zmq_replay_endpoint=args.zmq_replay_endpoint)
 
 
 def _check_engine(engine: str, vllm_args: list[str]) -> None:
@@ -228,6 +252,9 @@ def print_endpoints(cluster: LocalCluster, args: argparse.Namespace, flags: str)
         print(f"  OpenAI API     {cluster.replica_http_url(r)}   (base_url of any OpenAI client){token_hint}{tag}")
         print(f"  KV events      {host}:{r.events_port}   (pdserve events --target {host}:{r.events_port}{flags}){tag}")
         print(f"  control plane  {host}:{r.control_port}{tag}")
+        if r.zmq_endpoint:
+            replay = f" --zmq-replay {r.zmq_replay_endpoint}" if r.zmq_replay_endpoint else ""
+            print(f"  ZMQ KV events  {r.zmq_endpoint}   (pdserve events --zmq {r.zmq_endpoint}{replay}){tag}")
         if len(cluster.replicas) > 1:
             print(f"  Generate API   {host}:{r.port}{tag}")
 
@@ -240,6 +267,7 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     spec = spec_from_args(args)
+    check_model_tp(args)
     cluster = LocalCluster(spec)
     placement = gpu_placement(args)
     replicas = f"{args.schedulers} scheduler replicas" if args.schedulers > 1 else "scheduler"

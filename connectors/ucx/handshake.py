@@ -113,6 +113,11 @@ class UcxHandshakeMetadata:
     # How peers move this rank's blocks (`UcxConnectorConfig.kv_transport`); the worker address
     # is that transport's (an absent field reads as the tag transport of older builds).
     kv_transport: str = DEFAULT_KV_TRANSPORT
+    # Whether this rank serves a request's blocks to one reader in several pulls (`chunk` pulls
+    # and `release`, connectors/ucx/tag_transport.py); older builds read as False.
+    chunked_pulls: bool = False
+    # The most blocks one pull of this rank may read (its host staging pool); 0: no limit.
+    max_pull_blocks: int = 0
 
     @property
     def key(self) -> PeerKey:
@@ -131,6 +136,8 @@ class UcxHandshakeMetadata:
         if self.kv_transport not in KV_TRANSPORTS:
             raise ValueError(f"handshake: unknown KV transport {self.kv_transport!r} (this build knows "
                              f"{', '.join(KV_TRANSPORTS)})")
+        if self.max_pull_blocks < 0:
+            raise ValueError(f"handshake: max_pull_blocks must be >= 0, got {self.max_pull_blocks}")
         self.region.validate()
         problem = partition_problem(self.region.num_kv_heads, self.tp_size)
         if problem is not None:
@@ -203,7 +210,7 @@ def _from_dict(body: Any) -> UcxHandshakeMetadata:
 def _check_types(meta: UcxHandshakeMetadata) -> None:
     expect: dict[str, type] = {"engine_id": str, "epoch": int, "tp_rank": int, "tp_size": int,
                                "compatibility_hash": str, "worker_address": bytes, "protocol_version": int,
-                               "kv_transport": str}
+                               "kv_transport": str, "chunked_pulls": bool, "max_pull_blocks": int}
     for name, typ in expect.items():
         if not isinstance(getattr(meta, name), typ):
             raise TypeError(f"{name} must be {typ.__name__}")

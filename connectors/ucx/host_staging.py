@@ -7,7 +7,9 @@ sized to what is in flight, not to the cache: `kv_staging_blocks` slots (default
 `StagingPool` (one contiguous run per user, so a run of consecutive blocks stays one piece):
 
 - a prefill rank copies a request's blocks into a run when it pins them (`copy_out`) and the
-  lease holds the run until it ends; the first reader waits for that copy (the lease's fence);
+  lease holds the run until it ends; the first reader waits for that copy (the lease's fence).
+  A request larger than the pool (or finding it full) is copied per pull instead, into a run
+  the pull holds until it ends (`UcxWorkerConnector.source_segments`);
 - a decode rank takes a run when a pull is dispatched (queued while none is free: back-pressure),
   the bytes land there, `copy_in` moves them into the KV tensor, and the run returns.
 

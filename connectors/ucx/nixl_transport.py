@@ -507,10 +507,11 @@ class NixlTransport(UcxTagTransport):
 
     # -- writer side ---------------------------------------------------------------------------
 
-    def _accept_pull(self, ep: Any, request: PullRequest) -> None:
+    def _accept_pull(self, ep: Any, request: PullRequest, chunked: bool = False) -> None:
         """Answers `go`: the reader reads; the serve (its blocks pinned) waits for its `done` only."""
         self._serves[(request.reader, request.xfer_id)] = _Serve(request.request_id, request.reader, 0,
-                                                                 time.monotonic() + self._serve_timeout_s)
+                                                                 time.monotonic() + self._serve_timeout_s,
+                                                                 chunked=chunked)
         self._send_ctrl(ep, {"k": "go", "x": request.xfer_id})
 
 

@@ -6,13 +6,15 @@ registers with UCX when KV is staged. Every user of it takes ONE contiguous run 
 piece, exactly as it would from the KV tensor itself:
 
 - a prefill rank takes a run for a request's blocks (in ascending block order) when it pins
-  them for sending, and returns it when the lease ends;
+  them for sending, and returns it when the lease ends; a request that does not fit (or finds
+  no run free) takes a run per pull of it instead, returned when that pull ends;
 - a decode rank takes a run for a pull when the pull is dispatched and returns it once the
   bytes were copied into the KV tensor.
 
 `allocate` returns None when no run of that length is free: back-pressure, the caller waits
-(a decode rank keeps the pull queued) or refuses (a prefill rank cannot pin). A request for
-more slots than the pool has can never be met: `fits` says so up front. Runs are first-fit
+(a decode rank keeps the pull queued, a prefill rank the pull it serves) or stages otherwise
+(a prefill rank pinning: per pull). A request for more slots than the pool has can never be
+met: `fits` says so up front (such pulls are split into chunk pulls by the reader). Runs are first-fit
 over the free extents, which are merged when runs return, so a pool that empties is one
 extent again.
 

@@ -15,6 +15,13 @@ off so UCX may pick shared memory / CMA on one host and RDMA across hosts):
   arrived it sends CTRL `done` {x, rid, ok} (at the end of that progress round, once the
   result reached the listener); on a failure (timeout...) `done` with ok=False.
 - Reader → writer CTRL `renew` {rids, reader}: lease renewal.
+- Chunked reads (a request's blocks read from one writer in several pulls, each fitting a
+  staging pool; only to writers whose handshake says `chunked_pulls`): every such `pull`
+  carries `chunk: true`, its `done` then ends that pull only, and the reader ends its read of
+  the request with CTRL `release` {rid, reader} once every pull of it ended. A writer without
+  the flag counts one `done` per reader (the unchunked protocol, unchanged).
+- The writer's listener may stage a pull's bytes first (`source_segments` returns None and
+  calls `resume` later, from any thread): the pull is served once they are in place.
 
 Peer death is not signalled by UCX here (error handling is off); pulls end by timeout or by
 `remove_peer` (the scheduler saw the peer's epoch die).
@@ -105,9 +112,10 @@ class _Pull:
 class _Serve:
     request_id: str
     reader: PeerKey
-    pending_sends: int
+    pending_sends: int  # sends not completed (+1 while the listener stages the source)
     deadline: float
     done_ok: bool | None = None  # set when the reader's `done` arrived
+    chunked: bool = False  # one pull of a chunked read: its end is not the reader's (a `release` is)
 
 
 class UcxTagTransport(KVTransport):
@@ -213,6 +221,9 @@ class UcxTagTransport(KVTransport):
 
     def renew(self, peer: PeerKey, request_ids: list[str]) -> None:
         self._submit(lambda: self._do_renew(peer, request_ids))
+
+    def release(self, peer: PeerKey, request_id: str) -> None:
+        self._submit(lambda: self._do_release(peer, request_id))
 
     def shutdown(self) -> None:
         if not self._running:
@@ -385,7 +396,7 @@ class UcxTagTransport(KVTransport):
     def _ctrl_handlers(self) -> dict[str, Callable[[dict[str, Any]], None]]:
         """CTRL message kinds this transport understands (a subclass may add its own)."""
         return {"pull": self._on_pull_msg, "refuse": self._on_refuse_msg,
-                "done": self._on_done_msg, "renew": self._on_renew_msg}
+                "done": self._on_done_msg, "renew": self._on_renew_msg, "release": self._on_release_msg}
 
     # -- reader side ---------------------------------------------------------------------------
 
@@ -427,6 +438,7 @@ class UcxTagTransport(KVTransport):
             "k": "pull", "x": op.xfer_id, "rid": op.request_id, "eid": op.peer.engine_id, "ep": op.peer.epoch,
             "segs": [_segment_to_wire(s) for s in op.segments],
             "addr": self._address, "reader": _key_to_wire(self._reader_key()),
+            **({"chunk": True} if op.chunked else {}),
         })
 
     def _lay_out(self, pull: _Pull) -> None:
@@ -545,10 +557,13 @@ class UcxTagTransport(KVTransport):
         ep = self._reply_eps.pop(address, None) if address is not None else None
         if ep is not None:
             _close(ep)
+        released: set[str] = set()
         for key in [k for k in self._serves if k[0] == reader]:
             serve = self._serves.pop(key)
-            if self._listener is not None:
-                self._listener.on_reader_done(serve.request_id, reader, False)
+            self._serve_ended(key, serve, False)
+            if serve.chunked and serve.request_id not in released:  # it will not say `release` now
+                released.add(serve.request_id)
+                self._reader_released(serve.request_id, reader)
 
     def _on_refuse_msg(self, message: dict[str, Any]) -> None:
         pull = self._pulls.get(int(message["x"]))
@@ -559,6 +574,11 @@ class UcxTagTransport(KVTransport):
         ep = self._peers.get(peer)
         if ep is not None:
             self._send_ctrl(ep, {"k": "renew", "rids": request_ids, "reader": _key_to_wire(self._reader_key())})
+
+    def _do_release(self, peer: PeerKey, request_id: str) -> None:
+        ep = self._peers.get(peer)
+        if ep is not None:
+            self._send_ctrl(ep, {"k": "release", "rid": request_id, "reader": _key_to_wire(self._reader_key())})
 
     def _fail_all(self, reason: str) -> None:
         for pull in list(self._pulls.values()):
@@ -580,21 +600,58 @@ class UcxTagTransport(KVTransport):
         if why is not None:
             self._send_ctrl(ep, {"k": "refuse", "x": request.xfer_id, "why": why})
             return
+        chunked = bool(message.get("chunk", False))
         source = getattr(self._listener, "source_segments", None)
-        if source is not None:
-            segments = source(request)
-            if segments is None:  # unpinned since it was accepted
-                self._send_ctrl(ep, {"k": "refuse", "x": request.xfer_id, "why": "unknown_request"})
-                return
-            request = dataclasses.replace(request, segments=segments)
-        self._accept_pull(ep, request)
+        if source is None:
+            self._accept_pull(ep, request, chunked)
+            return
+        key = (reader, request.xfer_id)
+        # Accepted: from here the serve ends exactly once (served, refused, or its reader gone).
+        self._serves[key] = _Serve(request.request_id, reader, 1, time.monotonic() + self._serve_timeout_s,
+                                   chunked=chunked)
 
-    def _accept_pull(self, ep: Any, request: PullRequest) -> None:
+        def resume(got: tuple[Segment, ...] | str) -> None:  # any thread
+            try:
+                self._submit(lambda: self._resume_serve(key, ep, request, got))
+            except RuntimeError:
+                pass  # shutting down
+
+        got = source(request, resume)
+        if isinstance(got, tuple):  # in place now: served at once (as a subclass serves)
+            del self._serves[key]
+            self._accept_pull(ep, dataclasses.replace(request, segments=got), chunked)
+        elif got is not None:
+            self._resume_serve(key, ep, request, got)
+
+    def _resume_serve(self, key: tuple[PeerKey, int], ep: Any, request: PullRequest,
+                      got: tuple[Segment, ...] | str) -> None:
+        """The listener placed an accepted pull's source (`got`: where its blocks lie now, or why
+        it cannot be served): sends it, unless the reader gave up meanwhile."""
+        serve = self._serves.get(key)
+        if serve is None:
+            return  # its reader was dropped meanwhile (and the serve reported ended)
+        serve.pending_sends -= 1
+        if isinstance(got, str):
+            if serve.done_ok is None:
+                self._send_ctrl(ep, {"k": "refuse", "x": request.xfer_id, "why": got})
+                serve.done_ok = False
+            self._maybe_reader_done(key, serve)
+            return
+        if serve.done_ok is not None:
+            self._maybe_reader_done(key, serve)
+            return
+        self._send_pieces(ep, key, serve, dataclasses.replace(request, segments=got))
+
+    def _accept_pull(self, ep: Any, request: PullRequest, chunked: bool = False) -> None:
         """Serves a validated pull: sends its pieces as DATA and waits for the reader's `done`."""
         key = (request.reader, request.xfer_id)
+        serve = self._serves[key] = _Serve(request.request_id, request.reader, 0,
+                                           time.monotonic() + self._serve_timeout_s, chunked=chunked)
+        self._send_pieces(ep, key, serve, request)
+
+    def _send_pieces(self, ep: Any, key: tuple[PeerKey, int], serve: _Serve, request: PullRequest) -> None:
         send_pieces = [p for seg in request.segments for p in self._pieces(seg, remote=True)]
-        self._serves[key] = _Serve(request.request_id, request.reader, len(send_pieces),
-                                   time.monotonic() + self._serve_timeout_s)
+        serve.pending_sends += len(send_pieces)
         on_sent = functools.partial(self._on_sent, key=key)
         for index, (start, length) in enumerate(send_pieces):
             view = self._region[start:start + length]
@@ -662,8 +719,26 @@ class UcxTagTransport(KVTransport):
         if serve.done_ok is None or serve.pending_sends > 0:
             return
         del self._serves[key]
-        if self._listener is not None:
-            self._listener.on_reader_done(serve.request_id, serve.reader, serve.done_ok)
+        self._serve_ended(key, serve, serve.done_ok)
+
+    def _serve_ended(self, key: tuple[PeerKey, int], serve: _Serve, ok: bool) -> None:
+        """Tells the listener a serve ended: `on_serve_ended` (with the pull's id, and whether
+        the reader's read ended with it) where it has one, else `on_reader_done` once per read."""
+        if self._listener is None:
+            return
+        hook = getattr(self._listener, "on_serve_ended", None)
+        if hook is not None:
+            hook(serve.request_id, serve.reader, key[1], ok, not serve.chunked)
+        elif not serve.chunked:
+            self._listener.on_reader_done(serve.request_id, serve.reader, ok)
+
+    def _reader_released(self, request_id: str, reader: PeerKey) -> None:
+        hook = getattr(self._listener, "on_reader_released", None)
+        if hook is not None:
+            hook(request_id, reader)
+
+    def _on_release_msg(self, message: dict[str, Any]) -> None:
+        self._reader_released(str(message["rid"]), _key_from_wire(message["reader"]))
 
     def _on_renew_msg(self, message: dict[str, Any]) -> None:
         if self._listener is not None:

@@ -13,6 +13,7 @@ transport's own progress thread and must not block (take a lock, update state, r
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol
@@ -102,6 +103,30 @@ def coalesce(remote_block_ids: list[int], local_block_ids: list[int]) -> list[Se
     return segments
 
 
+def split_segments(segments: tuple[Segment, ...], max_blocks: int) -> list[tuple[Segment, ...]]:
+    """`segments` in order, cut into groups of at most `max_blocks` blocks each (a segment
+    crossing a cut becomes two, head ranges kept): the pulls of a chunked read."""
+    if max_blocks < 1:
+        raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
+    out: list[tuple[Segment, ...]] = []
+    group: list[Segment] = []
+    room = max_blocks
+    for seg in segments:
+        at = 0
+        while at < seg.num_blocks:
+            take = min(seg.num_blocks - at, room)
+            group.append(dataclasses.replace(seg, remote_block=seg.remote_block + at,
+                                             local_block=seg.local_block + at, num_blocks=take))
+            at += take
+            room -= take
+            if room == 0:
+                out.append(tuple(group))
+                group, room = [], max_blocks
+    if group:
+        out.append(tuple(group))
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class PullOp:
     """One decode rank's read of one request's blocks from one prefill rank."""
@@ -111,6 +136,9 @@ class PullOp:
     request_id: str  # the writer's request id
     segments: tuple[Segment, ...]
     timeout_s: float
+    # One pull of a chunked read (the request's blocks from this writer in several pulls): its
+    # end does not end the reader's read, `KVTransport.release` does.
+    chunked: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,10 +181,17 @@ class TransportListener(Protocol):
     def on_pull_finished(self, result: PullResult) -> None:
         """Reader side: a `PullOp` ended."""
 
-    # Optional, writer side: `source_segments(request) -> tuple[Segment, ...] | None`, called
-    # after `on_pull_request` accepted: where the request's blocks lie in the registered region
-    # when that is not the blocks' own place (a host staging pool); None refuses the pull
-    # (`unknown_request`: unpinned in between).
+    # Optional, writer side:
+    # - `source_segments(request, resume) -> tuple[Segment, ...] | str | None`, called after
+    #   `on_pull_request` accepted: where the request's blocks lie in the registered region when
+    #   that is not the blocks' own place (a host staging pool), or a reason refusing the pull
+    #   (e.g. `unknown_request`: unpinned in between), or None: they are being staged and
+    #   `resume(segments | reason)` follows exactly once, from any thread.
+    # - `on_serve_ended(request_id, reader, xfer_id, ok, last)`: one accepted pull ended (sent
+    #   and `done`, refused after acceptance, or its reader dropped); `last`: the reader's read
+    #   ended with it (an unchunked pull). Replaces `on_reader_done` where present.
+    # - `on_reader_released(request_id, reader)`: a reader ended its chunked read (or was
+    #   dropped in the middle of one); may repeat for one read, counts once.
 
 
 class KVTransport(ABC):
@@ -195,6 +230,10 @@ class KVTransport(ABC):
     @abstractmethod
     def renew(self, peer: PeerKey, request_ids: list[str]) -> None:
         """Tells a writer the reader is alive and still wants these requests."""
+
+    def release(self, peer: PeerKey, request_id: str) -> None:  # noqa: B027
+        """Ends this reader's chunked read of `request_id` at `peer` (every pull of it ended).
+        Only transports that serve chunked reads (`UcxTagTransport`) are given chunked pulls."""
 
     @abstractmethod
     def shutdown(self) -> None:

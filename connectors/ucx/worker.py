@@ -22,7 +22,10 @@ Contracts:
   unknown peer or blocks out of the peer's range fail at once without a byte moved.
 - A prefill rank reports `finished_sending` once every expected reader said it is done (success
   or failure) and every send of the request completed, or when the lease ran out with no send
-  in flight. Pulls of blocks not pinned for the request, of a dead epoch, or after the lease
+  in flight. A reader's read is one pull, or with host staging a chunked read: several pulls
+  of at most half the smaller pool (ours or the writer's `max_pull_blocks`), ended by a
+  `release` (connectors/ucx/tag_transport.py), so a pull larger than either pool is moved
+  through it in rounds. Pulls of blocks not pinned for the request, of a dead epoch, or after the lease
   are refused without touching memory.
 - Thread-safe: every public method may be called from any thread; UCX runs on the transport's
   own progress thread.
@@ -66,6 +69,7 @@ from connectors.ucx.transport import (
     PullResult,
     Segment,
     coalesce,
+    split_segments,
 )
 
 logger = logging.getLogger(__name__)
@@ -225,7 +229,9 @@ class _Recv:
     local_block_ids: tuple[int, ...]
     ops: tuple[PullOp, ...] = ()
     open: set[int] = field(default_factory=set)  # xfer ids not ended yet
-    received: set[int] | None = None  # local blocks every failed op fully delivered (None: no op failed)
+    # xfer id -> the local blocks a failed op fully delivered (None: it succeeded: all of its
+    # blocks); an op absent never delivered (not ended yet, or dropped before it was sent)
+    delivered: dict[int, set[int] | None] = field(default_factory=dict)
     reason: str | None = None  # the first failure
     num_bytes: int = 0
     seconds: float = 0.0
@@ -247,8 +253,9 @@ class _Lease:
     readers_left: int
     active: int = 0
     ready: ReadyFence | None = None  # waited on before the first byte is served
-    slots: dict[int, int] | None = None  # host staging: block id -> its slot in the pool
+    slots: dict[int, int] | None = None  # host staging: block id -> its slot in the pool (None: staged per pull)
     staged: Any = None  # host staging: the Future of the copy into the slots
+    released: set[PeerKey] = field(default_factory=set)  # readers that ended a chunked read
 
 
 class UcxWorkerConnector(WorkerConnector):
@@ -283,6 +290,10 @@ class UcxWorkerConnector(WorkerConnector):
         self._last_renew = time.monotonic()
         self._staging: Any = None  # HostStaging when config.kv_staging == "host"
         self._op_slots: dict[int, tuple[Any, tuple[int, ...]]] = {}  # staging: xfer id -> (slot run, KV ids)
+        # Writer, host staging of a lease staged per pull: pulls waiting for a run of slots
+        # (FIFO), and the copies into the runs of pulls being served, by (reader, xfer id).
+        self._serve_waiting: dict[tuple[PeerKey, int], tuple[PullRequest, Any]] = {}
+        self._serve_copies: dict[tuple[PeerKey, int], Any] = {}
         self._expected = TransportExpectation.parse(self.config.expected_transports)
         self._peer_transports: dict[PeerKey, str] = {}  # the transport of the last pull from each writer
         self._warned_fallbacks: set[PeerKey] = set()
@@ -319,7 +330,9 @@ class UcxWorkerConnector(WorkerConnector):
             transport = self._make_transport(region, layout, tensor.layout if isinstance(tensor, KVRegion) else None)
         self._metadata = UcxHandshakeMetadata(self.key.engine_id, self.key.epoch, self.key.tp_rank, self.tp_size,
                                               self.compatibility_hash, transport.worker_address, layout,
-                                              kv_transport=self.config.kv_transport)
+                                              kv_transport=self.config.kv_transport,
+                                              chunked_pulls=self.config.kv_transport == "ucx-tag",
+                                              max_pull_blocks=self._staging.pool.num_slots if self._staging else 0)
         self._metadata.validate()
         self._region = region
         self._tensor = tensor  # keeps the memory alive while UCX may touch it
@@ -454,8 +467,9 @@ class UcxWorkerConnector(WorkerConnector):
         if self._transport is not None:
             self._transport.remove_peer(key)
         for rid, op in [(rid, op) for rid, op in self._queued if op.peer == key]:
-            self._queued.remove((rid, op))
-            self._op_ended_locked(self._recvs[rid], op, "peer_gone", (), 0, 0.0)
+            if (rid, op) in self._queued:  # (a failed chunk pull drops the rest of its read)
+                self._queued.remove((rid, op))
+                self._op_ended_locked(self._recvs[rid], op, "peer_gone", (), 0, 0.0)
 
     # -- decode side ---------------------------------------------------------------------------
 
@@ -494,12 +508,13 @@ class UcxWorkerConnector(WorkerConnector):
             recv.ops = tuple(PullOp(next(self._xfer_ids), PeerKey(descriptor.engine_id, descriptor.epoch, read.src_rank),
                                     descriptor.request_id, self._segments(read, descriptor.tp_size, remote, local),
                                     self.config.transfer_timeout_s) for read in plan)
-            recv.open = {op.xfer_id for op in recv.ops}
-            too_big = self._staging_problem(recv.ops)
+            chunked, too_big = self._chunked_locked(recv.ops)
             if too_big is not None:
                 logger.error("cannot pull %s: %s", request_id, too_big)
                 self._fail_locked(recv, "staging_pool_too_small", set())
                 return
+            recv.ops = chunked
+            recv.open = {op.xfer_id for op in recv.ops}
             self._recvs[request_id] = recv
             self._queued.extend((request_id, op) for op in recv.ops)
             self._dispatch_locked()
@@ -538,16 +553,28 @@ class UcxWorkerConnector(WorkerConnector):
         return tuple(Segment(s.remote_block, s.local_block, s.num_blocks, read.src_offset, read.dst_offset,
                              read.num_heads) for s in runs)
 
-    def _staging_problem(self, ops: tuple[PullOp, ...]) -> str | None:
-        """Why these ops can never be staged (an op larger than the whole pool), or None."""
-        if self._staging is None:
-            return None
-        pool = self._staging.pool
-        biggest = max((sum(s.num_blocks for s in op.segments) for op in ops), default=0)
-        if pool.fits(biggest):
-            return None
-        return (f"a pull of {biggest} blocks from one rank does not fit the KV staging pool of {pool.num_slots} "
-                "blocks (raise --kv-staging-blocks)")
+    def _chunked_locked(self, ops: tuple[PullOp, ...]) -> tuple[tuple[PullOp, ...], str | None]:
+        """The ops with each read larger than a pull may be (our staging pool, or the writer's:
+        its `max_pull_blocks`) split into chunk pulls of at most half that, so two run at once
+        (one moving while the other is copied); or why a read cannot be pulled (a writer of an
+        older build, which serves one pull per reader)."""
+        out: list[PullOp] = []
+        for op in ops:
+            meta = self._peers[op.peer]
+            limits = [n for n in (self._staging.pool.num_slots if self._staging else 0, meta.max_pull_blocks) if n]
+            num_blocks = sum(s.num_blocks for s in op.segments)
+            if not limits or num_blocks <= min(limits):
+                out.append(op)
+                continue
+            if not meta.chunked_pulls:
+                return (), (f"a pull of {num_blocks} blocks from one rank does not fit the KV staging pool of "
+                            f"{min(limits)} blocks, and {op.peer.engine_id} (an older build) serves no chunked "
+                            "pulls (raise --kv-staging-blocks)")
+            half = max(1, min(limits) // 2)
+            num_chunks = -(-num_blocks // half)
+            for segments in split_segments(op.segments, -(-num_blocks // num_chunks)):
+                out.append(dataclasses.replace(op, xfer_id=next(self._xfer_ids), segments=segments, chunked=True))
+        return tuple(out), None
 
     def _dispatch_locked(self) -> None:
         while self._queued and self._inflight < self.config.max_inflight_transfers and self._transport is not None:
@@ -579,11 +606,12 @@ class UcxWorkerConnector(WorkerConnector):
         self._op_slots[op.xfer_id] = (run, tuple(block_ids))
         return dataclasses.replace(op, segments=tuple(segments))
 
-    def _free_slots_locked(self, owner: tuple[str, Any]) -> None:
+    def _free_slots_locked(self, owner: tuple[Any, ...]) -> None:
         if self._staging is not None and self._staging.pool.free(owner) is not None:
             self._dispatch_locked()  # queued pulls may fit now
+            self._dispatch_serves_locked()  # ... and pulls waiting to be served
 
-    def _free_slots_later(self, owner: tuple[str, Any]) -> None:
+    def _free_slots_later(self, owner: tuple[Any, ...]) -> None:
         """Frees `owner`'s slots once the copies queued so far ran (one may still use them)."""
         def free() -> None:
             with self._lock:
@@ -610,6 +638,8 @@ class UcxWorkerConnector(WorkerConnector):
                         self._transport.abandon(op.xfer_id)  # no late byte lands in its slots
                     if self._op_slots.pop(op.xfer_id, None) is not None:
                         self._free_slots_locked(("pull", op.xfer_id))
+            for peer, rid in {(op.peer, op.request_id) for op in recv.ops if op.chunked and op.xfer_id in recv.open}:
+                self._release_locked(peer, rid)
             self._dispatch_locked()
             copying = list(recv.copying)
         for future in copying:  # host staging: no copy into the KV tensor outlives the cancel
@@ -687,17 +717,27 @@ class UcxWorkerConnector(WorkerConnector):
     def _op_ended_locked(self, recv: _Recv, op: PullOp, reason: str | None, received: Any, num_bytes: int,
                          seconds: float) -> None:
         """One op of a request ended; the request ends with its last op (failed if any failed,
-        its valid blocks those every failed op delivered: a successful op delivered all of
-        them, so it narrows nothing and costs no per-block work). `received` (the blocks a
-        failed op delivered) is ignored when `reason` is None."""
+        its valid blocks those every read delivered in full: a read's delivered blocks are
+        those of its ops that succeeded plus what its failed ops fully delivered; see
+        `_valid_locked`). `received` (the blocks a failed op delivered) is ignored when
+        `reason` is None. A failed chunk pull ends its read: the read's pulls not yet sent are
+        dropped (they deliver nothing); a chunked read whose last pull ended is released at
+        the writer."""
         recv.open.discard(op.xfer_id)
+        recv.delivered[op.xfer_id] = None if reason is None else set(received)
         stats = self._stats.pair(recv.engine_id, self.key.engine_id)
         stats.num_operations += 1
         recv.num_bytes += num_bytes
         recv.seconds = max(recv.seconds, seconds)
         if reason is not None:
             recv.reason = recv.reason or reason
-            recv.received = set(received) if recv.received is None else recv.received & set(received)
+            if op.chunked:
+                dropped = [(rid, q) for rid, q in self._queued if rid == recv.request_id and q.peer == op.peer]
+                for entry in dropped:
+                    self._queued.remove(entry)
+                    recv.open.discard(entry[1].xfer_id)
+        if op.chunked and not any(o.peer == op.peer and o.xfer_id in recv.open for o in recv.ops):
+            self._release_locked(op.peer, op.request_id)
         if recv.open:
             return
         del self._recvs[recv.request_id]
@@ -712,7 +752,27 @@ class UcxWorkerConnector(WorkerConnector):
             self._results.finished_recving.add(recv.request_id)
             self._changed.notify_all()
         else:
-            self._fail_locked(recv, recv.reason, recv.received or set())
+            self._fail_locked(recv, recv.reason, self._valid_locked(recv))
+
+    def _valid_locked(self, recv: _Recv) -> set[int]:
+        """The local blocks of a failed request that received all their bytes: in every read
+        (one per prefill rank read, the same blocks each for other heads), from one of its ops."""
+        by_read: dict[PeerKey, set[int]] = {}
+        for op in recv.ops:
+            got = by_read.setdefault(op.peer, set())
+            if op.xfer_id in recv.delivered:
+                delivered = recv.delivered[op.xfer_id]
+                got |= _block_ids(op.segments) if delivered is None else delivered
+        return set.intersection(*by_read.values()) if by_read else set()
+
+    def _release_locked(self, peer: PeerKey, request_id: str) -> None:
+        """Ends our chunked read of `request_id` at `peer` (its every pull ended)."""
+        if self._transport is None:
+            return
+        try:
+            self._transport.release(peer, request_id)
+        except RuntimeError:
+            pass  # the transport is stopping: the writer's lease runs out instead
 
     def _fail_locked(self, recv: _Recv, reason: str, received: set[int]) -> None:
         invalid = set(recv.local_block_ids) - received
@@ -735,6 +795,8 @@ class UcxWorkerConnector(WorkerConnector):
         (`head_map.readers_of`); 0 (a rank no reader needs, e.g. a replica of an MQA head) pins
         nothing and reports the id in `finished_sending` at the next drain. Raises ValueError
         (no state change) on a known id, ids out of range, or a bad lease / reader count.
+        With host staging the blocks are copied into the pool now when a run of them is free,
+        else each pull of them is when it arrives (`source_segments`).
         `ready`: the blocks' bytes are final only once it is done (GPU compute still queued);
         the first pull of them waits for it on the transport's thread before a byte moves."""
         num_blocks = self.handshake_metadata.region.num_blocks
@@ -766,24 +828,25 @@ class UcxWorkerConnector(WorkerConnector):
     def _stage_out_locked(self, request_id: str, lease: _Lease) -> None:
         """Host staging: a run of slots for the request's blocks (ascending, so consecutive
         blocks stay consecutive) and the copy into them, which the first reader waits for
-        (after the compute fence). ValueError, nothing changed, when the pool has no room."""
+        (after the compute fence). A request larger than the pool, or one that finds no free
+        run, is staged per pull instead (`source_segments`): its blocks stay pinned in the KV
+        cache and each pull is copied into a run of its own when it arrives."""
         from connectors.ucx.host_staging import CopyFence
 
         assert self._staging is not None
         pool, ordered = self._staging.pool, sorted(lease.block_ids)
-        if not pool.fits(len(ordered)):
-            raise ValueError(f"request {request_id}: {len(ordered)} blocks do not fit the KV staging pool of "
-                             f"{pool.num_slots} blocks (raise --kv-staging-blocks)")
-        run = pool.allocate(("send", request_id), len(ordered))
+        run = pool.allocate(("send", request_id), len(ordered)) if pool.fits(len(ordered)) else None
         if run is None:
-            raise ValueError(f"request {request_id}: the KV staging pool is full ({pool.num_used} of {pool.num_slots} "
-                             "blocks held by pinned prefills and pulls; raise --kv-staging-blocks)")
+            return
         lease.slots = {b: run.start + i for i, b in enumerate(ordered)}
         lease.staged = self._staging.copy_out(ordered, run, after=lease.ready)
         lease.ready = CopyFence(lease.staged)
 
     def _lease_ended_locked(self, request_id: str, lease: _Lease) -> None:
-        """A lease is gone: its staging slots return (after its copy, if still running)."""
+        """A lease is gone: its staging slots return (after its copy, if still running); pulls
+        of it waiting for slots are refused."""
+        if self._staging is not None and lease.slots is None:
+            self._dispatch_serves_locked()
         if lease.slots is None:
             return
         if lease.staged is not None and not lease.staged.done():
@@ -791,18 +854,51 @@ class UcxWorkerConnector(WorkerConnector):
         else:
             self._free_slots_locked(("send", request_id))
 
-    def source_segments(self, request: PullRequest) -> tuple[Segment, ...] | None:
+    def source_segments(self, request: PullRequest, resume: Any = None) -> tuple[Segment, ...] | str | None:
         """Transport callback (writer, after `on_pull_request` accepted): with host staging the
-        request's blocks are served from their slots (None: the request was cancelled since,
-        its slots are gone), else from where they are."""
+        request's blocks are served from their slots: at once where the lease holds a run
+        (a reason refusing the pull if it was cancelled since: its slots are gone); for a lease
+        staged per pull None, and `resume(slot segments | reason)` once this pull's blocks are
+        copied into a run of its own (waiting in line while no run is free). Without staging
+        from where they are."""
         if self._staging is None:
             return request.segments
         with self._lock:
             lease = self._leases.get(request.request_id)
-            slots = lease.slots if lease is not None else None
-        if slots is None:
+            if lease is None:
+                return "unknown_request"
+            if lease.slots is not None:
+                slots = lease.slots
+                return tuple(dataclasses.replace(seg, remote_block=slots[seg.remote_block])
+                             for seg in request.segments)
+            if resume is None:
+                return "staging_pool_too_small"
+            self._serve_waiting[(request.reader, request.xfer_id)] = (request, resume)
+            self._dispatch_serves_locked()
             return None
-        return tuple(dataclasses.replace(seg, remote_block=slots[seg.remote_block]) for seg in request.segments)
+
+    def _dispatch_serves_locked(self) -> None:
+        """Writer, host staging: copies waiting pulls (in arrival order) into free runs; a pull
+        whose lease ended meanwhile is refused."""
+        assert self._staging is not None
+        for key, (request, resume) in list(self._serve_waiting.items()):
+            if request.request_id not in self._leases:
+                del self._serve_waiting[key]
+                resume("unknown_request")
+                continue
+            ids = [b for seg in request.segments for b in range(seg.remote_block, seg.remote_block + seg.num_blocks)]
+            run = self._staging.pool.allocate(("serve", *key), len(ids))
+            if run is None:
+                return  # back-pressure: a returning run dispatches it
+            del self._serve_waiting[key]
+            segments, at = [], run.start
+            for seg in request.segments:
+                segments.append(dataclasses.replace(seg, remote_block=at))
+                at += seg.num_blocks
+            staged = tuple(segments)
+            future = self._serve_copies[key] = self._staging.copy_out(ids, run)
+            future.add_done_callback(
+                lambda f, staged=staged, resume=resume: resume(staged if f.exception() is None else "staging_error"))
 
     def on_pull_request(self, request: PullRequest) -> str | None:
         """Transport callback: validates a reader's pull against our epoch and leases (after
@@ -828,6 +924,9 @@ class UcxWorkerConnector(WorkerConnector):
         if any(b not in lease.block_ids for s in request.segments for b in range(s.remote_block,
                                                                                s.remote_block + s.num_blocks)):
             return "not_pinned"
+        if (self._staging is not None and lease.slots is None
+                and not self._staging.pool.fits(sum(s.num_blocks for s in request.segments))):
+            return "staging_pool_too_small"  # a reader that does not chunk (an older build)
         return None
 
     def _wait_ready(self, request_id: str) -> None:
@@ -844,18 +943,48 @@ class UcxWorkerConnector(WorkerConnector):
                 lease.ready = None
 
     def on_reader_done(self, request_id: str, reader: PeerKey, ok: bool) -> None:
-        """Transport callback: a reader finished and every send of it completed."""
+        """Transport callback: a reader finished and every send of it completed (an unchunked
+        pull; `on_serve_ended` says the same with the pull's id)."""
+        self.on_serve_ended(request_id, reader, 0, ok, True)
+
+    def on_serve_ended(self, request_id: str, reader: PeerKey, xfer_id: int, ok: bool, last: bool) -> None:
+        """Transport callback: one accepted pull ended (every send completed and the reader
+        said `done`, or it was refused after acceptance, or its reader was dropped): a run it
+        was staged in returns; with `last` the reader's read ended too."""
         with self._lock:
+            key = (reader, xfer_id)
+            if self._staging is not None and xfer_id:
+                self._serve_waiting.pop(key, None)
+                copy = self._serve_copies.pop(key, None)
+                if self._staging.pool.holds(("serve", *key)) is not None:
+                    if copy is not None and not copy.done():
+                        self._free_slots_later(("serve", *key))
+                    else:
+                        self._free_slots_locked(("serve", *key))
             lease = self._leases.get(request_id)
             if lease is None:
                 return
             lease.active -= 1
+            if last:
+                lease.readers_left -= 1
+            self._maybe_lease_done_locked(request_id, lease)
+
+    def on_reader_released(self, request_id: str, reader: PeerKey) -> None:
+        """Transport callback: `reader` ended its chunked read of `request_id` (counted once)."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None or reader in lease.released:
+                return
+            lease.released.add(reader)
             lease.readers_left -= 1
-            if lease.readers_left <= 0 and lease.active <= 0:
-                del self._leases[request_id]
-                self._lease_ended_locked(request_id, lease)
-                self._results.finished_sending.add(request_id)
-                self._changed.notify_all()
+            self._maybe_lease_done_locked(request_id, lease)
+
+    def _maybe_lease_done_locked(self, request_id: str, lease: _Lease) -> None:
+        if lease.readers_left <= 0 and lease.active <= 0:
+            del self._leases[request_id]
+            self._lease_ended_locked(request_id, lease)
+            self._results.finished_sending.add(request_id)
+            self._changed.notify_all()
 
     def on_renew(self, request_ids: list[str], reader: PeerKey) -> None:
         """Transport callback: extends the leases of requests a live reader still wants."""
@@ -929,9 +1058,8 @@ class UcxWorkerConnector(WorkerConnector):
         self._last_renew = now
         renew: dict[PeerKey, list[str]] = defaultdict(list)
         for recv in self._recvs.values():
-            for op in recv.ops:
-                if op.xfer_id in recv.open:
-                    renew[op.peer].append(op.request_id)
+            for peer, rid in {(op.peer, op.request_id) for op in recv.ops if op.xfer_id in recv.open}:
+                renew[peer].append(rid)
         return renew
 
     def get_block_ids_with_load_errors(self) -> set[int]:

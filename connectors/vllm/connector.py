@@ -14,7 +14,10 @@ takes LBHNC only. The worker half registers whatever was allocated (`kv_region.p
 Refused at start, with the reason: more than one KV cache group (hybrid attention / Mamba, or
 sliding-window layers under vLLM's hybrid allocator) and groups that are not full attention
 (sliding-window or chunked-local blocks are freed behind the window, so a prefill's block list
-would not hold its whole prompt's KV).
+would not hold its whole prompt's KV). A model mixing sliding and full layers is served: the
+connector does not declare vLLM's `SupportsHMA`, so vLLM turns its hybrid allocator off and
+keeps every layer's KV in one full-attention group (the sliding layers still attend within
+their window; tests/vllm/test_vllm_sliding_window.py).
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def _check_kv_cache_groups(kv_cache_config: KVCacheConfig | None) -> None:
     """Raises ValueError, naming why, for KV the connector cannot move whole."""
     if kv_cache_config is None:
         return
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     groups = kv_cache_config.kv_cache_groups
     if len(groups) > 1:
@@ -69,11 +72,16 @@ def _check_kv_cache_groups(kv_cache_config: KVCacheConfig | None) -> None:
                          "connector that transfers per group")
     for group in groups:
         spec = group.kv_cache_spec
-        if not isinstance(spec, FullAttentionSpec):
-            raise ValueError(f"PdserveConnector moves full-attention KV only; this model's cache is "
-                             f"{type(spec).__name__}, whose blocks behind the window are freed (a prefill's blocks "
+        if isinstance(spec, FullAttentionSpec):
+            continue
+        reason = f"PdserveConnector moves full-attention KV only; this model's cache is {type(spec).__name__}"
+        if isinstance(spec, SlidingWindowSpec):
+            window = spec.sliding_window
+            raise ValueError(f"{reason}, whose blocks behind the {window}-token window are freed (a prefill's blocks "
                              "would not hold its whole prompt's KV). Serve it colocated, or with "
-                             "--vllm-arg disable_sliding_window=true (full attention, as the model's context allows)")
+                             f"--vllm-arg disable_sliding_window=true and --max-model-len {window} or less (full "
+                             "attention; vLLM caps the context at the window)")
+        raise ValueError(f"{reason} (not every prompt token's KV is kept in its blocks). Serve it colocated")
 
 
 def _report_refusal(reason: str) -> None:

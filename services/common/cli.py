@@ -21,7 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("services.generate", "send a prompt to the scheduler and stream the answer"),
     "events": ("services.events", "print the cluster's KV events as JSON lines"),
     "offline": ("engine.offline", "run the engine in-process on prompts (no services)"),
-    "bench": ("bench.cli", "benchmarks: engine, transfer, aggregator, serve, events, chaos, load"),
+    "bench": ("bench.cli", "benchmarks: engine, transfer, aggregator, serve, events, scale, chaos, load, gpu-check"),
     "model": ("engine.demo_model", "model utilities (prepare-demo: convert the demo model)"),
     "demo": ("services.demo", "the demo: start a local cluster, stream a few prompts, summarize"),
 }

@@ -92,7 +92,11 @@ class SchedulerConfig:
                          "dns:NAME:PORT); a replica that starts while engines run takes its prefix index from one "
                          "of them and reports ready once converged; empty: ready at once")
     converge_timeout_s: float = opt(30.0, "longest wait for a peer's snapshot to complete the prefix index; "
-                                          "then ready with what it has")
+                                          "then ready with what it has (a peer refusing this replica's token: "
+                                          "never; it stays not ready)")
+    peer_token_file: str = opt("", "file holding the bearer token this replica presents to its peers' KVEvents "
+                                   "(first line); default: the first token with the events scope in "
+                                   "auth_tokens_file / auth_tokens")
     max_prompt_tokens: int = opt(0, "longest accepted prompt; 0 means the model's max length")
     max_new_tokens: int = opt(4096, "largest accepted max_tokens")
     event_ring_size: int = opt(4096, "KV-event batches kept for replay")

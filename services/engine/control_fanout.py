@@ -126,7 +126,8 @@ class ControlFanout:
     def start(self, timeout: float | None = 30.0) -> Welcome:
         """Connects to every replica named now and blocks until one welcomed this rank. Raises
         ControlRefusedError when every replica refused it, TimeoutError when none welcomed it
-        in time (the streams keep trying)."""
+        in time (the streams keep trying), ConnectionAbortedError when closed meanwhile (an
+        engine stopped before its scheduler answered)."""
         self._refresh(time.monotonic())
         if self._monitor is None:
             self._monitor = threading.Thread(target=self._monitor_main, name="control-fanout", daemon=True)
@@ -136,6 +137,8 @@ class ControlFanout:
             welcome = self.welcome
             if welcome is not None:
                 return welcome
+            if self._closed.is_set():
+                raise ConnectionAbortedError("closed before any scheduler replica welcomed this rank")
             clients = self.clients
             errors = [c.error for c in clients if c.error is not None]
             if clients and len(errors) == len(clients):

@@ -37,6 +37,7 @@ from services.engine.servicer import EngineServicer
 logger = logging.getLogger(__name__)
 
 FAILED_EXIT_GRACE_S = 5.0
+STOP_BEFORE_READY_GRACE_S = 10.0
 
 
 async def serve(config: EngineConfig, factory: BackendFactory) -> None:
@@ -63,12 +64,34 @@ async def serve(config: EngineConfig, factory: BackendFactory) -> None:
 
     stopped = install_drain_handler(drain)
     try:
-        await backend.start()
+        if not await _started_unless_stopped(backend, stopped, config.engine_id):
+            return
         await server.set_serving(True)
         await _until_stopped_or_failed(stopped, backend, config.engine_id)
     finally:
         await server.stop(1.0)
         backend.shutdown()
+
+
+async def _started_unless_stopped(backend: EngineBackend, stopped: asyncio.Event, engine_id: str) -> bool:
+    """Starts the backend (the model load, then the wait for a scheduler's Welcome, which has
+    no deadline); False when SIGTERM/SIGINT came first. Then the caller shuts the backend down,
+    which ends the wait (the control streams close), so a pod deleted while its scheduler is
+    unreachable exits in its grace period; a start that cannot be interrupted (inside vLLM's
+    engine start-up) is cut by a watchdog after STOP_BEFORE_READY_GRACE_S."""
+    start = asyncio.ensure_future(backend.start())
+    stop = asyncio.ensure_future(stopped.wait())
+    await asyncio.wait({start, stop}, return_when=asyncio.FIRST_COMPLETED)
+    stop.cancel()
+    if start.done():
+        start.result()  # a failed start raises here
+        return True
+    start.add_done_callback(lambda f: f.cancelled() or f.exception())  # its error is expected now
+    logger.info("engine %s: stopped before it was ready (no scheduler answered yet)", engine_id)
+    watchdog = threading.Timer(STOP_BEFORE_READY_GRACE_S, os._exit, args=(0,))
+    watchdog.daemon = True
+    watchdog.start()
+    return False
 
 
 async def _until_stopped_or_failed(stopped: asyncio.Event, backend: EngineBackend, engine_id: str) -> None:

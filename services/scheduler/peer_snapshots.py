@@ -11,27 +11,80 @@ Contract of `PeerSnapshots.run` (a task on the scheduler's loop):
 - again every `retry_interval_s` while engines are missing (a peer lags, an engine has not
   reconnected yet), until converged or `timeout_s` has passed (then `finish`: ready with what
   it has, logged).
+- a peer that refuses this replica's credentials (UNAUTHENTICATED, PERMISSION_DENIED) is logged
+  at ERROR (once per peer and status) and kept in `refused`; while no peer gave a snapshot and
+  one refused, the replica does not converge, not even at the timeout: it stays not ready (a
+  misconfigured token must not serve with an empty index), and keeps asking.
+
+Replica-to-replica calls authenticate as any KVEvents client does (`peer_security`): the
+replica's certificate under TLS (mTLS when peers require client certificates), and a bearer token
+when tokens guard the API: `peer_token_file`, else the first token with the `events` scope in
+`auth_tokens_file` / `auth_tokens`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
+from pathlib import Path
 
 import grpc
 
 from connectors.kv_events import BlockStored, event_from_proto
 from pdserve.v1 import kv_events_pb2 as pb
 from pdserve.v1 import kv_events_pb2_grpc
+from services.common.config import SchedulerConfig
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.scheduler_targets import parse_scheduler_targets, resolve_targets
-from services.common.security import ChannelSecurity, open_channel
+from services.common.security import SCOPE_EVENTS, ChannelSecurity, component_channel_security, open_channel
 from services.scheduler.convergence import EngineSnapshot, IndexConvergence, PeerSnapshot
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_RETRY_INTERVAL_S = 0.5
+REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
+def peer_token(config: SchedulerConfig) -> str:
+    """The bearer token a replica presents to its peers (see the module docstring); "" when no
+    tokens are configured. ValueError when tokens guard KVEvents but none can be presented."""
+    if config.peer_token_file:
+        try:
+            words = Path(config.peer_token_file).read_text().split()
+        except OSError as e:
+            raise ValueError(f"peer_token_file: cannot read {config.peer_token_file}: {e.strerror}") from None
+        if not words:
+            raise ValueError(f"peer_token_file: {config.peer_token_file} is empty")
+        return words[0]
+    lines: list[str] = []
+    if config.auth_tokens_file:
+        try:
+            lines = Path(config.auth_tokens_file).read_text().splitlines()
+        except OSError as e:
+            raise ValueError(f"auth_tokens_file: cannot read {config.auth_tokens_file}: {e.strerror}") from None
+    lines += [t.strip() for t in config.auth_tokens.split(",")]
+    for line in lines:
+        parts = line.split()
+        if not parts or parts[0].startswith("#"):
+            continue
+        if len(parts) == 1 or SCOPE_EVENTS in parts[1].split(","):
+            return parts[0]
+    if config.auth_tokens_file or config.auth_tokens.strip():
+        raise ValueError("peers: no configured token has the events scope, so this replica could not take a "
+                         "peer's snapshot; set peer_token_file or give a token the events scope")
+    return ""
+
+
+def peer_security(config: SchedulerConfig) -> ChannelSecurity | None:
+    """How a replica dials its peers' KVEvents: its certificate (TLS, client identity) and its
+    peer token; None: plaintext without a token."""
+    security = component_channel_security(config)
+    token = peer_token(config)
+    if not token:
+        return security
+    return dataclasses.replace(security, token=token) if security is not None else ChannelSecurity(token=token)
 
 
 class SnapshotReader:
@@ -98,11 +151,16 @@ class PeerSnapshots:
         self.retry_interval_s = retry_interval_s
         self.num_snapshots = 0
         self.missing: list[str] = []
+        self.refused: dict[str, str] = {}  # peer address -> "STATUS: details" of its last refusal
 
     async def run(self) -> None:
         deadline = time.monotonic() + self.timeout_s
         while not self.convergence.converged:
             snapshot = await self._any_peer()
+            if snapshot is None and self.refused:
+                # Refused, not absent: converging with an empty index would serve it as complete.
+                await asyncio.sleep(self.retry_interval_s)
+                continue
             self.missing = self.convergence.install(snapshot)
             if self.convergence.converged:
                 return
@@ -118,11 +176,27 @@ class PeerSnapshots:
         for address in addresses:
             try:
                 snapshot = await fetch_snapshot(address, self.security)
+            except grpc.aio.AioRpcError as e:
+                self._failed(address, e)
+                continue
             except (grpc.RpcError, ValueError, OSError) as e:
                 logger.debug("no snapshot from peer %s: %s", address, e)
                 continue
+            self.refused.pop(address, None)
             if snapshot.scheduler_id == self.scheduler_id:
                 continue  # this replica itself (listed in the peers' DNS name)
             self.num_snapshots += 1
             return snapshot
         return None
+
+    def _failed(self, address: str, e: grpc.aio.AioRpcError) -> None:
+        if e.code() not in REFUSED:
+            self.refused.pop(address, None)
+            logger.debug("no snapshot from peer %s: %s %s", address, e.code().name, e.details())
+            return
+        why = f"{e.code().name}: {e.details()}"
+        if self.refused.get(address) != why:
+            logger.error("peer replica %s refused this replica's snapshot request (%s): it stays not ready "
+                         "until a peer accepts its credentials (peer_token_file, auth_tokens_file, TLS)",
+                         address, why)
+        self.refused[address] = why

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 import uuid
@@ -33,8 +32,6 @@ from services.common.config import SchedulerConfig
 from services.common.grpc_server import ServiceServer
 from services.common.metrics import EventMetrics
 from services.common.security import (
-    ChannelSecurity,
-    component_channel_security,
     component_server_security,
     peer_name_guards,
     server_guard,
@@ -50,7 +47,7 @@ from services.scheduler.http_api import HttpApi
 from services.scheduler.lifecycle import EngineRef, ReleaseCause
 from services.scheduler.path_costs import CostPriors, PathCosts
 from services.scheduler.path_policy import PathConfig, PathPolicy
-from services.scheduler.peer_snapshots import PeerSnapshots
+from services.scheduler.peer_snapshots import PeerSnapshots, peer_security
 from services.scheduler.registry import EngineRegistry
 from services.scheduler.request_table import RequestTable
 from services.scheduler.routing import Router, RoutingPolicy, make_policy
@@ -71,16 +68,6 @@ def resolve_model_dir(model: str) -> Path:
     from engine.demo_model import demo_model_dir
 
     return demo_model_dir()
-
-
-def peer_security(config: SchedulerConfig) -> ChannelSecurity | None:
-    """How a replica dials its peers' KVEvents: its certificate, and the first configured bearer
-    token when tokens guard the API."""
-    security = component_channel_security(config)
-    token = next((t.strip() for t in config.auth_tokens.split(",") if t.strip()), "")
-    if not token:
-        return security
-    return dataclasses.replace(security, token=token) if security is not None else ChannelSecurity(token=token)
 
 
 def make_path_policy(config: SchedulerConfig) -> PathPolicy:
@@ -145,6 +132,8 @@ class SchedulerService:
             self.plane.republisher.position_of = self.control.positions.last
             self.plane.republisher.scheduler_id = self.scheduler_id
             self.plane.servicer.converged = lambda: self.converged
+            if self.plane.zmq is not None:
+                self.plane.zmq.converged = lambda: self.converged
             self.telemetry.metrics.track_convergence(lambda: self.converged)
             self.control.on_registered.append(self.plane.engine_up)
             self.control.on_engine_up.append(self.plane.engine_up)

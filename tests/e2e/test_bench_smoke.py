@@ -109,6 +109,17 @@ def test_bench_transfer_smoke_reports_both_like_for_like_pairs(tmp_path: Path,
     assert row["ratio_vs"]["ucxx-cma"] == pytest.approx(row["gbps"]["pdserve-cma"] / row["gbps"]["ucxx-cma"])
 
 
+def test_bench_transfer_kv_staging_smoke_compares_a_small_pool_with_a_full_one(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report = run_json(capsys, ["bench", "transfer", "--out", str(tmp_path), "--iters", "1", "--sizes", "6",
+                               "--concurrent", "0", "--num-layers", "2", "--kv-staging", "host",
+                               "--kv-staging-blocks", "2"])
+    (row,) = report["rows"]
+    assert report["staging_pools"] == {"pdserve": 6, "pdserve-pool": 2}  # 6 blocks through 2 slots: 6 chunks
+    assert row["gbps"]["pdserve"] > 0 and row["gbps"]["pdserve-pool"] > 0
+    assert row["ratio_vs"]["pdserve-pool"] == pytest.approx(row["gbps"]["pdserve-pool"] / row["gbps"]["pdserve"])
+
+
 def test_bench_transfer_two_hosts_smoke_names_the_transport(tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     from bench.two_hosts import unavailable

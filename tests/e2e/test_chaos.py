@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.chaos import ChaosConfig, run_chaos
+from bench.chaos import ChaosConfig, moved_added_ms, run_chaos
 from bench.workload import OK, StreamOutcome, percentiles, random_prompts, token_errors
 
 
@@ -83,3 +83,11 @@ def test_percentiles_and_prompts() -> None:
     assert all(4 <= len(p) <= 9 and all(100 <= t < 1000 for t in p) for p in prompts)
     with pytest.raises(ValueError, match="prompt lengths must satisfy 1 <= min <= max"):
         random_prompts(0, 1, 5, 4, 1000)
+
+
+def test_moved_added_ms_is_the_gap_across_a_resume_beyond_the_steady_gap() -> None:
+    steady = StreamOutcome("s", 0, 4, token_ids=[1, 2, 3, 4], status=OK, token_times_s=[0.1, 0.2, 0.3, 0.4])
+    moved = StreamOutcome("m", 0, 4, token_ids=[1, 2, 3, 4], status=OK, token_times_s=[0.1, 0.2, 1.7, 1.8],
+                          num_resumes=2, resumed_at=[2, 2])  # resumed twice at token 2: one gap
+    assert moved_added_ms([steady, moved]) == [1400.0]  # a 1.5 s gap where 0.1 s was usual
+    assert moved_added_ms([steady]) == []

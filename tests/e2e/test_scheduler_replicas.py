@@ -6,7 +6,8 @@ tokens it had (no token twice, none missing), the engines release the blocks the
 dead replica's requests within the loss timeout, and nothing leaks. A replica restarted while
 the engines run takes the blocks stored before from its peer's snapshot, reports ready once its
 index has converged, and routes like the survivor. A KV-event consumer reading the replica that died resumes at the
-other from a snapshot and ends with the same block state as one that never lost its replica."""
+other from a snapshot and ends with the same block state as one that never lost its replica:
+over gRPC and over ZMQ (vLLM's wire format, the snapshot from the replay socket)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from services.event_subscriber import EventSubscriber
 from services.local_cluster import LocalCluster, ReplicaPorts
 from services.scheduler.peer_snapshots import SnapshotReader
 from services.scheduler.tokenization import PromptTokenizer
+from services.zmq_event_subscriber import ZmqEventSubscriber
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -39,7 +41,7 @@ LOSS_TIMEOUT_S = 5.0  # services.engine.control_fanout.DEFAULT_LOSS_TIMEOUT_S
 
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    c = start_cluster(tmp_path_factory, "replicas", num_schedulers=2)
+    c = start_cluster(tmp_path_factory, "replicas", num_schedulers=2, zmq=True)
     yield c
     c.stop()
 
@@ -76,6 +78,11 @@ def test_replica_killed_mid_stream_loses_nothing(replicas: LocalCluster, prompts
     steady, moving = EventSubscriber(events_b), EventSubscriber(f"{events_a},{events_b}")
     steady.start()
     moving.start()
+    zmq_a, zmq_b = ((r.zmq_endpoint, r.zmq_replay_endpoint)
+                    for r in (a, b))
+    zmq_steady, zmq_moving = ZmqEventSubscriber([zmq_b]), ZmqEventSubscriber([zmq_a, zmq_b])
+    zmq_steady.start()
+    zmq_moving.start()
 
     # Both replicas route and serve, with the in-process engine's outputs.
     for i, target in enumerate([target_a, target_b, target_a, target_b]):
@@ -155,6 +162,17 @@ def test_replica_killed_mid_stream_loses_nothing(replicas: LocalCluster, prompts
     steady.close()
     assert moving.target == events_b and moving.state.num_snapshots == 2 and steady.state.num_snapshots == 1
     assert moving.blocks() == steady.blocks() and sum(map(len, steady.blocks().values())) > 0
+    # The same over ZMQ: the consumer of a moved to b (b's snapshot, then b's seqs).
+    while (zmq_moving.endpoint != zmq_b[0] or zmq_moving.blocks() != zmq_steady.blocks()) and \
+            time.monotonic() < deadline:
+        time.sleep(0.1)
+    zmq_moving.close()
+    zmq_steady.close()
+    assert zmq_moving.endpoint == zmq_b[0] and zmq_moving.num_snapshots == 2 and zmq_steady.num_snapshots == 1
+    assert zmq_moving.blocks() == zmq_steady.blocks()
+    by_engine = {topic.decode().split("@")[1]: {(m, h) for m, h in blocks}
+                 for topic, blocks in zmq_steady.blocks().items()}
+    assert by_engine == {e: {(m, h) for m, h in blocks} for e, blocks in steady.blocks().items()}
 
 
 def _index(cluster: LocalCluster, replica: ReplicaPorts) -> dict[str, set[tuple[str | None, object]]]:

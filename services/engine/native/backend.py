@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
@@ -86,6 +87,7 @@ class NativeBackend:
         self._aio: asyncio.AbstractEventLoop | None = None
         self._pending: dict[str, _Pending] = {}
         self._last_load: NativeLoad | None = None
+        self._stopping = threading.Event()  # shutdown() called: a build still running must not register
 
     @property
     def epoch(self) -> int:
@@ -120,6 +122,8 @@ class NativeBackend:
                           after_step=self._after_step, periodic=self._periodic)
         loop.start()
         self.loop = loop  # ready before registering: no window where a routable engine is "starting"
+        if self._stopping.is_set():  # stopped while the model loaded: never register
+            return
         parts.agent.connect()
         logger.info("%s engine %s ready (epoch %x, tp %d, %s, %d KV blocks)", cfg.role, cfg.engine_id, self._epoch,
                     cfg.tp, parts.engine.device_plan.describe(), parts.engine.kv_cache_spec.num_blocks)
@@ -130,6 +134,7 @@ class NativeBackend:
         return self._last_load
 
     def shutdown(self) -> None:
+        self._stopping.set()
         if self.loop is not None:
             self.loop.stop()
         if self.parts is not None:

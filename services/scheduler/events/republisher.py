@@ -373,6 +373,13 @@ class EventRepublisher:
             skip = max(0, start_seq - self._ring[0].seq)
             return [self._ring_batch(i) for i in range(skip, len(self._ring))]
 
+    def snapshot(self, event_filter: EventFilter | None = None) -> list[StreamItem]:
+        """SNAPSHOT_BEGIN, the index as BlockStored batches, SNAPSHOT_END(next_seq), taken under
+        the publish lock: exactly the state after batch next_seq - 1 (the ZMQ replay socket's
+        snapshot request; a subscription starts with the same)."""
+        with self._lock:
+            return self._snapshot_items(event_filter or EventFilter(), "snapshot requested")
+
     def subscribe(self, from_seq: int | None, event_filter: EventFilter | None = None, *,
                   wake: Callable[[], None] = lambda: None, snapshot: bool = False) -> Subscription:
         """A new subscription; see the module docstring for what it receives first."""

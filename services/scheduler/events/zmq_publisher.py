@@ -12,6 +12,14 @@ ring batch with seq >= start_seq, oldest first, then the end marker `[b"", b"", 
 A start older than the ring starts at the oldest buffered batch (the consumer sees the gap in
 the seqs, as with vLLM); a malformed request gets no reply. The ring is the republisher's.
 
+Snapshot (pdserve's addition on the same ROUTER, for consumers moving between scheduler
+replicas, whose seqs are their own): a request `[b"", b"pdserve.snapshot"]` is answered with the
+index as vLLM-format `BlockStored` batches (parent None, no tokens, block_size 0; one per
+engine and medium, up to 1,024 hashes each) `[b"", topic, S - 1, payload]`, then
+`[b"", b"", FF x 8, S]`: the state after batch S - 1, so the consumer goes on with live (and
+replayed) batches from seq S. A replica whose index has not converged yet (it restarted) ends
+at once with `[b"", b"", FF x 8, reason]` (not 8 bytes: ask another replica).
+
 The topic is a template: `{engine_id}` and `{model}` are filled in per batch, so a consumer of
 one central stream knows which engine a batch is from (the default `kv@{engine_id}@{model}` is
 the form llm-d's KV-cache indexer parses); a plain string works as with vLLM (default "").
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 
 import zmq
@@ -33,12 +42,18 @@ import zmq
 from connectors.compact_events import zmq_payload
 from connectors.kv_events import KVEventBatch
 from services.scheduler.event_sink import CompactBatch
-from services.scheduler.events.republisher import EventRepublisher, SequencedBatch
+from services.scheduler.events.republisher import (
+    EventRepublisher,
+    SequencedBatch,
+    SnapshotBatch,
+    StreamNotice,
+)
 
 _MORE = zmq.SNDMORE | zmq.NOBLOCK
 logger = logging.getLogger(__name__)
 
 END_SEQ = b"\xff" * 8
+SNAPSHOT_REQUEST = b"pdserve.snapshot"
 DEFAULT_TOPIC = "kv@{engine_id}@{model}"
 _POLL_MS = 100
 
@@ -83,6 +98,10 @@ class ZmqEventPublisher:
         self.num_sent = 0
         self.num_send_errors = 0
         self.num_replays = 0
+        self.num_snapshots = 0
+        # Whether this replica's index is complete (set by the scheduler service): a snapshot
+        # asked of one that is not yet is refused.
+        self.converged: Callable[[], bool] = lambda: True
 
     def start(self) -> None:
         pub = self._context.socket(zmq.PUB)
@@ -171,6 +190,9 @@ class ZmqEventPublisher:
             self._answer(router, frames)
 
     def _answer(self, router: zmq.Socket, frames: list[bytes]) -> None:
+        if len(frames) == 3 and frames[1] == b"" and frames[2] == SNAPSHOT_REQUEST:
+            self._answer_snapshot(router, frames[0])
+            return
         if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
             logger.warning("ignoring malformed ZMQ replay request (%d frames)", len(frames))
             return
@@ -180,3 +202,20 @@ class ZmqEventPublisher:
             router.send_multipart([identity, b"", self.topic_of(sb.engine_id), sb.seq.to_bytes(8, "big"),
                                    self.payload_of(sb)])
         router.send_multipart([identity, b"", b"", END_SEQ, b""])
+
+    def _answer_snapshot(self, router: zmq.Socket, identity: bytes) -> None:
+        if not self.converged():
+            router.send_multipart([identity, b"", b"", END_SEQ,
+                                   b"not converged: this replica restarted and its index is incomplete"])
+            return
+        self.num_snapshots += 1
+        items = self.republisher.snapshot()
+        end = items[-1]
+        assert isinstance(end, StreamNotice)  # SNAPSHOT_END
+        next_seq = end.next_seq
+        last = max(0, next_seq - 1).to_bytes(8, "big")
+        for item in items:
+            if isinstance(item, SnapshotBatch):
+                router.send_multipart([identity, b"", self.topic_of(item.engine_id), last,
+                                       encode_payload(item.batch, legacy=self.legacy)])
+        router.send_multipart([identity, b"", b"", END_SEQ, next_seq.to_bytes(8, "big")])

@@ -35,9 +35,10 @@ def caches(seed: int) -> dict[str, torch.Tensor]:
     return {f"model.layers.{i}.self_attn.attn": torch.randn(N, H, B, 2 * D, generator=g) for i in range(L)}
 
 
-def half(role: str, kv: dict[str, torch.Tensor]) -> VllmWorkerHalf:
+def half(role: str, kv: dict[str, torch.Tensor], pool: int = 0) -> VllmWorkerHalf:
     config = PdserveConnectorConfig(engine_id=f"{role}-0", role=role, epoch=11 if role == "prefill" else 13,
-                                    scheduler="127.0.0.1:1", transfer_timeout_s=3.0, kv_staging="host")
+                                    scheduler="127.0.0.1:1", transfer_timeout_s=3.0, kv_staging="host",
+                                    kv_staging_blocks=pool)
     w = VllmWorkerHalf(config, rank=0, tp_size=1, model=MODEL, block_size=B)
     w.register_kv_caches(kv)
     return w
@@ -86,6 +87,29 @@ def test_pull_lands_in_vllm_tensors_and_each_side_reports_once(pair) -> None:  #
     again = drain_until([p, d], lambda s: True)
     assert again[0].finished_sending == set() and again[1].finished_recving == set()
     assert p.leaks() == [] and d.leaks() == []
+
+
+def test_a_pull_of_three_pools_lands_in_vllm_tensors_in_chunk_pulls() -> None:
+    p_kv, d_kv = caches(1), caches(2)
+    p, d = half("prefill", p_kv, pool=2), half("decode", d_kv, pool=2)  # 2-slot pools, a 6-block pull
+    try:
+        assert d.agent is not None and p.agent is not None
+        d.agent.ucx.add_peer(p.agent.ucx.get_handshake_metadata())
+        remote, local = (0, 1, 2, 3, 4, 5), (6, 7, 8, 9, 10, 11)
+        p.start_load_kv(PdserveConnectorMetadata(sends=[SendSpec("c-x", "c", remote)]))
+        p.wait_for_save()
+        descriptor = KVTransferDescriptor("prefill-0", 11, "c", remote, 6 * B, 1, B, H)
+        d.start_load_kv(PdserveConnectorMetadata(pulls=[PullSpec("c-y", "c", descriptor, local, True)]))
+        seen = drain_until([p, d], lambda s: s[0].finished_sending and s[1].finished_recving)
+        assert seen[0].finished_sending == {"c-x"} and seen[1].finished_recving == {"c-y"}
+        assert not seen[1].failed_recving and not seen[1].invalid_block_ids
+        for name in p_kv:
+            assert torch.equal(d_kv[name][list(local)], p_kv[name][list(remote)])
+        assert p.leaks() == [] and d.leaks() == []
+        assert p.agent.ucx.staging_slots()[0] == 0 == d.agent.ucx.staging_slots()[0]
+    finally:
+        p.shutdown()
+        d.shutdown()
 
 
 def test_released_or_cancelled_prefill_reports_sent_once_and_unpins(pair) -> None:  # type: ignore[no-untyped-def]

@@ -85,10 +85,34 @@ def test_zmq_replay_then_live_without_duplicates(capsys: pytest.CaptureFixture[s
         ctx.destroy(linger=0)
 
 
+def test_zmq_snapshot_then_live(capsys: pytest.CaptureFixture[str]) -> None:
+    ctx = zmq.Context()
+    rp = EventRepublisher(InMemoryPrefixIndex())
+    pub = ZmqEventPublisher(rp, "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic="t", context=ctx)
+    pub.start()
+    try:
+        for i in range(3):
+            rp.publish("p0", 1, stored(i))
+        args = parse(["--zmq", pub.bound_endpoint, "--zmq-replay", pub.bound_replay_endpoint, "--snapshot",
+                      "--limit", "1", "--duration", "20"])
+        assert events_cli.run(args) == 0
+        begin, snap, end = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+        assert begin == {"notice": "SNAPSHOT_BEGIN", "next_seq": 3, "endpoint": pub.bound_endpoint}
+        assert snap["snapshot"] is True and snap["seq"] == 2 and snap["topic"] == "t"
+        assert sorted(snap["events"][0]["block_hashes"]) == [0, 1, 2]
+        assert end == {"notice": "SNAPSHOT_END", "next_seq": 3, "endpoint": pub.bound_endpoint}
+    finally:
+        pub.close()
+        ctx.destroy(linger=0)
+
+
 def test_bad_arguments_are_refused() -> None:
     for argv, message in ((["--from-seq", "-1"], "--from-seq must be >= 0"),
                           (["--zmq-replay", "tcp://127.0.0.1:1"], "--zmq-replay needs --zmq"),
                           (["--limit", "-2"], "--limit and --duration must be >= 0"),
-                          (["--snapshot", "--from-seq", "3"], "--snapshot: gRPC only, and not with --from-seq")):
+                          (["--snapshot", "--from-seq", "3"], "--snapshot: not with --from-seq"),
+                          (["--zmq", "tcp://a:1,tcp://b:1"], "with several replicas needs --snapshot"),
+                          (["--zmq", "tcp://a:1,tcp://b:1", "--zmq-replay", "tcp://a:2", "--snapshot"],
+                           "one --zmq-replay endpoint per --zmq endpoint")):
         with pytest.raises(ValueError, match=message):
             events_cli.run(parse(argv))

@@ -11,6 +11,8 @@ machine (bench/gpu_check.py).
 from __future__ import annotations
 
 import random
+import signal
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -100,26 +102,62 @@ def test_host_staging_moves_blocks_byte_exact_and_is_measured(staged_pair: tuple
     assert (used, slots) == (0, DECODE_POOL) and 40 <= peak <= DECODE_POOL
 
 
-def test_a_full_staging_pool_refuses_to_pin_and_a_pull_larger_than_the_pool_fails_with_the_reason(
+def test_a_pull_of_three_pools_completes_byte_exact_through_both_pools_in_rounds(
         staged_pair: tuple[RankProc, RankProc]) -> None:
+    """3x the decode pool (and 1.5x the prefill's), pinned and pulled while the prefill pool is
+    nearly full: the prefill stages it per pull (its pulls wait in line for a run), the decode
+    reads it in chunk pulls; every slot returns."""
     prefill, decode = staged_pair
-    prefill.call("expect_send", "big", list(range(90)))  # 90 of the 96 slots
-    with pytest.raises(RuntimeError, match="staging pool is full .*90 of 96"):
-        prefill.call("expect_send", "more", list(range(100, 110)))
-    with pytest.raises(RuntimeError, match="do not fit the KV staging pool of 96"):
-        prefill.call("expect_send", "huge", list(range(97)))
-    assert prefill.call("staging_slots")[0] == 90  # the refusals took nothing
-    prefill.call("cancel", "big")
-    assert prefill.call("staging_slots")[0] == 0
-    too_big = list(range(DECODE_POOL + 1))
-    prefill.call("expect_send", "wide", too_big)
-    decode.call("start_pull", "wide", _descriptor(prefill, "wide", too_big), too_big)
+    prefill.call("expect_send", "big", list(range(150, 240)))  # 90 of the 96 prefill slots, pinned
+    assert prefill.call("staging_slots")[0] == 90
+    remote = list(range(3 * DECODE_POOL))  # 144 blocks
+    local = random.Random(7).sample(range(256), len(remote))
+    decode.call("zero", local)
+    prefill.call("expect_send", "wide", remote)  # larger than the pool: staged per pull
+    assert prefill.call("staging_slots")[0] == 90
+    decode.call("start_pull", "wide", _descriptor(prefill, "wide", remote), local)
+    prefill.call("cancel", "big")  # frees the run the chunk pulls wait for at the prefill
     got = decode.call("wait_results", ["wide"], WAIT_S)
-    assert got["failed_recving"] == ["wide"] and got["reasons"] == {"wide": "staging_pool_too_small"}
-    assert sorted(decode.call("invalid")) == too_big
-    prefill.call("cancel", "wide")
+    assert got["finished_recving"] == ["wide"] and got["failed_recving"] == [], got
+    assert prefill.call("wait_results", ["wide"], WAIT_S)["finished_sending"] == ["wide"]
+    assert decode.call("digests", local) == prefill.call("digests", remote)
     assert decode.call("staging_slots")[0] == 0 == prefill.call("staging_slots")[0]
+    assert decode.call("staging_slots")[2] <= DECODE_POOL
     assert prefill.call("pending") == 0 and decode.call("pending") == 0
+
+
+def test_a_writer_killed_mid_chunked_pull_fails_it_with_exact_invalid_blocks_and_returns_every_slot(
+        staged_pair: tuple[RankProc, RankProc]) -> None:
+    """A writer with a 16-slot pool, each copy out of its KV slowed to 0.25 s, serves a 48-block
+    pull in chunk pulls of 8; it is killed once the first chunk landed. The pull fails once:
+    the blocks that landed are byte-exact, exactly the others are invalid (untouched), and every
+    decode slot is back."""
+    _, decode = staged_pair
+    writer = RankProc("prefill-slow", 33, seed=9, kv_staging="host", kv_staging_blocks=16, copy_delay_s=0.25)
+    try:
+        decode.call("add_peer", writer.call("meta"))
+        remote, local = list(range(48)), list(range(200, 248))
+        source = writer.call("digests", remote)
+        decode.call("zero", local)
+        zero = decode.call("digests", local[:1])[0]
+        writer.call("expect_send", "slow", remote)
+        decode.call("start_pull", "slow", _descriptor(writer, "slow", remote), local)
+        deadline = time.monotonic() + WAIT_S
+        while decode.call("digests", local[:8]) != source[:8]:
+            assert time.monotonic() < deadline, "the first chunk never landed"
+            time.sleep(0.02)
+        writer.signal(signal.SIGKILL)
+        decode.call("remove_peer", "prefill-slow")  # as the scheduler does when the engine's epoch dies
+        got = decode.call("wait_results", ["slow"], WAIT_S)
+        assert got["failed_recving"] == ["slow"] and got["reasons"] == {"slow": "peer_gone"}, got
+        invalid = set(decode.call("invalid"))
+        assert invalid and invalid < set(local) and not invalid & set(local[:8])
+        now = decode.call("digests", local)
+        for b, digest, want in zip(local, now, source, strict=True):
+            assert digest == (zero if b in invalid else want), b
+        assert decode.call("staging_slots")[0] == 0 and decode.call("pending") == 0
+    finally:
+        writer.close()
 
 
 @NO_CUDA

@@ -25,12 +25,13 @@ class Engines:
     """A prefill engine of P rank processes and a decode engine of D, connected as the
     services connect them (each decode rank to the prefill ranks it reads)."""
 
-    def __init__(self, p: int, d: int, heads: int, tag: str, transport: str = "ucx-tag") -> None:
+    def __init__(self, p: int, d: int, heads: int, tag: str, transport: str = "ucx-tag", pool: int = 0) -> None:
         self.p, self.d, self.heads = p, d, heads
+        staging = {"kv_staging": "host", "kv_staging_blocks": pool} if pool else {}
         self.prefill = [RankProc(f"prefill-{tag}", 11, tp_rank=r, tp_size=p, num_kv_heads=heads, seed=100 + r,
-                                 kv_transport=transport) for r in range(p)]
+                                 kv_transport=transport, **staging) for r in range(p)]
         self.decode = [RankProc(f"decode-{tag}", 22, tp_rank=r, tp_size=d, num_kv_heads=heads,
-                                timeout_s=TIMEOUT_S, kv_transport=transport) for r in range(d)]
+                                timeout_s=TIMEOUT_S, kv_transport=transport, **staging) for r in range(d)]
         metas = [rank.call("meta") for rank in self.prefill]
         for r, rank in enumerate(self.decode):
             for read in read_plan(r, d, p, heads):
@@ -67,11 +68,15 @@ NEEDS_NIXL = pytest.mark.skipif(not nixl_importable(), reason="nixl-cu12 not ins
 NIXL = pytest.param("nixl", marks=NEEDS_NIXL)
 
 
-@pytest.mark.parametrize(("p", "d", "heads", "transport"), [
-    (2, 1, 2, "ucx-tag"), (1, 2, 2, "ucx-tag"), (2, 1, 1, "ucx-tag"), (1, 2, 1, "ucx-tag"), (4, 2, 2, "ucx-tag"),
-    pytest.param(2, 1, 2, "nixl", marks=NEEDS_NIXL), pytest.param(1, 2, 1, "nixl", marks=NEEDS_NIXL)])
-def test_heads_split_or_gathered_arrive_byte_exact(p: int, d: int, heads: int, transport: str) -> None:
-    engines = Engines(p, d, heads, f"{p}{d}{heads}{transport}", transport)
+@pytest.mark.parametrize(("p", "d", "heads", "transport", "pool"), [
+    (2, 1, 2, "ucx-tag", 0), (1, 2, 2, "ucx-tag", 0), (2, 1, 1, "ucx-tag", 0), (1, 2, 1, "ucx-tag", 0),
+    (4, 2, 2, "ucx-tag", 0),
+    # Host staging through 4-slot pools: the 7- and 13-block reads are chunk pulls of 2 blocks
+    # (head ranges), both decode ranks read the one prefill rank, which stages them per pull.
+    (1, 2, 2, "ucx-tag", 4),
+    pytest.param(2, 1, 2, "nixl", 0, marks=NEEDS_NIXL), pytest.param(1, 2, 1, "nixl", 0, marks=NEEDS_NIXL)])
+def test_heads_split_or_gathered_arrive_byte_exact(p: int, d: int, heads: int, transport: str, pool: int) -> None:
+    engines = Engines(p, d, heads, f"{p}{d}{heads}{transport}{pool}", transport, pool)
     try:
         rng = random.Random(p * 10 + d)
         jobs = {}

@@ -19,6 +19,7 @@ SPEC_DEFAULTS: dict[str, Any] = {
     "head_dim": 8, "seed": 0, "timeout_s": 2.0, "lease_s": 30.0, "max_inflight": 64, "hash": "compat-test",
     "device": "cpu", "kv_staging": "none", "kv_staging_blocks": 0, "kv_transport": "ucx-tag",
     "vllm_layout": None,  # a KVCacheLayout name: vLLM's own tensors (allocate_like_vllm), registered in place
+    "copy_delay_s": 0.0,  # with kv_staging host: each copy out of the KV into the pool takes this long
 }
 
 
@@ -133,6 +134,15 @@ def rank_main(conn: Connection, spec: dict[str, Any]) -> None:
         if spec["seed"]:
             kv.uniform_(generator=torch.Generator().manual_seed(spec["seed"]))
         kv = region = kv.to(spec["device"])
+    if spec["copy_delay_s"]:
+        from connectors.ucx.host_staging import TensorBlocks
+
+        class SlowBlocks(TensorBlocks):
+            def read(self, block_ids: list[int]) -> Any:
+                time.sleep(spec["copy_delay_s"])
+                return super().read(block_ids)
+
+        region = SlowBlocks(kv)
     config = UcxConnectorConfig(transfer_timeout_s=spec["timeout_s"], lease_s=spec["lease_s"],
                                 max_inflight_transfers=spec["max_inflight"], kv_staging=spec["kv_staging"],
                                 kv_staging_blocks=spec["kv_staging_blocks"],

@@ -59,3 +59,15 @@ def test_gpus_without_plan_is_refused() -> None:
     out = subprocess.run([sys.executable, "-m", "services.common.cli", "up", "--gpus", "2"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--gpus pretends a GPU count; it needs --plan" in out.stderr
+
+
+def test_up_refuses_a_tp_the_model_cannot_split_before_starting_anything(tmp_path: Path) -> None:
+    """The demo model's 9 attention heads do not split over 2 ranks: `pdserve up --tp 2` exits 2
+    with the reason instead of starting engines that fail (and are restarted) forever."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "services.common.cli", "up", "--tp", "2", "--log-dir", str(tmp_path)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert "the demo model cannot run at tensor-parallel size 2: tp=2 does not divide num_attention_heads=9" \
+        in out.stderr
+    assert "starting" not in out.stdout and not list(tmp_path.iterdir())

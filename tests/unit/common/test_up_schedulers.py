@@ -46,3 +46,19 @@ def test_one_scheduler_is_the_default_and_a_bad_count_is_refused() -> None:
     for bad in ("0", "9"):
         with pytest.raises(ValueError, match="--schedulers must be in"):
             up.spec_from_args(parse("--schedulers", bad))
+
+
+def test_each_replica_binds_its_own_zmq_endpoints(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--zmq-endpoint` names replica 0's; replica i's tcp ports are + 10·i (an ipc path gets
+    "-i"), so the second replica does not fail to bind the first one's."""
+    args = parse("--schedulers", "2", "--zmq-endpoint", "tcp://127.0.0.1:5557",
+                 "--zmq-replay-endpoint", "ipc:///tmp/pdserve-replay")
+    cluster = LocalCluster(up.spec_from_args(args))
+    argvs = [cluster._scheduler_component(r).argv for r in cluster.replicas]
+    assert [(a[a.index("--zmq-endpoint") + 1], a[a.index("--zmq-replay-endpoint") + 1]) for a in argvs] == [
+        ("tcp://127.0.0.1:5557", "ipc:///tmp/pdserve-replay"), ("tcp://127.0.0.1:5567", "ipc:///tmp/pdserve-replay-1")]
+    up.print_endpoints(cluster, args, "")
+    out = capsys.readouterr().out
+    assert "pdserve events --zmq tcp://127.0.0.1:5567 --zmq-replay ipc:///tmp/pdserve-replay-1" in out
+    plain = LocalCluster(up.spec_from_args(parse()))
+    assert "--zmq-endpoint" not in plain._scheduler_component(plain.replicas[0]).argv

@@ -233,3 +233,54 @@ def test_engines_of_different_kv_layouts_never_pair(connector: UcxWorkerConnecto
     connector.start_pull("r", desc, [3, 4])  # no peer was added
     assert connector.get_transfer_results().failed_recving == {"r"}
     assert connector.take_failure_reasons() == {"r": "peer_unknown"}
+
+
+def test_chunked_pull_fields_round_trip_and_an_older_peer_reads_as_unchunked() -> None:
+    meta = metadata(chunked_pulls=True, max_pull_blocks=48)
+    assert UcxHandshakeMetadata.decode(meta.encode(), expected_hash="h1") == meta
+    body = {k: v for k, v in dataclasses.asdict(metadata()).items() if k not in ("chunked_pulls", "max_pull_blocks")}
+    old = msgpack.packb({"v": HANDSHAKE_VERSION, "hash": "h1", "meta": msgpack.packb(body, use_bin_type=True)},
+                        use_bin_type=True)
+    decoded = UcxHandshakeMetadata.decode(old, expected_hash="h1")
+    assert (decoded.chunked_pulls, decoded.max_pull_blocks) == (False, 0)
+    with pytest.raises(ValueError, match="max_pull_blocks"):
+        UcxHandshakeMetadata.decode(metadata(max_pull_blocks=-1).encode(), expected_hash="h1")
+
+
+def test_split_segments_cuts_runs_into_chunks_in_order_keeping_head_ranges() -> None:
+    from connectors.ucx.transport import split_segments
+
+    segments = (Segment(10, 0, 5, 1, 0, 2), Segment(40, 20, 1, 1, 0, 2), Segment(50, 30, 6, 1, 0, 2))
+    chunks = split_segments(segments, 4)
+    assert [sum(s.num_blocks for s in c) for c in chunks] == [4, 4, 4]
+    flat = [(s.remote_block + i, s.local_block + i) for c in chunks for s in c for i in range(s.num_blocks)]
+    assert flat == [(s.remote_block + i, s.local_block + i) for s in segments for i in range(s.num_blocks)]
+    assert all((s.remote_head, s.local_head, s.num_heads) == (1, 0, 2) for c in chunks for s in c)
+    assert chunks[1] == (Segment(14, 4, 1, 1, 0, 2), Segment(40, 20, 1, 1, 0, 2), Segment(50, 30, 2, 1, 0, 2))
+    assert split_segments(segments, 100) == [segments]
+    with pytest.raises(ValueError):
+        split_segments(segments, 0)
+
+
+def test_a_pull_larger_than_the_pool_from_a_writer_of_an_older_build_fails_at_once_with_the_reason() -> None:
+    """An older writer counts one `done` per reader, so no chunk pulls go to it: the pull fails
+    as before (nothing queued, nothing staged)."""
+    staged = UcxConnectorConfig(kv_staging="host", kv_staging_blocks=4)
+    prefill = UcxWorkerConnector(engine_id="prefill-o", epoch=3, tp_rank=0, tp_size=1, num_kv_heads=2,
+                                 compatibility_hash="h1", kv_cache=torch.ones(64, 2, 2, 2, 4, 8))
+    decode = UcxWorkerConnector(engine_id="decode-o", epoch=4, tp_rank=0, tp_size=1, num_kv_heads=2,
+                                compatibility_hash="h1", kv_cache=torch.zeros(64, 2, 2, 2, 4, 8), config=staged)
+    try:
+        meta = UcxHandshakeMetadata.decode(prefill.get_handshake_metadata(), expected_hash="h1")
+        assert (meta.chunked_pulls, meta.max_pull_blocks) == (True, 0)
+        assert decode.handshake_metadata.max_pull_blocks == 4
+        decode.add_peer(dataclasses.replace(meta, chunked_pulls=False))
+        decode.start_pull("old", KVTransferDescriptor("prefill-o", 3, "old", tuple(range(10)), 40, 1, 4, 2),
+                          list(range(10)))
+        assert decode.get_transfer_results().failed_recving == {"old"}
+        assert decode.take_failure_reasons() == {"old": "staging_pool_too_small"}
+        assert decode.get_block_ids_with_load_errors() == set(range(10))
+        assert decode.num_pending() == 0 and decode.staging_slots() == (0, 4, 0)
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
