@@ -185,7 +185,8 @@ class VllmWorkerHalf:
             block_size=self.block_size, transfer_timeout_s=c.transfer_timeout_s, lease_s=c.lease_s,
             max_inflight=c.max_inflight_transfers, ucx_tls=c.ucx_tls, ucx_net_devices=c.ucx_net_devices,
             metrics_port=c.metrics_port, security=security, kv_staging=c.kv_staging,
-            kv_staging_blocks=c.kv_staging_blocks)
+            kv_staging_blocks=c.kv_staging_blocks,
+            device_kind=memory.device_kind)  # in Hello: the scheduler sizes the heartbeat timeout by it
         self.agent = _TeeRankAgent(factory, self.rank, self.tp_size, self._on_results)
         if self.rank == 0:
             self.agent.set_inbox(self._on_control)

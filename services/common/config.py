@@ -84,6 +84,10 @@ class SchedulerConfig:
     prefill_failure_policy: str = opt("recompute", "on prefill failure: recompute (decode) or retry")
     heartbeat_interval_s: float = opt(1.0, "rank heartbeat interval")
     heartbeat_timeout_s: float = opt(5.0, "a rank silent this long is declared dead")
+    multirank_cpu_heartbeat_timeout_s: float = opt(
+        20.0, "a rank of a CPU engine of more than one rank (tp or pp > 1) silent this long is declared dead: its "
+              "control thread shares the host's cores and its interpreter with the engine's compute and wakes "
+              "seconds late under load; 0: heartbeat_timeout_s")
     peers: str = opt("", "the other scheduler replicas' KVEvents endpoints (comma list of host:port and/or "
                          "dns:NAME:PORT); a replica that starts while engines run takes its prefix index from one "
                          "of them and reports ready once converged; empty: ready at once")

@@ -42,10 +42,13 @@ class ServiceServer:
     """
 
     def __init__(self, service_names: Iterable[str], *, max_message_bytes: int = MAX_MESSAGE_BYTES,
-                 interceptors: Iterable[grpc.aio.ServerInterceptor] = ()) -> None:
-        options = [o for o in SERVER_OPTIONS if "message_length" not in o[0]]
-        options += [("grpc.max_send_message_length", max_message_bytes),
-                    ("grpc.max_receive_message_length", max_message_bytes)]
+                 interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+                 options: Iterable[tuple[str, int]] = ()) -> None:
+        """`options`: more channel arguments (e.g. the Control server's keepalive pings)."""
+        extra = dict(options)
+        base = [o for o in SERVER_OPTIONS if "message_length" not in o[0] and o[0] not in extra]
+        options = [*base, ("grpc.max_send_message_length", max_message_bytes),
+                   ("grpc.max_receive_message_length", max_message_bytes), *extra.items()]
         # Malformed request bytes: INVALID_ARGUMENT with the reason (see MalformedRequestGuard).
         self.malformed = MalformedRequestGuard()
         self.server = grpc.aio.server(options=options, interceptors=[self.malformed, *interceptors])

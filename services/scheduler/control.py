@@ -26,7 +26,7 @@ Contracts (see control.proto):
 - Worker events come as `worker_events` or pre-encoded as `packed_worker_events` (an EventBatch
   with only `events` set); either is decoded once per (engine, epoch, bytes), and a batch the
   aggregator publishes unchanged keeps the rank's encoding for gRPC subscribers.
-- A rank silent for `heartbeat_timeout_s`, or whose stream closed and did not reopen within
+- A rank silent for its engine's heartbeat timeout (`EngineRegistry.heartbeat_timeout`), or whose stream closed and did not reopen within
   one heartbeat interval, is dead: its engine is down (transfers touching it
   fail over, an AllBlocksCleared for its epoch goes to the event sink, `on_engine_down` hooks
   run). A rank of a live epoch that speaks again brings its engine back.
@@ -196,8 +196,22 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         # The loop's own stalls, measured by the monitor on the registry's clock, discounted
         # from ranks' silence.
         self._tick_due: float | None = None
-        self.stalls = LoopStalls(horizon_s=4 * registry.heartbeat_timeout_s,
+        self.stalls = LoopStalls(horizon_s=4 * registry.max_heartbeat_timeout_s,
                                  tolerance_s=min(0.05, registry.heartbeat_timeout_s / 10))
+
+    def keepalive_options(self) -> list[tuple[str, int]]:
+        """The Control server's transport liveness: an HTTP/2 PING to every rank each heartbeat
+        interval, and a connection whose PING is not acknowledged within the base heartbeat
+        timeout is closed (its ranks are then down after the reconnect grace). gRPC's own
+        threads answer a PING, without the rank's interpreter: a frozen process or a vanished
+        host is found within `heartbeat_timeout_s` whatever its engine's heartbeat timeout."""
+        return [("grpc.keepalive_time_ms", max(1, int(self.heartbeat_interval_s * 1000))),
+                ("grpc.keepalive_timeout_ms", max(1, int(self.registry.heartbeat_timeout_s * 1000))),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.max_pings_without_data", 0),
+                # Any unanswered PING (a flow-control probe too) ends the connection at the timeout:
+                # a keepalive PING queued behind one would never be sent.
+                ("grpc.http2.ping_timeout_ms", max(1, int(self.registry.heartbeat_timeout_s * 1000)))]
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -241,7 +255,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             if engine is not None:
                 self.engine_down(EngineRef(engine.engine_id, engine.epoch),
                                  f"rank tp={rank_id.tp_rank} pp={rank_id.pp_rank} silent for more than "
-                                 f"{self.registry.heartbeat_timeout_s} s")
+                                 f"{self.registry.heartbeat_timeout(engine)} s")
 
     def _stalled_since(self, t: float) -> float:
         return self.stalls.stalled_since(t)

@@ -13,7 +13,10 @@ Contracts:
 - The cluster's compatibility hash is the configured one, or else the one of the engines
   registered now (the first engine sets it; when every engine is gone the next one may set a new
   one). Block size and hash seed, when a Hello states them, must equal the scheduler's.
-- A rank is alive while it is connected and was heard from within the heartbeat timeout.
+- A rank is alive while it is connected and was heard from within its engine's heartbeat
+  timeout: `heartbeat_timeout_s`, or `multirank_cpu_heartbeat_timeout_s` for an engine of more
+  than one rank whose Hellos say device kind "cpu" (its ranks' control threads share the host's
+  cores and each process's interpreter with that engine's compute, and wake late under load).
   `expire()` declares silent ranks dead; an engine with a dead, missing or disconnected rank,
   or that is draining, is not routable.
 """
@@ -175,11 +178,17 @@ class EngineRegistry:
     """All registered engines of the cluster (see the module docstring for the contracts)."""
 
     def __init__(self, *, block_size: int, hash_seed: str, compatibility_hash: str = "",
-                 heartbeat_timeout_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 heartbeat_timeout_s: float = 5.0, multirank_cpu_heartbeat_timeout_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if heartbeat_timeout_s <= 0 or multirank_cpu_heartbeat_timeout_s < 0:
+            raise ValueError(f"heartbeat_timeout_s must be > 0 and multirank_cpu_heartbeat_timeout_s >= 0, got "
+                             f"{heartbeat_timeout_s}, {multirank_cpu_heartbeat_timeout_s}")
         self.block_size = block_size
         self.hash_seed = hash_seed
         self.pinned_compatibility_hash = compatibility_hash
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        # 0: multi-rank CPU engines get heartbeat_timeout_s like the others.
+        self.multirank_cpu_heartbeat_timeout_s = multirank_cpu_heartbeat_timeout_s or heartbeat_timeout_s
         self.clock = clock
         self.engines: dict[str, EngineState] = {}
         # Bumped by every change that can change which engines are routable (a rank registered,
@@ -309,16 +318,27 @@ class EngineRegistry:
                 engine.draining = draining
                 self._version += 1
 
+    def heartbeat_timeout(self, engine: EngineState) -> float:
+        """How long a rank of `engine` may be silent (see the module contracts)."""
+        if engine.tp_size * engine.pp_size > 1 and any(r.hello.device_kind == "cpu" for r in engine.ranks.values()):
+            return self.multirank_cpu_heartbeat_timeout_s
+        return self.heartbeat_timeout_s
+
+    @property
+    def max_heartbeat_timeout_s(self) -> float:
+        """The longest timeout any engine may get."""
+        return max(self.heartbeat_timeout_s, self.multirank_cpu_heartbeat_timeout_s)
+
     def expire(self, stalled_since: Callable[[float], float] | None = None) -> list[RankId]:
-        """Declares dead every live rank silent for longer than the heartbeat timeout.
+        """Declares dead every live rank silent for longer than its engine's heartbeat timeout.
 
         `stalled_since(t)`, when given, is how long the scheduler itself could not read its
         streams after `t` (its loop stalled, see `LoopStalls`): that time is not the rank's
         silence, so a rank whose beats waited unread is not declared dead for it."""
         now = self.clock()
-        timeout = self.heartbeat_timeout_s
         newly_dead: list[RankId] = []
         for engine in self.engines.values():
+            timeout = self.heartbeat_timeout(engine)
             for rank_id, rank in engine.ranks.items():
                 if rank.dead or now - rank.last_seen <= timeout:
                     continue

@@ -108,7 +108,9 @@ class SchedulerService:
                 else make_policy(config.routing_policy)
         self.registry = EngineRegistry(block_size=config.block_size, hash_seed=config.hash_seed,
                                        compatibility_hash=config.compatibility_hash,
-                                       heartbeat_timeout_s=config.heartbeat_timeout_s, clock=clock)
+                                       heartbeat_timeout_s=config.heartbeat_timeout_s,
+                                       multirank_cpu_heartbeat_timeout_s=config.multirank_cpu_heartbeat_timeout_s,
+                                       clock=clock)
         self.table = RequestTable(clock, on_release=self.telemetry.release)
         # A replica with peers starts converging: its index learns the engines' blocks from a
         # peer's snapshot before it reports ready (services/scheduler/convergence.py).
@@ -148,7 +150,8 @@ class SchedulerService:
         self.client_server = ServiceServer([GENERATION_SERVICE], max_message_bytes=size,
                                            interceptors=[self.guard, *server_interceptors()])
         self.control_server = ServiceServer([CONTROL_SERVICE], max_message_bytes=size,
-                                            interceptors=peer_name_guards(config, [CONTROL_SERVICE]))
+                                            interceptors=peer_name_guards(config, [CONTROL_SERVICE]),
+                                            options=self.control.keepalive_options())
         self.events_server = ServiceServer([EVENTS_SERVICE] if self.plane is not None else [],
                                            max_message_bytes=size, interceptors=[self.guard])
         generation_pb2_grpc.add_GenerationServicer_to_server(self.generation, self.client_server.server)

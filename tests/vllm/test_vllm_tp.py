@@ -86,10 +86,11 @@ def test_tp2_prefill_to_tp2_decode_matches_vllm_colocated_tp2(cluster: LocalClus
     assert _registered_ranks(cluster) == {"prefill": TP, "decode": TP}, "every vLLM worker rank says Hello"
     # The disaggregated run first, on a cold decode engine: transferred_tokens counts only what came
     # over the data plane, so a colocated run before it would leave every full block cached there.
-    # One at a time: at concurrency 2 the two tp 2 engines (four vLLM workers) on 2 cores kept the
-    # prefill engine's rank 0 silent past the 5 s heartbeat timeout, the scheduler declared it down
-    # and the request was recomputed without a transfer (a false down, left for the next stop).
-    results = generate_greedy(cluster.target, prompts, MAX_TOKENS, concurrency=1)
+    # Two at a time: four vLLM workers on 2 shared cores wake their control threads seconds late
+    # (measured up to 4.7 s of silence at the scheduler, docs/decisions/0027-h31a-*), which is why
+    # multi-rank CPU engines are judged on the scheduler's multirank_cpu_heartbeat_timeout_s:
+    # a false engine-down would recompute a prompt without a transfer (the checks below).
+    results = generate_greedy(cluster.target, prompts, MAX_TOKENS, concurrency=2)
     # The reference after it reuses the decode engine's cached prompt blocks (the transferred
     # ones); the tp 1 suite (test_vllm_serving) checks transfers against a cold reference.
     reference = [colocated(cluster, p, MAX_TOKENS) for p in prompts]

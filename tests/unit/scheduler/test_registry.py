@@ -108,6 +108,30 @@ def test_heartbeat_timeout_declares_ranks_dead_and_touch_revives() -> None:
     assert [e.engine_id for e in reg.routable(Role.PREFILL)] == ["p0"]
 
 
+def test_multirank_cpu_engines_get_their_own_heartbeat_timeout() -> None:
+    """A CPU engine of two ranks is judged on multirank_cpu_heartbeat_timeout_s; a one-rank CPU
+    engine, a multi-rank GPU engine and one whose Hello states no device on the base timeout."""
+    clock = Clock()
+    reg = registry(clock, multirank_cpu_heartbeat_timeout_s=20.0)
+    for rank in (0, 1):
+        reg.register(hello("cpu2", tp_rank=rank, device_kind="cpu"))
+        reg.register(hello("gpu2", tp_rank=rank, device_kind="cuda"))
+        reg.register(hello("unknown2", tp_rank=rank))
+    reg.register(hello("cpu1", tp_rank=0, tp_size=1, device_kind="cpu"))
+    timeouts = {e.engine_id: reg.heartbeat_timeout(e) for e in reg.engines.values()}
+    assert timeouts == {"cpu2": 20.0, "gpu2": 5.0, "unknown2": 5.0, "cpu1": 5.0}
+    clock.now += 6
+    assert {r.engine_id for r in reg.expire()} == {"gpu2", "unknown2", "cpu1"}
+    clock.now += 13.5
+    assert reg.expire() == []  # 19.5 s: within the multi-rank CPU timeout
+    clock.now += 1
+    assert reg.expire() == [RankId("cpu2", 0), RankId("cpu2", 1)]
+    assert reg.max_heartbeat_timeout_s == 20.0
+    assert registry(multirank_cpu_heartbeat_timeout_s=0.0).max_heartbeat_timeout_s == 5.0  # 0: the base timeout
+    with pytest.raises(ValueError, match="multirank_cpu_heartbeat_timeout_s"):
+        registry(multirank_cpu_heartbeat_timeout_s=-1.0)
+
+
 def test_reconnect_keeps_applied_seq_and_stale_stream_is_ignored() -> None:
     reg = registry()
     old = reg.register(hello(tp_rank=0, tp_size=1))
