@@ -87,7 +87,7 @@ def test_tp2_prefill_to_tp2_decode_matches_vllm_colocated_tp2(cluster: LocalClus
     # The disaggregated run first, on a cold decode engine: transferred_tokens counts only what came
     # over the data plane, so a colocated run before it would leave every full block cached there.
     # Two at a time: four vLLM workers on 2 shared cores wake their control threads seconds late
-    # (measured up to 4.7 s of silence at the scheduler, docs/decisions/0027-h31a-*), which is why
+    # (measured up to 4.7 s of silence at the scheduler, decision 0038), which is why
     # multi-rank CPU engines are judged on the scheduler's multirank_cpu_heartbeat_timeout_s:
     # a false engine-down would recompute a prompt without a transfer (the checks below).
     results = generate_greedy(cluster.target, prompts, MAX_TOKENS, concurrency=2)
