@@ -565,7 +565,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         engine = self.registry.engine(rank_id.engine_id)
         if rank is not None and engine is not None and rank.conn_id == conn_id and not rank.connected:
             self.engine_down(EngineRef(engine.engine_id, engine.epoch),
-                             f"rank tp={rank_id.tp_rank} pp={rank_id.pp_rank} closed its control stream")
+                             f"rank tp={rank_id.tp_rank} pp={rank_id.pp_rank} lost its control stream (closed by the rank, or its connection stopped answering PINGs)")
 
     def _on_heartbeat(self, conn: RankConnection, engine: EngineState, beat: pb.Heartbeat) -> None:
         if conn.rank_id == engine.leader:
