@@ -28,7 +28,7 @@ import time
 
 import grpc
 
-from connectors.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, event_from_proto
+from connectors.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, event_from_proto
 from pdserve.v1 import kv_events_pb2 as pb
 from pdserve.v1 import kv_events_pb2_grpc
 from services.common.grpc_server import CHANNEL_OPTIONS
@@ -38,6 +38,20 @@ from services.scheduler.prefix_index import DEFAULT_MEDIUM
 logger = logging.getLogger(__name__)
 
 Block = tuple[str, object]  # (medium, block hash)
+
+
+def apply_block_event(blocks: set[Block], event: KVCacheEvent) -> None:
+    """One event applied to a consumer's block set. No medium is the default one (GPU), as in
+    the index the snapshots come from; AllBlocksCleared without a medium clears every medium."""
+    if isinstance(event, BlockStored):
+        blocks.update((event.medium or DEFAULT_MEDIUM, h) for h in event.block_hashes)
+    elif isinstance(event, BlockRemoved):
+        blocks.difference_update((event.medium or DEFAULT_MEDIUM, h) for h in event.block_hashes)
+    elif isinstance(event, AllBlocksCleared):
+        if event.medium is None:
+            blocks.clear()
+        else:
+            blocks.difference_update([b for b in blocks if b[0] == event.medium])
 
 
 class BlockState:
@@ -77,19 +91,7 @@ class BlockState:
             blocks = set()
         state[batch.engine_id] = (batch.epoch, blocks)
         for e in batch.events:
-            event = event_from_proto(e)
-            # No medium is the default one (GPU), as in the index the snapshots come from.
-            if isinstance(event, BlockStored):
-                medium = event.medium or DEFAULT_MEDIUM
-                blocks.update((medium, h) for h in event.block_hashes)
-            elif isinstance(event, BlockRemoved):
-                medium = event.medium or DEFAULT_MEDIUM
-                blocks.difference_update((medium, h) for h in event.block_hashes)
-            elif isinstance(event, AllBlocksCleared):
-                if event.medium is None:
-                    blocks.clear()
-                else:
-                    blocks.difference_update([b for b in blocks if b[0] == event.medium])
+            apply_block_event(blocks, event_from_proto(e))
 
 
 class EventSubscriber:

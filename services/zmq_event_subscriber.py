@@ -36,14 +36,13 @@ from collections.abc import Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from connectors.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from connectors.kv_events import KVEventBatch
 from connectors.wire import WireFormatError, decode_batch
+from services.event_subscriber import Block, apply_block_event
 from services.scheduler.events.zmq_publisher import END_SEQ, SNAPSHOT_REQUEST
-from services.scheduler.prefix_index import DEFAULT_MEDIUM
 
 logger = logging.getLogger(__name__)
 
-Block = tuple[str, object]  # (medium, block hash)
 # on_batch(topic, seq, batch, from_snapshot); on_notice(kind, endpoint, next_seq)
 BatchHook = Callable[[bytes, int, KVEventBatch, bool], None]
 NoticeHook = Callable[[str, str, int], None]
@@ -66,15 +65,7 @@ class TopicBlockState:
     def apply(self, topic: bytes, batch: KVEventBatch) -> None:
         blocks = self.topics.setdefault(topic, set())
         for event in batch.events:
-            if isinstance(event, BlockStored):
-                blocks.update((event.medium or DEFAULT_MEDIUM, h) for h in event.block_hashes)
-            elif isinstance(event, BlockRemoved):
-                blocks.difference_update((event.medium or DEFAULT_MEDIUM, h) for h in event.block_hashes)
-            elif isinstance(event, AllBlocksCleared):
-                if event.medium is None:
-                    blocks.clear()
-                else:
-                    blocks.difference_update([b for b in blocks if b[0] == event.medium])
+            apply_block_event(blocks, event)
 
 
 class ZmqEventSubscriber:
