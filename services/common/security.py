@@ -279,10 +279,11 @@ def _token(name: str, secret: str, scopes: Iterable[str]) -> ApiToken:
     return ApiToken(name, hashlib.sha256(secret.encode()).digest(), scope_set)
 
 
-def parse_token_file(text: str, source: str = "auth_tokens_file") -> list[ApiToken]:
-    """One token per line, optionally followed by comma-separated scopes (`generate`, `events`;
-    none means all). Blank lines and lines starting with # are skipped."""
-    tokens = []
+def token_entries(text: str, source: str = "auth_tokens_file") -> list[tuple[str, str, list[str]]]:
+    """(name, secret, scopes) of each token line: one token per line, optionally followed by
+    comma-separated scopes (`generate`, `events`; none means all). Blank lines and lines
+    starting with # are skipped."""
+    entries = []
     for lineno, line in enumerate(text.splitlines(), 1):
         parts = line.split()
         if not parts or parts[0].startswith("#"):
@@ -290,8 +291,29 @@ def parse_token_file(text: str, source: str = "auth_tokens_file") -> list[ApiTok
         if len(parts) > 2:
             raise ValueError(f"{source}:{lineno}: expected `<token> [scope,scope]`")
         scopes = [s for s in parts[1].split(",") if s] if len(parts) == 2 else []
-        tokens.append(_token(f"{source}:{lineno}", parts[0], scopes))
-    return tokens
+        entries.append((f"{source}:{lineno}", parts[0], scopes))
+    return entries
+
+
+def configured_token_entries(tokens_file: str, inline: str) -> list[tuple[str, str, list[str]]]:
+    """(name, secret, scopes) of the tokens in `auth_tokens_file` and the comma-separated
+    `auth_tokens` (those have every scope), in that order."""
+    entries = []
+    if tokens_file:
+        try:
+            text = Path(tokens_file).read_text()
+        except OSError as e:
+            raise ValueError(f"auth_tokens_file: cannot read {tokens_file}: {e.strerror}") from None
+        entries += token_entries(text, tokens_file)
+    for i, secret in enumerate(s.strip() for s in inline.split(",")):
+        if secret:
+            entries.append((f"auth_tokens[{i}]", secret, []))
+    return entries
+
+
+def parse_token_file(text: str, source: str = "auth_tokens_file") -> list[ApiToken]:
+    """The tokens of a tokens file (grammar: `token_entries`)."""
+    return [_token(name, secret, scopes) for name, secret, scopes in token_entries(text, source)]
 
 
 class TokenStore:
@@ -306,16 +328,7 @@ class TokenStore:
     def from_config(tokens_file: str, inline: str) -> TokenStore | None:
         """Tokens from `auth_tokens_file` and the comma-separated `auth_tokens`; None when neither
         is set (no client auth)."""
-        tokens: list[ApiToken] = []
-        if tokens_file:
-            try:
-                text = Path(tokens_file).read_text()
-            except OSError as e:
-                raise ValueError(f"auth_tokens_file: cannot read {tokens_file}: {e.strerror}") from None
-            tokens += parse_token_file(text, tokens_file)
-        for i, secret in enumerate(s.strip() for s in inline.split(",")):
-            if secret:
-                tokens.append(_token(f"auth_tokens[{i}]", secret, ()))
+        tokens = [_token(name, secret, scopes) for name, secret, scopes in configured_token_entries(tokens_file, inline)]
         if (tokens_file or inline) and not tokens:
             raise ValueError("auth_tokens_file / auth_tokens: no tokens found")
         return TokenStore(tokens) if tokens else None

@@ -38,7 +38,13 @@ from pdserve.v1 import kv_events_pb2_grpc
 from services.common.config import SchedulerConfig
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.scheduler_targets import parse_scheduler_targets, resolve_targets
-from services.common.security import SCOPE_EVENTS, ChannelSecurity, component_channel_security, open_channel
+from services.common.security import (
+    SCOPE_EVENTS,
+    ChannelSecurity,
+    component_channel_security,
+    configured_token_entries,
+    open_channel,
+)
 from services.scheduler.convergence import EngineSnapshot, IndexConvergence, PeerSnapshot
 
 logger = logging.getLogger(__name__)
@@ -58,19 +64,9 @@ def peer_token(config: SchedulerConfig) -> str:
         if not words:
             raise ValueError(f"peer_token_file: {config.peer_token_file} is empty")
         return words[0]
-    lines: list[str] = []
-    if config.auth_tokens_file:
-        try:
-            lines = Path(config.auth_tokens_file).read_text().splitlines()
-        except OSError as e:
-            raise ValueError(f"auth_tokens_file: cannot read {config.auth_tokens_file}: {e.strerror}") from None
-    lines += [t.strip() for t in config.auth_tokens.split(",")]
-    for line in lines:
-        parts = line.split()
-        if not parts or parts[0].startswith("#"):
-            continue
-        if len(parts) == 1 or SCOPE_EVENTS in parts[1].split(","):
-            return parts[0]
+    for _, secret, scopes in configured_token_entries(config.auth_tokens_file, config.auth_tokens):
+        if not scopes or SCOPE_EVENTS in scopes:
+            return secret
     if config.auth_tokens_file or config.auth_tokens.strip():
         raise ValueError("peers: no configured token has the events scope, so this replica could not take a "
                          "peer's snapshot; set peer_token_file or give a token the events scope")
