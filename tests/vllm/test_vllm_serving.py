@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_cluster import BLOCK, colocated, generate_greedy, vllm_cluster
+from vllm_cluster import BLOCK, colocated, generate_greedy, log_problems, vllm_cluster
 
 from services.client import AsyncClient, GenerationResult, _ResultBuilder, build_request
 from services.local_cluster import LocalCluster
@@ -90,7 +90,8 @@ def test_disaggregated_vllm_matches_vllm_colocated_greedy(cluster: LocalCluster,
     for i, (result, expected) in enumerate(zip(results, reference, strict=True)):
         assert result.token_ids == expected, f"prompt {i}: {result.token_ids} != {expected}"
         assert result.prefill_engine_id in ("prefill-0", "prefill-1"), result
-        assert result.transferred_tokens > 0, f"prompt {i}: no KV came over the data plane: {result}"
+        assert result.transferred_tokens > 0, \
+            f"prompt {i}: no KV came over the data plane: {result}\n{log_problems(cluster)}"
     assert cluster.wait_no_leaks(timeout=60) == {}
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from vllm_cluster import colocated, generate_greedy, vllm_cluster
+from vllm_cluster import colocated, generate_greedy, log_problems, vllm_cluster
 
 from services.local_cluster import LocalCluster
 
@@ -99,5 +99,6 @@ def test_tp2_prefill_to_tp2_decode_matches_vllm_colocated_tp2(cluster: LocalClus
     for i, (result, expected) in enumerate(zip(results, reference, strict=True)):
         assert result.token_ids == expected, f"prompt {i}: {result.token_ids} != {expected}"
         assert result.prefill_engine_id == "prefill-0", result
-        assert result.transferred_tokens > 0, f"prompt {i}: no KV came over the data plane: {result}"
+        assert result.transferred_tokens > 0, \
+            f"prompt {i}: no KV came over the data plane: {result}\n{log_problems(cluster)}"
     assert cluster.wait_no_leaks(timeout=60) == {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -67,3 +68,25 @@ def generate_greedy(target: str, prompts: list[list[int]], max_tokens: int, *, c
             return list(await asyncio.gather(*(one(p) for p in prompts)))
 
     return asyncio.run(run())
+
+
+# pdserve's own lines (its log format) at WARNING or above, and the bare lines of pdserve loggers in
+# vLLM's worker processes (no handler there: Python's last-resort handler prints the message alone).
+_PDSERVE_PROBLEM = re.compile(r"^\S+ \S+ (WARNING|ERROR|CRITICAL) \[|^(cannot |request .* failed|rank .* (down|lost))")
+_NOISE = ("PLAINTEXT gRPC", "UNAUTHENTICATED", "Triton")
+
+
+def log_problems(c: LocalCluster, limit: int = 40) -> str:
+    """The last `limit` warnings pdserve itself logged in each component's log (the scheduler's
+    engine-down reasons, the connectors' failed pulls): what an assertion message should carry
+    when a transfer did not happen, since CI keeps no log files."""
+    out = []
+    for name, comp in c.components.items():
+        if comp.log_path is None or not comp.log_path.exists():
+            continue
+        lines = [line for line in comp.log_path.read_text(errors="replace").splitlines()
+                 if _PDSERVE_PROBLEM.search(line) and not any(n in line for n in _NOISE)]
+        if lines:
+            out.append(f"--- {name} ({len(lines)} lines, the last {min(limit, len(lines))})")
+            out.extend(lines[-limit:])
+    return "\n".join(out) or "(no pdserve warnings in the component logs)"
