@@ -233,6 +233,7 @@ def print_plan(args: argparse.Namespace) -> int:
     (exit 2 with the reason)."""
     if args.prefill < 0 or args.decode < 1 or args.tp < 1 or args.prefill_tp < 0 or args.decode_tp < 0:
         raise ValueError("need --prefill >= 0, --decode >= 1 and --tp, --prefill-tp, --decode-tp >= 1")
+    check_model_tp(args)  # a plan `up` would refuse to start is no plan
     placement = gpu_placement(args)
     print(f"pdserve up --plan: {args.prefill} prefill (tp {args.prefill_tp or args.tp}) and {args.decode} decode "
           f"(tp {args.decode_tp or args.tp}) engine(s)")
