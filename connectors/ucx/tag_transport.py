@@ -77,6 +77,10 @@ SEG_BITS = 20
 KIND_MASK = 0xF << KIND_SHIFT
 MAX_SEGMENTS = 1 << SEG_BITS
 MAX_CTRL_BYTES = 16 << 20
+# A gap longer than this between two looks at the clock on the progress thread (a pass takes
+# microseconds, an idle wait at most _IDLE_WAIT_S) is time the thread could not run: see
+# `_credit_stall`.
+_STALL_S = 0.25
 _SPIN_ROUNDS = 100
 _PENDING_SPIN_S = 0.05
 _PENDING_WAIT_S = 0.001
@@ -161,6 +165,7 @@ class UcxTagTransport(KVTransport):
         self._local_key = local_key
         self._serve_timeout_s = serve_timeout_s
         self._expect_until = 0.0
+        self._ticked = time.monotonic()  # the progress thread's last look at the clock
         self._commands: deque[Callable[[], None]] = deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -259,7 +264,9 @@ class UcxTagTransport(KVTransport):
         efd = self._worker.epoll_file_descriptor
         last_busy = time.monotonic()
         idle_rounds = 0
+        self._ticked = last_busy
         while self._running:
+            self._credit_stall()
             busy = self._run_commands()
             if self._worker.progress_once():
                 self._worker.progress()
@@ -269,6 +276,7 @@ class UcxTagTransport(KVTransport):
             busy |= self._probe_data()
             busy |= self._probe_ctrl()
             busy |= self._reap()
+            self._credit_stall()
             self._expire()
             busy |= self._send_dones()
             if busy:
@@ -541,6 +549,23 @@ class UcxTagTransport(KVTransport):
                 self._send_ctrl(ep, {"k": "done", "x": xfer_id, "rid": pull.op.request_id, "ok": False,
                                      "reader": _key_to_wire(self._reader_key())})
             self._forget_if_idle(pull)
+
+    def _credit_stall(self) -> None:
+        """Time this thread could not run does not count against a deadline: a gap past
+        `_STALL_S` since the last look at the clock (the process starved of CPU, or the
+        interpreter lock held by a long call elsewhere: seen for 34 s in a tp 2 vLLM decode
+        worker on 2 shared cores, its writer's data long sent) moves every live pull's and
+        serve's deadline on by the excess. A timeout judges the peer's silence, not our own;
+        a thread that is merely slow (gaps just past the bound) still times out, later."""
+        now = time.monotonic()
+        stalled = now - self._ticked - _STALL_S
+        self._ticked = now
+        if stalled <= 0:
+            return
+        for pull in self._pulls.values():
+            pull.deadline += stalled
+        for serve in self._serves.values():
+            serve.deadline += stalled
 
     def _expire(self) -> None:
         now = time.monotonic()

@@ -18,7 +18,8 @@ Contracts:
 - Every pull ends exactly once: in `finished_recving`, or in `failed_recving` with the local
   block ids that did not receive all their bytes (from every prefill rank read) in
   `get_block_ids_with_load_errors()`, within
-  `transfer_timeout_s` of its dispatch (plus one drain); never a hang. A stale epoch, an
+  `transfer_timeout_s` of its dispatch (plus one drain; time the transport's progress thread
+  could not run is not counted: `UcxTagTransport._credit_stall`); never a hang. A stale epoch, an
   unknown peer or blocks out of the peer's range fail at once without a byte moved.
 - A prefill rank reports `finished_sending` once every expected reader said it is done (success
   or failure) and every send of the request completed, or when the lease ran out with no send
