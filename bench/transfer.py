@@ -442,11 +442,15 @@ class _Runner:
         return seconds
 
     def close(self) -> None:
-        for conn, proc in self.procs:
+        # Every process of the method is told to stop before any is waited for: a writer
+        # leaving closes its UCX endpoint, which waits on the reader's side (a reader still
+        # blocked on its next command held the writer until the join below timed out).
+        for conn, _ in self.procs:
             try:
                 conn.send(("stop", None, ""))
             except (BrokenPipeError, OSError):
                 pass
+        for _, proc in self.procs:
             if isinstance(proc, subprocess.Popen):
                 # A process in a host: its samples are in; one still closing UCX endpoints to a
                 # peer already gone (ucxx waits on the close) is ended with its namespace's init.

@@ -15,9 +15,12 @@ from bench.workload import OK, StreamOutcome, percentiles, random_prompts, token
 
 def test_chaos_kills_lose_no_request_and_no_token(tmp_path: Path, demo_model: Path) -> None:
     lines: list[str] = []
-    cfg = ChaosConfig(duration_s=30.0, num_prefill=1, num_decode=2, concurrency=4, num_prompts=8,
+    # The second kill waits until the first victim serves again (kills do not overlap), so it
+    # is scheduled right after the first: both are back ~11 s in here, and 20 s of load leaves
+    # room for slower restarts before the second kill.
+    cfg = ChaosConfig(duration_s=20.0, num_prefill=1, num_decode=2, concurrency=4, num_prompts=8,
                       prompt_len=(16, 64), max_tokens=24, deadline_s=60.0, lease_s=5.0,
-                      schedule=[(4.0, "prefill-0"), (12.0, "decode-0")], model=str(demo_model),
+                      schedule=[(3.0, "prefill-0"), (4.0, "decode-0")], model=str(demo_model),
                       log_dir=str(tmp_path / "logs"))
     report = run_chaos(cfg, progress=lines.append)
     summary = report.to_json()
@@ -37,7 +40,8 @@ def test_chaos_kills_lose_no_request_and_no_token(tmp_path: Path, demo_model: Pa
 def test_chaos_killed_rank_takes_its_engine_down_and_loses_nothing(tmp_path: Path, tiny_tp_model: Path) -> None:
     """SIGKILL rank 1 of a tp-2 decode engine mid-stream: its engine exits by itself (instead of
     lingering registered with a dead rank), its requests migrate, and it is restarted."""
-    cfg = ChaosConfig(duration_s=12.0, num_prefill=0, num_decode=2, tp=2, concurrency=4, num_prompts=8,
+    # The load stops at 8 s; the run still waits for the victim to serve again (~9 s in here).
+    cfg = ChaosConfig(duration_s=8.0, num_prefill=0, num_decode=2, tp=2, concurrency=4, num_prompts=8,
                       prompt_len=(16, 48), max_tokens=160, deadline_s=60.0, lease_s=5.0, include_scheduler=False,
                       schedule=[(3.0, "decode-0/1")], model=str(tiny_tp_model), log_dir=str(tmp_path / "logs"))
     report = run_chaos(cfg)

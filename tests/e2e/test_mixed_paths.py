@@ -2,8 +2,9 @@
 decode engines, short chat turns are prefilled on the decode engine and long
 shared-prefix prompts remotely; a decode engine holding a long prompt's prefix (its own KV
 events) prefills the rest itself, or pulls only the blocks it lacks. Outputs are token-identical
-to the in-process engine on either path. Cost: one cluster and ~10 long prompts, about 4 min
-on the shared 2-core machine under load."""
+to the in-process engine on either path. Cost: one cluster and 6 long prompts (~450-700
+tokens: the threshold policy's split needs only more uncached tokens than its 128), about 35 s
+on the shared 2-core machine."""
 
 from __future__ import annotations
 
@@ -23,15 +24,17 @@ pytestmark = pytest.mark.timeout(900)
 BLOCK = 16
 MAX_TOKENS = 6
 SHARED_LEN = 16 * BLOCK  # the long prompts' shared prefix
+LONG_SUFFIX = 200  # the fewest tokens after it (the threshold is 128)
 
 
 def _prompts() -> tuple[list[list[int]], list[list[int]]]:
     rng = random.Random(19)
     short = [[rng.randrange(100, 49000) for _ in range(rng.randint(6, 24))] for _ in range(6)]
     prefix = [rng.randrange(100, 49000) for _ in range(SHARED_LEN)]
-    # 600+ tokens no engine holds: far past the decode stall budget (100 ms) at CPU prefill speed
-    # (the boundary is ~0.1 s / per-token cost: a few hundred tokens here, thousands on a GPU).
-    long = [prefix + [rng.randrange(100, 49000) for _ in range(rng.randint(600, 680))] for _ in range(4)]
+    # 200+ tokens no engine holds: past the threshold (128 uncached tokens) on every decode
+    # engine, the holder of the shared prefix included, so each goes remote on any machine.
+    long = [prefix + [rng.randrange(100, 49000) for _ in range(rng.randint(LONG_SUFFIX, LONG_SUFFIX + 80))]
+            for _ in range(4)]
     return short, long
 
 
@@ -82,13 +85,13 @@ def test_short_prompts_go_decode_local_long_ones_remote_and_outputs_match(
     short, long = _prompts()
     full = len(long[0]) // BLOCK * BLOCK
     reuse_local = long[0][:full] + [7, 8, 9, 10, 11, 12, 13, 14]  # the decode engine holds all but 8
-    reuse_remote = long[0][:full] + [t + 50 for t in range(600)]  # ... all but 600
+    reuse_remote = long[0][:full] + [t + 50 for t in range(LONG_SUFFIX)]  # ... all but 200
     expected = _reference(demo_model, short + long + [reuse_local, reuse_remote])
     # The threshold policy (uncached tokens on the decode engine below 128: decode-local) makes
     # the split exact on any machine; the cost policy's boundary moves with the measured speed
     # of this shared CPU (tens to a thousand tokens), which its unit tests cover instead.
-    # 256 MiB of KV per engine (~360 blocks of the demo model): long[0]'s ~56 blocks stay cached
-    # on its decode engine while the other long prompts pass (64 MiB would evict them).
+    # 256 MiB of KV per engine (~360 blocks of the demo model): long[0]'s ~30 blocks stay cached
+    # on its decode engine while the other long prompts pass (64 MiB could evict them).
     c = start_cluster(tmp_path_factory, "paths", num_prefill=2, num_decode=2,
                       engine_args=["--kv-cache-memory", "256MiB"],
                       scheduler_args=["--path-policy", "threshold", "--path-threshold-tokens", "128",

@@ -42,7 +42,7 @@ def test_bench_serve_compare_vllm_tiny(tmp_path: Path, capsys: pytest.CaptureFix
     from engine.demo_model import demo_model_dir
 
     report = run_json(capsys, ["bench", "serve", "--compare", "vllm", "--model", str(demo_model_dir()), "--out", str(tmp_path),
-                               "--num-requests", "2", "--concurrency", "2", "--prompt-len", "16:32",
+                               "--num-requests", "1", "--concurrency", "1", "--prompt-len", "16:32",
                                "--output-len", "3:4", "--kv-cache-memory", "64MiB",
                                "--systems", ",".join(VLLM_SYSTEMS), "--vllm-arg", "enforce_eager=true"])
     keys = {"wall_s", "tok_s", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p99_ms", "threads",

@@ -81,7 +81,18 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, zmq_endpoint: str) -> Iter
 
 @pytest.fixture(scope="module")
 def reference(cluster: LocalCluster, prompts: list[list[int]]) -> list[list[int]]:
-    return [colocated(cluster, p, MAX_TOKENS) for p in prompts]
+    """Every prompt alone on a decode engine (one request at a time, never batched with
+    another): the two decode engines take every other prompt side by side."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    engines = ("decode-0", "decode-1")
+
+    def alone_on(k: int) -> list[list[int]]:
+        return [colocated(cluster, p, MAX_TOKENS, engines[k]) for p in prompts[k::len(engines)]]
+
+    with ThreadPoolExecutor(len(engines)) as pool:
+        shares = list(pool.map(alone_on, range(len(engines))))
+    return [shares[i % len(engines)][i // len(engines)] for i in range(len(prompts))]
 
 
 def test_disaggregated_vllm_matches_vllm_colocated_greedy(cluster: LocalCluster, prompts: list[list[int]],
@@ -154,9 +165,10 @@ def test_prefix_routing_follows_vllm_block_pool_events(cluster: LocalCluster, zm
         assert stored and all(e.block_size == BLOCK for e in stored)
     finally:
         sub.close(0)
+    # The replay from seq 0 arrives at once: 2 s of listening is ample.
     events_cli = subprocess.run(
         [sys.executable, "-m", "services.common.cli", "events", "--target", cluster.events_target, "--from-seq", "0",
-         "--duration", "5", "--type", "BlockStored"], capture_output=True, text=True, timeout=120)
+         "--duration", "2", "--type", "BlockStored"], capture_output=True, text=True, timeout=120)
     lines = [json.loads(line) for line in events_cli.stdout.splitlines() if line.strip()]
     assert {line.get("engine_id") for line in lines} >= set(holders.values()), events_cli.stdout[:2000]
     assert any(e.get("type") == "BlockStored" and e.get("block_size") == BLOCK
