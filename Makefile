@@ -10,8 +10,14 @@ PY := $(VENV)/bin/python
 # installs with pip.
 INSTALLER ?= uv
 UV := $(VENV)/bin/uv
+# What the shell probes below find is computed once per `make` and handed to its sub-makes in
+# the environment (a probe costs seconds; `make test` parses this file five times).
 ifeq ($(INSTALLER),uv)
-  UV_ENV := $(shell $(PYTHON) tools/uv_args.py)
+  ifeq ($(origin PDSERVE_MAKE_UV_ENV),undefined)
+    PDSERVE_MAKE_UV_ENV := $(shell $(PYTHON) tools/uv_args.py)
+    export PDSERVE_MAKE_UV_ENV
+  endif
+  UV_ENV := $(PDSERVE_MAKE_UV_ENV)
   pip_for = env $(UV_ENV) UV_PYTHON=$(1)/bin/python $(UV) pip
   INSTALLER_DEP := $(UV)
   YES :=
@@ -37,7 +43,11 @@ else
   UCX := cu12
   # The CPU wheel lies in pip's local wheel folder on these machines; elsewhere it comes
   # from PyTorch's CPU index.
-  CPU_TORCH_LOCAL := $(shell $(PYTHON) -m pip install --dry-run --no-deps --no-index -q torch==2.13.0+cpu >/dev/null 2>&1 && echo 1)
+  ifeq ($(origin PDSERVE_MAKE_CPU_TORCH_LOCAL),undefined)
+    PDSERVE_MAKE_CPU_TORCH_LOCAL := $(shell $(PYTHON) -m pip install --dry-run --no-deps --no-index -q torch==2.13.0+cpu >/dev/null 2>&1 && echo 1)
+    export PDSERVE_MAKE_CPU_TORCH_LOCAL
+  endif
+  CPU_TORCH_LOCAL := $(PDSERVE_MAKE_CPU_TORCH_LOCAL)
   TORCH_ARGS := -c constraints-cpu.txt $(if $(CPU_TORCH_LOCAL),,--extra-index-url https://download.pytorch.org/whl/cpu)
 endif
 
