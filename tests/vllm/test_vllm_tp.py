@@ -64,7 +64,17 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_tp_model: Path) -> It
     with vllm_cluster(tmp_path_factory, "vllm-tp2", model=str(tiny_tp_model), num_prefill=1, num_decode=1, tp=TP,
                       kv_cache_memory="32MiB", metrics=True,
                       scheduler_args=["--path-policy", "remote"],  # every prompt crosses UCX
-                      max_model_len=512, max_num_seqs=4) as c:
+                      max_model_len=512, max_num_seqs=4,
+                      # Four vLLM workers and two engine cores on 2 shared cores: a rank's Python
+                      # threads stop for seconds while its peer busy-waits in vLLM's CPU
+                      # all-reduce (measured up to 34 s, decision 0039). The reader's own stall no
+                      # longer counts against a pull; the writer's does (the reader cannot tell
+                      # it from a dead peer), so the timeout here is the multi-rank CPU budget.
+                      transfer_timeout_s=30) as c:
+        # One request first, on tokens no test prompt shares (no prefix of theirs is cached by
+        # it): a cold tp 2 engine's first steps on 2 shared cores took up to 33 s here, past the
+        # prefill's 30 s KV lease (the pull was refused as unknown and the prompt recomputed).
+        generate_greedy(c.target, [[45000 + j for j in range(40)]], 2, concurrency=1)
         yield c
 
 

@@ -23,14 +23,14 @@ BLOCK = 32  # vLLM's CPU attention takes multiples of 32, on the scheduler as on
 @contextmanager
 def vllm_cluster(tmp_path_factory: pytest.TempPathFactory, name: str, *, kv_cache_memory: str,
                  scheduler_args: list[str], max_model_len: int, max_num_seqs: int,
-                 **spec: object) -> Iterator[LocalCluster]:
+                 transfer_timeout_s: float = 5.0, **spec: object) -> Iterator[LocalCluster]:
     """A started cluster of vLLM engines (fp32, eager, block size `BLOCK`, one torch thread, a 5 s
-    transfer timeout), stopped at exit; `spec` is the rest of the `ClusterSpec`."""
+    transfer timeout unless given), stopped at exit; `spec` is the rest of the `ClusterSpec`."""
     cluster_spec = ClusterSpec(
         log_dir=str(tmp_path_factory.mktemp(name)), engine="vllm", kv_cache_memory=kv_cache_memory,
         torch_threads=1, scheduler_args=["--block-size", str(BLOCK), *scheduler_args],
         engine_args=["--block-size", str(BLOCK), "--dtype", "float32", "--max-model-len", str(max_model_len),
-                     "--max-num-seqs", str(max_num_seqs), "--transfer-timeout-s", "5"],
+                     "--max-num-seqs", str(max_num_seqs), "--transfer-timeout-s", str(transfer_timeout_s)],
         vllm_args=["enforce_eager=true"],
         env={"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"},
         **spec)  # type: ignore[arg-type]
