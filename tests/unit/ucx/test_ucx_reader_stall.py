@@ -16,7 +16,7 @@ import numpy as np
 
 from connectors.ucx.handshake import PeerKey
 from connectors.ucx.tag_transport import UcxTagTransport
-from connectors.ucx.transport import PullOp, PullResult, PullRequest, Segment
+from connectors.ucx.transport import PullOp, PullRequest, PullResult, Segment
 
 BLOCK = 256 * 1024  # large enough for UCX's rendezvous: the data is read by the reader's progress
 NUM_BLOCKS = 4
