@@ -18,9 +18,13 @@ notices are `{"notice": "SNAPSHOT_BEGIN" | "SNAPSHOT_END", "next_seq", "endpoint
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any, TextIO
 
@@ -91,6 +95,29 @@ def _emit(out: TextIO, line: dict[str, Any]) -> None:
     out.flush()
 
 
+@contextlib.contextmanager
+def _signals_cancel(call: Any) -> Iterator[list[int]]:
+    """SIGINT / SIGTERM cancel the stream (the loop then ends with CANCELLED) instead of raising
+    KeyboardInterrupt wherever the main thread is: inside gRPC's iterator an interrupt could
+    leave the channel half closed and the process unable to exit (seen: `pdserve events` lived
+    on 30 s after Ctrl-C). Yields the signals received; outside the main thread, nothing."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def cancel(signum: int, _frame: object) -> None:
+        received.append(signum)
+        call.cancel()
+
+    previous = {sig: signal.signal(sig, cancel) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _run_grpc(args: argparse.Namespace, out: TextIO) -> int:
     from pdserve.v1 import kv_events_pb2 as pb
     from pdserve.v1 import kv_events_pb2_grpc as pb_grpc
@@ -99,36 +126,47 @@ def _run_grpc(args: argparse.Namespace, out: TextIO) -> int:
                                   snapshot=args.snapshot)
     if args.from_seq is not None:
         request.from_seq = args.from_seq
-    num_batches = 0
     security = client_security_from_args(args)
     with open_sync_channel(args.target, security, CHANNEL_OPTIONS) as channel:
         call = pb_grpc.KVEventsStub(channel).Subscribe(request, timeout=args.duration or None,
                                                        metadata=security.metadata() if security else ())
-        snapshot = False
-        try:
-            for msg in call:
-                if msg.WhichOneof("payload") == "notice":
-                    kind = pb.StreamNotice.Kind.Name(msg.notice.kind)
-                    snapshot = kind in ("SNAPSHOT_BEGIN", "RESYNC")
-                    _emit(out, {"notice": kind, "next_seq": msg.notice.next_seq, "reason": msg.notice.reason})
-                    continue
-                b = msg.batch
-                line: dict[str, Any] = {"seq": b.seq, "engine_id": b.engine_id, "epoch": b.epoch, "ts": b.ts,
-                                        "data_parallel_rank": b.data_parallel_rank if b.HasField(
-                                            "data_parallel_rank") else None,
-                                        "events": [event_to_dict(event_from_proto(e)) for e in b.events]}
-                if snapshot:
-                    line["snapshot"] = True
-                _emit(out, line)
-                num_batches += 1
-                if args.limit and num_batches >= args.limit:
-                    call.cancel()
-                    break
-        except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                print(f"pdserve events: {e.code().name}: {e.details()}", file=sys.stderr)
-                return 1
-    return 0
+        with _signals_cancel(call) as received:
+            return _follow(call, args.limit, out, received)
+
+
+def _follow(call: Any, limit: int, out: TextIO, received: list[int]) -> int:
+    """Prints the stream until it ends, `limit` batches (0: no limit), or a signal cancelled it
+    (exit 128 + the signal, as a shell reports it)."""
+    from pdserve.v1 import kv_events_pb2 as pb
+
+    snapshot = False
+    num_batches = 0
+    try:
+        for msg in call:
+            if msg.WhichOneof("payload") == "notice":
+                kind = pb.StreamNotice.Kind.Name(msg.notice.kind)
+                snapshot = kind in ("SNAPSHOT_BEGIN", "RESYNC")
+                _emit(out, {"notice": kind, "next_seq": msg.notice.next_seq, "reason": msg.notice.reason})
+                continue
+            b = msg.batch
+            line: dict[str, Any] = {"seq": b.seq, "engine_id": b.engine_id, "epoch": b.epoch, "ts": b.ts,
+                                    "data_parallel_rank": b.data_parallel_rank if b.HasField(
+                                        "data_parallel_rank") else None,
+                                    "events": [event_to_dict(event_from_proto(e)) for e in b.events]}
+            if snapshot:
+                line["snapshot"] = True
+            _emit(out, line)
+            num_batches += 1
+            if limit and num_batches >= limit:
+                call.cancel()
+                break
+    except grpc.RpcError as e:
+        if received and e.code() == grpc.StatusCode.CANCELLED:
+            return 128 + received[0]
+        if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+            print(f"pdserve events: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    return 128 + received[0] if received else 0
 
 
 def _zmq_line(topic: bytes, seq: int, batch: KVEventBatch) -> dict[str, Any]:
