@@ -63,7 +63,11 @@ def prompts() -> list[list[int]]:
 def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_tp_model: Path) -> Iterator[LocalCluster]:
     with vllm_cluster(tmp_path_factory, "vllm-tp2", model=str(tiny_tp_model), num_prefill=1, num_decode=1, tp=TP,
                       kv_cache_memory="32MiB", metrics=True,
-                      scheduler_args=["--path-policy", "remote"],  # every prompt crosses UCX
+                      # Every prompt crosses UCX. The scheduler's base heartbeat timeout, which
+                      # is also how long an HTTP/2 PING may go unanswered (decision 0038), at this
+                      # host's multi-rank CPU budget: a rank's PING once went 5 s unanswered in a
+                      # fresh-clone run (engine down, the prompt with no decode engine left).
+                      scheduler_args=["--path-policy", "remote", "--heartbeat-timeout-s", "30"],
                       max_model_len=512, max_num_seqs=4,
                       # Four vLLM workers and two engine cores on 2 shared cores: a rank's Python
                       # threads stop for seconds while its peer busy-waits in vLLM's CPU
