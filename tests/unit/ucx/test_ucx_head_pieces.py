@@ -3,14 +3,13 @@ laid out (one in-process UCX worker; about a second)."""
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import torch
+from transport_listener import RecordingListener
 
 from connectors.ucx.handshake import PeerKey
-from connectors.ucx.transport import HeadGeometry, PullOp, PullResult, Segment, num_pieces, pieces
+from connectors.ucx.transport import HeadGeometry, PullOp, Segment, num_pieces, pieces
 from engine.config import KVCacheSpec
 from engine.kv_cache import allocate_kv_cache
 
@@ -51,31 +50,12 @@ def test_a_head_range_of_an_engine_kv_cache_is_one_piece_per_block(heads: int, f
         assert sorted(set(values.tolist())) == list(range(first, first + count))
 
 
-class _Listener:
-    def __init__(self) -> None:
-        self.results: list[PullResult] = []
-        self.done = threading.Event()
-
-    def on_pull_finished(self, result: PullResult) -> None:
-        self.results.append(result)
-        self.done.set()
-
-    def on_pull_request(self, request: object) -> str | None:
-        return None
-
-    def on_reader_done(self, request_id: str, reader: PeerKey, ok: bool) -> None:
-        pass
-
-    def on_renew(self, request_ids: list[str], reader: PeerKey) -> None:
-        pass
-
-
 def test_pull_from_an_unknown_peer_ends_once_with_nothing_done() -> None:
     from connectors.ucx.tag_transport import UcxTagTransport
 
     region = np.zeros(4 * 512, dtype=np.uint8)
     transport = UcxTagTransport(region, 512, PeerKey("d", 1, 0), geometry=HeadGeometry(2, 256))
-    listener = _Listener()
+    listener = RecordingListener()
     transport.start(listener)
     try:
         transport.pull(PullOp(7, PeerKey("nobody", 1, 0), "r", (Segment(0, 0, 2, 0, 1, 1),), 1.0))
