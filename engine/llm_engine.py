@@ -257,6 +257,10 @@ class LLMEngine:
         request = self.batch_scheduler.requests.get(request_id)
         return (request.num_cached_tokens or 0) if request is not None else 0
 
+    def has_outputs_to_report(self) -> bool:
+        """An abort's (or a capacity finish's) output waits for the next step() to report it."""
+        return bool(self._pending_outputs)
+
     def has_unfinished_requests(self) -> bool:
         s = self.batch_scheduler
         return s.has_unfinished_requests() or bool(self._pending_outputs) or \

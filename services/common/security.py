@@ -21,6 +21,7 @@ valid one, else its peer IP address.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import inspect
@@ -36,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+
+from services.common.grpc_streams import relay
 
 logger = logging.getLogger(__name__)
 
@@ -539,8 +542,9 @@ class ServerGuard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             async def guarded_gen(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 client = await open_stream(context)
                 try:
-                    async for item in behavior(request, context):
-                        yield item
+                    async with contextlib.aclosing(behavior(request, context)) as responses:
+                        async for item in responses:
+                            yield item
                 finally:
                     close_stream(client)
 
@@ -604,7 +608,7 @@ class MalformedRequestGuard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             async def checked_gen(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 if isinstance(request, _Malformed):
                     await self._refuse(context, method, request)
-                async for item in behavior(request, context):
+                async for item in relay(context, behavior(request, context)):
                     yield item
 
             return checked_gen
@@ -629,7 +633,7 @@ class MalformedRequestGuard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
         if inspect.isasyncgenfunction(behavior):
             async def checked_gen(iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                async for item in behavior(requests(iterator, context), context):
+                async for item in relay(context, behavior(requests(iterator, context), context)):
                     yield item
 
             return checked_gen

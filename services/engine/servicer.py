@@ -114,30 +114,30 @@ class EngineServicer(pb_grpc.EngineServicer):
 
     async def Decode(self, request: pb.DecodeRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeResponse]:
+        try:
+            async with contextlib.aclosing(self._decode(request, context)) as responses:
+                async for response in responses:
+                    yield response
+        except _Refusal as e:
+            await context.abort(e.code, str(e))
+
+    async def _decode(self, request: pb.DecodeRequest,
+                      context: grpc.aio.ServicerContext) -> AsyncGenerator[pb.DecodeResponse, None]:
         with self.tracer.span("decode", request_id=request.request_id,
                               attributes={"pdserve.engine_id": self.config.engine_id,
                                           "pdserve.prompt_tokens": len(request.prompt_token_ids),
                                           "pdserve.remote_kv": request.HasField("descriptor")}):
             await self._check_admits(context, "decode", request.request_id)
-            try:
-                async with contextlib.aclosing(self._decode(request, context)) as responses:
-                    async for response in responses:
-                        yield response
-            except _Refusal as e:
-                await context.abort(e.code, str(e))
-
-    async def _decode(self, request: pb.DecodeRequest,
-                      context: grpc.aio.ServicerContext) -> AsyncGenerator[pb.DecodeResponse, None]:
-        remote = request.HasField("descriptor")
-        if remote and request.descriptor.block_size != self.config.block_size:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"descriptor block_size {request.descriptor.block_size} != {self.config.block_size}")
-        carrier = trace_carrier() if remote else None  # the decode span's context, for every rank
-        with _status_codes():
-            deltas = self.backend.decode(convert.decode_from_proto(request, carrier))
-            async with contextlib.aclosing(deltas):
-                async for delta in deltas:
-                    yield convert.delta_to_proto(request.request_id, delta)
+            remote = request.HasField("descriptor")
+            if remote and request.descriptor.block_size != self.config.block_size:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"descriptor block_size "
+                                    f"{request.descriptor.block_size} != {self.config.block_size}")
+            carrier = trace_carrier() if remote else None  # the decode span's context, for every rank
+            with _status_codes():
+                deltas = self.backend.decode(convert.decode_from_proto(request, carrier))
+                async with contextlib.aclosing(deltas):
+                    async for delta in deltas:
+                        yield convert.delta_to_proto(request.request_id, delta)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         await self._check_started(context)

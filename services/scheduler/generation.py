@@ -481,6 +481,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             raise self._leg_error(request, e, "decode") from None
         finally:
             request.call = None
+            call.cancel()  # closed early (the client left): the engine's stream ends now, not at GC
         raise LegFailed("decode stream ended without a finish reason")
 
     def _transferred(self, request: Request, decode_id: str, num_tokens: int) -> None:

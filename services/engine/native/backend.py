@@ -310,8 +310,8 @@ class NativeBackend:
         try:
             async for delta in self._deltas(rid, pending, info):
                 yield delta
-        except asyncio.CancelledError:
-            await self.abort(rid)
+        except (asyncio.CancelledError, GeneratorExit):  # the stream was cancelled, or closed mid-request
+            self._forget(rid)
             raise
         finally:
             self._pending.pop(rid, None)

@@ -93,7 +93,10 @@ class EngineLoop:
 
     def _has_work(self) -> bool:
         load = self.engine.load()
-        return bool(load.num_running or load.num_waiting) or self._flush_pending()
+        # An abort of the last running request leaves nothing to compute, but its "abort" output
+        # must still be delivered: its stream waits for it.
+        return bool(load.num_running or load.num_waiting) or self.engine.has_outputs_to_report() \
+            or self._flush_pending()
 
     def _main(self) -> None:
         try:

@@ -6,6 +6,7 @@ backends are covered end to end (tests/e2e, tests/vllm). About 3 s, no torch."""
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
@@ -48,6 +49,8 @@ class ScriptedBackend:
         self.prefills: list[PrefillInput] = []
         self.decodes: list[DecodeInput] = []
         self.cancelled: list[str] = []
+        self.closed: list[str] = []
+        self.stream = False
         self.released: list[str] = []
         self.busy = 0
         self.hold = asyncio.Event()
@@ -72,12 +75,16 @@ class ScriptedBackend:
         if self.error is not None:
             raise self.error
         try:
+            while self.stream:  # a delta ready at every step: the call is mostly sending
+                yield TokenDelta([1], "a", None)
             yield TokenDelta([1, 2], "ab", None, num_cached_tokens=16, num_transferred_tokens=32)
             await self.hold.wait()
             yield TokenDelta([3], "c", "length")
         except asyncio.CancelledError:
             self.cancelled.append(request.request_id)
             raise
+        finally:
+            self.closed.append(request.request_id)
 
     async def abort(self, request_id: str) -> bool:
         return request_id == "known"
@@ -191,6 +198,30 @@ async def test_a_cancelled_call_cancels_the_backend_stream(engine) -> None:
             break
         await asyncio.sleep(0.01)
     assert backend.cancelled == ["c1"]
+
+
+async def test_a_call_cancelled_while_a_response_is_sent_closes_the_backend_stream(engine) -> None:
+    """The cancel lands in gRPC's send, not in the backend's stream: the stream's end closes it
+    (with the garbage collector off, nothing else would free a handler caught in a cycle), or
+    the backend's request stays in flight."""
+    backend, stub, _ = engine
+    backend.stream = True
+    calls = []
+    gc.disable()
+    try:
+        for i in range(5):
+            call = stub.Decode(_decode(f"s{i}"))
+            calls.append(call)
+            for _ in range(3):
+                await call.read()
+            call.cancel()
+        for _ in range(200):
+            if len(backend.closed) == 5:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        gc.enable()
+    assert sorted(backend.closed) == [f"s{i}" for i in range(5)]
 
 
 @pytest.mark.parametrize("engine", ["prefill"], indirect=True)

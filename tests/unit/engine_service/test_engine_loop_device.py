@@ -32,13 +32,17 @@ class _Workers:
 
 @dataclass
 class _IdleEngine:
-    """What an idle `EngineLoop` reads from its engine: the device plan, the load, the ranks."""
+    """What an idle `EngineLoop` reads from its engine: the device plan, the load, the ranks,
+    undelivered outputs."""
 
     device_plan: DevicePlan
     workers: _Workers = field(default_factory=_Workers)
 
     def load(self) -> _Load:
         return _Load()
+
+    def has_outputs_to_report(self) -> bool:
+        return False
 
 
 def _run_on_loop(engine: Any, fn: Any) -> Any:
