@@ -69,16 +69,19 @@ def run(command: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str
     return subprocess.run(shlex.split(command), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-def engine_pid(engine_id: str) -> int:
-    """The pid of the engine process started with `--engine-id engine_id` (its session leader)."""
+def engine_pid(engine_id: str, parent: int) -> int:
+    """The pid of the engine process that `parent` (a `pdserve up`) started with `--engine-id
+    engine_id` (its session leader); another cluster's engine of the same name is not it."""
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
             continue
-        if b"--engine-id" in argv and argv[argv.index(b"--engine-id") + 1:][:1] == [engine_id.encode()]:
+        if ppid == parent and b"--engine-id" in argv \
+                and argv[argv.index(b"--engine-id") + 1:][:1] == [engine_id.encode()]:
             if os.getpgid(int(proc.name)) == int(proc.name):
                 return int(proc.name)
-    raise LookupError(f"no process with --engine-id {engine_id}")
+    raise LookupError(f"no process with --engine-id {engine_id} started by pid {parent}")

@@ -48,7 +48,8 @@ def test_readme_up_serves_then_survives_an_engine_death(commands: list[str], tmp
         lines = [json.loads(line) for line in printed.splitlines() if line.startswith("{")]
         assert {line["engine_id"] for line in lines} & {"prefill-0", "decode-0"}, printed[-2000:]
 
-        os.killpg(engine_pid("decode-0"), signal.SIGKILL)
+        assert up.proc is not None
+        os.killpg(engine_pid("decode-0", up.proc.pid), signal.SIGKILL)
         deadline = time.monotonic() + 120
         while "restarted decode-0" not in up.output():
             assert time.monotonic() < deadline, up.output()[-4000:]
