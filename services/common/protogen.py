@@ -3,13 +3,20 @@
 `python -m services.common.protogen` regenerates `protos/pdserve/v1/*_pb2*.py` and `*.pyi`;
 `--check` regenerates into a temporary directory and exits 1 naming every file that differs,
 so CI fails when a .proto was edited without regenerating.
+
+The check compares what the code means, not which tool release stamped it: the version stamps
+(`GRPC_GENERATED_VERSION`, protobuf's "Protobuf Python Version" and its runtime-version guard)
+are compared without their numbers. The lock (`requirements/`) pins grpcio-tools, and `make
+lock` regenerates the code in the same step, so the committed stamps are the locked release's;
+a new grpcio-tools release on the index no longer fails the check (it did, on 2026-12-07, with
+nothing in the project changed).
 """
 
 from __future__ import annotations
 
 import argparse
-import filecmp
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +26,12 @@ from pathlib import Path
 PROTO_ROOT = Path(__file__).resolve().parents[2] / "protos"
 PROTO_PACKAGE = PROTO_ROOT / "pdserve" / "v1"
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi", "_pb2_grpc.pyi")
+# The tool releases stamped into generated code: versions of the generator, not of the API.
+_VERSION_STAMPS = (
+    re.compile(r"^(GRPC_GENERATED_VERSION = )'[^']*'", re.M),
+    re.compile(r"^(# Protobuf Python Version: ).*$", re.M),
+    re.compile(r"(ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,)[\s\d,]*", re.M),
+)
 
 
 def generate(out_dir: Path, proto_root: Path = PROTO_ROOT) -> None:
@@ -55,6 +68,14 @@ def generated_files(root: Path) -> list[Path]:
     return sorted(p for p in pkg.iterdir() if p.name.endswith(GENERATED_SUFFIXES))
 
 
+def meaning(path: Path) -> str:
+    """The file's text with the generator's version stamps blanked (what the drift check compares)."""
+    text = path.read_text()
+    for stamp in _VERSION_STAMPS:
+        text = stamp.sub(r"\1<version>", text)
+    return text
+
+
 def check(proto_root: Path = PROTO_ROOT) -> list[str]:
     """Returns the names of generated files under proto_root that differ from a fresh generation."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -65,7 +86,7 @@ def check(proto_root: Path = PROTO_ROOT) -> list[str]:
         committed = {p.name: p for p in generated_files(proto_root)}
         drift = sorted(set(fresh) ^ set(committed))
         for name in sorted(set(fresh) & set(committed)):
-            if not filecmp.cmp(fresh[name], committed[name], shallow=False):
+            if meaning(fresh[name]) != meaning(committed[name]):
                 drift.append(name)
         return drift
 
