@@ -4,6 +4,11 @@ tests and the serving benchmarks run.
 Every component is a child process in its own session (process group), so stopping the cluster
 also stops the rank processes an engine spawned; nothing is left behind.
 
+Every component binds its own ports — the ones the spec gives, or ports the OS picks — and
+writes what it bound to its ports file (services/common/bound_ports.py); the cluster reads them
+back (`Component.address`, `.metrics_port`, the replicas' ports) instead of guessing free ports.
+A restarted component is given the ports it bound the first time, so endpoints stay put.
+
 With `ClusterSpec.tls` every component gets certificates from a throwaway CA (services/common/
 certs.py) and every channel is mTLS; `auth_tokens` are given to the scheduler (environment, not
 flags) and the first one is what `client_security` sends.
@@ -11,9 +16,9 @@ flags) and the first one is what `client_security` sends.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-import random
 import re
 import shutil
 import signal
@@ -33,6 +38,7 @@ from pdserve.v1 import engine_pb2 as engine_pb
 from pdserve.v1 import engine_pb2_grpc as engine_grpc
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import generation_pb2_grpc as gen_grpc
+from services.common.bound_ports import read_ports
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.security import ChannelSecurity, open_sync_channel
 
@@ -42,31 +48,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-_rng = random.Random()
-
-
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago, chosen BELOW the kernel's ephemeral range: the ports
-    handed to the components are bound a few seconds later by other processes, and a port
-    from the ephemeral range can be taken meanwhile by any outgoing connection on the machine."""
-    low, _ = _ephemeral_range()
-    for _ in range(200):
-        port = _rng.randrange(max(1024, low - 12000), low)
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # everything below the range is taken: let the OS pick
+    """A port the OS picked and released: free a moment ago, no more. Only for a peer's process
+    that cannot report the port it bound (vLLM's own server in the benchmarks); every pdserve
+    component binds port 0 itself and reports (services/common/bound_ports.py)."""
+    with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
@@ -89,7 +75,7 @@ class ClusterSpec:
     port: int = 0
     control_port: int = 0
     events_port: int = 0
-    http_port: int = 0  # the OpenAI-compatible HTTP API; 0 picks a free port
+    http_port: int = 0  # the OpenAI-compatible HTTP API; 0: a port the scheduler's OS picks
     metrics: bool = False
     torch_threads: int = 0
     kv_cache_memory: str = "256MiB"
@@ -107,7 +93,7 @@ class ClusterSpec:
     engine: str = "native"  # engine backend of every prefill and decode engine (--engine)
     vllm_args: list[str] = field(default_factory=list)  # KEY=VALUE, passed to every engine as --vllm-arg
     # Scheduler replicas, all active; every engine connects to each. Replica 0 takes the ports
-    # above; replica i the same ports + 10 * i when they were given, else free ones.
+    # above; replica i the same ports + 10 * i when they were given, else ports its OS picks.
     num_schedulers: int = 1
     zmq: bool = False  # every replica also publishes vLLM-format KV events on ZMQ (PUB + replay ROUTER)
     # Or at these endpoints (replica 0; replica i: a tcp port + 10 * i, another path's "-i"):
@@ -127,7 +113,8 @@ def replica_endpoint(endpoint: str, i: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class ReplicaPorts:
-    """One scheduler replica's ports (client API, control, KV events, HTTP)."""
+    """One scheduler replica's ports (client API, control, KV events, HTTP): the spec's, 0 where
+    it gives none until the replica has started and reported what it bound."""
 
     name: str
     port: int
@@ -142,10 +129,13 @@ class ReplicaPorts:
 class Component:
     name: str
     argv: list[str]
-    metrics_port: int | None = None
-    address: str = ""
+    metrics_port: int | None = None  # rank 0's /metrics (None: metrics off, or not reported yet)
+    address: str = ""  # an engine's Engine API host:port, once reported
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
+    ports_file: Path | None = None  # where the process reports the ports it bound
+    ports: dict[str, int] = field(default_factory=dict)  # setting -> port bound (rank 0 / the process)
+    metrics_ports: list[int] = field(default_factory=list)  # /metrics of rank r at index r, as reported
 
     @property
     def alive(self) -> bool:
@@ -167,6 +157,7 @@ class LocalCluster:
         self.torch_threads = spec.torch_threads or default_torch_threads(ranks)
         self.components: dict[str, Component] = {}
         self._log_dir = Path(spec.log_dir) if spec.log_dir else None
+        self._ports_dir = Path(tempfile.mkdtemp(prefix="pdserve-ports-"))
         self.pki: LocalPki | None = None
         if spec.tls:
             # Imported only for TLS: `cryptography` is not needed (nor shipped to the GPU check) otherwise.
@@ -189,9 +180,9 @@ class LocalCluster:
         s = self.spec
 
         def port(given: int) -> int:
-            return given + 10 * i if given else free_port(s.host)
-        if s.zmq:
-            zmq = (f"tcp://{s.host}:{free_port(s.host)}", f"tcp://{s.host}:{free_port(s.host)}")
+            return given + 10 * i if given else 0
+        if s.zmq:  # ZMQ binds a port of its own choosing for "*"; the scheduler reports it
+            zmq = (f"tcp://{s.host}:*", f"tcp://{s.host}:*")
         else:
             zmq = (replica_endpoint(s.zmq_endpoint, i), replica_endpoint(s.zmq_replay_endpoint, i))
         return ReplicaPorts("scheduler" if i == 0 else f"scheduler-{i}", port(s.port), port(s.control_port),
@@ -267,12 +258,14 @@ class LocalCluster:
         """Scheduler replica `r` (default: replica 0)."""
         s = self.spec
         r = r or self.replicas[0]
-        metrics_port = free_port(s.host) if s.metrics else 0
+        ports_file = self._ports_dir / f"{r.name}.jsonl"
+        ephemeral = ",".join([*([] if r.http_port else ["http_port"]), *(["metrics_port"] if s.metrics else [])])
         argv = self._cli("scheduler", "--host", s.host, "--port", str(r.port),
                          "--control-port", str(r.control_port), "--events-port", str(r.events_port),
-                         "--http-port", str(r.http_port), "--metrics-port", str(metrics_port), *(["--model", s.model] if s.model else []),
+                         "--http-port", str(r.http_port), "--metrics-port", "0", "--ephemeral-ports", ephemeral,
+                         "--ports-file", str(ports_file), *(["--model", s.model] if s.model else []),
                          *self._peer_args(r), *self._zmq_args(r), *s.scheduler_args)
-        return Component(r.name, argv, metrics_port or None)
+        return Component(r.name, argv, ports_file=ports_file)
 
     @staticmethod
     def _zmq_args(r: ReplicaPorts) -> list[str]:
@@ -286,20 +279,20 @@ class LocalCluster:
 
     def _engine_component(self, role: str, index: int) -> Component:
         s = self.spec
-        metrics_port = free_port(s.host) if s.metrics else 0
         engine_id = f"{role}-{index}"
-        port = free_port(s.host)
+        ports_file = self._ports_dir / f"{engine_id}.jsonl"
         slot = index if role == "prefill" else s.num_prefill + index
         devices = s.engine_devices[slot] if slot < len(s.engine_devices) else ""
         fraction = s.engine_memory_fractions[slot] if slot < len(s.engine_memory_fractions) else 0.0
         argv = self._cli(role, "--engine-id", engine_id, "--scheduler", self._control_targets(),
-                         "--host", s.host, "--port", str(port), "--tp", str(self.role_tp(role)), "--torch-threads", str(self.torch_threads),
-                         "--metrics-port", str(metrics_port), "--kv-cache-memory", s.kv_cache_memory,
+                         "--host", s.host, "--port", "0", "--tp", str(self.role_tp(role)), "--torch-threads", str(self.torch_threads),
+                         "--metrics-port", "0", "--ephemeral-ports", "metrics_port" if s.metrics else "",
+                         "--ports-file", str(ports_file), "--kv-cache-memory", s.kv_cache_memory,
                          *(["--model", s.model] if s.model else []), *(["--dtype", s.dtype] if s.dtype else []),
                          *(["--devices", devices] if devices else []),
                          *(["--gpu-memory-fraction", f"{fraction:.4f}"] if fraction else []),
                          *self._backend_args(), *s.engine_args)
-        return Component(engine_id, argv, metrics_port or None, f"{s.host}:{port}")
+        return Component(engine_id, argv, ports_file=ports_file)
 
     def _control_targets(self) -> str:
         return ",".join(f"{self.spec.host}:{r.control_port}" for r in self.replicas)
@@ -307,9 +300,69 @@ class LocalCluster:
     def start(self, timeout: float = 180.0) -> None:
         """Starts every component and returns once every scheduler replica sees every engine
         registered."""
-        for replica in self.replicas:
-            self._launch(self._scheduler_component(replica))
-        self.start_engines(timeout)
+        deadline = time.monotonic() + timeout
+        try:
+            for i, replica in enumerate(self.replicas):
+                comp = self._scheduler_component(replica)
+                self._launch(comp)
+                zmq = [name for name, endpoint in (("zmq_endpoint", replica.zmq_endpoint),
+                                                   ("zmq_replay_endpoint", replica.zmq_replay_endpoint))
+                       if endpoint.startswith("tcp://")]
+                ports = self._await_ports(comp, deadline, {*self.REPLICA_SETTINGS, *zmq})
+                self.replicas[i] = self._bound_replica(replica, ports)
+        except Exception:
+            self.stop()
+            raise
+        first = self.replicas[0]
+        self.port, self.control_port, self.events_port, self.http_port = (
+            first.port, first.control_port, first.events_port, first.http_port)
+        self.start_engines(max(1.0, deadline - time.monotonic()))
+
+    REPLICA_SETTINGS = ("port", "control_port", "events_port", "http_port")
+
+    def _await_ports(self, comp: Component, deadline: float, settings: set[str]) -> dict[str, int]:
+        """Waits until the component has reported the ports of these settings (and /metrics with
+        metrics on); raises when it exits first (a port it was given is taken: its log says)."""
+        wanted = set(settings)
+        if self.spec.metrics:
+            wanted.add("metrics_port")
+        while time.monotonic() < deadline:
+            self._read_ports(comp)
+            if wanted <= set(comp.ports):
+                return comp.ports
+            if comp.proc is not None and comp.proc.poll() is not None:
+                raise RuntimeError(f"{comp.name} exited with status {comp.proc.returncode} while starting"
+                                   + (f"; see {comp.log_path}" if comp.log_path else ""))
+            time.sleep(0.05)
+        raise TimeoutError(f"{comp.name} did not report its ports ({', '.join(sorted(wanted - set(comp.ports)))})")
+
+    def _read_ports(self, comp: Component) -> None:
+        """Takes what the component reported into its fields (address, metrics ports)."""
+        if comp.ports_file is None:
+            return
+        reported = read_ports(comp.ports_file)
+        comp.ports = {setting: port for (setting, rank), port in reported.items() if rank in (None, 0)}
+        ranks = sorted((rank, port) for (setting, rank), port in reported.items()
+                       if setting == "metrics_port" and rank is not None)
+        comp.metrics_ports = [port for _, port in ranks]
+        comp.metrics_port = comp.ports.get("metrics_port")
+        if not self.is_scheduler(comp.name) and "port" in comp.ports:
+            comp.address = f"{self.spec.host}:{comp.ports['port']}"
+
+    def _bound_replica(self, replica: ReplicaPorts, ports: dict[str, int]) -> ReplicaPorts:
+        zmq = [self._reported_endpoint(replica.name, name, given)
+               for name, given in (("zmq_endpoint", replica.zmq_endpoint),
+                                   ("zmq_replay_endpoint", replica.zmq_replay_endpoint))]
+        return dataclasses.replace(replica, port=ports["port"], control_port=ports["control_port"],
+                                   events_port=ports["events_port"], http_port=ports["http_port"],
+                                   zmq_endpoint=zmq[0], zmq_replay_endpoint=zmq[1])
+
+    def _reported_endpoint(self, name: str, setting: str, given: str) -> str:
+        """A ZMQ endpoint with its wildcard port replaced by the port bound (reported as a port)."""
+        if not given.endswith(":*"):
+            return given
+        port = self.components[name].ports.get(setting)
+        return f"{given[:-1]}{port}" if port else given
 
     def start_engines(self, timeout: float = 180.0) -> None:
         """Starts only the engines, against a scheduler already listening on the spec's ports (an
@@ -362,6 +415,7 @@ class LocalCluster:
         last_error = ""
         while time.monotonic() < deadline:
             for comp in self.components.values():
+                self._read_ports(comp)
                 if comp.proc is not None and comp.proc.poll() is not None:
                     raise RuntimeError(f"{comp.name} exited with status {comp.proc.returncode} while starting"
                                        + (f"; see {comp.log_path}" if comp.log_path else ""))
@@ -442,10 +496,21 @@ class LocalCluster:
         return None if proc is None else proc.poll()
 
     def restart(self, name: str) -> None:
+        """Restarts a component on the ports it bound before (its endpoints stay put); when one
+        was taken meanwhile it exits with EXIT_PORT_IN_USE, naming it."""
         comp = self.components[name]
         if comp.alive:
             self.kill(name)
-        self._launch(Component(comp.name, comp.argv, comp.metrics_port, comp.address))
+        self._read_ports(comp)
+        host = f"[{self.spec.host}]" if ":" in self.spec.host else self.spec.host
+        pins = [arg for setting, port in sorted(comp.ports.items())
+                for arg in ("--" + setting.replace("_", "-"),
+                            f"tcp://{host}:{port}" if setting.startswith("zmq") else str(port))]
+        if comp.ports_file is not None:
+            comp.ports_file.unlink(missing_ok=True)
+        self._launch(Component(comp.name, [*comp.argv, *pins], comp.metrics_port, comp.address,
+                               ports_file=comp.ports_file, ports=dict(comp.ports),
+                               metrics_ports=list(comp.metrics_ports)))
 
     def stop(self, grace: float = 15.0) -> None:
         """SIGTERM every component (engines first), SIGKILL what is left after `grace` seconds."""
@@ -464,3 +529,4 @@ class LocalCluster:
             self.kill(name, signal.SIGKILL)
         if self.pki is not None and not self.spec.tls_dir:
             shutil.rmtree(self.pki.directory, ignore_errors=True)  # throwaway keys do not outlive the cluster
+        shutil.rmtree(self._ports_dir, ignore_errors=True)

@@ -6,6 +6,10 @@ A component that exits is restarted after a backoff that doubles with each resta
 the initial backoff once it has stayed up for `reset_after_s`. An engine restarts with the same
 engine id and ports; the scheduler sees it register again (a new epoch) and routes to it once
 it serves. `poll()` is driven by its owner's loop (`pdserve up`); the clock is injectable.
+
+A component that exited because a port it was given is taken (`EXIT_PORT_IN_USE`) is not
+restarted: it would fail the same way forever. It is listed in `failed`, and the owner decides
+(`pdserve up` stops and says which port).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from services.common.bound_ports import EXIT_PORT_IN_USE
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +63,7 @@ class Supervisor:
     policy: RestartPolicy = field(default_factory=RestartPolicy)
     clock: Callable[[], float] = time.monotonic
     _tracks: dict[str, _Track] = field(default_factory=dict)
+    failed: dict[str, int] = field(default_factory=dict)  # name -> exit status of a component not restarted
 
     def restarts(self, name: str) -> int:
         track = self._tracks.get(name)
@@ -72,6 +79,11 @@ class Supervisor:
             if status is None:
                 if now - track.started_at >= self.policy.reset_after_s:
                     track.backoff_s = self.policy.initial_backoff_s
+                continue
+            if status == EXIT_PORT_IN_USE:
+                if name not in self.failed:
+                    logger.error("%s exited: a port it was given is in use (see its log); not restarting it", name)
+                    self.failed[name] = status
                 continue
             if track.restart_at is None:
                 track.restart_at = now + track.backoff_s

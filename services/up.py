@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 from engine.config import ModelConfig
 from engine.demo_model import demo_model_dir
 from engine.device import HostDevices, cpu_has_native_bf16, probe_host, resolve_dtype, resolve_kind
+from services.common.bound_ports import EXIT_PORT_IN_USE
 from services.common.config import ENGINES, check_vllm_args, parse_vllm_args
 from services.common.logs import setup_logging
 from services.common.security import check_plaintext
@@ -294,5 +296,9 @@ def run(args: argparse.Namespace) -> int:
         supervisor = Supervisor(cluster)
         while not stop.wait(0.5):
             supervisor.poll()
+            if supervisor.failed:
+                print(f"pdserve up: {', '.join(supervisor.failed)} cannot bind a port it was given (in use); "
+                      "stopping", file=sys.stderr, flush=True)
+                return EXIT_PORT_IN_USE
     print("pdserve up: stopped", flush=True)
     return 0

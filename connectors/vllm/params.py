@@ -49,6 +49,8 @@ class PdserveConnectorConfig:
     ucx_tls: str = ""
     ucx_net_devices: str = ""
     metrics_port: int = 0
+    metrics_any_port: bool = False  # metrics_port 0: each rank serves /metrics on a port the OS picks
+    ports_file: str = ""  # where each rank reports its ports (services/common/bound_ports.py)
     events_endpoint: str = ""  # vLLM's ZMQ KV-event PUB, read by rank 0; empty: no block-pool events
     tls_ca: str = ""
     tls_cert: str = ""

@@ -184,7 +184,8 @@ class VllmWorkerHalf:
             num_kv_heads=self.model.num_kv_heads, compat_hash=self.compatibility_hash(), hash_seed=c.hash_seed,
             block_size=self.block_size, transfer_timeout_s=c.transfer_timeout_s, lease_s=c.lease_s,
             max_inflight=c.max_inflight_transfers, ucx_tls=c.ucx_tls, ucx_net_devices=c.ucx_net_devices,
-            metrics_port=c.metrics_port, security=security, kv_staging=c.kv_staging,
+            metrics_port=c.metrics_port, metrics_any_port=c.metrics_any_port,
+            ports_file=c.ports_file, security=security, kv_staging=c.kv_staging,
             kv_staging_blocks=c.kv_staging_blocks,
             device_kind=memory.device_kind)  # in Hello: the scheduler sizes the heartbeat timeout by it
         self.agent = _TeeRankAgent(factory, self.rank, self.tp_size, self._on_results)

@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 
+from services.common.bound_ports import EXIT_PORT_IN_USE, PortInUse
 from services.common.errors import NotAvailableError
 
 # name -> (module, one-line description)
@@ -63,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv[1:])
     try:
         return int(args._run(args) or 0)
+    except PortInUse as e:
+        print(f"pdserve {name}: {e.strerror}", file=sys.stderr)
+        return EXIT_PORT_IN_USE
     except NotAvailableError as e:
         print(f"pdserve {name}: not available yet: {e}", file=sys.stderr)
         return 3

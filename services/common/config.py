@@ -22,6 +22,7 @@ import yaml
 
 from connectors.hashing import DEFAULT_HASH_SEED
 from engine.byte_size import parse_size  # noqa: F401  (re-exported: services import it from here)
+from services.common.bound_ports import parse_ephemeral
 from services.common.scheduler_targets import parse_scheduler_targets
 from services.common.security import TokenStore, check_plaintext, check_tls_files
 
@@ -57,6 +58,10 @@ class SchedulerConfig:
     metrics_port: int = opt(9400, "Prometheus /metrics port; 0 disables")
     http_port: int = opt(0, "OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions, /v1/models, "
                             "/health, /metrics); same host, TLS and bearer tokens as the client API; 0 disables")
+    ports_file: str = opt("", "append every port this process (and each rank) binds to this file, one JSON "
+                              "line each (services/common/bound_ports.py): how `pdserve up` learns them")
+    ephemeral_ports: str = opt("", "optional listeners to open on a port the OS picks where their port setting is 0 "
+                                   "(comma list of http_port, metrics_port, health_port); the ports bound go to ports_file")
     model: str = opt("", "model directory (for the tokenizer); empty selects the demo model")
     block_size: int = opt(16, "KV block size in tokens; must match every engine")
     hash_seed: str = opt(DEFAULT_HASH_SEED, "block-hash seed (NONE_HASH); must match every engine")
@@ -159,6 +164,7 @@ class SchedulerConfig:
                  f"must be uvloop or asyncio, got {self.event_loop!r}")
         for name in ("port", "control_port", "events_port", "metrics_port", "health_port", "http_port"):
             _require(0 <= getattr(self, name) < 65536, name, "must be a TCP port (0..65535)")
+        parse_ephemeral(self.ephemeral_ports)
         _validate_security(self, [("host", self.host)])
         _require(self.max_streams_per_client >= 0, "max_streams_per_client", "must be >= 0")
         _require(self.converge_timeout_s > 0, "converge_timeout_s", "must be > 0")
@@ -187,6 +193,10 @@ class EngineConfig:
     advertise_host: str = opt("", "address peers use to reach this engine; default --host")
     port: int = opt(0, "Engine API port; 0 picks a free port")
     metrics_port: int = opt(0, "Prometheus /metrics port of rank 0 (rank r serves on port + r); 0 disables")
+    ports_file: str = opt("", "append every port this process (and each rank) binds to this file, one JSON "
+                              "line each (services/common/bound_ports.py): how `pdserve up` learns them")
+    ephemeral_ports: str = opt("", "optional listeners to open on a port the OS picks where their port setting is 0 "
+                                   "(comma list of metrics_port, health_port); the ports bound go to ports_file")
     tp: int = opt(1, "tensor-parallel size (rank processes)")
     dtype: str = opt("auto", "float32, bfloat16, float16 or auto (bfloat16 on CUDA and on CPUs with native bf16, "
                              "else float32)")
@@ -289,6 +299,7 @@ class EngineConfig:
         schedulers = [("scheduler", t.host) for t in parse_scheduler_targets(self.scheduler)]
         _validate_security(self, [("host", self.host), *schedulers])
         _require(0 <= self.health_port < 65536, "health_port", "must be a TCP port (0..65535)")
+        parse_ephemeral(self.ephemeral_ports, frozenset({"metrics_port", "health_port"}))
 
     @property
     def kv_cache_bytes(self) -> int:

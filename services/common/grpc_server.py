@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.bound_ports import PortInUse
 from services.common.security import MalformedRequestGuard, ServerSecurity
 
 logger = logging.getLogger(__name__)
@@ -60,15 +61,19 @@ class ServiceServer:
         self.port: int | None = None
         self.health_server: grpc.aio.Server | None = None
 
-    def bind(self, host: str, port: int, security: ServerSecurity | None = None) -> int:
+    def bind(self, host: str, port: int, security: ServerSecurity | None = None, setting: str = "port") -> int:
         """Binds host:port (0 picks a free port) with TLS when `security` is given, plaintext
-        otherwise (logged as a warning: see services/common/security.py), and returns the port."""
-        if security is None:
-            bound = self.server.add_insecure_port(f"{host}:{port}")
-        else:
-            bound = self.server.add_secure_port(f"{host}:{port}", security.credentials())
+        otherwise (logged as a warning: see services/common/security.py), and returns the port;
+        `PortInUse` naming `setting` when it cannot."""
+        try:  # grpcio raises RuntimeError where it cannot bind (older releases returned 0)
+            if security is None:
+                bound = self.server.add_insecure_port(f"{host}:{port}")
+            else:
+                bound = self.server.add_secure_port(f"{host}:{port}", security.credentials())
+        except RuntimeError as e:
+            raise PortInUse(setting, host, port) from e
         if bound == 0:
-            raise OSError(f"cannot bind gRPC server to {host}:{port}")
+            raise PortInUse(setting, host, port)
         if security is None:
             logger.warning("PLAINTEXT gRPC (no TLS, no peer verification) for %s on %s:%d",
                            ", ".join(self.service_names) or "health", host, bound)
@@ -80,9 +85,12 @@ class ServiceServer:
         Kubernetes gRPC probes, which cannot speak TLS); returns the bound port."""
         self.health_server = grpc.aio.server()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
-        bound = self.health_server.add_insecure_port(f"{host}:{port}")
+        try:
+            bound = self.health_server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as e:
+            raise PortInUse("health_port", host, port) from e
         if bound == 0:
-            raise OSError(f"cannot bind the health port {host}:{port}")
+            raise PortInUse("health_port", host, port)
         return bound
 
     async def start(self) -> None:

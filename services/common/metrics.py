@@ -38,6 +38,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from services.common.bound_ports import PortInUse
+
 logger = logging.getLogger(__name__)
 
 # `_created` series double every counter's series count and no dashboard uses them.
@@ -711,6 +713,9 @@ def start_metrics_server(port: int, registry: CollectorRegistry, host: str = "0.
     """Serves `registry` at http://host:port/metrics on a daemon thread (port 0 picks one)."""
     if not 0 <= port < 65536:
         raise ValueError(f"metrics port must be 0..65535, got {port}")
-    server, thread = prometheus_client.start_http_server(port, addr=host, registry=registry)
+    try:
+        server, thread = prometheus_client.start_http_server(port, addr=host, registry=registry)
+    except OSError as e:
+        raise PortInUse("metrics_port", host, port, e.strerror or str(e)) from e
     logger.info("metrics: serving /metrics on %s:%d", host, server.server_port)
     return MetricsServer(server, thread)

@@ -20,6 +20,7 @@ import sys
 import threading
 
 from pdserve.v1 import engine_pb2_grpc as pb_grpc
+from services.common.bound_ports import PortsFile, listen_port
 from services.common.config import EngineConfig, load_config
 from services.common.grpc_server import ServiceServer, install_drain_handler
 from services.common.security import component_server_security, peer_name_guards
@@ -45,8 +46,11 @@ async def serve(config: EngineConfig, factory: BackendFactory) -> None:
     server = ServiceServer(["pdserve.v1.Engine"], max_message_bytes=config.max_message_bytes,
                            interceptors=[*peer_name_guards(config, ["pdserve.v1.Engine"]), *server_interceptors()])
     port = server.bind(config.host, config.port, component_server_security(config, require_client_cert=True))
-    if config.health_port:
-        server.bind_health(config.host, config.health_port)
+    ports = PortsFile(config.ports_file)
+    ports.report("port", port)
+    health_port = listen_port("health_port", config.health_port, config.ephemeral_ports)
+    if health_port is not None:
+        ports.report("health_port", server.bind_health(config.host, health_port))
     advertise = config.advertise_host or (config.host if config.host not in ("0.0.0.0", "::") else socket.getfqdn())
     backend = factory(config, f"{advertise}:{port}")
     servicer = EngineServicer(config, backend)

@@ -42,6 +42,7 @@ from connectors.outputs import KVConnectorOutput, KVConnectorStats, TransferResu
 from connectors.ucx.handshake import UcxHandshakeMetadata
 from connectors.ucx.scheduler import UcxConnectorMetadata
 from connectors.ucx.worker import UcxConnectorConfig, UcxTransferStats, UcxWorkerConnector
+from services.common.bound_ports import PortsFile
 from services.common.metrics import (
     KVMemoryMetrics,
     MetricsServer,
@@ -109,6 +110,8 @@ class RankAgentFactory:
     kv_staging: str = "none"  # "host": KV bounces through a bounded pinned pool (connectors/ucx/host_staging.py)
     kv_staging_blocks: int = 0  # the pool's blocks (0: the transfer window)
     metrics_port: int = 0  # rank r serves /metrics on metrics_port + r; 0 disables
+    metrics_any_port: bool = False  # metrics_port 0: every rank serves /metrics on a port the OS picks
+    ports_file: str = ""  # where every rank reports the ports it bound (services/common/bound_ports.py)
     security: ChannelSecurity | None = None  # TLS to the scheduler, the engine's certificate as identity
     offload: OffloadRankInit | None = None  # the CPU offload tier's per-rank half; None = no tier
 
@@ -136,12 +139,14 @@ class RankAgent(WorkerConnector):
         self.kv_memory: KVMemoryMetrics | None = None
         self.registry: CollectorRegistry | None = None
         self._metrics_server: MetricsServer | None = None
-        port = metrics_port_for_rank(factory.metrics_port, rank)
+        port = 0 if factory.metrics_any_port and not factory.metrics_port else (
+            metrics_port_for_rank(factory.metrics_port, rank))
         if port is not None:
             self.registry = CollectorRegistry()
             self.metrics = TransferMetrics(self.registry)
             self.kv_memory = KVMemoryMetrics(self.registry)
             self._metrics_server = start_metrics_server(port, self.registry)
+            PortsFile(factory.ports_file).report("metrics_port", self._metrics_server.port, rank)
         self._inbox: Callable[[ControlMessage], None] | None = None
         self._tracer: ComponentTracer | None = None
         if factory.role == "decode":  # only decode ranks make spans (kv_transfer)

@@ -9,6 +9,7 @@ import logging
 
 from prometheus_client import CollectorRegistry
 
+from services.common.bound_ports import PortsFile, listen_port
 from services.common.config import SchedulerConfig, add_config_arguments, load_config
 from services.common.event_loop import run_on_loop
 from services.common.grpc_server import install_drain_handler
@@ -56,7 +57,8 @@ def settle_gc() -> None:
 async def serve(config: SchedulerConfig) -> int:
     registry = CollectorRegistry()
     service = SchedulerService(config, prometheus=registry)
-    metrics_server = start_metrics_server(config.metrics_port, registry, config.host) if config.metrics_port else None
+    metrics_port = listen_port("metrics_port", config.metrics_port, config.ephemeral_ports)
+    metrics_server = start_metrics_server(metrics_port, registry, config.host) if metrics_port is not None else None
     started = asyncio.Event()
 
     async def drain() -> None:
@@ -69,6 +71,17 @@ async def serve(config: SchedulerConfig) -> int:
     # between must still drain and exit 0, not kill the process with buffered spans unexported.
     done = install_drain_handler(drain)
     await service.start()
+    ports = PortsFile(config.ports_file)
+    for setting, port in (("port", service.port), ("control_port", service.control_port),
+                          ("events_port", service.events_port), ("http_port", service.http_port),
+                          ("health_port", service.health_port),
+                          ("metrics_port", metrics_server.port if metrics_server is not None else 0)):
+        ports.report(setting, port)
+    zmq = service.plane.zmq if service.plane is not None else None
+    if zmq is not None:  # a tcp endpoint's port (one given as tcp://host:* is the OS's choice)
+        for setting, endpoint in (("zmq_endpoint", zmq.bound_endpoint), ("zmq_replay_endpoint", zmq.bound_replay_endpoint)):
+            if endpoint.startswith("tcp://"):
+                ports.report(setting, int(endpoint.rsplit(":", 1)[1]))
     started.set()
     settle_gc()
     try:

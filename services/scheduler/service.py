@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 
 from pdserve.v1 import control_pb2_grpc, generation_pb2_grpc
+from services.common.bound_ports import PortInUse, listen_port
 from services.common.config import SchedulerConfig
 from services.common.grpc_server import ServiceServer
 from services.common.metrics import EventMetrics
@@ -159,7 +160,7 @@ class SchedulerService:
         if self.plane is not None:
             self.plane.add_to_server(self.events_server.server)
         self.http: HttpApi | None = None
-        if config.http_port:
+        if listen_port("http_port", config.http_port, config.ephemeral_ports) is not None:
             self.http = HttpApi(self.generation, self.guard, self.telemetry.prometheus)
         self.port = self.control_port = self.events_port = self.health_port = self.http_port = 0
         self._sweeper: asyncio.Task[None] | None = None
@@ -204,11 +205,12 @@ class SchedulerService:
         c = self.config
         public = component_server_security(c, require_client_cert=c.tls_require_client_cert)
         ranks = component_server_security(c, require_client_cert=True)  # registration needs a certificate
-        self.port = self.client_server.bind(c.host, c.port, public)
-        self.control_port = self.control_server.bind(c.host, c.control_port, ranks)
-        self.events_port = self.events_server.bind(c.host, c.events_port, public)
-        if c.health_port:
-            self.health_port = self.client_server.bind_health(c.host, c.health_port)
+        self.port = self.client_server.bind(c.host, c.port, public, "port")
+        self.control_port = self.control_server.bind(c.host, c.control_port, ranks, "control_port")
+        self.events_port = self.events_server.bind(c.host, c.events_port, public, "events_port")
+        health_port = listen_port("health_port", c.health_port, c.ephemeral_ports)
+        if health_port is not None:
+            self.health_port = self.client_server.bind_health(c.host, health_port)
         if self.plane is not None:
             self.plane.start()
         for server in self.servers:
@@ -225,7 +227,10 @@ class SchedulerService:
             self._converger = asyncio.get_running_loop().create_task(self.peer_snapshots.run())
         if self.http is not None:
             self.http.ready = lambda: self.converged
-            self.http_port = await self.http.start(c.host, c.http_port, public)
+            try:
+                self.http_port = await self.http.start(c.host, c.http_port, public)
+            except (OSError, SystemExit) as e:  # uvicorn exits (SystemExit) when it cannot bind
+                raise PortInUse("http_port", c.host, c.http_port) from e
         logger.info("scheduler %s serving: client %s:%d, control %s:%d, events %s:%d", self.scheduler_id, c.host,
                     self.port, c.host, self.control_port, c.host, self.events_port)
 

@@ -14,6 +14,7 @@ from engine.demo_model import demo_model_dir
 from engine.kv_cache import make_kv_cache_spec
 from engine.llm_engine import LLMEngine, resolve_device, resolve_dtype
 from engine.workers import DTYPES
+from services.common.bound_ports import listen_port
 from services.common.config import EngineConfig
 from services.common.security import component_channel_security
 from services.engine.rank_agent import RankAgent, RankAgentFactory, compatibility_hash
@@ -53,7 +54,8 @@ def build_native_engine(cfg: EngineConfig, epoch: int, engine_address: str) -> N
         block_size=cfg.block_size, transfer_timeout_s=cfg.transfer_timeout_s, lease_s=cfg.lease_s,
         max_inflight=cfg.max_inflight_transfers, ucx_tls=cfg.ucx_tls, ucx_net_devices=cfg.ucx_net_devices,
         expected_transports=cfg.expected_transports,
-        kv_staging=cfg.kv_staging, kv_staging_blocks=cfg.kv_staging_blocks, kv_transport=cfg.kv_transport, dtype=dtype, device_kind=kind, metrics_port=cfg.metrics_port, security=component_channel_security(cfg))
+        kv_staging=cfg.kv_staging, kv_staging_blocks=cfg.kv_staging_blocks, kv_transport=cfg.kv_transport, dtype=dtype, device_kind=kind, metrics_port=cfg.metrics_port,
+        metrics_any_port=listen_port("metrics_port", cfg.metrics_port, cfg.ephemeral_ports) == 0, ports_file=cfg.ports_file, security=component_channel_security(cfg))
     connector = UcxSchedulerConnector(cfg.block_size, offload=_offload_tier(cfg, factory, spec.block_nbytes))
     engine = LLMEngine(model, tp=cfg.tp, kv_cache_memory=cfg.kv_cache_memory, block_size=cfg.block_size,
                        max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,

@@ -34,6 +34,7 @@ from typing import Any
 
 from connectors.vllm.engine import VllmEngine, VllmEngineSettings, events_endpoint, sampling_params
 from connectors.vllm.params import PdserveConnectorConfig, descriptor_from_params, descriptor_to_params
+from services.common.bound_ports import listen_port
 from services.common.config import EngineConfig
 from services.engine.backend import (
     BackendError,
@@ -97,7 +98,8 @@ class VllmBackend:
             engine_id=cfg.engine_id, role=cfg.role, epoch=self._epoch, scheduler=cfg.scheduler,
             engine_address=self.engine_address, hash_seed=cfg.hash_seed, transfer_timeout_s=cfg.transfer_timeout_s,
             lease_s=cfg.lease_s, max_inflight_transfers=cfg.max_inflight_transfers, ucx_tls=cfg.ucx_tls,
-            ucx_net_devices=cfg.ucx_net_devices, metrics_port=cfg.metrics_port,
+            ucx_net_devices=cfg.ucx_net_devices, metrics_port=cfg.metrics_port, metrics_any_port=listen_port("metrics_port", cfg.metrics_port, cfg.ephemeral_ports) == 0,
+            ports_file=cfg.ports_file,
             events_endpoint=events_endpoint(cfg.engine_id, self._epoch), tls_ca=cfg.tls_ca, tls_cert=cfg.tls_cert,
             tls_key=cfg.tls_key, tls_server_name=cfg.tls_server_name, kv_staging=cfg.kv_staging)
         settings = VllmEngineSettings(

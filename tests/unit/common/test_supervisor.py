@@ -82,3 +82,13 @@ def test_backoff_doubles_to_the_cap_and_resets_after_a_long_run() -> None:
 def test_bad_policy_is_refused(kw: dict[str, float], reason: str) -> None:
     with pytest.raises(ValueError, match=reason):
         RestartPolicy(**kw)
+
+
+def test_a_component_whose_port_is_taken_is_not_restarted_into_the_same_failure() -> None:
+    from services.common.bound_ports import EXIT_PORT_IN_USE
+
+    sup, procs, clock = _supervisor("scheduler", "decode-0")
+    procs.status["scheduler"] = EXIT_PORT_IN_USE
+    for clock.now in (0.0, 1.0, 10.0, 100.0):
+        assert sup.poll() == []
+    assert procs.restarted == [] and sup.failed == {"scheduler": EXIT_PORT_IN_USE}
