@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import random
 import re
 import shutil
 import signal
@@ -48,11 +49,32 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+_rng = random.Random()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS picked and released: free a moment ago, no more. Only for a peer's process
-    that cannot report the port it bound (vLLM's own server in the benchmarks); every pdserve
-    component binds port 0 itself and reports (services/common/bound_ports.py)."""
-    with socket.socket() as s:
+    """A port that was free a moment ago — no more. Only for a peer's process that cannot report
+    the port it bound (vLLM's own server in the benchmarks) and for tests that fix a port on
+    purpose; every pdserve component binds its own and reports it (services/common/bound_ports.py).
+    Chosen below the kernel's ephemeral range, which any outgoing connection may take meanwhile."""
+    low, _ = _ephemeral_range()
+    for _ in range(200):
+        port = _rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # everything below the range is taken: let the OS pick
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
