@@ -295,8 +295,10 @@ class LocalCluster:
                 *(["--zmq-replay-endpoint", r.zmq_replay_endpoint] if r.zmq_replay_endpoint else [])]
 
     def _peer_args(self, r: ReplicaPorts) -> list[str]:
-        """The other replicas' KVEvents endpoints: a replica restarted takes its index from them."""
-        peers = [f"{self.spec.host}:{p.events_port}" for p in self.replicas if p is not r]
+        """The other replicas' KVEvents endpoints: a replica restarted takes its index from them.
+        Those not started yet have no port to name (at the first start there is no index to
+        take); a restart names every other replica."""
+        peers = [f"{self.spec.host}:{p.events_port}" for p in self.replicas if p.name != r.name and p.events_port]
         return ["--peers", ",".join(peers)] if peers else []
 
     def _engine_component(self, role: str, index: int) -> Component:
@@ -528,6 +530,8 @@ class LocalCluster:
         pins = [arg for setting, port in sorted(comp.ports.items())
                 for arg in ("--" + setting.replace("_", "-"),
                             f"tcp://{host}:{port}" if setting.startswith("zmq") else str(port))]
+        if self.is_scheduler(name):
+            pins += self._peer_args(next(r for r in self.replicas if r.name == name))
         if comp.ports_file is not None:
             comp.ports_file.unlink(missing_ok=True)
         self._launch(Component(comp.name, [*comp.argv, *pins], comp.metrics_port, comp.address,
