@@ -128,6 +128,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated sections to run, from {','.join(SECTIONS)}")
     parser.add_argument("--reimplemented-baseline", action="store_true",
                         help="use the re-implementation of vLLM's publisher even where vLLM imports")
+    parser.add_argument("--stream-window-kib", type=int, default=None,
+                        help="the scheduler's receive window per rank stream, KiB (0: gRPC's default, grown by "
+                             "BDP probing; default: the Control servicer's, see ControlServicer.flow_options)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", default="",
                         help="write a PNG of p99, loss and scheduler CPU per event against the offered rate")
@@ -723,9 +726,12 @@ async def _pdserve_section(args: argparse.Namespace, decode_per_rank: bool = Fal
     registry = EngineRegistry(block_size=16, hash_seed="0", heartbeat_timeout_s=120.0)
     control = ControlServicer(registry, sink=plane.republisher, heartbeat_interval_s=5.0, scheduler_id="bench")
     control.verify_compact = args.verify_compact
+    window = getattr(args, "stream_window_kib", None)
+    if window is not None:
+        control.stream_window_bytes = window << 10 if window > 0 else None
     if decode_per_rank:
         control.worker_events = WorkerEventDecoder(max_entries=0)
-    server = ServiceServer(["pdserve.v1.Control", SERVICE_NAME])
+    server = ServiceServer(["pdserve.v1.Control", SERVICE_NAME], options=control.flow_options())
     control_pb2_grpc.add_ControlServicer_to_server(control, server.server)
     plane.add_to_server(server.server)
     port = server.bind("127.0.0.1", 0)
@@ -780,6 +786,8 @@ async def _pdserve_section(args: argparse.Namespace, decode_per_rank: bool = Fal
             "report_messages_per_s": sent.get("messages", sent["rank_reports"]) / elapsed,
             "scheduler_loop_max_lag_ms": control.stalls.max_lag_s * 1e3,
             "reports_malformed": control.counters["reports_malformed"],
+            "report_batches": control.counters["report_batches"],
+            "reports_applied": control.counters["reports_applied"],
             "reports_compact_engine_events": control.counters["reports_compact_engine_events"],
             "removed_share": args.removed_share,
             "published_removed": stats.events_by_type.get("BlockRemoved", 0),
