@@ -90,7 +90,7 @@ class SimEngine:
 
     async def start(self, channels: list[Any]) -> None:
         """Registers every rank with every replica (one channel per replica), as ControlFanout does."""
-        from bench.events import rank_messages
+        from bench.events_load import rank_messages
         from pdserve.v1 import control_pb2 as cpb
         from pdserve.v1 import control_pb2_grpc, engine_pb2_grpc
         from services.common.grpc_server import ServiceServer
@@ -214,7 +214,7 @@ class SimEngine:
         self.stats["reports"] += 1
 
     async def _steps(self, end: float) -> None:
-        from bench.events import scrambled_base
+        from bench.events_load import scrambled_base
         from connectors.kv_events import MEDIUM_CPU_OFFLOAD, BlockStored, event_to_proto
         from pdserve.v1 import kv_events_pb2
 

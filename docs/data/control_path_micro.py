@@ -2,7 +2,7 @@
 
 64 engines x tp 8 registered with a real `ControlServicer` (registry, aggregator, joiner) whose
 sink is a real `EventPlane` republisher (prefix index, no ZMQ); each engine step has 64 stamped
-CPU_OFFLOAD BlockStored (`bench.events.stamped_compact_wire`). Every report is parsed from its
+CPU_OFFLOAD BlockStored (`bench.events_load.stamped_compact_wire`). Every report is parsed from its
 bytes (what gRPC does before the servicer sees it) and applied as the stream reader applies it
 (`touch`, `_apply_message`). No gRPC, no other process: the servicer's own CPU per step.
 
@@ -20,7 +20,7 @@ import asyncio
 import sys
 import time
 
-from bench.events import length_delimited, stamped_compact_wire, varint
+from bench.events_load import length_delimited, stamped_compact_wire, varint
 from pdserve.v1 import control_pb2 as cpb
 from services.common.config import SchedulerConfig
 from services.scheduler.control import ControlServicer, RankConnection, hello_from_proto

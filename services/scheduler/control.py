@@ -91,6 +91,7 @@ HELLO_TIMEOUT_S = 10.0
 MAX_HELD_MESSAGES = 10_000
 MAX_REPORTS_PER_MESSAGE = 256
 MAX_ACK_INTERVAL_S = 1.0
+STREAM_WINDOW_BYTES = 16 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +144,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         if ack_interval_s < 0:
             raise ValueError(f"ack_interval_s must be >= 0, got {ack_interval_s}")
         self.ack_interval_s = ack_interval_s
+        # See flow_options (None: gRPC's default window, grown by BDP probing).
+        self.stream_window_bytes: int | None = STREAM_WINDOW_BYTES
         # Told in Welcome: ranks may send StepReport.packed_worker_events.
         self.accepts_packed_worker_events = True
         # Told in Welcome: a report may carry its engine's other ranks' identical worker events
@@ -211,7 +214,17 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                 ("grpc.http2.max_pings_without_data", 0),
                 # Any unanswered PING (a flow-control probe too) ends the connection at the timeout:
                 # a keepalive PING queued behind one would never be sent.
-                ("grpc.http2.ping_timeout_ms", max(1, int(self.registry.heartbeat_timeout_s * 1000)))]
+                ("grpc.http2.ping_timeout_ms", max(1, int(self.registry.heartbeat_timeout_s * 1000))),
+                *self.flow_options()]
+
+    def flow_options(self) -> list[tuple[str, int]]:
+        """Each rank stream's receive window, `stream_window_bytes` and never grown (no BDP
+        probe): when this scheduler falls behind, a rank's unread reports wait at the rank,
+        where the next ones join them in one ReportBatch (one message to read and apply for
+        several steps, order kept), rather than as single messages in this process's buffers."""
+        if self.stream_window_bytes is None:
+            return []
+        return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", self.stream_window_bytes)]
 
     # -- lifecycle ----------------------------------------------------------------------------
 

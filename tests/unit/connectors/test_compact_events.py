@@ -314,7 +314,7 @@ def test_index_apply_compact_equals_apply(batches: list[tuple[KVCacheEvent, ...]
 def test_the_bench_builds_what_the_encoder_gives() -> None:
     """`bench events`' byte templates for a step with BlockRemoved (compact and protobuf) are
     the encoders' bytes for the same events."""
-    from bench.events import stamped_compact_wire, step_events, step_events_wire
+    from bench.events_load import stamped_compact_wire, step_events, step_events_wire
     from connectors.kv_events import event_to_proto
     from pdserve.v1 import kv_events_pb2 as kpb
 
@@ -332,7 +332,8 @@ def test_the_bench_builds_what_the_encoder_gives() -> None:
 def test_the_bench_subscribers_read_what_a_full_decode_reads() -> None:
     """`bench events`' ZMQ subscribers read a message's event count and first hash from its
     head: the same as decoding it whole, in vLLM's map form and the legacy array form."""
-    from bench.events import step_events, zmq_batch_full, zmq_batch_head
+    from bench.events import zmq_batch_full, zmq_batch_head
+    from bench.events_load import step_events
 
     for n, prev, gone in ((1, None, 0), (15, None, 0), (16, None, 0), (64, 1.25, 16), (200, None, 0)):
         events = step_events(2.5, n, prev, gone)

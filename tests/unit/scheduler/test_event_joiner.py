@@ -146,3 +146,54 @@ def test_steps_batched_per_rank_are_decoded_once_each() -> None:
     joiner.flush_all()
     assert sorted(decodes) == [0, 1, 2]
     assert _state(joined) == _state(oracle)
+
+
+def test_steps_of_stores_batched_per_rank_still_meet() -> None:
+    """The same with BlockStored steps alone: each step's copies still join (one aggregator call
+    for the first copy, one for the rest), and the step is published once, whole."""
+    contents = [c for c in _contents() if not c.kinds][:3]
+    agg = KVOutputAggregator(clock=lambda: 0.0)
+    agg.register_engine("e", 1, range(3))
+    published: list[list[int] | None] = []
+    joiner = EventJoiner(agg, lambda *a: published.append(a[3]))
+    for rank in range(3):
+        for i, c in enumerate(contents):
+            own = joiner.add("e", 1, (rank,), 3, bytes([i]), lambda c=c: c)[1]
+            if own is None or own:
+                published.append(own)
+    joiner.flush_all()
+    assert joiner.num_decoded == 3 and joiner.num_joined == 6 and len(joiner) == 0
+    assert agg.pending_reports()["e"].blocks == 0 and len(published) == 3
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_ranks_sending_several_steps_each_equal_every_rank_applying_its_own(data: st.DataObject) -> None:
+    """Each rank sends a run of steps in order (a ReportBatch each); the runs arrive interleaved
+    in any way that keeps each rank's order: state and each block's events are the oracle's."""
+    contents = _contents()
+    tp = data.draw(st.integers(1, 4))
+    steps = data.draw(st.lists(st.integers(0, len(contents) - 1), min_size=1, max_size=6))
+    oracle, joined = KVOutputAggregator(clock=lambda: 0.0), KVOutputAggregator(clock=lambda: 0.0)
+    for agg in (oracle, joined):
+        agg.register_engine("e", 1, range(tp))
+    want: list[tuple[str, list[KVCacheEvent]]] = []
+    got: list[tuple[str, list[KVCacheEvent]]] = []
+    joiner = EventJoiner(joined, lambda e, _epoch, c, idx: _published(got, e, c, idx))
+    left = {r: list(steps) for r in range(tp)}
+    while left:
+        rank = data.draw(st.sampled_from(sorted(left)))
+        for _ in range(data.draw(st.integers(1, len(left[rank])))):
+            content = left[rank].pop(0)
+            c = contents[content]
+            published = oracle.add_shared_hashes("e", 1, (rank,), c.key, c.hashes, c.sizes, c.kinds)
+            if published is None or published:
+                _published(want, "e", c, published)
+            _, own = joiner.add("e", 1, (rank,), tp, content, lambda c=c: c)
+            if own is None or own:
+                _published(got, "e", c, own)
+        if not left[rank]:
+            del left[rank]
+    joiner.flush_all()
+    assert _state(joined) == _state(oracle)
+    assert _per_block(got, "e") == _per_block(want, "e")
