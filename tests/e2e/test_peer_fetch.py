@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -147,6 +148,56 @@ def test_prefix_held_only_by_a_busy_decode_engine_is_pulled_from_it(cluster: Loc
               and f'source="{holder}"' in line]
     assert blocks and float(blocks[0].rsplit(" ", 1)[1]) >= (PREFIX_LEN - BLOCK) // BLOCK, blocks
     assert 'pdserve_kv_prompt_tokens_by_tier_total{tier="peer"}' in text
+
+
+SYSTEM = ("You are a careful assistant for a team that runs a disaggregated inference service. "
+          "Answer in short, plain sentences, name the component you mean, and say when you are unsure. ") * 3
+
+
+def _running_decode_engine(c: LocalCluster, timeout: float = 60.0) -> str:
+    """The decode engine with a request running (the busy chat turn)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for name in ("decode-0", "decode-1"):
+            if c.inspect(name).num_running:
+                return name
+        time.sleep(0.05)
+    raise AssertionError("no decode engine is running the busy request")
+
+
+def test_multi_turn_chat_reuses_the_previous_turns_kv_from_the_engine_that_generated_it(
+        cluster: LocalCluster, demo_model: Path) -> None:
+    import openai
+
+    from services.scheduler.tokenization import PromptTokenizer
+
+    client = openai.OpenAI(base_url=cluster.http_url, api_key="unused-without-auth", max_retries=0, timeout=300)
+    [card] = client.models.list().data
+    turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What does a decode engine do?"}]
+    first = client.chat.completions.create(model=card.id, messages=turn1, max_tokens=24,  # type: ignore[arg-type]
+                                           temperature=0, extra_body={"ignore_eos": True})
+    answer = first.choices[0].message.content or ""
+    # The same turn again, long: its engine (the holder of turn 1's blocks, by prefix) is busy.
+    busy = threading.Thread(target=lambda: client.chat.completions.create(
+        model=card.id, messages=turn1, max_tokens=BUSY_TOKENS, temperature=0,  # type: ignore[arg-type]
+        extra_body={"ignore_eos": True}), daemon=True)
+    busy.start()
+    holder = _running_decode_engine(cluster)
+    turn2 = [*turn1, {"role": "assistant", "content": answer}, {"role": "user", "content": "And a prefill engine?"}]
+    second = client.chat.completions.create(model=card.id, messages=turn2, max_tokens=MAX_TOKENS,  # type: ignore[arg-type]
+                                            temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    busy.join(300)
+    tokenizer = PromptTokenizer(demo_model)
+    prompt = tokenizer.encode(tokenizer.render_messages(turn2))
+    [expected] = _reference(demo_model, [prompt])
+    assert (second.choices[0].model_extra or {})["token_ids"] == expected
+    usage = second.usage
+    assert usage is not None
+    fetched = (usage.model_extra or {}).get("peer_fetched_tokens", 0)
+    # Turn 1's prompt at least (the system text and the first question) came from the holder.
+    assert fetched >= len(tokenizer.encode(tokenizer.render_messages(turn1))) // BLOCK * BLOCK - 2 * BLOCK, usage
+    assert holder in ("decode-0", "decode-1")
+    assert cluster.wait_no_leaks() == {}
 
 
 def test_holder_killed_mid_fetch_recomputes_and_output_is_unchanged(cluster: LocalCluster, demo_model: Path) -> None:
