@@ -159,6 +159,7 @@ def overview() -> Board:
     b.ts("Peer fetches: blocks / s, failures / s, p90 duration", [
         q(f"sum by (source, target) (rate(pdserve_kv_peer_fetch_blocks_total[{RI}]))", "blocks {{source}} -> {{target}}"),
         q(f"sum by (reason) (rate(pdserve_kv_peer_fetch_failures_total[{RI}]))", "failed {{reason}}"),
+        q(f"sum by (source, target) (rate(pdserve_kv_peer_fetch_bytes_total[{RI}])) / 1e6", "MB/s {{source}} -> {{target}}"),
         q(pct(0.9, "pdserve_kv_peer_fetch_duration_seconds"), "p90 duration (s)")])
     b.ts("Decode-only, migrations, retries", [
         q(f"sum by (reason) (rate(pdserve_scheduler_decode_only_total[{RI}]))", "decode-only {{reason}}"),

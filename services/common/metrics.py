@@ -1,6 +1,7 @@
 """The pdserve metric catalogue: every Prometheus metric, defined once, and small wrappers.
 
-Naming: `pdserve_<component>_<thing>_<unit>` (counters end in `_total`). Labels are
+Naming: `pdserve_<component>_<thing>_<unit>` (counters end in `_total`); `pdserve_kv_*` for
+KV reuse across engines, which spans scheduler and engines (decision 0043). Labels are
 low-cardinality only: engine ids, roles, media, reasons, policies, outcomes and
 prefill→decode pairs (`src_engine`, `dst_engine`) — never a request id or prompt text.
 

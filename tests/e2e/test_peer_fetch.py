@@ -10,7 +10,7 @@ The holder is made busy, not absent: `--max-queue-per-engine 1` and a long reque
 it, so the router must send the next prompt elsewhere (the issue's "the holder is busy").
 Every prompt is decode-local (`--path-policy threshold` with a threshold no prompt reaches) and
 every fetch is made (`--peer-fetch always`), so the scenario does not depend on this machine's
-speed; the cost choice is covered by tests/unit/scheduler/test_peer_fetch.py.
+speed; the cost choice is covered by tests/unit/scheduler/test_peer_fetch_policy.py.
 Cost: one cluster, about 60-90 s on the shared 2-core machine."""
 
 from __future__ import annotations
