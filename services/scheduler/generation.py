@@ -230,8 +230,9 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline has already passed")
         hashes = self.hasher.external_hashes(valid.prompt_token_ids)
         ttft, itl = _target_s(valid.sampling, "ttft_target_ms"), _target_s(valid.sampling, "itl_target_ms")
+        busy = self.engine_views.full() if self.router.fetch is not None else ()
         route = self.router.route(RoutingRequest(hashes, len(valid.prompt_token_ids), ttft, itl),
-                                  self._views(Role.PREFILL), self._views(Role.DECODE))
+                                  self._views(Role.PREFILL), self._views(Role.DECODE), busy=busy)
         if valid.output_token_ids:  # resumed: the decode engine computes prompt + outputs
             route = dataclasses.replace(route, prefill=RoutingDecision(None, "resumed"), fetch=None)
         if route.decode.engine_id is None or route.path is None:

@@ -164,7 +164,8 @@ class Router:
     paths: Counter[str] = field(default_factory=Counter)
 
     def route(self, request: RoutingRequest, prefill_engines: Sequence[EngineView],
-              decode_engines: Sequence[EngineView], *, exclude_decode: frozenset[str] = frozenset()) -> Route:
+              decode_engines: Sequence[EngineView], *, exclude_decode: frozenset[str] = frozenset(),
+              busy: Sequence[EngineView] = ()) -> Route:
         """Chooses both legs among the given (healthy, admissible) engines.
 
         `exclude_decode` removes decode engines a migrating request already failed on. When no
@@ -173,7 +174,8 @@ class Router:
         RESOURCE_EXHAUSTED. Only prefill engines whose KV-head layout some decode engine can
         read are offered to the policy (`pair_problem`); when none is, or the path's decode
         engine cannot read the chosen one, the request is decode-only with reason
-        `decode_only_unmappable_tp`.
+        `decode_only_unmappable_tp`. `busy` engines (at their admission bound) are never chosen,
+        but may be the holder a peer fetch pulls from.
         """
         decodes = [e for e in decode_engines if e.engine_id not in exclude_decode]
         if not decodes:
@@ -196,8 +198,10 @@ class Router:
             else:
                 path = self.path.decide(want, view, decodes, matched)
         fetch = None
-        if self.fetch is not None and matched:
-            path, fetch = self._peer_fetch(want, path, [*prefill_engines, *decodes], decodes, matched)
+        if self.fetch is not None:
+            held = {**self._matched_blocks(request, busy), **matched} if busy else matched
+            if held:
+                path, fetch = self._peer_fetch(want, path, [*prefill_engines, *decodes, *busy], decodes, held)
         prefill = chosen if chosen is not None and not path.local else RoutingDecision(None, path.reason)
         target = next((e for e in decodes if e.engine_id == path.decode_id), None)
         if prefill.engine_id is not None and view is not None and target is not None \

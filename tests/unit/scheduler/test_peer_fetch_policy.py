@@ -115,3 +115,18 @@ def test_router_turns_a_remote_decision_into_a_local_fetch_and_skips_unmappable_
     d1_h3 = view("d1", num_kv_heads=3)
     route = router.route(RoutingRequest(hashes, 330, prefix_matches=matches), [p0], [d0_tp2, d1_h3])
     assert route.fetch is None
+
+
+def test_a_busy_engine_is_never_routed_to_but_is_fetched_from() -> None:
+    from services.scheduler.prefix_index import EngineMatch
+
+    router = Router(LoadBasedPolicy(), path=PathPolicy(PathConfig(mode="threshold", threshold_tokens=100_000),
+                                                       PathCosts(PRIORS)),
+                    fetch=PeerFetchPolicy(PeerFetchConfig("always")))
+    matches = {"d0": EngineMatch("d0", 1, 12, tuple(frozenset({"GPU"}) for _ in range(12)))}
+    request = RoutingRequest(list(range(1, 15)), 229, prefix_matches=matches)
+    route = router.route(request, [view("p0", "prefill")], [view("d1")], busy=[view("d0", num_inflight=1)])
+    assert route.decode.engine_id == "d1"
+    assert route.fetch is not None and (route.fetch.holder_id, route.fetch.num_blocks) == ("d0", 12)
+    # Without the busy holder's view its blocks are unknown: nothing to fetch.
+    assert router.route(request, [view("p0", "prefill")], [view("d1")]).fetch is None
