@@ -103,20 +103,19 @@ def _holder_of(c: LocalCluster, prompt: list[int]) -> str:
     """The decode engine whose KV events report the prompt's last full prefix block."""
     block = BlockHasher(BLOCK, DEFAULT_HASH_SEED).external_hashes(prompt)[PREFIX_LEN // BLOCK - 1]
     found: list[str] = []
+    done = threading.Event()
 
     def watch(name: str) -> None:
         try:
             _wait_for_block(c, name, block, timeout=30.0)
             found.append(name)
-        except Exception:  # noqa: BLE001 - not this engine
+            done.set()
+        except Exception:  # noqa: BLE001 - not this engine (its stream times out, a daemon thread)
             pass
 
-    threads = [threading.Thread(target=watch, args=(n,), daemon=True) for n in ("decode-0", "decode-1")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(35)
-    assert found, "no decode engine reported the prefix"
+    for n in ("decode-0", "decode-1"):
+        threading.Thread(target=watch, args=(n,), daemon=True).start()
+    assert done.wait(35), "no decode engine reported the prefix"
     return found[0]
 
 
