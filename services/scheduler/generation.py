@@ -22,6 +22,12 @@ Contracts (see generation.proto):
   finish reason): the request continues on another decode engine with the prompt plus every
   token already streamed, up to `max_migrations` times; the client sees neither an error nor a
   repeated token.
+- Peer fetch (decision 0043, `route.fetch`): the holder pins the prefix through a Prefill with
+  `peer_fetch` (at most `peer_fetch_timeout_s`), then the decode engine pulls it with the
+  descriptor and computes the rest; the holder is `Request.prefill` for the release-once rule. A
+  failed pin sends the Decode without a descriptor; a failed pull is recomputed by the decode
+  engine (KVFailed). Either is counted (`pdserve_kv_peer_fetch_failures_total`); the output
+  never changes.
 - Client cancel or deadline: both legs get an Abort, the prefill blocks are released; whichever
   of done / abort / lease comes first releases them, exactly once (counted in the RequestTable's outcomes).
 """
