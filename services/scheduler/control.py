@@ -99,16 +99,20 @@ class _Close:
     reason: str
 
 
-def peer_roles(role: Role) -> tuple[Role, ...]:
+def peer_roles(role: Role, decode_peers: bool = False) -> tuple[Role, ...]:
     """The roles whose ranks' handshakes a rank of `role` gets: a prefill rank its readers (the
-    decode ranks); a decode rank every engine it may pull from — prefill engines, and other
-    decode engines for peer fetches (decision 0043)."""
-    return (Role.DECODE,) if role == Role.PREFILL else (Role.PREFILL, Role.DECODE)
+    decode ranks); a decode rank every engine it may pull from — prefill engines, and with
+    `decode_peers` (peer fetch on, decision 0043) the other decode engines."""
+    if role == Role.PREFILL:
+        return (Role.DECODE,)
+    return (Role.PREFILL, Role.DECODE) if decode_peers else (Role.PREFILL,)
 
 
-def audience(role: Role) -> tuple[Role, ...]:
+def audience(role: Role, decode_peers: bool = False) -> tuple[Role, ...]:
     """The roles told when a rank of `role` joins or leaves (the converse of `peer_roles`)."""
-    return (Role.DECODE,) if role == Role.PREFILL else (Role.PREFILL, Role.DECODE)
+    if role == Role.PREFILL:
+        return (Role.DECODE,)
+    return (Role.PREFILL, Role.DECODE) if decode_peers else (Role.PREFILL,)
 
 
 @dataclass(slots=True)
@@ -138,8 +142,11 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
     def __init__(self, registry: EngineRegistry, *, aggregator: KVOutputAggregator | None = None,
                  tracker: TransferTracker | None = None, sink: EventSink | None = None,
                  heartbeat_interval_s: float = 1.0, scheduler_id: str = "",
-                 telemetry: SchedulerTelemetry | None = None, ack_interval_s: float | None = None) -> None:
+                 telemetry: SchedulerTelemetry | None = None, ack_interval_s: float | None = None,
+                 decode_peers: bool = False) -> None:
         self.registry = registry
+        # Decode ranks also get the other decode engines' handshakes (peer fetch on).
+        self.decode_peers = decode_peers
         self.aggregator = aggregator or KVOutputAggregator(clock=registry.clock)
         self.tracker = tracker or TransferTracker(clock=registry.clock)
         self.sink: EventSink = sink or NullEventSink()
@@ -404,7 +411,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         engine = engine or self.registry.engine(ref.engine_id, ref.epoch)
         if engine is not None and engine.ranks:
             left = [identity_to_proto(engine, rid) for rid in engine.ranks]
-            for other in audience(engine.role):
+            for other in audience(engine.role, self.decode_peers):
                 self._broadcast(other, pb.SchedulerMessage(peer_update=pb.PeerUpdate(left=left)),
                                 skip=engine.engine_id)
         for hook in self.on_engine_down:
@@ -418,7 +425,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             self.down.discard(ref)
             logger.info("engine %s epoch %#x is back", engine.engine_id, engine.epoch)
             joined = [peer_info_to_proto(engine, r) for r in engine.ranks.values()]
-            for other in audience(engine.role):
+            for other in audience(engine.role, self.decode_peers):
                 self._broadcast(other, pb.SchedulerMessage(peer_update=pb.PeerUpdate(joined=joined)),
                                 skip=engine.engine_id)
             for hook in self.on_engine_up:
@@ -493,7 +500,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         if not reg.new_rank:
             self.telemetry.metrics.count_control_reconnect(engine.engine_id)
         if reg.new_rank:
-            for other in audience(engine.role):
+            for other in audience(engine.role, self.decode_peers):
                 self._announce_joined(other, peer_info_to_proto(engine, reg.rank))
         self.counters["hello_accepted"] += 1
         logger.info("rank %s tp=%d/%d of %s engine %s epoch %#x registered", hello.tp_rank, hello.tp_rank,
@@ -517,7 +524,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self.down.discard(old)
 
     def _welcome(self, engine: EngineState, rank: RankState) -> pb.SchedulerMessage:
-        peers = [peer_info_to_proto(e, r) for other in peer_roles(engine.role) for e in self.registry.by_role(other)
+        peers = [peer_info_to_proto(e, r) for other in peer_roles(engine.role, self.decode_peers) for e in self.registry.by_role(other)
                  if e.engine_id != engine.engine_id and EngineRef(e.engine_id, e.epoch) not in self.down
                  for r in e.ranks.values()]
         welcome = pb.Welcome(expected_ranks=[identity_to_proto(engine, r) for r in engine.expected_ranks()], peers=peers,

@@ -120,7 +120,8 @@ class SchedulerService:
         if config.peers and sink is not None:
             sink = self.convergence = IndexConvergence(sink, EnginePositions())
         self.control = ControlServicer(self.registry, sink=sink, heartbeat_interval_s=config.heartbeat_interval_s,
-                                       scheduler_id=self.scheduler_id, telemetry=self.telemetry)
+                                       scheduler_id=self.scheduler_id, telemetry=self.telemetry,
+                                       decode_peers=config.peer_fetch != "off")
         self.peer_snapshots: PeerSnapshots | None = None
         if self.convergence is not None:
             self.convergence.positions = self.control.positions

@@ -130,3 +130,12 @@ def test_a_busy_engine_is_never_routed_to_but_is_fetched_from() -> None:
     assert route.fetch is not None and (route.fetch.holder_id, route.fetch.num_blocks) == ("d0", 12)
     # Without the busy holder's view its blocks are unknown: nothing to fetch.
     assert router.route(request, [view("p0", "prefill")], [view("d1")]).fetch is None
+
+
+def test_decode_ranks_learn_decode_engines_only_with_peer_fetch_on() -> None:
+    from services.scheduler.control import audience, peer_roles
+    from services.scheduler.registry import Role
+
+    assert peer_roles(Role.DECODE) == audience(Role.DECODE) == (Role.PREFILL,)
+    assert peer_roles(Role.DECODE, True) == audience(Role.DECODE, True) == (Role.PREFILL, Role.DECODE)
+    assert peer_roles(Role.PREFILL, True) == audience(Role.PREFILL, True) == (Role.DECODE,)
