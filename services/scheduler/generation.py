@@ -201,6 +201,11 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         route_span.set_attribute("pdserve.route.prefill", route.prefill.engine_id or "")
         route_span.set_attribute("pdserve.route.reason", route.prefill.reason)
         route_span.set_attribute("pdserve.route.matched_blocks", route.prefill.matched_blocks)
+        if route.fetch is not None:
+            route_span.set_attribute("pdserve.route.peer_fetch.holder", route.fetch.holder_id)
+            route_span.set_attribute("pdserve.route.peer_fetch.blocks", route.fetch.num_blocks)
+            route_span.set_attribute("pdserve.route.peer_fetch.pull_tokens", route.fetch.num_pull_tokens)
+            route_span.set_attribute("pdserve.route.peer_fetch.predicted_ms", 1000.0 * route.fetch.predicted_s)
         if route.path is not None:
             route_span.set_attribute("pdserve.route.path", route.path.path)
             route_span.set_attribute("pdserve.route.path_reason", route.path.reason)
