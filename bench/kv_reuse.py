@@ -110,8 +110,8 @@ def _side(name: str, args: argparse.Namespace, mode: str, vocab: int) -> dict[st
     summary = summarize(done, wall, args)
     prompt = sum(r.prompt_tokens for r in done)
     peer = sum(r.peer_fetched_tokens for r in done)
-    computed = sum(max(0, r.prompt_tokens - r.cached_tokens - r.peer_fetched_tokens - r.transferred_tokens)
-                   for r in done)
+    # Computed somewhere (a prefill engine's tokens, later pulled, were computed too).
+    computed = sum(max(0, r.prompt_tokens - r.cached_tokens - r.peer_fetched_tokens) for r in done)
     errors = [abs(r.predicted_ttft_ms - r.scheduler_ttft_ms) / r.scheduler_ttft_ms for r in done
               if r.peer_fetch_engine_id and r.predicted_ttft_ms > 0 and r.scheduler_ttft_ms > 0]
     summary.update(peer_fetched_tokens=peer, peer_hit_rate=round(peer / prompt, 4) if prompt else 0.0,

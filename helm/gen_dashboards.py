@@ -153,7 +153,7 @@ def overview() -> Board:
     b.ts("Prompt tokens: transferred vs total", [
         q(f"sum(rate(pdserve_scheduler_transferred_tokens_total[{RI}]))", "transferred (pulled by decode)"),
         q(f"sum(rate(pdserve_scheduler_prompt_tokens_total[{RI}]))", "prompt")])
-    b.ts("KV hit rate by tier: own cache, peer fetch, prefill pull, recomputed", [
+    b.ts("KV hit rate by tier: own cache, peer fetch, recomputed", [
         q(f"sum by (tier) (rate(pdserve_kv_prompt_tokens_by_tier_total[{RI}])) / ignoring(tier) group_left "
           f"sum(rate(pdserve_kv_prompt_tokens_by_tier_total[{RI}]))", "{{tier}}")], "percentunit")
     b.ts("Peer fetches: blocks / s, failures / s, p90 duration", [

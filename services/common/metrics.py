@@ -132,8 +132,8 @@ _SPECS = (
                "Peer fetches from dispatch to the blocks' arrival (the holder's pin and the pull)",
                ("source", "target", "transport"), LATENCY_BUCKETS),
     MetricSpec("pdserve_kv_prompt_tokens_by_tier_total", _C,
-               "Prompt tokens by where their KV came from: own (the computing engine's cache), peer (pulled "
-               "from another engine's cache), transferred (a prefill engine's pull), recomputed", ("tier",)),
+               "Prompt tokens by where their KV came from: own (the computing engine's prefix cache), peer "
+               "(pulled from another engine's cache), recomputed", ("tier",)),
     MetricSpec("pdserve_scheduler_decode_only_total", _C,
                "Requests served without a prefill engine, by reason "
                "(short_prompt, no_prefill_engine, prefill_failed)", ("reason",)),
@@ -446,9 +446,9 @@ class SchedulerMetrics(_Group):
     def peer_fetch_failed(self, source: str, target: str, transport: str, reason: str) -> None:
         self._labelled("pdserve_kv_peer_fetch_failures_total", source, target, transport, reason).inc()
 
-    def count_prompt_tiers(self, own: int, peer: int, transferred: int, recomputed: int) -> None:
+    def count_prompt_tiers(self, own: int, peer: int, recomputed: int) -> None:
         """One request's prompt tokens by where their KV came from."""
-        for tier, n in (("own", own), ("peer", peer), ("transferred", transferred), ("recomputed", recomputed)):
+        for tier, n in (("own", own), ("peer", peer), ("recomputed", recomputed)):
             if n > 0:
                 self._labelled("pdserve_kv_prompt_tokens_by_tier_total", tier).inc(n)
 

@@ -618,8 +618,8 @@ class GenerationServicer(gen_grpc.GenerationServicer):
 
     def _count_tiers(self, request: Request) -> None:
         """The request's prompt tokens by where their KV came from (the dashboard's hit rate by tier)."""
-        own, peer, moved = request.num_cached_tokens, request.num_peer_fetched_tokens, request.num_transferred_tokens
-        self.metrics.count_prompt_tiers(own, peer, moved, max(0, request.num_prompt_tokens - own - peer - moved))
+        own, peer = request.num_cached_tokens, request.num_peer_fetched_tokens
+        self.metrics.count_prompt_tiers(own, peer, max(0, request.num_prompt_tokens - own - peer))
 
     def _complete(self, request: Request, finish_reason: int) -> gen_pb.GenerateResponse:
         usage = gen_pb.Usage(prompt_tokens=request.num_prompt_tokens, cached_tokens=request.num_cached_tokens,
