@@ -77,7 +77,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="open-loop Poisson arrivals per second instead of fixed concurrency")
     parser.add_argument("--prompt-len", default="64:512", help="prompt length range MIN:MAX (uniform)")
     parser.add_argument("--output-len", default="16:32", help="output length range MIN:MAX (uniform)")
-    parser.add_argument("--workload", choices=["random", "shared-prefix", "mixed"], default="random",
+    parser.add_argument("--compare-kv-reuse", action="store_true",
+                        help="KV reuse across engines (peer fetch) off vs on, 2 prefill + 2 decode engines "
+                             "(bench/kv_reuse.py); --workload multi-turn, shared-prefix or random")
+    parser.add_argument("--kv-reuse-mode", choices=["cost", "always"], default="cost",
+                        help="--compare-kv-reuse: the scheduler's --peer-fetch on the reuse side")
+    parser.add_argument("--conversations", type=int, default=6, help="multi-turn workload: conversations")
+    parser.add_argument("--turns", type=int, default=4, help="multi-turn workload: turns per conversation")
+    parser.add_argument("--workload", choices=["random", "shared-prefix", "mixed", "multi-turn"], default="random",
                         help="shared-prefix: prompts share one of a few long prefixes; mixed: short chat turns "
                              "(--short-len) and long shared-prefix prompts (--prompt-len)")
     parser.add_argument("--short-len", default="8:32", help="mixed workload: short prompt length range MIN:MAX")
@@ -648,6 +655,11 @@ def run(args: argparse.Namespace) -> int:
     elif args.target:
         results, wall = asyncio.run(_drive(args.target, wl, args.concurrency, args.request_rate))
         report["target"] = summarize(results, wall, args)
+    elif args.compare_kv_reuse:
+        from bench.kv_reuse import compare_kv_reuse
+
+        report.update(compare_kv_reuse(args, vocab))
+        report["baseline_first"] = getattr(args, "baseline_first", True)
     elif args.compare_paths:
         report.update(_compare_paths(args, wl))
         report["baseline_first"] = getattr(args, "baseline_first", True)

@@ -119,15 +119,22 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                    mode: RequestMode = RequestMode.NORMAL, output_token_ids: list[int] | None = None) -> None:
+                    mode: RequestMode = RequestMode.NORMAL, output_token_ids: list[int] | None = None,
+                    remote_kv_tokens: int | None = None) -> None:
         """Queues a request (see module doc of engine/request.py for the modes). ValueError on bad
         input; NoFreeBlocksError (a RuntimeError) when a REMOTE_KV request's prompt blocks do not
-        fit now. Either way nothing changes."""
+        fit now. Either way nothing changes. `remote_kv_tokens` (REMOTE_KV only): the tokens
+        whose KV the data plane brings (default: all but the last token); the rest is computed
+        here, e.g. after a peer fetch of a prefix."""
         outputs = list(output_token_ids or [])
         self._validate(request_id, prompt_token_ids, params, outputs)
         request = Request(request_id, list(prompt_token_ids), params, mode=mode,
                           all_token_ids=list(prompt_token_ids) + outputs,
                           num_initial_output_tokens=len(outputs), arrival_order=self._order)
+        if remote_kv_tokens is not None:
+            if mode is not RequestMode.REMOTE_KV or not 0 < remote_kv_tokens < len(request.all_token_ids):
+                raise ValueError(f"remote_kv_tokens {remote_kv_tokens} needs a REMOTE_KV request of more tokens")
+            request.remote_kv_target = remote_kv_tokens
         self.batch_scheduler.add_request(request)
         self._order += 1
         self.sampler.add_request(request_id, params)

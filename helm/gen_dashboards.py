@@ -153,6 +153,14 @@ def overview() -> Board:
     b.ts("Prompt tokens: transferred vs total", [
         q(f"sum(rate(pdserve_scheduler_transferred_tokens_total[{RI}]))", "transferred (pulled by decode)"),
         q(f"sum(rate(pdserve_scheduler_prompt_tokens_total[{RI}]))", "prompt")])
+    b.ts("KV hit rate by tier: own cache, peer fetch, recomputed", [
+        q(f"sum by (tier) (rate(pdserve_kv_prompt_tokens_by_tier_total[{RI}])) / ignoring(tier) group_left "
+          f"sum(rate(pdserve_kv_prompt_tokens_by_tier_total[{RI}]))", "{{tier}}")], "percentunit")
+    b.ts("Peer fetches: blocks / s, failures / s, p90 duration", [
+        q(f"sum by (source, target) (rate(pdserve_kv_peer_fetch_blocks_total[{RI}]))", "blocks {{source}} -> {{target}}"),
+        q(f"sum by (reason) (rate(pdserve_kv_peer_fetch_failures_total[{RI}]))", "failed {{reason}}"),
+        q(f"sum by (source, target) (rate(pdserve_kv_peer_fetch_bytes_total[{RI}])) / 1e6", "MB/s {{source}} -> {{target}}"),
+        q(pct(0.9, "pdserve_kv_peer_fetch_duration_seconds"), "p90 duration (s)")])
     b.ts("Decode-only, migrations, retries", [
         q(f"sum by (reason) (rate(pdserve_scheduler_decode_only_total[{RI}]))", "decode-only {{reason}}"),
         q(f"sum by (reason) (rate(pdserve_scheduler_migrations_total[{RI}]))", "migration {{reason}}"),

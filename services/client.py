@@ -59,6 +59,9 @@ class GenerationResult:
     cached_tokens: int = 0
     transferred_tokens: int = 0
     generated_tokens: int = 0
+    # Prompt tokens pulled from another engine's cache (a peer fetch), and that engine.
+    peer_fetched_tokens: int = 0
+    peer_fetch_engine_id: str = ""
     prefill_engine_id: str = ""
     decode_engine_id: str = ""
     num_migrations: int = 0
@@ -83,7 +86,9 @@ class GenerationResult:
             "finish_reason": self.finish_reason,
             "usage": {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
                       "transferred_tokens": self.transferred_tokens,
+                      "peer_fetched_tokens": self.peer_fetched_tokens,
                       "generated_tokens": self.generated_tokens},
+            "peer_fetch_engine_id": self.peer_fetch_engine_id,
             "prefill_engine_id": self.prefill_engine_id, "decode_engine_id": self.decode_engine_id,
             "num_migrations": self.num_migrations, "path_reason": self.path_reason,
             "predicted_ttft_ms": self.predicted_ttft_ms, "alternative_ttft_ms": self.alternative_ttft_ms,
@@ -158,6 +163,7 @@ class _ResultBuilder:
         u = done.usage
         r.prompt_tokens, r.cached_tokens = u.prompt_tokens, u.cached_tokens
         r.transferred_tokens, r.generated_tokens = u.transferred_tokens, u.generated_tokens
+        r.peer_fetched_tokens, r.peer_fetch_engine_id = u.peer_fetched_tokens, done.peer_fetch_engine_id
         r.prefill_engine_id, r.decode_engine_id = done.prefill_engine_id, done.decode_engine_id
         r.num_migrations = done.num_migrations
         r.scheduler_overhead_ms = done.scheduler_overhead_ms

@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
                 result = client.generate(prompt, timeout=args.timeout, chat=templated,
                                          on_chunk=lambda c: print(c.text, end="", flush=True), **kwargs)
                 print(f"\n[{result.finish_reason}; prompt {result.prompt_tokens}, cached {result.cached_tokens}, "
-                      f"transferred {result.transferred_tokens}, generated {result.generated_tokens} tokens]")
+                      f"transferred {result.transferred_tokens}, peer-fetched {result.peer_fetched_tokens}, "
+                      f"generated {result.generated_tokens} tokens]")
                 if isinstance(prompt, str) and not templated and result.finish_reason == "stop" \
                         and result.generated_tokens <= 1:
                     print("pdserve generate: hint: the answer ended at its first token; an instruct model "

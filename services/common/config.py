@@ -84,6 +84,13 @@ class SchedulerConfig:
                                          "a decode engine past it unless that meets more targets; 0: none")
     path_prior_prefill_us_per_token: float = opt(200.0, "cost path policy: prefill cost per token until measured")
     path_prior_transfer_us_per_token: float = opt(20.0, "cost path policy: transfer cost per token until measured")
+    # Peer fetch (services/scheduler/peer_fetch.py, decision 0043): the engine computing a prompt
+    # pulls a longer prefix cached on another engine instead of recomputing it.
+    peer_fetch: str = opt("off", "KV reuse across engines: cost (fetch when the pair's predicted transfer beats "
+                                 "recomputing and routing), always (whenever a peer holds more), off (the default)")
+    peer_fetch_min_blocks: int = opt(2, "peer fetch: fewest blocks a peer must hold beyond the computing engine")
+    peer_fetch_timeout_s: float = opt(5.0, "peer fetch: longest wait for the holder to pin its blocks; then the "
+                                           "prompt is recomputed")
     default_deadline_s: float = opt(120.0, "deadline for requests that set none")
     max_queue_per_engine: int = opt(256, "in-flight requests per engine before RESOURCE_EXHAUSTED")
     prefill_failure_policy: str = opt("recompute", "on prefill failure: recompute (decode) or retry")
@@ -155,6 +162,10 @@ class SchedulerConfig:
         _require(self.path_policy in ("cost", "threshold", "remote"), "path_policy",
                  f"must be cost, threshold or remote, got {self.path_policy!r}")
         _require(self.path_threshold_tokens >= 0, "path_threshold_tokens", "must be >= 0")
+        _require(self.peer_fetch in ("cost", "always", "off"), "peer_fetch",
+                 f"must be cost, always or off, got {self.peer_fetch!r}")
+        _require(self.peer_fetch_min_blocks >= 1, "peer_fetch_min_blocks", "must be >= 1")
+        _require(self.peer_fetch_timeout_s > 0, "peer_fetch_timeout_s", "must be > 0")
         _require(0 < self.path_max_decode_kv_usage <= 1, "path_max_decode_kv_usage", "must be in (0, 1]")
         for name in ("path_decode_stall_steps", "path_decode_stall_budget_ms", "path_decode_load_ms", "path_ttft_target_ms",
                      "path_itl_target_ms", "path_prior_prefill_us_per_token", "path_prior_transfer_us_per_token"):

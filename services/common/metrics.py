@@ -1,6 +1,7 @@
 """The pdserve metric catalogue: every Prometheus metric, defined once, and small wrappers.
 
-Naming: `pdserve_<component>_<thing>_<unit>` (counters end in `_total`). Labels are
+Naming: `pdserve_<component>_<thing>_<unit>` (counters end in `_total`); `pdserve_kv_*` for
+KV reuse across engines, which spans scheduler and engines (decision 0043). Labels are
 low-cardinality only: engine ids, roles, media, reasons, policies, outcomes and
 prefill→decode pairs (`src_engine`, `dst_engine`) — never a request id or prompt text.
 
@@ -117,6 +118,22 @@ _SPECS = (
                "(remote or decode_local)", ("path",), ERROR_RATIO_BUCKETS),
     MetricSpec("pdserve_scheduler_transferred_tokens_total", _C,
                "Prompt tokens decode engines pulled from prefill engines (only the blocks they lacked)"),
+    MetricSpec("pdserve_kv_peer_fetch_blocks_total", _C,
+               "KV blocks engines pulled from a peer's cache instead of recomputing (decision 0043), by holder "
+               "(source), puller (target) and transport", ("source", "target", "transport")),
+    MetricSpec("pdserve_kv_peer_fetch_bytes_total", _C,
+               "Bytes of the KV blocks pulled from a peer's cache (blocks x the KV bytes of a block)",
+               ("source", "target", "transport")),
+    MetricSpec("pdserve_kv_peer_fetch_failures_total", _C,
+               "Peer fetches that failed and were recomputed, by holder, puller, transport and reason "
+               "(pin_failed: the holder did not pin; transfer_failed: the pull failed)",
+               ("source", "target", "transport", "reason")),
+    MetricSpec("pdserve_kv_peer_fetch_duration_seconds", _H,
+               "Peer fetches from dispatch to the blocks' arrival (the holder's pin and the pull)",
+               ("source", "target", "transport"), LATENCY_BUCKETS),
+    MetricSpec("pdserve_kv_prompt_tokens_by_tier_total", _C,
+               "Prompt tokens by where their KV came from: own (the computing engine's prefix cache), peer "
+               "(pulled from another engine's cache), recomputed", ("tier",)),
     MetricSpec("pdserve_scheduler_decode_only_total", _C,
                "Requests served without a prefill engine, by reason "
                "(short_prompt, no_prefill_engine, prefill_failed)", ("reason",)),
@@ -346,6 +363,9 @@ class SchedulerMetrics(_Group):
               "pdserve_scheduler_decode_only_total", "pdserve_scheduler_migrations_total",
               "pdserve_scheduler_path_decisions_total", "pdserve_scheduler_transferred_tokens_total",
               "pdserve_scheduler_path_ttft_prediction_error_ratio",
+              "pdserve_kv_peer_fetch_blocks_total", "pdserve_kv_peer_fetch_bytes_total",
+              "pdserve_kv_peer_fetch_failures_total", "pdserve_kv_peer_fetch_duration_seconds",
+              "pdserve_kv_prompt_tokens_by_tier_total",
               "pdserve_scheduler_retries_total", "pdserve_scheduler_lease_outcomes_total",
               "pdserve_scheduler_control_reconnects_total", "pdserve_scheduler_registrations_refused_total",
               "pdserve_scheduler_client_refused_total", "pdserve_scheduler_client_streams",
@@ -414,6 +434,23 @@ class SchedulerMetrics(_Group):
 
     def count_transferred_tokens(self, num_tokens: int) -> None:
         self._m["pdserve_scheduler_transferred_tokens_total"].inc(num_tokens)
+
+    def peer_fetched(self, source: str, target: str, transport: str, num_blocks: int, num_bytes: int,
+                     seconds: float | None) -> None:
+        """A peer fetch whose blocks arrived."""
+        self._labelled("pdserve_kv_peer_fetch_blocks_total", source, target, transport).inc(num_blocks)
+        self._labelled("pdserve_kv_peer_fetch_bytes_total", source, target, transport).inc(num_bytes)
+        if seconds is not None:
+            self._labelled("pdserve_kv_peer_fetch_duration_seconds", source, target, transport).observe(seconds)
+
+    def peer_fetch_failed(self, source: str, target: str, transport: str, reason: str) -> None:
+        self._labelled("pdserve_kv_peer_fetch_failures_total", source, target, transport, reason).inc()
+
+    def count_prompt_tiers(self, own: int, peer: int, recomputed: int) -> None:
+        """One request's prompt tokens by where their KV came from."""
+        for tier, n in (("own", own), ("peer", peer), ("recomputed", recomputed)):
+            if n > 0:
+                self._labelled("pdserve_kv_prompt_tokens_by_tier_total", tier).inc(n)
 
     def count_decode_only(self, reason: str) -> None:
         self._labelled("pdserve_scheduler_decode_only_total", reason).inc()

@@ -62,6 +62,8 @@ class PrefillInput:
     # TP size of the decode engine that will read the KV (0: this engine's); each rank pins its
     # blocks for the decode ranks that read its KV heads (connectors.head_map.readers_of).
     decode_tp_size: int = 0
+    # A peer fetch: an engine of either role pins a prefix it holds for another engine's pull.
+    peer_fetch: bool = False
 
 
 @dataclass(slots=True)

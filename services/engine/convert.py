@@ -44,7 +44,7 @@ def descriptor_to_proto(d: KVTransferDescriptor) -> pb.TransferDescriptor:
 
 def prefill_from_proto(request: pb.PrefillRequest) -> PrefillInput:
     return PrefillInput(request.request_id, list(request.prompt_token_ids), sampling_from_proto(request.sampling),
-                        request.decode_tp_size)
+                        request.decode_tp_size, request.peer_fetch)
 
 
 def prefill_to_proto(request_id: str, result: PrefillResult) -> pb.PrefillResponse:

@@ -102,7 +102,8 @@ class EngineServicer(pb_grpc.EngineServicer):
         with self.tracer.span("prefill", request_id=request.request_id,
                               attributes={"pdserve.engine_id": self.config.engine_id,
                                           "pdserve.prompt_tokens": len(request.prompt_token_ids)}) as span:
-            await self._check_admits(context, "prefill", request.request_id)
+            # A peer fetch pins a prefix held here for another engine's pull: either role serves it.
+            await self._check_admits(context, self.role if request.peer_fetch else "prefill", request.request_id)
             try:
                 with _status_codes():
                     result = await self.backend.prefill(convert.prefill_from_proto(request))

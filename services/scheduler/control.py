@@ -100,6 +100,22 @@ class _Close:
     reason: str
 
 
+def peer_roles(role: Role, decode_peers: bool = False) -> tuple[Role, ...]:
+    """The roles whose ranks' handshakes a rank of `role` gets: a prefill rank its readers (the
+    decode ranks); a decode rank every engine it may pull from — prefill engines, and with
+    `decode_peers` (peer fetch on, decision 0043) the other decode engines."""
+    if role == Role.PREFILL:
+        return (Role.DECODE,)
+    return (Role.PREFILL, Role.DECODE) if decode_peers else (Role.PREFILL,)
+
+
+def audience(role: Role, decode_peers: bool = False) -> tuple[Role, ...]:
+    """The roles told when a rank of `role` joins or leaves (the converse of `peer_roles`)."""
+    if role == Role.PREFILL:
+        return (Role.DECODE,)
+    return (Role.PREFILL, Role.DECODE) if decode_peers else (Role.PREFILL,)
+
+
 @dataclass(slots=True)
 class RankConnection:
     rank_id: RankId
@@ -127,8 +143,11 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
     def __init__(self, registry: EngineRegistry, *, aggregator: KVOutputAggregator | None = None,
                  tracker: TransferTracker | None = None, sink: EventSink | None = None,
                  heartbeat_interval_s: float = 1.0, scheduler_id: str = "",
-                 telemetry: SchedulerTelemetry | None = None, ack_interval_s: float | None = None) -> None:
+                 telemetry: SchedulerTelemetry | None = None, ack_interval_s: float | None = None,
+                 decode_peers: bool = False) -> None:
         self.registry = registry
+        # Decode ranks also get the other decode engines' handshakes (peer fetch on).
+        self.decode_peers = decode_peers
         self.aggregator = aggregator or KVOutputAggregator(clock=registry.clock)
         self.tracker = tracker or TransferTracker(clock=registry.clock)
         self.sink: EventSink = sink or NullEventSink()
@@ -368,17 +387,24 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                 start = bisect.bisect_right(marks, conn.welcomed_at)
                 if start == len(items):
                     continue
+                engine_id = conn.rank_id.engine_id
+                if any(p.rank.engine_id == engine_id for _, p in items[start:]):  # never its own ranks
+                    joined = [p for _, p in items[start:] if p.rank.engine_id != engine_id]
+                    if joined:
+                        conn.queue.put_nowait(pb.SchedulerMessage(peer_update=pb.PeerUpdate(joined=joined)))
+                    continue
                 msg = cache.get(start)
                 if msg is None:
                     msg = pb.SchedulerMessage(peer_update=pb.PeerUpdate(joined=[p for _, p in items[start:]]))
                     cache[start] = msg
                 conn.queue.put_nowait(msg)
 
-    def _broadcast(self, role: Role, msg: pb.SchedulerMessage) -> None:
+    def _broadcast(self, role: Role, msg: pb.SchedulerMessage, skip: str = "") -> None:
+        """`msg` to every stream of `role` but those of engine `skip`."""
         if self._pending_joins:
             self.flush_joins()
         for conn in self.connections.values():
-            if conn.role == role:
+            if conn.role == role and conn.rank_id.engine_id != skip:
                 conn.queue.put_nowait(msg)
 
     # -- engines going down / coming back -----------------------------------------------------
@@ -397,9 +423,10 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self.sink.publish(ref.engine_id, ref.epoch, KVEventBatch(ts=time.time(), events=[AllBlocksCleared()]))
         engine = engine or self.registry.engine(ref.engine_id, ref.epoch)
         if engine is not None and engine.ranks:
-            other = Role.DECODE if engine.role == Role.PREFILL else Role.PREFILL
             left = [identity_to_proto(engine, rid) for rid in engine.ranks]
-            self._broadcast(other, pb.SchedulerMessage(peer_update=pb.PeerUpdate(left=left)))
+            for other in audience(engine.role, self.decode_peers):
+                self._broadcast(other, pb.SchedulerMessage(peer_update=pb.PeerUpdate(left=left)),
+                                skip=engine.engine_id)
         for hook in self.on_engine_down:
             hook(ref, reason)
 
@@ -410,9 +437,10 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         if ref in self.down and engine.healthy:
             self.down.discard(ref)
             logger.info("engine %s epoch %#x is back", engine.engine_id, engine.epoch)
-            other = Role.DECODE if engine.role == Role.PREFILL else Role.PREFILL
             joined = [peer_info_to_proto(engine, r) for r in engine.ranks.values()]
-            self._broadcast(other, pb.SchedulerMessage(peer_update=pb.PeerUpdate(joined=joined)))
+            for other in audience(engine.role, self.decode_peers):
+                self._broadcast(other, pb.SchedulerMessage(peer_update=pb.PeerUpdate(joined=joined)),
+                                skip=engine.engine_id)
             for hook in self.on_engine_up:
                 hook(ref)
 
@@ -485,8 +513,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         if not reg.new_rank:
             self.telemetry.metrics.count_control_reconnect(engine.engine_id)
         if reg.new_rank:
-            other = Role.DECODE if engine.role == Role.PREFILL else Role.PREFILL
-            self._announce_joined(other, peer_info_to_proto(engine, reg.rank))
+            for other in audience(engine.role, self.decode_peers):
+                self._announce_joined(other, peer_info_to_proto(engine, reg.rank))
         self.counters["hello_accepted"] += 1
         logger.info("rank %s tp=%d/%d of %s engine %s epoch %#x registered", hello.tp_rank, hello.tp_rank,
                     hello.tp_size, engine.role, engine.engine_id, engine.epoch)
@@ -509,9 +537,9 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self.down.discard(old)
 
     def _welcome(self, engine: EngineState, rank: RankState) -> pb.SchedulerMessage:
-        other = Role.DECODE if engine.role == Role.PREFILL else Role.PREFILL
-        peers = [peer_info_to_proto(e, r) for e in self.registry.by_role(other)
-                 if EngineRef(e.engine_id, e.epoch) not in self.down for r in e.ranks.values()]
+        peers = [peer_info_to_proto(e, r) for other in peer_roles(engine.role, self.decode_peers) for e in self.registry.by_role(other)
+                 if e.engine_id != engine.engine_id and EngineRef(e.engine_id, e.epoch) not in self.down
+                 for r in e.ranks.values()]
         welcome = pb.Welcome(expected_ranks=[identity_to_proto(engine, r) for r in engine.expected_ranks()], peers=peers,
                              last_acked_seq=rank.last_applied_seq,
                              heartbeat_interval_ms=int(self.heartbeat_interval_s * 1000),

@@ -64,6 +64,16 @@ class EngineViews:
             views.append(hit[4])
         return views
 
+    def full(self) -> list[EngineView]:
+        """Views of the routable engines of every role at their admission bound (those `views`
+        leaves out): they take no new request, yet may hold a prefix another engine fetches
+        (decision 0043). Built fresh (not kept): asked only with peer fetch on."""
+        max_inflight = self.admission.max_inflight_per_engine
+        inflight, backlog = self.admission.inflight_counts, self.costs.backlog_tokens
+        return [self._build(e, inflight.get(e.engine_id, 0), backlog.get(e.engine_id, 0), None)
+                for role in (Role.PREFILL, Role.DECODE) for e in self.registry.routable(role)
+                if inflight.get(e.engine_id, 0) >= max_inflight]
+
     def _build(self, e: EngineState, num_inflight: int, num_backlog: int, itl: float | None) -> EngineView:
         self.num_built += 1
         load = e.load

@@ -22,6 +22,12 @@ Contracts (see generation.proto):
   finish reason): the request continues on another decode engine with the prompt plus every
   token already streamed, up to `max_migrations` times; the client sees neither an error nor a
   repeated token.
+- Peer fetch (decision 0043, `route.fetch`): the holder pins the prefix through a Prefill with
+  `peer_fetch` (at most `peer_fetch_timeout_s`), then the decode engine pulls it with the
+  descriptor and computes the rest; the holder is `Request.prefill` for the release-once rule. A
+  failed pin sends the Decode without a descriptor; a failed pull is recomputed by the decode
+  engine (KVFailed). Either is counted (`pdserve_kv_peer_fetch_failures_total`); the output
+  never changes.
 - Client cancel or deadline: both legs get an Abort, the prefill blocks are released; whichever
   of done / abort / lease comes first releases them, exactly once (counted in the RequestTable's outcomes).
 """
@@ -54,6 +60,7 @@ from services.scheduler.engine_channels import EngineChannels
 from services.scheduler.engine_views import EngineViews
 from services.scheduler.lifecycle import RUNNING, EngineRef, ReleaseCause, RequestState
 from services.scheduler.path_costs import PathCosts
+from services.scheduler.peer_fetch import PeerFetch
 from services.scheduler.registry import EngineState, Role
 from services.scheduler.request import Request
 from services.scheduler.request_table import RequestTable
@@ -66,6 +73,9 @@ from services.scheduler.validation import Limits, RequestError, validate
 logger = logging.getLogger(__name__)
 
 ABORT_RPC_TIMEOUT_S = 2.0
+# The scheduler does not see which UCX transport carried a pull (the engines do: Engine.Inspect's
+# peer_transports, pdserve_transfer_bytes_total); peer-fetch metrics say "ucx".
+PEER_FETCH_TRANSPORT = "ucx"
 STREAM_END_TIMEOUT_S = 1.0
 
 
@@ -191,6 +201,11 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         route_span.set_attribute("pdserve.route.prefill", route.prefill.engine_id or "")
         route_span.set_attribute("pdserve.route.reason", route.prefill.reason)
         route_span.set_attribute("pdserve.route.matched_blocks", route.prefill.matched_blocks)
+        if route.fetch is not None:
+            route_span.set_attribute("pdserve.route.peer_fetch.holder", route.fetch.holder_id)
+            route_span.set_attribute("pdserve.route.peer_fetch.blocks", route.fetch.num_blocks)
+            route_span.set_attribute("pdserve.route.peer_fetch.pull_tokens", route.fetch.num_pull_tokens)
+            route_span.set_attribute("pdserve.route.peer_fetch.predicted_ms", 1000.0 * route.fetch.predicted_s)
         if route.path is not None:
             route_span.set_attribute("pdserve.route.path", route.path.path)
             route_span.set_attribute("pdserve.route.path_reason", route.path.reason)
@@ -226,16 +241,18 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline has already passed")
         hashes = self.hasher.external_hashes(valid.prompt_token_ids)
         ttft, itl = _target_s(valid.sampling, "ttft_target_ms"), _target_s(valid.sampling, "itl_target_ms")
+        busy = self.engine_views.full() if self.router.fetch is not None else ()
         route = self.router.route(RoutingRequest(hashes, len(valid.prompt_token_ids), ttft, itl),
-                                  self._views(Role.PREFILL), self._views(Role.DECODE))
+                                  self._views(Role.PREFILL), self._views(Role.DECODE), busy=busy)
         if valid.output_token_ids:  # resumed: the decode engine computes prompt + outputs
-            route = dataclasses.replace(route, prefill=RoutingDecision(None, "resumed"))
+            route = dataclasses.replace(route, prefill=RoutingDecision(None, "resumed"), fetch=None)
         if route.decode.engine_id is None or route.path is None:
             raise self._no_decode_error(frozenset())
         if itl is None and self.config.path_itl_target_ms > 0:
             itl = self.config.path_itl_target_ms / 1000.0
         request = self.table.admit(request_id, valid, timeout, client_id=client_id, arrived=arrived)
         request.path, request.path_reason, request.itl_target_s = route.path, route.path.reason, itl
+        request.peer_fetch = route.fetch
         decode_engine = self.registry.engines.get(route.decode.engine_id)
         request.decode_tp_size = decode_engine.tp_size if decode_engine is not None else 0
         self._take_slot(request, route.decode.engine_id)
@@ -312,6 +329,8 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                     yield self._complete(request, response.finish_reason)
                     return
                 descriptor = response.descriptor
+        elif route.fetch is not None:
+            descriptor = await self._peer_fetch_leg(request, route.fetch)
         async for out in self._decode_leg(request, route.decode.engine_id or "", descriptor):
             yield out
 
@@ -357,6 +376,53 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                     return None  # decode-only: the decode engine computes the prompt
                 engine_id = next_engine
                 self._take_slot(request, engine_id)
+
+    async def _peer_fetch_leg(self, request: Request, fetch: PeerFetch) -> eng_pb.TransferDescriptor | None:
+        """Asks the holder to pin the prompt's first `fetch.num_blocks` blocks for the decode
+        engine's pull (a Prefill with `peer_fetch`: it computes only what it no longer caches);
+        the descriptor, or None when the holder cannot (the decode engine then computes the whole
+        prompt). Waits at most `peer_fetch_timeout_s`: a slow holder costs no more than that."""
+        request.fetch_started_at = time.monotonic()
+        try:
+            engine = self._engine(fetch.holder_id)
+            if engine.epoch != fetch.holder_epoch:
+                raise LegFailed(f"holder {fetch.holder_id} restarted")
+            request.start_prefill(EngineRef(engine.engine_id, engine.epoch))
+            message = eng_pb.PrefillRequest(request_id=request.request_id,
+                                            prompt_token_ids=request.valid.prompt_token_ids[:fetch.num_tokens],
+                                            sampling=gen_pb.SamplingParams(max_tokens=1, temperature=0.0),
+                                            decode_tp_size=request.decode_tp_size, peer_fetch=True)
+            call = self.channels.stub(engine).Prefill(
+                message, timeout=min(self._remaining(request), self.config.peer_fetch_timeout_s))
+            request.call = call
+            started = time.monotonic()
+            try:
+                response: eng_pb.PrefillResponse = await call
+            finally:
+                request.outside_s += time.monotonic() - started
+                request.call = None
+            d = response.descriptor
+            if (d.engine_id, d.epoch) != (engine.engine_id, engine.epoch) or len(d.block_ids) < fetch.num_blocks:
+                raise LegFailed(f"holder answered {len(d.block_ids)} blocks of {d.engine_id!r} epoch {d.epoch:#x}")
+        except (LegFailed, grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+            if isinstance(e, asyncio.CancelledError) and request.engine_failed is None:
+                raise  # the client left
+            request.engine_failed = None
+            logger.info("request %s: peer fetch from %s failed, recomputing: %s", request.request_id,
+                        fetch.holder_id, e)
+            self._peer_fetch_failed(request, fetch, "pin_failed")
+            if request.state == RequestState.PREFILLING:
+                self._abort_on(fetch.holder_id, request.request_id)
+                request.prefill_failed(fetch.holder_id, retry=False)
+            return None
+        request.peer_fetch_pinned(self._lease_deadline(d.lease_expires_unix_ms))
+        return d
+
+    def _peer_fetch_failed(self, request: Request, fetch: PeerFetch, reason: str) -> None:
+        if request.peer_fetch_failed:
+            return
+        request.peer_fetch_failed = True
+        self.metrics.peer_fetch_failed(fetch.holder_id, fetch.target_id, PEER_FETCH_TRANSPORT, reason)
 
     def _next_prefill(self, request: Request, failed: str) -> str | None:
         if self.config.prefill_failure_policy != "retry" or request.num_prefill_attempts >= self.config.max_prefill_attempts:
@@ -487,11 +553,31 @@ class GenerationServicer(gen_grpc.GenerationServicer):
     def _transferred(self, request: Request, decode_id: str, num_tokens: int) -> None:
         """The decode engine reported the prompt tokens it pulled; with the KVReady time this is
         one sample of the pair's transfer cost."""
+        if request.peer_fetch_engine_id:
+            self._peer_fetched(request, decode_id, num_tokens)
+            return
         request.num_transferred_tokens = num_tokens
         self.metrics.count_transferred_tokens(num_tokens)
         if request.kv_ready_at is not None and request.prefill_engine_id:
             self.costs.observe_transfer(request.prefill_engine_id, decode_id, num_tokens,
                                         request.kv_ready_at - request.leg_started_at)
+
+    def _peer_fetched(self, request: Request, decode_id: str, num_tokens: int) -> None:
+        """A peer fetch's outcome: the tokens pulled (0 when the pull failed and the decode
+        engine recomputed them), one sample of the pair's transfer fit, the metrics."""
+        holder = request.peer_fetch_engine_id
+        if request.peer_fetch_failed:
+            return
+        request.num_peer_fetched_tokens = num_tokens
+        num_blocks = -(-num_tokens // self.config.block_size)
+        engine = self.registry.engine(holder)
+        block_bytes = engine.kv_block_bytes if engine is not None else 0
+        seconds = None
+        if request.kv_ready_at is not None:
+            seconds = request.kv_ready_at - (request.fetch_started_at or request.leg_started_at)
+            self.costs.observe_transfer(holder, decode_id, num_tokens, request.kv_ready_at - request.leg_started_at)
+        self.metrics.peer_fetched(holder, decode_id, PEER_FETCH_TRANSPORT, num_blocks, num_blocks * block_bytes,
+                                  seconds)
 
     def _chunk(self, request: Request, token_ids: list[int], text: str) -> gen_pb.GenerateResponse:
         now = time.monotonic()
@@ -515,6 +601,10 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         decision = request.path
         if decision is None or decision.predicted_ttft_s is None:
             return
+        if request.peer_fetch_engine_id:  # a fetch's error, not the local path's: only recorded
+            self.metrics.observe_path_ttft_error("peer_fetch", abs(decision.predicted_ttft_s - request.ttft_s)
+                                                 / request.ttft_s)
+            return
         local = not request.prefill_engine_id
         if local != decision.local or (not local and request.prefill_engine_id != decision.prefill_id) \
                 or request.num_migrations:
@@ -526,17 +616,26 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             self.costs.observe_local_prefill(decision.decode_id, now, uncached)
         self.router.path.observe_ttft(decision, request.ttft_s)
 
+    def _count_tiers(self, request: Request) -> None:
+        """The request's prompt tokens by where their KV came from (the dashboard's hit rate by tier)."""
+        own, peer = request.num_cached_tokens, request.num_peer_fetched_tokens
+        self.metrics.count_prompt_tiers(own, peer, max(0, request.num_prompt_tokens - own - peer))
+
     def _complete(self, request: Request, finish_reason: int) -> gen_pb.GenerateResponse:
         usage = gen_pb.Usage(prompt_tokens=request.num_prompt_tokens, cached_tokens=request.num_cached_tokens,
                              transferred_tokens=request.num_transferred_tokens,
-                             generated_tokens=len(request.output_token_ids))
+                             generated_tokens=len(request.output_token_ids),
+                             peer_fetched_tokens=request.num_peer_fetched_tokens)
+        self._count_tiers(request)
         complete = gen_pb.Complete(finish_reason=finish_reason, usage=usage,  # type: ignore[arg-type]
                                    prefill_engine_id=request.prefill_engine_id,
                                    decode_engine_id=request.decode.engine_id if request.decode else "",
                                    num_migrations=request.num_migrations, path_reason=request.path_reason,
                                    scheduler_overhead_ms=1000.0 * max(0.0, time.monotonic() - request.arrived
                                                                        - request.outside_s),
-                                   ttft_ms=1000.0 * (request.ttft_s or 0.0))
+                                   ttft_ms=1000.0 * (request.ttft_s or 0.0),
+                                   peer_fetch_engine_id=request.peer_fetch_engine_id
+                                   if request.num_peer_fetched_tokens else "")
         if request.path is not None and request.path.predicted_ttft_s is not None:
             complete.predicted_ttft_ms = 1000.0 * request.path.predicted_ttft_s
             if request.path.alternative_ttft_s is not None:
@@ -616,6 +715,9 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                 return
         elif outcome.kind == OutcomeKind.KV_READY and request is not None:
             request.kv_arrived(time.monotonic())
+        elif outcome.kind == OutcomeKind.KV_FAILED and request is not None and request.peer_fetch is not None \
+                and request.peer_fetch_engine_id:
+            self._peer_fetch_failed(request, request.peer_fetch, "transfer_failed")
         self.control.deliver(outcome)
 
     def on_engine_down(self, ref: EngineRef, reason: str) -> None:

@@ -20,7 +20,7 @@ Contracts:
   a non-text `response_format`. Other unknown fields are ignored, as OpenAI's own server does
   for fields newer than the client.
 - `usage` is OpenAI's (prompt, completion, total tokens, `prompt_tokens_details.cached_tokens`)
-  plus pdserve's `cached_tokens` and `transferred_tokens`, summed over the choices.
+  plus pdserve's `cached_tokens`, `transferred_tokens` and `peer_fetched_tokens`, summed over the choices.
 """
 
 from __future__ import annotations
@@ -282,7 +282,8 @@ def usage_json(usages: Sequence[gen_pb.Usage]) -> dict[str, Any]:
     cached = sum(u.cached_tokens for u in usages)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}, "cached_tokens": cached,
-            "transferred_tokens": sum(u.transferred_tokens for u in usages)}
+            "transferred_tokens": sum(u.transferred_tokens for u in usages),
+            "peer_fetched_tokens": sum(u.peer_fetched_tokens for u in usages)}
 
 
 class ResponseWriter:

@@ -47,6 +47,7 @@ Every decision has a reason, a low-cardinality label (`REASONS`), `<path>:<why>`
   decode_local:prefill_queue      the prefill engines' backlog makes remote slower
   decode_local:ttft_target        only the local prefill meets the request's TTFT target
   decode_local:no_prefill_engine  no prefill engine can take the prompt
+  decode_local:peer_fetch         the decode engine pulls a prefix another engine caches (peer_fetch.py)
   remote:long_prompt              a local prefill would stall the decode engine past the budget
   remote:itl_target               ... past the ITL target of a request decoding there
   remote:ttft_target              only remote meets the request's TTFT target (local costs less)
@@ -78,12 +79,14 @@ LOCAL_DECODE_HAS_PREFIX = "decode_local:decode_has_prefix"
 LOCAL_PREFILL_QUEUE = "decode_local:prefill_queue"
 LOCAL_TTFT_TARGET = "decode_local:ttft_target"
 LOCAL_NO_PREFILL = "decode_local:no_prefill_engine"
+LOCAL_PEER_FETCH = "decode_local:peer_fetch"  # services/scheduler/peer_fetch.py
 REMOTE_LONG_PROMPT = "remote:long_prompt"
 REMOTE_ITL_TARGET = "remote:itl_target"
 REMOTE_TTFT_TARGET = "remote:ttft_target"
 REMOTE_LOWER_COST = "remote:lower_cost"
 REMOTE_ALWAYS = "remote:always"
 REASONS = (LOCAL_SHORT_PROMPT, LOCAL_DECODE_HAS_PREFIX, LOCAL_PREFILL_QUEUE, LOCAL_TTFT_TARGET, LOCAL_NO_PREFILL,
+           LOCAL_PEER_FETCH,
            REMOTE_LONG_PROMPT, REMOTE_ITL_TARGET, REMOTE_TTFT_TARGET, REMOTE_LOWER_COST, REMOTE_ALWAYS)
 MODES = ("cost", "threshold", "remote")
 # Predicted costs within this fraction of each other are a tie (the TTFT model's median error is

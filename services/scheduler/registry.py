@@ -115,6 +115,8 @@ class EngineState:
     # The model's KV heads, from the first rank's UCX handshake metadata (0: not known); with
     # tp_size it says whose KV this engine can read or serve (connectors.head_map).
     num_kv_heads: int = 0
+    # KV bytes of one block over all ranks (a rank's region block bytes x tp; 0: not known).
+    kv_block_bytes: int = 0
 
     def expected_ranks(self) -> list[RankId]:
         return [RankId(self.engine_id, tp, pp) for pp in range(self.pp_size) for tp in range(self.tp_size)]
@@ -275,6 +277,7 @@ class EngineRegistry:
         current.ranks[h.rank_id] = rank
         if not current.num_kv_heads:
             current.num_kv_heads = _kv_heads_of(h.handshake_metadata)
+            current.kv_block_bytes = _block_bytes_of(h.handshake_metadata) * current.tp_size
         if h.tp_rank == 0 and h.pp_rank == 0:
             current.address = h.engine_address
         return Registration(current, rank, fenced_epoch, fenced_ranks, new_rank=previous is None,
@@ -397,6 +400,18 @@ class EngineRegistry:
         for engine in self.engines.values():
             if role is None or engine.role == role:
                 yield from engine.ranks.values()
+
+
+def _block_bytes_of(handshake_metadata: bytes) -> int:
+    """The KV bytes of one block of a rank's region; 0 when absent or unreadable."""
+    if not handshake_metadata:
+        return 0
+    from connectors.ucx.handshake import UcxHandshakeMetadata
+
+    try:
+        return UcxHandshakeMetadata.decode(handshake_metadata).region.block_nbytes
+    except ValueError:
+        return 0
 
 
 def _kv_heads_of(handshake_metadata: bytes) -> int:

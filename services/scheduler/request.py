@@ -38,6 +38,7 @@ from services.scheduler.validation import ValidRequest
 
 if TYPE_CHECKING:
     from services.scheduler.path_policy import PathDecision
+    from services.scheduler.peer_fetch import PeerFetch
 
 
 @dataclass(slots=True)
@@ -83,6 +84,12 @@ class Request:
     num_cached_tokens: int = 0
     num_transferred_tokens: int = 0
     prefill_engine_id: str = ""  # the prefill engine whose KV the decode leg uses ("" : none)
+    # -- a peer fetch (decision 0043): `prefill` is then the holder, pinning a prefix for the pull --
+    peer_fetch: PeerFetch | None = None
+    peer_fetch_engine_id: str = ""  # the holder that pinned the prefix ("": no fetch under way)
+    peer_fetch_failed: bool = False
+    num_peer_fetched_tokens: int = 0
+    fetch_started_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float = 0.0
     ttft_s: float | None = None  # arrival to the first token sent (scheduler-side)
@@ -149,6 +156,15 @@ class Request:
         self.lease_expires = lease_expires
         self.num_cached_tokens = num_cached_tokens
         self.prefill_engine_id = self.prefill.engine_id
+
+    def peer_fetch_pinned(self, lease_expires: float | None) -> None:
+        """The holder pinned the prefix for the decode engine's pull: released once, as prefill
+        blocks are; the decode engine computes the rest and samples the first token."""
+        if self.state != RequestState.PREFILLING or self.prefill is None:
+            raise LifecycleError(f"request {self.request_id}: peer_fetch_pinned in state {self.state}")
+        self.prefill_pinned = True
+        self.lease_expires = lease_expires
+        self.peer_fetch_engine_id = self.prefill.engine_id
 
     def prefill_failed(self, engine_id: str, *, retry: bool) -> None:
         """Prefill on `engine_id` failed: back to QUEUED for another prefill engine (`retry`) or

@@ -29,6 +29,7 @@ from services.scheduler.path_policy import (
     PathPolicy,
     PathRequest,
 )
+from services.scheduler.peer_fetch import PeerFetch, PeerFetchPolicy
 from services.scheduler.prefix_index import EngineMatch, PrefixIndex
 
 # Decision reasons (metric label values; keep them low-cardinality).
@@ -98,6 +99,7 @@ class Route:
     prefill: RoutingDecision
     decode: RoutingDecision
     path: PathDecision | None = None
+    fetch: PeerFetch | None = None  # the decode engine pulls a prefix cached on another engine
 
     @property
     def decode_only(self) -> bool:
@@ -155,11 +157,15 @@ class Router:
     decode_only_threshold: int = 0
     path: PathPolicy = field(default_factory=lambda: PathPolicy(PathConfig(mode="remote")))
     index: PrefixIndex | None = None
+    # KV reuse across engines (None: off): after the path decision, whether the decode engine
+    # pulls a longer cached prefix from another engine (services/scheduler/peer_fetch.py).
+    fetch: PeerFetchPolicy | None = None
     decisions: Counter[str] = field(default_factory=Counter)
     paths: Counter[str] = field(default_factory=Counter)
 
     def route(self, request: RoutingRequest, prefill_engines: Sequence[EngineView],
-              decode_engines: Sequence[EngineView], *, exclude_decode: frozenset[str] = frozenset()) -> Route:
+              decode_engines: Sequence[EngineView], *, exclude_decode: frozenset[str] = frozenset(),
+              busy: Sequence[EngineView] = ()) -> Route:
         """Chooses both legs among the given (healthy, admissible) engines.
 
         `exclude_decode` removes decode engines a migrating request already failed on. When no
@@ -168,7 +174,8 @@ class Router:
         RESOURCE_EXHAUSTED. Only prefill engines whose KV-head layout some decode engine can
         read are offered to the policy (`pair_problem`); when none is, or the path's decode
         engine cannot read the chosen one, the request is decode-only with reason
-        `decode_only_unmappable_tp`.
+        `decode_only_unmappable_tp`. `busy` engines (at their admission bound) are never chosen,
+        but may be the holder a peer fetch pulls from.
         """
         decodes = [e for e in decode_engines if e.engine_id not in exclude_decode]
         if not decodes:
@@ -190,6 +197,11 @@ class Router:
                 path = self.path.local(REASON_UNMAPPABLE_TP, want, decodes, matched)
             else:
                 path = self.path.decide(want, view, decodes, matched)
+        fetch = None
+        if self.fetch is not None:
+            held = {**self._matched_blocks(request, busy), **matched} if busy else matched
+            if held:
+                path, fetch = self._peer_fetch(want, path, [*prefill_engines, *decodes, *busy], decodes, held)
         prefill = chosen if chosen is not None and not path.local else RoutingDecision(None, path.reason)
         target = next((e for e in decodes if e.engine_id == path.decode_id), None)
         if prefill.engine_id is not None and view is not None and target is not None \
@@ -199,7 +211,19 @@ class Router:
                                  matched.get(path.decode_id, 0))
         self.decisions[prefill.reason] += 1
         self.paths[path.reason] += 1
-        return Route(prefill, decode, path)
+        return Route(prefill, decode, path, fetch)
+
+    def _peer_fetch(self, want: PathRequest, path: PathDecision, engines: Sequence[EngineView],
+                    decodes: Sequence[EngineView], matched: Mapping[str, int]) -> tuple[PathDecision, PeerFetch | None]:
+        """The peer-fetch policy's verdict on `path`: holders are the engines holding part of the
+        prompt whose KV heads the decision's decode engine can read."""
+        assert self.fetch is not None
+        d = next((e for e in decodes if e.engine_id == path.decode_id), None)
+        if d is None:
+            return path, None
+        holders = [e for e in engines if e.engine_id != d.engine_id and matched.get(e.engine_id)
+                   and pair_problem(e, d) is None]
+        return self.fetch.decide(want, path, d, holders, matched, self.path)
 
     def _matched_blocks(self, request: RoutingRequest, engines: Sequence[EngineView]) -> dict[str, int]:
         """Engine id -> consecutive prompt blocks it holds, for the engines' live epochs."""

@@ -48,6 +48,7 @@ from services.scheduler.http_api import HttpApi
 from services.scheduler.lifecycle import EngineRef, ReleaseCause
 from services.scheduler.path_costs import CostPriors, PathCosts
 from services.scheduler.path_policy import PathConfig, PathPolicy
+from services.scheduler.peer_fetch import PeerFetchConfig, PeerFetchPolicy
 from services.scheduler.peer_snapshots import PeerSnapshots, peer_security
 from services.scheduler.registry import EngineRegistry
 from services.scheduler.request_table import RequestTable
@@ -119,7 +120,8 @@ class SchedulerService:
         if config.peers and sink is not None:
             sink = self.convergence = IndexConvergence(sink, EnginePositions())
         self.control = ControlServicer(self.registry, sink=sink, heartbeat_interval_s=config.heartbeat_interval_s,
-                                       scheduler_id=self.scheduler_id, telemetry=self.telemetry)
+                                       scheduler_id=self.scheduler_id, telemetry=self.telemetry,
+                                       decode_peers=config.peer_fetch != "off")
         self.peer_snapshots: PeerSnapshots | None = None
         if self.convergence is not None:
             self.convergence.positions = self.control.positions
@@ -139,8 +141,10 @@ class SchedulerService:
             self.control.on_registered.append(self.plane.engine_up)
             self.control.on_engine_up.append(self.plane.engine_up)
             self.plane.instrument(EventMetrics(self.telemetry.prometheus))
+        fetch = PeerFetchPolicy(PeerFetchConfig(config.peer_fetch, config.peer_fetch_min_blocks, config.block_size))
         self.router = Router(policy, config.decode_only_threshold, path=make_path_policy(config),
-                             index=self.plane.index if self.plane is not None else None)
+                             index=self.plane.index if self.plane is not None else None,
+                             fetch=fetch if config.peer_fetch != "off" else None)
         self.admission = Admission(config.max_queue_per_engine)
         self.generation = GenerationServicer(config, facts=facts, tokenizer=self.tokenizer, control=self.control,
                                              router=self.router, admission=self.admission, table=self.table,

@@ -82,11 +82,18 @@ class PrefillRequest(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     DECODE_TP_SIZE_FIELD_NUMBER: _builtins.int
+    PEER_FETCH_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     decode_tp_size: _builtins.int
     """TP size of the decode engine that will read the KV (0: the same as this engine's). Each
     prefill rank pins its blocks for as many readers as decode ranks read its KV heads
     (connectors/head_map.py; 0 readers: the rank reports finished_sending at once).
+    """
+    peer_fetch: _builtins.bool
+    """A peer fetch (docs/decisions/0043): this engine holds a prefix another engine will pull.
+    Accepted by an engine of either role; it computes what it no longer caches of
+    prompt_token_ids, pins the blocks for the reader as any prefill does and answers the
+    descriptor (the sampled token is not used).
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -99,10 +106,11 @@ class PrefillRequest(_message.Message):
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling: _generation_pb2.SamplingParams | None = ...,
         decode_tp_size: _builtins.int = ...,
+        peer_fetch: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_tp_size", b"decode_tp_size", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_tp_size", b"decode_tp_size", "peer_fetch", b"peer_fetch", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

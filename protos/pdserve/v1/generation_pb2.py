@@ -24,39 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\"\xe6\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x17\n\nignore_eos\x18\x08 \x01(\x08H\x05\x88\x01\x01\x12\x1b\n\x0ettft_target_ms\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x1a\n\ritl_target_ms\x18\n \x01(\x02H\x07\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x11\n\x0f_ttft_target_msB\x10\n\x0e_itl_target_ms\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\x81\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x11\n\x04\x63hat\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12\x15\n\x08priority\x18\x06 \x01(\x05H\x02\x88\x01\x01\x12\r\n\x05model\x18\x07 \x01(\t\x12\x18\n\x10output_token_ids\x18\x08 \x03(\rB\x08\n\x06promptB\x07\n\x05_chatB\x0b\n\t_priority\"k\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x1a\n\x12transferred_tokens\x18\x03 \x01(\r\x12\x18\n\x10generated_tokens\x18\x04 \x01(\r\"7\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\"\xc4\x02\n\x08\x43omplete\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x19\n\x11prefill_engine_id\x18\x03 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_engine_id\x18\x04 \x01(\t\x12\x16\n\x0enum_migrations\x18\x05 \x01(\r\x12\x1d\n\x15scheduler_overhead_ms\x18\x06 \x01(\x01\x12\x13\n\x0bpath_reason\x18\x07 \x01(\t\x12\x19\n\x11predicted_ttft_ms\x18\x08 \x01(\x01\x12 \n\x13\x61lternative_ttft_ms\x18\t \x01(\x01H\x00\x88\x01\x01\x12\x0f\n\x07ttft_ms\x18\n \x01(\x01\x42\x16\n\x14_alternative_ttft_ms\"\x7f\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.ChunkH\x00\x12(\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.CompleteH\x00\x42\t\n\x07payload\"\x16\n\x14GetServerInfoRequest\"\xd5\x01\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x1b\n\x13num_prefill_engines\x18\x06 \x01(\r\x12\x1a\n\x12num_decode_engines\x18\x07 \x01(\r\x12\x19\n\x11has_chat_template\x18\x08 \x01(\x08\x12\x14\n\x0cscheduler_id\x18\t \x01(\t\"\x13\n\x11ListModelsRequest\"0\n\tModelCard\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelCard*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xed\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12I\n\rGetServerInfo\x12 .pdserve.v1.GetServerInfoRequest\x1a\x16.pdserve.v1.ServerInfo\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\"\xe6\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x17\n\nignore_eos\x18\x08 \x01(\x08H\x05\x88\x01\x01\x12\x1b\n\x0ettft_target_ms\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x1a\n\ritl_target_ms\x18\n \x01(\x02H\x07\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x11\n\x0f_ttft_target_msB\x10\n\x0e_itl_target_ms\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\x81\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x11\n\x04\x63hat\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12\x15\n\x08priority\x18\x06 \x01(\x05H\x02\x88\x01\x01\x12\r\n\x05model\x18\x07 \x01(\t\x12\x18\n\x10output_token_ids\x18\x08 \x03(\rB\x08\n\x06promptB\x07\n\x05_chatB\x0b\n\t_priority\"\x88\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x1a\n\x12transferred_tokens\x18\x03 \x01(\r\x12\x18\n\x10generated_tokens\x18\x04 \x01(\r\x12\x1b\n\x13peer_fetched_tokens\x18\x05 \x01(\r\"7\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\"\xe2\x02\n\x08\x43omplete\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x19\n\x11prefill_engine_id\x18\x03 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_engine_id\x18\x04 \x01(\t\x12\x16\n\x0enum_migrations\x18\x05 \x01(\r\x12\x1d\n\x15scheduler_overhead_ms\x18\x06 \x01(\x01\x12\x13\n\x0bpath_reason\x18\x07 \x01(\t\x12\x19\n\x11predicted_ttft_ms\x18\x08 \x01(\x01\x12 \n\x13\x61lternative_ttft_ms\x18\t \x01(\x01H\x00\x88\x01\x01\x12\x0f\n\x07ttft_ms\x18\n \x01(\x01\x12\x1c\n\x14peer_fetch_engine_id\x18\x0b \x01(\tB\x16\n\x14_alternative_ttft_ms\"\x7f\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.ChunkH\x00\x12(\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.CompleteH\x00\x42\t\n\x07payload\"\x16\n\x14GetServerInfoRequest\"\xd5\x01\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x1b\n\x13num_prefill_engines\x18\x06 \x01(\r\x12\x1a\n\x12num_decode_engines\x18\x07 \x01(\r\x12\x19\n\x11has_chat_template\x18\x08 \x01(\x08\x12\x14\n\x0cscheduler_id\x18\t \x01(\t\"\x13\n\x11ListModelsRequest\"0\n\tModelCard\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelCard*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xed\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12I\n\rGetServerInfo\x12 .pdserve.v1.GetServerInfoRequest\x1a\x16.pdserve.v1.ServerInfo\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1683
-  _globals['_FINISHREASON']._serialized_end=1803
+  _globals['_FINISHREASON']._serialized_start=1743
+  _globals['_FINISHREASON']._serialized_end=1863
   _globals['_SAMPLINGPARAMS']._serialized_start=44
   _globals['_SAMPLINGPARAMS']._serialized_end=402
   _globals['_TOKENIDS']._serialized_start=404
   _globals['_TOKENIDS']._serialized_end=427
   _globals['_GENERATEREQUEST']._serialized_start=430
   _globals['_GENERATEREQUEST']._serialized_end=687
-  _globals['_USAGE']._serialized_start=689
-  _globals['_USAGE']._serialized_end=796
-  _globals['_CHUNK']._serialized_start=798
-  _globals['_CHUNK']._serialized_end=853
-  _globals['_COMPLETE']._serialized_start=856
-  _globals['_COMPLETE']._serialized_end=1180
-  _globals['_GENERATERESPONSE']._serialized_start=1182
-  _globals['_GENERATERESPONSE']._serialized_end=1309
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1311
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1333
-  _globals['_SERVERINFO']._serialized_start=1336
-  _globals['_SERVERINFO']._serialized_end=1549
-  _globals['_LISTMODELSREQUEST']._serialized_start=1551
-  _globals['_LISTMODELSREQUEST']._serialized_end=1570
-  _globals['_MODELCARD']._serialized_start=1572
-  _globals['_MODELCARD']._serialized_end=1620
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1622
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1681
-  _globals['_GENERATION']._serialized_start=1806
-  _globals['_GENERATION']._serialized_end=2043
+  _globals['_USAGE']._serialized_start=690
+  _globals['_USAGE']._serialized_end=826
+  _globals['_CHUNK']._serialized_start=828
+  _globals['_CHUNK']._serialized_end=883
+  _globals['_COMPLETE']._serialized_start=886
+  _globals['_COMPLETE']._serialized_end=1240
+  _globals['_GENERATERESPONSE']._serialized_start=1242
+  _globals['_GENERATERESPONSE']._serialized_end=1369
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1371
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1393
+  _globals['_SERVERINFO']._serialized_start=1396
+  _globals['_SERVERINFO']._serialized_end=1609
+  _globals['_LISTMODELSREQUEST']._serialized_start=1611
+  _globals['_LISTMODELSREQUEST']._serialized_end=1630
+  _globals['_MODELCARD']._serialized_start=1632
+  _globals['_MODELCARD']._serialized_end=1680
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1682
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1741
+  _globals['_GENERATION']._serialized_start=1866
+  _globals['_GENERATION']._serialized_end=2103
 # @@protoc_insertion_point(module_scope)

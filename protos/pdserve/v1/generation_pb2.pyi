@@ -228,12 +228,17 @@ class Usage(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     TRANSFERRED_TOKENS_FIELD_NUMBER: _builtins.int
     GENERATED_TOKENS_FIELD_NUMBER: _builtins.int
+    PEER_FETCHED_TOKENS_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     cached_tokens: _builtins.int
     """Prompt tokens served from a prefix cache (prefill engine or decode engine)."""
     transferred_tokens: _builtins.int
     """Prompt tokens whose KV was pulled from a prefill engine over the data plane."""
     generated_tokens: _builtins.int
+    peer_fetched_tokens: _builtins.int
+    """Prompt tokens whose KV was pulled from another engine's cache (a peer fetch) instead of
+    being recomputed; not counted in cached_tokens or transferred_tokens.
+    """
     def __init__(
         self,
         *,
@@ -241,10 +246,11 @@ class Usage(_message.Message):
         cached_tokens: _builtins.int = ...,
         transferred_tokens: _builtins.int = ...,
         generated_tokens: _builtins.int = ...,
+        peer_fetched_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "generated_tokens", b"generated_tokens", "prompt_tokens", b"prompt_tokens", "transferred_tokens", b"transferred_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "generated_tokens", b"generated_tokens", "peer_fetched_tokens", b"peer_fetched_tokens", "prompt_tokens", b"prompt_tokens", "transferred_tokens", b"transferred_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -293,6 +299,7 @@ class Complete(_message.Message):
     PREDICTED_TTFT_MS_FIELD_NUMBER: _builtins.int
     ALTERNATIVE_TTFT_MS_FIELD_NUMBER: _builtins.int
     TTFT_MS_FIELD_NUMBER: _builtins.int
+    PEER_FETCH_ENGINE_ID_FIELD_NUMBER: _builtins.int
     finish_reason: Global___FinishReason.ValueType
     prefill_engine_id: _builtins.str
     """Engines that served the request, for debugging and routing tests."""
@@ -314,6 +321,8 @@ class Complete(_message.Message):
     """
     alternative_ttft_ms: _builtins.float
     ttft_ms: _builtins.float
+    peer_fetch_engine_id: _builtins.str
+    """The engine whose cached prefix was pulled (a peer fetch), "" when none."""
     @_builtins.property
     def usage(self) -> Global___Usage: ...
     def __init__(
@@ -329,10 +338,11 @@ class Complete(_message.Message):
         predicted_ttft_ms: _builtins.float = ...,
         alternative_ttft_ms: _builtins.float | None = ...,
         ttft_ms: _builtins.float = ...,
+        peer_fetch_engine_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_alternative_ttft_ms", b"_alternative_ttft_ms", "alternative_ttft_ms", b"alternative_ttft_ms", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_alternative_ttft_ms", b"_alternative_ttft_ms", "alternative_ttft_ms", b"alternative_ttft_ms", "decode_engine_id", b"decode_engine_id", "finish_reason", b"finish_reason", "num_migrations", b"num_migrations", "path_reason", b"path_reason", "predicted_ttft_ms", b"predicted_ttft_ms", "prefill_engine_id", b"prefill_engine_id", "scheduler_overhead_ms", b"scheduler_overhead_ms", "ttft_ms", b"ttft_ms", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_alternative_ttft_ms", b"_alternative_ttft_ms", "alternative_ttft_ms", b"alternative_ttft_ms", "decode_engine_id", b"decode_engine_id", "finish_reason", b"finish_reason", "num_migrations", b"num_migrations", "path_reason", b"path_reason", "peer_fetch_engine_id", b"peer_fetch_engine_id", "predicted_ttft_ms", b"predicted_ttft_ms", "prefill_engine_id", b"prefill_engine_id", "scheduler_overhead_ms", b"scheduler_overhead_ms", "ttft_ms", b"ttft_ms", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__alternative_ttft_ms: _TypeAlias = _typing.Literal["alternative_ttft_ms"]  # noqa: Y015
     _WhichOneofArgType__alternative_ttft_ms: _TypeAlias = _typing.Literal["_alternative_ttft_ms", b"_alternative_ttft_ms"]  # noqa: Y015

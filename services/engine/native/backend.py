@@ -322,17 +322,23 @@ class NativeBackend:
         """Engine-loop thread: adds the request and, with a descriptor, queues every rank's pull
         of the blocks not cached locally."""
         rid, prompt, descriptor = request.request_id, request.prompt_token_ids, request.descriptor
+        # The descriptor's tokens come over the data plane: the whole prompt from a prefill
+        # engine, or a prefix from a peer (a peer fetch), whose rest this engine computes.
+        target = None
+        if descriptor is not None and descriptor.num_tokens < len(prompt):
+            target = descriptor.num_tokens
         engine.add_request(rid, prompt, request.sampling,
                            mode=RequestMode.REMOTE_KV if descriptor is not None else RequestMode.NORMAL,
-                           output_token_ids=request.output_token_ids)
+                           output_token_ids=request.output_token_ids, remote_kv_tokens=target)
         if descriptor is not None:
             # A remote-KV request looks up its local prefix when added; a decode-local one only
             # when first scheduled, so its count comes with its first output (`_deltas`).
             cached = info["cached"] = engine.num_local_cached_tokens(rid)
             bs = self.config.block_size
-            local = engine.get_block_ids(rid)[cached // bs: -(-len(prompt) // bs)]
+            num_tokens = target if target is not None else len(prompt)
+            local = engine.get_block_ids(rid)[cached // bs: -(-num_tokens // bs)]
             self._connector().queue_pull(rid, descriptor, local, request.trace_carrier)
-            info["transferred"] = len(prompt) - (cached // bs) * bs
+            info["transferred"] = max(0, num_tokens - (cached // bs) * bs)
 
     async def _deltas(self, rid: str, pending: _Pending, info: dict[str, int]) -> AsyncGenerator[TokenDelta, None]:
         first = True

@@ -101,3 +101,45 @@ def test_abort_in_every_state_frees_blocks(tiny_model, make_engine, prompts_of) 
     assert all(o.finished and o.finish_reason == "abort" for o in outs)
     assert not eng.has_unfinished_requests()
     assert eng.load().num_free_blocks == eng.kv_cache_spec.num_blocks
+
+
+@pytest.mark.parametrize("holder_keeps", [True, False])
+def test_peer_fetch_of_a_prefix_then_the_rest_computed_matches_colocated(tiny_model, make_engine, prompts_of,
+                                                                         holder_keeps) -> None:
+    """A peer fetch (decision 0043): the holder pins a prefix it cached (PREFILL_ONLY on the
+    prefix), the puller receives only those blocks (REMOTE_KV with `remote_kv_tokens`), computes
+    the rest of the prompt and samples the first token itself. `holder_keeps` False: the holder
+    evicted the prefix meanwhile and recomputes it for the pin; the output is the same."""
+    model = tiny_model("llama_gqa_llama3")
+    [prompt] = prompts_of([6 * BS + 5], seed=9)
+    expected = model.reference(prompt, N)
+    holder = make_engine(model.path, block_size=BS)
+    puller = make_engine(model.path, block_size=BS)
+    fetched = 4 * BS
+    if holder_keeps:  # the holder served a turn whose prompt began with the prefix
+        holder.generate([prompt[:fetched + 3]], SamplingParams(max_tokens=2))
+    _prefill(holder, "r", prompt[:fetched])
+    puller.add_request("r", prompt, SamplingParams(max_tokens=N), mode=RequestMode.REMOTE_KV,
+                       remote_kv_tokens=fetched)
+    assert puller.batch_scheduler.requests["r"].status is RequestStatus.WAITING_FOR_REMOTE_KV
+    h_ids, p_ids = holder.get_block_ids("r"), puller.get_block_ids("r")
+    assert len(h_ids) == len(p_ids) == fetched // BS
+    _copy_blocks(holder, h_ids, puller, p_ids, 0)
+    puller.finish_remote_kv("r", ok=True)
+    assert puller.batch_scheduler.requests["r"].num_computed_tokens == fetched
+    outs = _drain(puller, "r")
+    assert [t for o in outs for t in o.new_token_ids] == expected
+    assert holder.release("r") is True
+    assert not holder.check_leaks() and not puller.check_leaks()
+
+
+def test_remote_kv_tokens_is_refused_outside_a_remote_kv_request(tiny_model, make_engine, prompts_of) -> None:
+    model = tiny_model("llama_gqa_llama3")
+    [prompt] = prompts_of([3 * BS], seed=10)
+    eng = make_engine(model.path, block_size=BS)
+    with pytest.raises(ValueError, match="remote_kv_tokens"):
+        eng.add_request("a", prompt, SamplingParams(max_tokens=2), remote_kv_tokens=BS)
+    with pytest.raises(ValueError, match="remote_kv_tokens"):
+        eng.add_request("b", prompt, SamplingParams(max_tokens=2), mode=RequestMode.REMOTE_KV,
+                        remote_kv_tokens=len(prompt))
+    assert not eng.check_leaks()

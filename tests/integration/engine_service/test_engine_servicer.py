@@ -163,6 +163,15 @@ async def test_backend_errors_map_to_status_codes_with_their_message(engine, err
     assert info.value.code() == code and info.value.details() == str(error)
 
 
+async def test_a_decode_engine_serves_a_peer_fetch_prefill(engine) -> None:
+    """Decision 0043: a Prefill with `peer_fetch` (a holder pinning a prefix for another engine's
+    pull) is accepted by an engine of either role and reaches the backend marked as such."""
+    backend, stub, _ = engine
+    response = await stub.Prefill(pb.PrefillRequest(request_id="f", prompt_token_ids=[1, 2], peer_fetch=True))
+    (seen,) = backend.prefills
+    assert seen.peer_fetch and seen.request_id == "f" and response.descriptor.engine_id
+
+
 async def test_checks_every_backend_gets(engine) -> None:
     backend, stub, servicer = engine
     assert await _code(stub.Prefill(pb.PrefillRequest(request_id="p", prompt_token_ids=[1]))) \

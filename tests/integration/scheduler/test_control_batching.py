@@ -84,12 +84,14 @@ async def test_every_decode_rank_learns_each_prefill_rank_exactly_once(harness: 
 
         def complete(client: ControlClient = client, seen: list[str] = seen) -> bool:
             seen.extend(p.rank.engine_id for m in client.poll() if isinstance(m, PeerUpdate) for p in m.joined)
-            return len(seen) >= 12
+            return len([e for e in seen if e.startswith("p")]) >= 12
 
         await eventually(complete)
         await asyncio.sleep(0.2)
         complete()
-        assert sorted(seen) == sorted(f"p{i}" for i in range(12))
+        assert sorted(e for e in seen if e.startswith("p")) == sorted(f"p{i}" for i in range(12))
+        # Peer fetch off (the harness's default): decode ranks learn no decode engine.
+        assert [e for e in seen if e.startswith("d")] == []
     await asyncio.gather(*tasks)
 
 

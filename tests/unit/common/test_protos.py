@@ -14,7 +14,7 @@ def test_drift_is_detected(tmp_path: Path) -> None:
     shutil.copytree(PROTO_ROOT, root)
     proto = root / "pdserve" / "v1" / "generation.proto"
     proto.write_text(proto.read_text().replace("uint32 generated_tokens = 4;",
-                                               "uint32 generated_tokens = 4;\n  uint32 extra = 5;"))
+                                               "uint32 generated_tokens = 4;\n  uint32 extra = 99;"))
     assert "generation_pb2.py" in check(root)
 
 

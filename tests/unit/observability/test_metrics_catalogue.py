@@ -71,7 +71,7 @@ def scrape(registry: CollectorRegistry) -> dict[str, list]:
 
 def test_names_follow_the_convention() -> None:
     for name, spec in CATALOGUE.items():
-        assert re.fullmatch(r"pdserve_(scheduler|engine|transfer|events)_[a-z0-9_]+", name), name
+        assert re.fullmatch(r"pdserve_(scheduler|engine|transfer|events|kv)_[a-z0-9_]+", name), name
         assert (spec.kind is Kind.COUNTER) == name.endswith("_total"), name
         if spec.kind is Kind.HISTOGRAM:
             assert spec.buckets and list(spec.buckets) == sorted(spec.buckets), name

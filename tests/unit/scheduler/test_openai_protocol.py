@@ -158,7 +158,7 @@ def test_completion_answer_and_stream_chunks() -> None:
                                  "token_ids": [7, 8, 9]}]
     assert whole["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
                               "prompt_tokens_details": {"cached_tokens": 1}, "cached_tokens": 1,
-                              "transferred_tokens": 2}
+                              "transferred_tokens": 2, "peer_fetched_tokens": 0}
     [usage_event] = _events(writer.usage_chunk())
     assert usage_event["choices"] == [] and usage_event["usage"] == whole["usage"]
 

@@ -1,0 +1,154 @@
+"""`PeerFetchPolicy`: fetch a cached prefix from the engine holding it, or not (decision 0043).
+
+After the path policy chose where a prompt is computed, a longer prefix of it may be cached on
+another engine (the prefix index knows every engine's blocks, decode engines' included: a
+conversation's history lives on the decode engine that generated it). Three ways to serve it:
+
+- route to the holder: the routing and path policies already weigh each engine's cached
+  prefix (a prefill engine holding it wins the prefix policy; a decode engine holding most of
+  it prefills the rest itself), so whatever they chose stands when no fetch beats it;
+- fetch: the decode engine of the decision pulls the holder's blocks over the KV data plane
+  (the holder pins them under a lease, as a prefill engine pins a prompt) and computes only the
+  rest; the request becomes decode-local on that engine, reason `decode_local:peer_fetch`;
+- recompute: neither.
+
+Mode `cost` (default) fetches when the predicted time to first token with the fetch is below
+the decision's: the holder's pin (a prefill step of one block behind its backlog) plus the
+holder's load (`decode_load_s` per unit, as decode engines are charged), the pair's fitted
+transfer time of the blocks pulled, then the decode engine's local prefill of the rest
+(`PathPolicy.raw_ttft_s` with its correction). `always` fetches whenever a holder has at
+least `min_blocks` more blocks than the decode engine; `off` never.
+
+The holder is the live engine (other than the decode engine, whose KV heads the decode engine
+can read — the caller filters) holding the most consecutive blocks of the prompt, ties to the
+less loaded, then the smaller id. At least one prompt token is always computed, so at most
+`(num_tokens - 1) // block_size` blocks are fetched.
+
+Pure: plain data in and out, no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from services.scheduler.path_policy import (
+    LOCAL_PEER_FETCH,
+    PATH_LOCAL,
+    PathDecision,
+    PathPolicy,
+    PathRequest,
+    TtftInputs,
+)
+
+if TYPE_CHECKING:  # routing imports this module
+    from services.scheduler.routing import EngineView
+
+MODES = ("cost", "always", "off")
+
+# Why a fetch was or was not made (metric label values).
+FETCH = "fetch"
+NO_HOLDER = "no_holder"
+SLOWER = "slower"  # the decision as routed (route to the holder, or recompute) is predicted faster
+
+
+@dataclass(frozen=True, slots=True)
+class PeerFetchConfig:
+    mode: str = "cost"
+    min_blocks: int = 2
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"peer_fetch: must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.min_blocks < 1:
+            raise ValueError(f"peer_fetch_min_blocks: must be >= 1, got {self.min_blocks}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
+
+
+@dataclass(frozen=True, slots=True)
+class PeerFetch:
+    """A decided fetch: `target_id` pulls the first `num_blocks` prompt blocks (of which it
+    caches `num_local_blocks` itself) from `holder_id`, then computes the rest. `predicted_s`
+    is the predicted TTFT with the fetch, `without_s` the decision's without it."""
+
+    holder_id: str
+    holder_epoch: int
+    target_id: str
+    num_blocks: int
+    num_local_blocks: int
+    block_size: int
+    predicted_s: float
+    without_s: float | None
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt tokens whose KV the holder pins (the descriptor's)."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def num_pull_tokens(self) -> int:
+        return (self.num_blocks - self.num_local_blocks) * self.block_size
+
+
+@dataclass(slots=True)
+class PeerFetchPolicy:
+    """See the module docstring. `decisions` counts every call by outcome (FETCH, NO_HOLDER, SLOWER)."""
+
+    config: PeerFetchConfig = field(default_factory=PeerFetchConfig)
+    decisions: Counter[str] = field(default_factory=Counter)
+
+    def decide(self, request: PathRequest, decision: PathDecision, decode: EngineView,
+               holders: Sequence[EngineView], matched_blocks: Mapping[str, int],
+               path: PathPolicy) -> tuple[PathDecision, PeerFetch | None]:
+        """The decision to apply and the fetch, if any. `decode` is the decision's decode engine;
+        `holders` the live engines it could read from (itself excluded)."""
+        if self.config.mode == "off":
+            return decision, None
+        fetch = self._candidate(request, decision, decode, holders, matched_blocks, path)
+        if fetch is None:
+            self.decisions[NO_HOLDER] += 1
+            return decision, None
+        if self.config.mode == "cost" and fetch.without_s is not None and fetch.predicted_s >= fetch.without_s:
+            self.decisions[SLOWER] += 1
+            return decision, None
+        self.decisions[FETCH] += 1
+        rest = request.num_tokens - fetch.num_tokens
+        fetched = PathDecision(PATH_LOCAL, LOCAL_PEER_FETCH, decode.engine_id, None, rest, fetch.num_pull_tokens,
+                               fetch.predicted_s + path.config.decode_load_s * decode.load_score,
+                               predicted_ttft_s=fetch.predicted_s, alternative_ttft_s=fetch.without_s)
+        return fetched, fetch
+
+    def _candidate(self, request: PathRequest, decision: PathDecision, decode: EngineView,
+                   holders: Sequence[EngineView], matched_blocks: Mapping[str, int],
+                   path: PathPolicy) -> PeerFetch | None:
+        bs = self.config.block_size
+        most = (request.num_tokens - 1) // bs
+        own = min(matched_blocks.get(decode.engine_id, 0), most)
+        best: EngineView | None = None
+        for h in holders:
+            n = min(matched_blocks.get(h.engine_id, 0), most)
+            if h.engine_id == decode.engine_id or n - own < self.config.min_blocks:
+                continue
+            if best is None or (-n, h.load_score, h.engine_id) < (-min(matched_blocks[best.engine_id], most),
+                                                                   best.load_score, best.engine_id):
+                best = h
+        if best is None:
+            return None
+        n = min(matched_blocks[best.engine_id], most)
+        return PeerFetch(best.engine_id, best.epoch, decode.engine_id, n, own, bs,
+                         self.predict_s(request, decode, best, n, own, path), decision.predicted_ttft_s)
+
+    def predict_s(self, request: PathRequest, decode: EngineView, holder: EngineView, num_blocks: int,
+                  num_local_blocks: int, path: PathPolicy) -> float:
+        """Predicted TTFT with the fetch (see the module docstring)."""
+        bs, costs = self.config.block_size, path.costs
+        pin_s = costs.queued_prefill_s(holder.num_backlog_tokens, bs) + path.config.decode_load_s * holder.load_score
+        transfer_s = costs.transfer_s(holder.engine_id, decode.engine_id, (num_blocks - num_local_blocks) * bs)
+        inputs = TtftInputs(PATH_LOCAL, decode.engine_id, decode.num_backlog_tokens,
+                            request.num_tokens - num_blocks * bs, decode.num_inflight > 0)
+        local_s = path.raw_ttft_s(inputs) * costs.correction(decode.engine_id, PATH_LOCAL)
+        return pin_s + transfer_s + local_s

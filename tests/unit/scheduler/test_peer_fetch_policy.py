@@ -1,0 +1,141 @@
+"""The peer-fetch policy on hand-built engine views (no processes): which holder, how many
+blocks, the cost comparison against the decision as routed, the modes, and the Router's wiring
+(unmappable holders are never chosen, a fetch makes the request decode-local)."""
+
+import pytest
+
+from services.scheduler.path_costs import CostPriors, PathCosts
+from services.scheduler.path_policy import LOCAL_PEER_FETCH, REASONS, PathConfig, PathPolicy, PathRequest
+from services.scheduler.peer_fetch import FETCH, NO_HOLDER, SLOWER, PeerFetchConfig, PeerFetchPolicy
+from services.scheduler.routing import EngineView, LoadBasedPolicy, Router, RoutingRequest
+
+PRIORS = CostPriors(prefill_fixed_s=0.01, prefill_per_token_s=0.0002, transfer_fixed_s=0.01,
+                    transfer_per_token_s=0.00002)
+
+
+def view(engine_id: str, role: str = "decode", **kw: float) -> EngineView:
+    return EngineView(engine_id=engine_id, epoch=1, role=role, **kw)  # type: ignore[arg-type]
+
+
+def path_policy() -> PathPolicy:
+    return PathPolicy(PathConfig(mode="threshold", threshold_tokens=100_000), PathCosts(PRIORS))
+
+
+def test_reason_is_a_known_path_reason() -> None:
+    assert LOCAL_PEER_FETCH in REASONS
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="peer_fetch"):
+        PeerFetchConfig(mode="sometimes")
+    with pytest.raises(ValueError, match="min_blocks"):
+        PeerFetchConfig(min_blocks=0)
+
+
+def test_the_holder_with_the_most_blocks_is_fetched_from_and_one_token_is_left_to_compute() -> None:
+    pol, path = PeerFetchPolicy(PeerFetchConfig("always")), path_policy()
+    d0, d1, p0 = view("d0"), view("d1"), view("p0", "prefill")
+    decision = path.decide(PathRequest(160), None, [d0], {})
+    matched = {"d1": 10, "p0": 4, "d0": 1}
+    out, fetch = pol.decide(PathRequest(160), decision, d0, [d1, p0], matched, path)
+    assert fetch is not None and fetch.holder_id == "d1"
+    # 160 tokens = 10 full blocks, but the last token is always computed: 9 blocks fetched.
+    assert (fetch.num_blocks, fetch.num_local_blocks, fetch.num_tokens, fetch.num_pull_tokens) == (9, 1, 144, 128)
+    assert (out.reason, out.decode_id, out.prefill_id, out.num_uncached_tokens) == (LOCAL_PEER_FETCH, "d0", None, 16)
+    assert out.predicted_ttft_s == pytest.approx(fetch.predicted_s)
+    assert out.alternative_ttft_s == decision.predicted_ttft_s
+    assert pol.decisions[FETCH] == 1
+
+
+def test_ties_go_to_the_less_loaded_holder() -> None:
+    pol, path = PeerFetchPolicy(PeerFetchConfig("always")), path_policy()
+    d0 = view("d0")
+    a, b = view("a", num_running=4), view("b")
+    decision = path.decide(PathRequest(400), None, [d0], {})
+    _, fetch = pol.decide(PathRequest(400), decision, d0, [a, b], {"a": 8, "b": 8}, path)
+    assert fetch is not None and fetch.holder_id == "b"
+
+
+def test_too_few_blocks_beyond_the_own_cache_is_no_fetch() -> None:
+    pol, path = PeerFetchPolicy(PeerFetchConfig("always", min_blocks=2)), path_policy()
+    d0, d1 = view("d0"), view("d1")
+    decision = path.decide(PathRequest(400), None, [d0], {"d0": 5})
+    out, fetch = pol.decide(PathRequest(400), decision, d0, [d1], {"d0": 5, "d1": 6}, path)
+    assert fetch is None and out is decision and pol.decisions[NO_HOLDER] == 1
+
+
+def test_cost_mode_fetches_only_when_predicted_faster() -> None:
+    pol, path = PeerFetchPolicy(PeerFetchConfig("cost")), path_policy()
+    d0, d1 = view("d0"), view("d1")
+    long = PathRequest(2000)
+    decision = path.decide(long, None, [d0], {})
+    # 100 blocks at 200 us per token to recompute vs 20 us per token to pull: fetch.
+    out, fetch = pol.decide(long, decision, d0, [d1], {"d1": 100}, path)
+    assert fetch is not None and out.reason == LOCAL_PEER_FETCH
+    assert decision.predicted_ttft_s is not None and fetch.predicted_s < decision.predicted_ttft_s
+    # A measured slow pair (the holder's link) makes recomputing faster: no fetch.
+    for _ in range(20):
+        path.costs.observe_transfer("d1", "d0", 1600, 5.0)
+    out, fetch = pol.decide(long, decision, d0, [d1], {"d1": 100}, path)
+    assert fetch is None and out is decision and pol.decisions[SLOWER] == 1
+
+
+def test_a_loaded_holder_costs_more() -> None:
+    pol, path = PeerFetchPolicy(PeerFetchConfig("cost")), path_policy()
+    d0 = view("d0")
+    idle, backlogged = view("d1"), view("d1", num_backlog_tokens=5000)
+    args = (PathRequest(2000), path.decide(PathRequest(2000), None, [d0], {}), d0)
+    _, a = pol.decide(*args, [idle], {"d1": 100}, path)
+    _, b = pol.decide(*args, [backlogged], {"d1": 100}, path)
+    assert a is not None and (b is None or b.predicted_s > a.predicted_s)
+
+
+def test_off_never_fetches() -> None:
+    pol, path = PeerFetchPolicy(PeerFetchConfig("off")), path_policy()
+    d0, d1 = view("d0"), view("d1")
+    decision = path.decide(PathRequest(400), None, [d0], {})
+    assert pol.decide(PathRequest(400), decision, d0, [d1], {"d1": 20}, path) == (decision, None)
+
+
+def test_router_turns_a_remote_decision_into_a_local_fetch_and_skips_unmappable_holders() -> None:
+    path = PathPolicy(PathConfig(mode="remote"), PathCosts(PRIORS))
+    router = Router(LoadBasedPolicy(), path=path, fetch=PeerFetchPolicy(PeerFetchConfig("always")))
+    p0 = view("p0", "prefill")
+    d0, d1 = view("d0", kv_usage=0.95), view("d1")
+    hashes = list(range(1, 21))
+    from services.scheduler.prefix_index import EngineMatch
+
+    matches = {"d0": EngineMatch("d0", 1, 20, tuple(frozenset({"GPU"}) for _ in range(20)))}
+    route = router.route(RoutingRequest(hashes, 330, prefix_matches=matches), [p0], [d0, d1])
+    # d0 holds the prompt but is nearly full: the remote decision goes to d1, which fetches from d0.
+    assert route.fetch is not None and route.fetch.holder_id == "d0" and route.fetch.target_id == "d1"
+    assert route.prefill.engine_id is None and route.path is not None and route.path.reason == LOCAL_PEER_FETCH
+    # A holder whose KV heads the decode engine cannot read is not a holder.
+    d0_tp2 = view("d0", kv_usage=0.95, tp_size=2, num_kv_heads=3)
+    d1_h3 = view("d1", num_kv_heads=3)
+    route = router.route(RoutingRequest(hashes, 330, prefix_matches=matches), [p0], [d0_tp2, d1_h3])
+    assert route.fetch is None
+
+
+def test_a_busy_engine_is_never_routed_to_but_is_fetched_from() -> None:
+    from services.scheduler.prefix_index import EngineMatch
+
+    router = Router(LoadBasedPolicy(), path=PathPolicy(PathConfig(mode="threshold", threshold_tokens=100_000),
+                                                       PathCosts(PRIORS)),
+                    fetch=PeerFetchPolicy(PeerFetchConfig("always")))
+    matches = {"d0": EngineMatch("d0", 1, 12, tuple(frozenset({"GPU"}) for _ in range(12)))}
+    request = RoutingRequest(list(range(1, 15)), 229, prefix_matches=matches)
+    route = router.route(request, [view("p0", "prefill")], [view("d1")], busy=[view("d0", num_inflight=1)])
+    assert route.decode.engine_id == "d1"
+    assert route.fetch is not None and (route.fetch.holder_id, route.fetch.num_blocks) == ("d0", 12)
+    # Without the busy holder's view its blocks are unknown: nothing to fetch.
+    assert router.route(request, [view("p0", "prefill")], [view("d1")]).fetch is None
+
+
+def test_decode_ranks_learn_decode_engines_only_with_peer_fetch_on() -> None:
+    from services.scheduler.control import audience, peer_roles
+    from services.scheduler.registry import Role
+
+    assert peer_roles(Role.DECODE) == audience(Role.DECODE) == (Role.PREFILL,)
+    assert peer_roles(Role.DECODE, True) == audience(Role.DECODE, True) == (Role.PREFILL, Role.DECODE)
+    assert peer_roles(Role.PREFILL, True) == audience(Role.PREFILL, True) == (Role.DECODE,)
