@@ -60,8 +60,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -196,25 +198,47 @@ class _Replica:
 
 
 def _start_replicas(args: argparse.Namespace, n: int, event_loop: str) -> list[_Replica]:
-    """`n` scheduler replicas, each its own process (ranks connect to every one)."""
-    from services.local_cluster import free_port
-
-    replicas = []
-    for _ in range(n):
-        port, control, events = free_port(), free_port(), free_port()
-        proc = _spawn([sys.executable, "-m", "services.common.cli", "scheduler", "--port", str(port),
-                       "--control-port", str(control), "--events-port", str(events), "--metrics-port", "0",
+    """`n` scheduler replicas, each its own process on ports its OS picks, read back from its
+    ports file (ranks connect to every one)."""
+    ports_dir = Path(tempfile.mkdtemp(prefix="pdserve-scale-ports-"))
+    started = []
+    for i in range(n):
+        ports_file = ports_dir / f"scheduler-{i}.jsonl"
+        proc = _spawn([sys.executable, "-m", "services.common.cli", "scheduler", "--port", "0",
+                       "--control-port", "0", "--events-port", "0", "--metrics-port", "0",
+                       "--ports-file", str(ports_file),
                        "--routing-policy", "prefix", "--log-level", "WARNING",
                        "--heartbeat-interval-s", str(args.heartbeat_interval),
                        "--heartbeat-timeout-s", str(args.heartbeat_timeout),
                        "--max-queue-per-engine", "4096", "--event-loop", event_loop,
                        # every request takes the disaggregated path: its transfer is control-plane work
                        "--path-policy", "remote"], stdin=False)
-        replicas.append(_Replica(proc, port, control, events))
+        started.append((proc, ports_file))
+    replicas = []
+    for proc, ports_file in started:
+        ports = _reported_ports(ports_file, proc, ("port", "control_port", "events_port"))
+        replicas.append(_Replica(proc, ports["port"], ports["control_port"], ports["events_port"]))
+    shutil.rmtree(ports_dir, ignore_errors=True)
     for r in replicas:
         _wait_serving(r.control, r.proc)
         _wait_serving(r.port, r.proc)
     return replicas
+
+
+def _reported_ports(path: Path, proc: subprocess.Popen[str], settings: tuple[str, ...],
+                    timeout: float = 60.0) -> dict[str, int]:
+    """The ports a scheduler process reported binding (services/common/bound_ports.py)."""
+    from services.common.bound_ports import read_ports
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ports = {setting: port for (setting, _), port in read_ports(path).items()}
+        if set(settings) <= set(ports):
+            return ports
+        if proc.poll() is not None:
+            raise RuntimeError(f"scheduler exited with status {proc.returncode} before reporting its ports")
+        time.sleep(0.05)
+    raise TimeoutError(f"scheduler did not report its ports in {timeout:.0f} s")
 
 
 def _start_sims(args: argparse.Namespace, engines: int, transfer_per: str, replicas: list[_Replica],
