@@ -291,7 +291,11 @@ class VllmEngine:
             os.unlink(refusal)
         _record_external_tokens(self.llm.output_processor, self._external_tokens)
         if self.settings.self_check:
-            await self._self_check()
+            try:
+                await self._self_check()
+            except BaseException:
+                self.shutdown()  # vLLM's engine-core process goes with the refusal
+                raise
         await self.llm.collective_rpc("pdserve_connect")
         logger.info("vLLM engine %s ready (%d KV blocks of %d tokens)", self.settings.connector.engine_id,
                     self.num_blocks(), self.settings.block_size)
