@@ -55,7 +55,7 @@ def prompts(demo_model: Path) -> list[list[int]]:
         ids = (tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
                if chat else tok.encode(text))
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        assert (len(ids) > LOCAL_BELOW + BLOCK) if long else (len(ids) < LOCAL_BELOW), (text[-30:], len(ids))
+        assert (len(ids) > LOCAL_BELOW) if long else (len(ids) < LOCAL_BELOW), (text[-30:], len(ids))
         out.append(ids)
     return out
 

@@ -27,11 +27,11 @@ def test_native_engine_bfloat16_matches_transformers_bfloat16(make_engine) -> No
     engine = make_engine(path, kv_cache_memory="64MiB", dtype="bfloat16", block_size=16)
     prompts = [engine.tokenizer.encode(p).ids for p in PROMPTS]
     assert max(map(len, prompts)) > 64, "a prompt over several blocks"
-    ours = [engine.generate([p], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0] for p in prompts]
+    ours = [engine.generate([p], SamplingParams(max_tokens=MAX_TOKENS))[0] for p in prompts]  # both stop at EOS
     ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16, attn_implementation="eager").eval()
     for text, prompt, got in zip(PROMPTS, prompts, ours, strict=True):
         with torch.inference_mode():
             want = ref.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
+                                max_new_tokens=MAX_TOKENS, do_sample=False)
         assert got == want[0, len(prompt):].tolist(), text[-40:]
     assert "Paris" in engine.tokenizer.decode(ours[0])
