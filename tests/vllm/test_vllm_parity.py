@@ -8,7 +8,9 @@ graph eagerly): the engines run what a user's do. Before decision 0040 they ran 
 CPU graph, which in bfloat16 answered the capital prompt `L'Étoile…` where vLLM offline eager
 answers `The capital of France is Paris.`
 
-One cluster (1 prefill, 1 decode, demo model) and one offline reference process per dtype.
+One cluster (1 prefill, 1 decode, demo model) and one offline reference process per dtype. The
+self-check's refusal compiles the model (vLLM's inductor, 166 s on the shared 2-core host under
+the heavy lock); the rest needs no compilation.
 """
 
 from __future__ import annotations

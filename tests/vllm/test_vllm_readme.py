@@ -6,7 +6,7 @@ default KV budget.)
 It runs as a user's does, without vLLM's CI switch (`VLLM_CPU_CI_ENV`, which tests/vllm/conftest.py
 sets to run vLLM's compiled graph eagerly), and the capital question must be answered right: the
 defaults once served vLLM's compiled bfloat16 CPU graph, which answered `L'Étoile, la
-Marseillaise, …` (decision 0040)."""
+Marseillaise, …` (decision 0040). 70 s on the shared 2-core host (eager: no compilation at start)."""
 
 from __future__ import annotations
 
