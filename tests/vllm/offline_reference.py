@@ -1,7 +1,7 @@
 """vLLM offline (`vllm.LLM`) greedy tokens with the settings pdserve gives its vLLM engines on
 this CPU: the reference of the parity tests. Run as a process of its own (its engine and its
 memory go when it exits): `python offline_reference.py SPEC.json` prints a JSON list of token
-lists, one per prompt, each computed alone.
+lists, one per prompt, each computed alone, on a line of its own after `MARKER`.
 
 SPEC: {"model", "dtype", "tp", "max_tokens", "max_model_len", "prompts": [[ids]], "vllm": {...}}.
 """
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import sys
+
+MARKER = "pdserve-offline-reference: "  # vLLM logs to stdout too: the answer's line is marked
 
 
 def main(spec_path: str) -> None:
@@ -23,7 +25,7 @@ def main(spec_path: str) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
     answers = [list(llm.generate(TokensPrompt(prompt_token_ids=p), params, use_tqdm=False)[0].outputs[0].token_ids)
                for p in spec["prompts"]]
-    print(json.dumps(answers))
+    print(MARKER + json.dumps(answers), flush=True)
 
 
 if __name__ == "__main__":

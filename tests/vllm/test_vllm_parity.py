@@ -36,8 +36,10 @@ PREAMBLE = "You are a helpful assistant. Answer briefly and precisely, in plain 
 # (text, chat, long): long prompts are over LOCAL_BELOW tokens (remote), short ones under it.
 PROMPTS = [("What is the capital of France?", True, False), ("The capital of France is", False, False),
            ("def fibonacci(n):", False, False), (PREAMBLE * 4 + "Name three primary colors.", True, True),
-           (PREAMBLE * 5 + "Once upon a time, in a land far away,", False, True),
-           (PREAMBLE * 6 + "1, 2, 3, 4, 5,", False, True)]
+           ("Once upon a time, in a land far away. " + PREAMBLE * 5, False, True),
+           ("1, 2, 3, 4, 5, 6, 7, 8. " + PREAMBLE * 6, False, True)]
+# The long prompts begin differently: a prefix one of them left on the decode engine would make
+# another decode-local.
 
 
 @pytest.fixture(scope="module")

@@ -72,7 +72,10 @@ def offline_greedy(model: Path, dtype: str, prompts: list[list[int]], tmp_path: 
     done = subprocess.run([sys.executable, str(Path(__file__).with_name("offline_reference.py")), str(spec)],
                           capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    answers: list[list[int]] = json.loads(done.stdout.strip().splitlines()[-1])
+    marker = "pdserve-offline-reference: "
+    lines = [line for line in done.stdout.splitlines() if line.startswith(marker)]
+    assert lines, done.stdout[-3000:] + done.stderr[-3000:]
+    answers: list[list[int]] = json.loads(lines[-1][len(marker):])
     return answers
 
 
