@@ -8,7 +8,8 @@ that orders its sides by `args.baseline_first` says so by putting `"baseline_fir
 report; one that interleaves its own samples (transfer, the HTTP passes) is repeated whole.
 
 The combined report:
-- every numeric leaf is the median of that leaf over the runs (non-numeric leaves, and lists
+- every numeric leaf is the median of that leaf over the runs, a boolean leaf true only if it was
+  in every run (non-numeric leaves, and lists
   whose length differs between runs, are the first run's), so readers of a single run's keys
   read medians;
 - `repeat`: `n`, `orders` (each run's side order), `load_average` before and after, and
@@ -79,6 +80,8 @@ def median_report(reports: list[Any]) -> Any:
     if _numeric(first) and all(_numeric(r) for r in reports):
         m = statistics.median(reports)
         return int(m) if all(isinstance(r, int) for r in reports) and m == int(m) else m
+    if isinstance(first, bool) and all(isinstance(r, bool) for r in reports):
+        return all(reports)  # a flag such as `identical` holds over the runs only if it held in each
     return first
 
 

@@ -72,6 +72,11 @@ METRICS = ("wall_s", "tok_s", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p
 # Beside the issue's METRICS: the first inter-token gap (prefill -> decode hand-off) and the rest.
 EXTRA_METRICS = ("itl_first_p50_ms", "itl_first_p99_ms", "itl_rest_p99_ms")
 KV_METRICS = ("kv_bytes_registered", "kv_mirror_bytes")  # pdserve's systems only
+TOKENS_KEY = "_token_ids"  # a measured system's tokens per request, taken out before the report
+# Greedy tokens are compared within an engine family: pdserve's own engine computes with other
+# kernels than vLLM's, so in bfloat16 a near-tie may fall the other way there without either being wrong.
+FAMILY = {"vllm_colocated": "vllm", "vllm_pd_nixl": "vllm", "pdserve_vllm": "vllm", "pdserve_vllm_staging": "vllm",
+          "pdserve": "native"}
 START_TIMEOUT_S = 1200.0  # ~26 s on a quiet 2-core machine; over 10 min at load average 20+
 
 
@@ -81,6 +86,7 @@ class Timing:
 
     start: float
     token_times: list[float] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
 
 
 def summarize(timings: list[Timing], wall_s: float, threads: int) -> dict[str, Any]:
@@ -220,7 +226,7 @@ def drive(base_url: str, wl: Workload, concurrency: int) -> tuple[list[Timing], 
     for r, n in zip(results, wl.max_tokens, strict=True):
         if len(r.token_times_s) != n:
             raise RuntimeError(f"asked for {n} tokens, streamed {len(r.token_times_s)}")
-    return [Timing(0.0, list(r.token_times_s)) for r in results], wall
+    return [Timing(0.0, list(r.token_times_s), list(r.token_ids)) for r in results], wall
 
 
 def warm_up(base_url: str) -> None:
@@ -233,7 +239,8 @@ def measure(base_url: str, wl: Workload, concurrency: int, threads: int) -> dict
     warm_up(base_url)
     cpu0 = ThreadCpu.sample()
     timings, wall = drive(base_url, wl, concurrency)
-    return {**summarize(timings, wall, threads), "cpu": ThreadCpu.sample().since(cpu0, wall)}
+    return {**summarize(timings, wall, threads), "cpu": ThreadCpu.sample().since(cpu0, wall),
+            TOKENS_KEY: [t.token_ids for t in timings]}
 
 
 def run_vllm_colocated(args: argparse.Namespace, wl: Workload, share: CpuShare, log_dir: Path) -> dict[str, Any]:
@@ -422,6 +429,7 @@ def run_compare(args: argparse.Namespace) -> int:
     # SIGTERM (timeout, CI) unwinds like Ctrl-C, so every started server is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     report["baseline_first"] = getattr(args, "baseline_first", True)
+    references: dict[str, tuple[str, list[list[int]]]] = {}  # family -> (reference system, its tokens)
     for name, missing, share, measure in plans if report["baseline_first"] else plans[::-1]:
         if name not in args.systems.split(","):
             continue
@@ -437,6 +445,7 @@ def run_compare(args: argparse.Namespace) -> int:
             report["failed"] = True
             continue
         report["threads"][name] = share.describe()
+        judge_tokens(report, name, report["systems"][name].pop(TOKENS_KEY), references)
         print(f"[{name}] {report['systems'][name]}", file=sys.stderr)
         (out / "serve_compare.json").write_text(json.dumps(report, indent=2))  # long runs keep what they have
     if args.phases and not no_vllm:
@@ -453,6 +462,37 @@ def run_compare(args: argparse.Namespace) -> int:
         plot(report, out / "serve_compare.png")
     print(json.dumps(report) if args.json else table(report))
     return 1 if report.get("failed") else 0
+
+
+def token_difference(tokens: list[list[int]], reference: list[list[int]]) -> str | None:
+    """None when every request's greedy tokens are the reference's; else how many differ and where
+    the first one does."""
+    differing = [i for i, (a, b) in enumerate(zip(tokens, reference, strict=True)) if a != b]
+    if not differing:
+        return None
+    i = differing[0]
+    at = next((j for j, (a, b) in enumerate(zip(tokens[i], reference[i], strict=False)) if a != b),
+              min(len(tokens[i]), len(reference[i])))
+    return f"{len(differing)} of {len(tokens)} requests differ (first: request {i} at token {at})"
+
+
+def judge_tokens(report: dict[str, Any], name: str, tokens: list[list[int]],
+                 references: dict[str, tuple[str, list[list[int]]]]) -> None:
+    """Sets the system's `identical` (and `reference`): the first system measured of its engine
+    family is that family's reference run; a later one whose greedy tokens differ from it is
+    flagged under `not_identical` and fails the command (its timings are of other work)."""
+    family = FAMILY[name]
+    if family not in references:
+        references[family] = (name, tokens)
+        report["systems"][name].update(identical=True, reference=name)
+        return
+    reference, expected = references[family]
+    difference = token_difference(tokens, expected)
+    report["systems"][name].update(identical=difference is None, reference=reference)
+    if difference is not None:
+        report.setdefault("not_identical", {})[name] = f"{difference} against {reference}"
+        report["failed"] = True
+        print(f"[{name}] NOT IDENTICAL to {reference}: {difference}", file=sys.stderr)
 
 
 RATIO_PAIRS = [(p, v) for p in ("pdserve", "pdserve_vllm") for v in ("vllm_colocated", "vllm_pd_nixl")] + [
@@ -473,15 +513,16 @@ def ratios(systems: dict[str, dict[str, Any]]) -> dict[str, float]:
 
 
 def table(report: dict[str, Any]) -> str:
-    columns = METRICS + EXTRA_METRICS + KV_METRICS
+    columns = METRICS + ("identical",) + EXTRA_METRICS + KV_METRICS
     head = f"{'system':<16}" + "".join(f"{m:>17}" for m in columns)
     rows = [f"{name:<16}" + "".join(f"{r.get(m, ''):>17}" for m in columns) for name, r in report["systems"].items()]
     absent = [f"{name:<16} absent: {why}" for name, why in report["absent"].items()]
+    absent += [f"{name:<16} NOT IDENTICAL: {why}" for name, why in report.get("not_identical", {}).items()]
     threads = [f"  {name}: {desc}" for name, desc in report["threads"].items()]
     phases = [f"phases (vLLM on {p['cores']} core(s)): prefill only {p['prefill_only_s']} s, decode only "
               f"{p['decode_only_s']} s (prefix hit rate {p['decode_pass_prefix_hit_rate']}); a 1P1D split's "
               f"throughput is at most {p['disagg_vs_colocated_bound']}x colocated's"
-              for p in [report["phases"]] if "phases" in report]
+              for p in ([report["phases"]] if "phases" in report else [])]
     return "\n".join([head, *rows, *absent, "threads (same pinned cores for every system):", *threads, *phases])
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
 import tempfile
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.loggers import StatLoggerBase
 
+from connectors.vllm.greedy_check import CHECK_PROMPTS, CHECK_TOKENS, CompiledPathDiverges, GreedyCheck
 from connectors.vllm.params import REFUSAL_FILE_ENV, PdserveConnectorConfig
 from engine.request import SamplingParams
 from services.engine.registry import EngineRefused
@@ -69,6 +71,8 @@ class VllmEngineSettings:
     torch_threads: int = 0
     gpu_memory_fraction: float = 0.0  # CUDA: each rank's KV budget as a share of its GPU; 0: vLLM's own
     devices: str = ""  # CUDA: the GPUs of this engine's ranks ("0,1"), vLLM's CUDA_VISIBLE_DEVICES
+    # At start, the serving path's greedy tokens against the model run eagerly (greedy_check.py).
+    self_check: bool = True
 
 
 @dataclass(slots=True)
@@ -183,6 +187,21 @@ def worker_environment(s: VllmEngineSettings, environ: Mapping[str, str]) -> dic
     return env
 
 
+COMPILE_ARGS = ("enforce_eager", "compilation_config")
+
+
+def compile_defaults(s: VllmEngineSettings, *, cuda: bool) -> dict[str, Any]:
+    """pdserve's one departure from vLLM's compile default: on CPU the model runs eagerly
+    (`enforce_eager`) unless `--vllm-arg` sets `enforce_eager` or `compilation_config`. vLLM's
+    CPU default compiles the model with inductor, whose fused bfloat16 graph answered the README's
+    question wrongly where the eager forward and float32 answer right, and takes minutes to
+    compile at every start (decision 0040). CUDA keeps vLLM's default (compiled, CUDA graphs),
+    which the start-up self-check compares with the eager forward."""
+    if cuda or any(name in s.vllm_args for name in COMPILE_ARGS):
+        return {}
+    return {"enforce_eager": True}
+
+
 def engine_args(s: VllmEngineSettings, *, cuda: bool = False, device_memory_bytes: int = 0) -> AsyncEngineArgs:
     kwargs: dict[str, Any] = dict(
         model=s.model, tensor_parallel_size=s.tp, dtype=s.dtype, block_size=s.block_size,
@@ -197,6 +216,7 @@ def engine_args(s: VllmEngineSettings, *, cuda: bool = False, device_memory_byte
                                         endpoint=s.connector.events_endpoint or "tcp://*:5557", replay_endpoint=None,
                                         topic=f"kv@{s.connector.engine_id}"),
     )
+    kwargs.update(compile_defaults(s, cuda=cuda))
     known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
     unknown = sorted(set(s.vllm_args) - known)
     if unknown:
@@ -270,9 +290,71 @@ class VllmEngine:
         finally:
             os.unlink(refusal)
         _record_external_tokens(self.llm.output_processor, self._external_tokens)
+        if self.settings.self_check:
+            try:
+                await self._self_check()
+            except BaseException:
+                self.shutdown()  # vLLM's engine-core process goes with the refusal
+                raise
         await self.llm.collective_rpc("pdserve_connect")
         logger.info("vLLM engine %s ready (%d KV blocks of %d tokens)", self.settings.connector.engine_id,
                     self.num_blocks(), self.settings.block_size)
+
+    async def _self_check(self) -> None:
+        """Before the engine registers: the check prompts greedy on the serving path, then with
+        every compiled module run eagerly; raises EngineRefused when the tokens differ. The
+        prefix cache is emptied before the reference run (its prompts are computed afresh) and
+        after (no check prompt stays cached)."""
+        assert self.llm is not None
+        switched = await self.llm.collective_rpc("pdserve_eager_forward", args=(True,))
+        await self.llm.collective_rpc("pdserve_eager_forward", args=(False,))
+        if not any(switched):
+            logger.info("self-check skipped: vLLM runs this model eagerly, the serving path is the reference")
+            return
+        prompts = await self._check_prompts()
+        served = await self._greedy(prompts, "served")
+        await self.llm.reset_prefix_cache()
+        await self.llm.collective_rpc("pdserve_eager_forward", args=(True,))
+        try:
+            reference = await self._greedy(prompts, "reference")
+        finally:
+            await self.llm.collective_rpc("pdserve_eager_forward", args=(False,))
+            await self.llm.reset_prefix_cache()
+        check = GreedyCheck(tuple(text for text, _ in CHECK_PROMPTS), served, reference)
+        try:
+            check.verify()
+        except CompiledPathDiverges as e:
+            raise EngineRefused(f"vLLM engine {self.settings.connector.engine_id} refused at start: {e}") from None
+        logger.info("self-check passed: %d prompts, %d greedy tokens each, identical compiled and eager",
+                    len(prompts), CHECK_TOKENS)
+
+    async def _check_prompts(self) -> list[list[int]]:
+        assert self.llm is not None
+        tokenizer = self.llm.get_tokenizer()
+        prompts = []
+        for text, chat in CHECK_PROMPTS:
+            if chat and getattr(tokenizer, "chat_template", None):
+                ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                    tokenize=True)
+                ids = ids["input_ids"] if isinstance(ids, Mapping) else ids
+            else:
+                ids = tokenizer.encode(text)
+            prompts.append([int(t) for t in ids])
+        return prompts
+
+    async def _greedy(self, prompts: list[list[int]], mode: str) -> tuple[tuple[int, ...], ...]:
+        """Each prompt alone (never batched with another: both runs step the same batches)."""
+        assert self.llm is not None
+        params = VllmSamplingParams(n=1, temperature=0.0, max_tokens=CHECK_TOKENS, ignore_eos=True,
+                                    output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+        answers = []
+        for i, prompt in enumerate(prompts):
+            tokens: list[int] = []
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt), params,
+                                               f"pdserve-self-check-{mode}-{i}-{secrets.token_hex(4)}"):
+                tokens = list(out.outputs[0].token_ids)
+            answers.append(tuple(tokens))
+        return tuple(answers)
 
     def num_blocks(self) -> int:
         assert self.llm is not None

@@ -13,6 +13,24 @@ from services.engine.control_client import EngineLoad
 
 
 class PdserveWorkerExtension:
+    def pdserve_eager_forward(self, eager: bool) -> int:
+        """The start-up self-check's switch (connectors/vllm/greedy_check.py): with `eager`, every
+        compiled module of this worker's model (vLLM's `support_torch_compile` modules, which
+        call their eager `forward` while `do_not_compile` is set) runs eagerly; without, the ones
+        this switched go back to their compiled graph. Answers how many modules it switched."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]  # the vLLM worker this is mixed into
+        if eager:
+            switched = [m for m in model.modules() if getattr(m, "do_not_compile", True) is False]
+            for module in switched:
+                module.do_not_compile = True
+            self._pdserve_eager = switched
+            return len(switched)
+        switched = getattr(self, "_pdserve_eager", [])
+        for module in switched:
+            module.do_not_compile = False
+        self._pdserve_eager = []
+        return len(switched)
+
     def pdserve_connect(self) -> int:
         """Registers rank 0 with the pdserve scheduler once vLLM's engine runs."""
         for worker in connector.WORKER_HALVES:

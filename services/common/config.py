@@ -195,6 +195,10 @@ class EngineConfig:
     vllm: dict[str, Any] = opt({}, "a vLLM engine argument KEY=VALUE (repeatable; VALUE is read as YAML, e.g. "
                                    "enforce_eager=true); the YAML config's `vllm:` section sets them too; only "
                                    "with --engine vllm", flag="vllm-arg")
+    vllm_self_check: bool = opt(True, "with --engine vllm: at start, greedy tokens of a few short prompts on vLLM's "
+                                      "serving path (its compiled model) against the same model run eagerly; an "
+                                      "engine whose tokens differ refuses to start with the reason (skipped when "
+                                      "vLLM runs the model eagerly, pdserve's CPU default)")
     engine_id: str = opt("", "stable engine id; default <role>-<hostname>")
     model: str = opt("", "model directory; empty selects the demo model")
     scheduler: str = opt("127.0.0.1:50052", "scheduler control address host:port; with replicas a comma list, "

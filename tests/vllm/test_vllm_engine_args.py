@@ -79,3 +79,15 @@ def test_cpu_tp1_worker_runs_in_the_engine_core_process(vengine: ModuleType) -> 
     assert vengine.executor_env(_settings(vengine), cuda=False) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     assert vengine.executor_env(_settings(vengine, tp=2), cuda=False) == {}
     assert vengine.executor_env(_settings(vengine), cuda=True) == {}
+
+
+def test_cpu_runs_the_model_eagerly_unless_the_user_chose(vengine: ModuleType) -> None:
+    """vLLM's compiled CPU graph answered the README's question wrongly in bfloat16 (decision
+    0040): CPU engines run eagerly by default; an explicit compile setting stands; CUDA keeps
+    vLLM's compiled default (checked at start by the self-check)."""
+    assert vengine.engine_args(_settings(vengine), cuda=False).enforce_eager is True
+    compiled = vengine.engine_args(_settings(vengine, vllm_args={"enforce_eager": False}), cuda=False)
+    assert compiled.enforce_eager is False
+    chosen = vengine.engine_args(_settings(vengine, vllm_args={"compilation_config": {"mode": 3}}), cuda=False)
+    assert chosen.enforce_eager is False
+    assert vengine.engine_args(_settings(vengine), cuda=True, device_memory_bytes=80 << 30).enforce_eager is False

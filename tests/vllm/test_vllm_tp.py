@@ -8,12 +8,16 @@ a tiny random Llama (4 heads, 2 KV heads, 2 layers, fp32, seeded; the demo model
 written at test time. The reference is vLLM colocated greedy at tp 2 on the same model: the
 decode engine answering `Engine.Decode` without a descriptor computes the prompt itself.
 
-One cluster for the module: two vLLM engines of two worker ranks each. Measured on the shared
-2-core host under the heavy lock: cluster start 58 s, the test 15 s.
+One cluster per dtype (float32, bfloat16; issue 35): two vLLM engines of two worker ranks each,
+with pdserve's own compile setting (eager on CPU, decision 0040) and without vLLM's CI switch, as a
+user runs them; the disaggregated tokens must also be vLLM offline's at tp 2 with the same
+settings. Measured on the shared 2-core host under the heavy lock: offline reference and cluster
+start 93-100 s per dtype, the test 6-16 s; 222 s for the module.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import urllib.request
 from collections.abc import Iterator
@@ -21,7 +25,7 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from vllm_cluster import colocated, generate_greedy, log_problems, vllm_cluster
+from vllm_cluster import colocated, generate_greedy, log_problems, offline_greedy, vllm_cluster
 
 from services.local_cluster import LocalCluster
 
@@ -59,9 +63,28 @@ def prompts() -> list[list[int]]:
     return [[(997 * i + 31 * j) % 40000 + 100 for j in range(40 + 20 * i)] for i in range(4)]
 
 
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def dtype(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The dtype of the module's cluster; vLLM's CI switch off meanwhile (the compile setting is pdserve's)."""
+    before = os.environ.pop("VLLM_CPU_CI_ENV", None)
+    yield str(request.param)
+    if before is not None:
+        os.environ["VLLM_CPU_CI_ENV"] = before
+
+
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_tp_model: Path) -> Iterator[LocalCluster]:
-    with vllm_cluster(tmp_path_factory, "vllm-tp2", model=str(tiny_tp_model), num_prefill=1, num_decode=1, tp=TP,
+def offline(dtype: str, tmp_path_factory: pytest.TempPathFactory, tiny_tp_model: Path,
+            prompts: list[list[int]]) -> list[list[int]]:
+    """vLLM offline at tp 2, eager (pdserve's CPU setting), before the cluster starts."""
+    return offline_greedy(tiny_tp_model, dtype, prompts, tmp_path_factory.mktemp(f"offline-tp2-{dtype}"),
+                          max_tokens=MAX_TOKENS, max_model_len=512, tp=TP)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_tp_model: Path, dtype: str,
+            offline: list[list[int]]) -> Iterator[LocalCluster]:
+    with vllm_cluster(tmp_path_factory, f"vllm-tp2-{dtype}", model=str(tiny_tp_model), num_prefill=1, num_decode=1,
+                      tp=TP, dtype=dtype, vllm_args=(),
                       kv_cache_memory="32MiB", metrics=True,
                       # Every prompt crosses UCX. The scheduler's base heartbeat timeout, which
                       # is also how long an HTTP/2 PING may go unanswered (decision 0038), at this
@@ -95,8 +118,8 @@ def _registered_ranks(c: LocalCluster) -> dict[str, float]:
     return ranks
 
 
-def test_tp2_prefill_to_tp2_decode_matches_vllm_colocated_tp2(cluster: LocalCluster,
-                                                              prompts: list[list[int]]) -> None:
+def test_tp2_prefill_to_tp2_decode_matches_vllm_colocated_tp2(cluster: LocalCluster, prompts: list[list[int]],
+                                                              offline: list[list[int]]) -> None:
     assert _registered_ranks(cluster) == {"prefill": TP, "decode": TP}, "every vLLM worker rank says Hello"
     # The disaggregated run first, on a cold decode engine: transferred_tokens counts only what came
     # over the data plane, so a colocated run before it would leave every full block cached there.
@@ -112,6 +135,7 @@ def test_tp2_prefill_to_tp2_decode_matches_vllm_colocated_tp2(cluster: LocalClus
     assert len({tuple(r) for r in reference}) > 1, "a random model that answers every prompt alike proves nothing"
     for i, (result, expected) in enumerate(zip(results, reference, strict=True)):
         assert result.token_ids == expected, f"prompt {i}: {result.token_ids} != {expected}"
+        assert result.token_ids == offline[i], f"prompt {i}: {result.token_ids} != vLLM offline {offline[i]}"
         assert result.prefill_engine_id == "prefill-0", result
         assert result.transferred_tokens > 0, \
             f"prompt {i}: no KV came over the data plane: {result}\n{log_problems(cluster)}"

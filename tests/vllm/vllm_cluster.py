@@ -4,11 +4,15 @@ starter, the colocated greedy reference and a greedy client."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import grpc
 import pytest
@@ -23,15 +27,17 @@ BLOCK = 32  # vLLM's CPU attention takes multiples of 32, on the scheduler as on
 @contextmanager
 def vllm_cluster(tmp_path_factory: pytest.TempPathFactory, name: str, *, kv_cache_memory: str,
                  scheduler_args: list[str], max_model_len: int, max_num_seqs: int,
-                 transfer_timeout_s: float = 5.0, **spec: object) -> Iterator[LocalCluster]:
+                 transfer_timeout_s: float = 5.0, dtype: str = "float32",
+                 vllm_args: tuple[str, ...] = ("enforce_eager=true",), **spec: object) -> Iterator[LocalCluster]:
     """A started cluster of vLLM engines (fp32, eager, block size `BLOCK`, one torch thread, a 5 s
-    transfer timeout unless given), stopped at exit; `spec` is the rest of the `ClusterSpec`."""
+    transfer timeout unless given; `vllm_args=()` leaves vLLM's compile setting to pdserve's
+    default), stopped at exit; `spec` is the rest of the `ClusterSpec`."""
     cluster_spec = ClusterSpec(
         log_dir=str(tmp_path_factory.mktemp(name)), engine="vllm", kv_cache_memory=kv_cache_memory,
         torch_threads=1, scheduler_args=["--block-size", str(BLOCK), *scheduler_args],
-        engine_args=["--block-size", str(BLOCK), "--dtype", "float32", "--max-model-len", str(max_model_len),
+        engine_args=["--block-size", str(BLOCK), "--dtype", dtype, "--max-model-len", str(max_model_len),
                      "--max-num-seqs", str(max_num_seqs), "--transfer-timeout-s", str(transfer_timeout_s)],
-        vllm_args=["enforce_eager=true"],
+        vllm_args=list(vllm_args),
         env={"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"},
         **spec)  # type: ignore[arg-type]
     c = LocalCluster(cluster_spec)
@@ -52,6 +58,25 @@ def colocated(c: LocalCluster, prompt: list[int], max_tokens: int, name: str = "
     request = engine_pb2.DecodeRequest(request_id=f"ref-{time.monotonic_ns()}", prompt_token_ids=prompt,
                                        sampling=sampling)
     return [t for response in stub.Decode(request, timeout=300) for t in response.token_ids]
+
+
+def offline_greedy(model: Path, dtype: str, prompts: list[list[int]], tmp_path: Path, *, max_tokens: int,
+                   max_model_len: int, tp: int = 1) -> list[list[int]]:
+    """vLLM offline (`vllm.LLM`) greedy with pdserve's CPU settings (eager, block size `BLOCK`,
+    prefix caching), each prompt alone, in a process of its own (offline_reference.py)."""
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"model": str(model), "dtype": dtype, "tp": tp, "max_tokens": max_tokens,
+                                "max_model_len": max_model_len, "prompts": prompts, "vllm": {"enforce_eager": True}}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("offline_reference.py")), str(spec)],
+                          capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    marker = "pdserve-offline-reference: "
+    lines = [line for line in done.stdout.splitlines() if line.startswith(marker)]
+    assert lines, done.stdout[-3000:] + done.stderr[-3000:]
+    answers: list[list[int]] = json.loads(lines[-1][len(marker):])
+    return answers
 
 
 def generate_greedy(target: str, prompts: list[list[int]], max_tokens: int, *, concurrency: int) -> list[GenerationResult]:

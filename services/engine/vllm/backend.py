@@ -107,7 +107,7 @@ class VllmBackend:
             kv_cache_bytes=cfg.kv_cache_bytes, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len, connector=connector,
             vllm_args=dict(getattr(cfg, "vllm", {}) or {}), torch_threads=cfg.torch_threads,
-            gpu_memory_fraction=cfg.gpu_memory_fraction, devices=cfg.devices)
+            gpu_memory_fraction=cfg.gpu_memory_fraction, devices=cfg.devices, self_check=cfg.vllm_self_check)
         self.engine = VllmEngine(settings)
         await self.engine.start()
         await self._refresh_load()

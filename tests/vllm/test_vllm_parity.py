@@ -1,0 +1,126 @@
+"""pdserve with vLLM engines, as `pdserve up --engine vllm` runs them by default, is token-identical
+to vLLM offline (`vllm.LLM`) with the same settings, in every dtype the README offers on CPU
+(issue 35, decision 0040): chat and raw prompts, short (decode-local) and over a block (remote
+prefill + KV pull), greedy, through gRPC and the OpenAI API.
+
+Without vLLM's CI switch (`VLLM_CPU_CI_ENV`, tests/vllm/conftest.py, which runs the compiled
+graph eagerly): the engines run what a user's do. Before decision 0040 they ran vLLM's compiled
+CPU graph, which in bfloat16 answered the capital prompt `L'Étoile…` where vLLM offline eager
+answers `The capital of France is Paris.`
+
+One cluster (1 prefill, 1 decode, demo model) and one offline reference process per dtype. The
+self-check's refusal compiles the model (vLLM's inductor, 166 s on the shared 2-core host under
+the heavy lock); the rest needs no compilation (per dtype: offline reference and cluster start
+62 s, the test 9 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from vllm_cluster import BLOCK, generate_greedy, log_problems, offline_greedy, vllm_cluster
+
+from services.local_cluster import LocalCluster
+
+pytestmark = pytest.mark.timeout(1500)
+
+MAX_TOKENS = 16
+MAX_MODEL_LEN = 1024
+LOCAL_BELOW = 64  # the threshold path policy: fewer uncached prompt tokens run decode-local
+PREAMBLE = "You are a helpful assistant. Answer briefly and precisely, in plain English. "
+# (text, chat, long): long prompts are over LOCAL_BELOW tokens (remote), short ones under it.
+PROMPTS = [("What is the capital of France?", True, False), ("The capital of France is", False, False),
+           ("def fibonacci(n):", False, False), (PREAMBLE * 4 + "Name three primary colors.", True, True),
+           ("Once upon a time, in a land far away. " + PREAMBLE * 5, False, True),
+           ("1, 2, 3, 4, 5, 6, 7, 8. " + PREAMBLE * 6, False, True)]
+# The long prompts begin differently: a prefix one of them left on the decode engine would make
+# another decode-local.
+
+
+@pytest.fixture(scope="module")
+def demo_model() -> Path:
+    from engine.demo_model import demo_model_dir
+
+    return demo_model_dir()
+
+
+@pytest.fixture(scope="module")
+def prompts(demo_model: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(demo_model))
+    out = []
+    for text, chat, long in PROMPTS:
+        ids = (tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+               if chat else tok.encode(text))
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        assert (len(ids) > LOCAL_BELOW) if long else (len(ids) < LOCAL_BELOW), (text[-30:], len(ids))
+        out.append(ids)
+    return out
+
+
+@pytest.fixture(scope="module")
+def users_environment() -> Iterator[None]:
+    """vLLM's CI switch off for this module's processes (the compile setting is pdserve's)."""
+    before = os.environ.pop("VLLM_CPU_CI_ENV", None)
+    yield
+    if before is not None:
+        os.environ["VLLM_CPU_CI_ENV"] = before
+
+
+@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+def dtype_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, demo_model: Path,
+              prompts: list[list[int]], users_environment: None) -> Iterator[tuple[str, LocalCluster, list[list[int]]]]:
+    dtype = str(request.param)
+    reference = offline_greedy(demo_model, dtype, prompts, tmp_path_factory.mktemp(f"offline-{dtype}"),
+                               max_tokens=MAX_TOKENS, max_model_len=MAX_MODEL_LEN)
+    with vllm_cluster(tmp_path_factory, f"vllm-parity-{dtype}", num_prefill=1, num_decode=1, kv_cache_memory="64MiB",
+                      scheduler_args=["--path-policy", "threshold", "--path-threshold-tokens", str(LOCAL_BELOW)],
+                      max_model_len=MAX_MODEL_LEN, max_num_seqs=4, dtype=dtype, vllm_args=()) as c:
+        yield dtype, c, reference
+
+
+def _http_tokens(c: LocalCluster, prompts: list[list[int]]) -> list[list[int]]:
+    from bench.serve import Workload, _drive_http
+
+    results, _ = asyncio.run(_drive_http(c.http_url, Workload(prompts, [MAX_TOKENS] * len(prompts)), 1, 0.0))
+    return [list(r.token_ids) for r in results]
+
+
+def test_pdserve_vllm_is_token_identical_to_vllm_offline(dtype_run: tuple[str, LocalCluster, list[list[int]]],
+                                                         prompts: list[list[int]]) -> None:
+    dtype, c, reference = dtype_run
+    assert len({tuple(r) for r in reference}) == len(reference), "every prompt has its own answer"
+    results = generate_greedy(c.target, prompts, MAX_TOKENS, concurrency=1)
+    for (text, _, long), result, expected in zip(PROMPTS, results, reference, strict=True):
+        assert result.token_ids == expected, f"{dtype} gRPC {text[-40:]!r}: {result.token_ids} != {expected}"
+        assert result.path_reason.startswith("remote" if long else "decode_local"), result.path_reason
+        if long:
+            assert result.transferred_tokens > 0, f"no KV came over the data plane: {result}\n{log_problems(c)}"
+    for (text, _, _), tokens, expected in zip(PROMPTS, _http_tokens(c, prompts), reference, strict=True):
+        assert tokens == expected, f"{dtype} OpenAI API {text[-40:]!r}: {tokens} != {expected}"
+    assert c.wait_no_leaks(timeout=60) == {}
+
+
+def test_a_compiled_engine_that_disagrees_with_its_eager_forward_refuses_to_start(users_environment: None) -> None:
+    """vLLM's compiled CPU graph in bfloat16 (asked for with `enforce_eager=false`) answers the
+    capital prompt otherwise than the same model run eagerly: the start-up self-check refuses the
+    engine with the reason, instead of serving wrong answers."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.common.cli", "decode", "--engine", "vllm", "--engine-id", "compiled-0",
+         "--scheduler", "127.0.0.1:9", "--host", "127.0.0.1", "--port", "0", "--block-size", str(BLOCK),
+         "--dtype", "bfloat16", "--kv-cache-memory", "64MiB", "--max-model-len", "512", "--torch-threads", "1",
+         "--vllm-arg", "enforce_eager=false"],
+        capture_output=True, text=True, timeout=1200,
+        env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"})
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert ("vLLM engine compiled-0 refused at start: the compiled model disagrees with its eager forward, greedy: "
+            "prompt 'What is the capital of France?': token 0 is 60 on the serving path, 504 in the reference mode"
+            ) in last, last
