@@ -91,8 +91,9 @@ class EngineServicer(pb_grpc.EngineServicer):
         await self._check_started(context)
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is draining")
-        if self.role != role:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this is a {self.role} engine")
+        if not self.backend.role_state.admits(role):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"this is a {self.backend.role_state.role} engine")
         if not request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must be non-empty")
 
@@ -162,7 +163,7 @@ class EngineServicer(pb_grpc.EngineServicer):
         await self._check_started(context)
         found = await self.backend.inspect()
         load = found.load
-        return pb.InspectResponse(engine_id=self.config.engine_id, epoch=self.backend.epoch, role=self.role,
+        return pb.InspectResponse(engine_id=self.config.engine_id, epoch=self.backend.epoch, role=self.backend.role_state.role,
                                   num_running=load.num_running, num_waiting=load.num_waiting,
                                   num_pinned=load.num_pinned, num_waiting_for_remote_kv=load.num_waiting_for_remote_kv,
                                   num_free_blocks=load.num_free_blocks, num_blocks=load.num_blocks, leaks=found.leaks,

@@ -39,6 +39,8 @@ REASON_SHORT_PROMPT = LOCAL_SHORT_PROMPT
 REASON_NO_PREFILL = LOCAL_NO_PREFILL
 REASON_NO_DECODE = "no_decode_engine"
 REASON_UNMAPPABLE_TP = "decode_only_unmappable_tp"
+# The chosen decode engine is mixed: it computes its own prompts (docs/decisions/0044).
+REASON_MIXED = "local_mixed_engine"
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,8 +192,10 @@ class Router:
                 path = self.path.local(REASON_UNMAPPABLE_TP, want, decodes, matched)
             else:
                 path = self.path.decide(want, view, decodes, matched)
-        prefill = chosen if chosen is not None and not path.local else RoutingDecision(None, path.reason)
         target = next((e for e in decodes if e.engine_id == path.decode_id), None)
+        if target is not None and target.role == "mixed" and not path.local:
+            path = self.path.local(REASON_MIXED, want, [target], matched)
+        prefill = chosen if chosen is not None and not path.local else RoutingDecision(None, path.reason)
         if prefill.engine_id is not None and view is not None and target is not None \
                 and pair_problem(view, target) is not None:
             prefill = RoutingDecision(None, REASON_UNMAPPABLE_TP)

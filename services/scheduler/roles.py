@@ -1,0 +1,190 @@
+"""Engine roles in the scheduler: operator changes, the role planner's loop, their metrics.
+
+`RoleAdmin` is what the admin endpoint and the planner call: it asks the engine for a role
+through the Control servicer (SetRole), and keeps a bounded log of every change asked for, with
+its source and reason. `PlannerLoop` runs the pure `RolePlanner` on a timer from the load window
+and the live path-cost fits: `advise` exports what it would do, `on` also does it (one engine
+per decision). Metrics: pdserve_engine_role{engine_id,role} (1 for the role an engine serves,
+0 for the others), pdserve_planner_desired_engines{role}, pdserve_planner_predicted_goodput_rps
+{split="current"|"desired"}, pdserve_planner_observed_goodput_rps.
+
+Scheduler replicas (docs/decisions/0044): the engine is the source of truth for its role and
+states it in every heartbeat to every replica, so replicas that did not ask follow. One replica
+plans with `on` (in the chart: replica 0); the others run `advise`. Should two ever ask at once,
+the engine's compare-and-set on the role generation lets one win.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from services.scheduler.control import ControlServicer
+from services.scheduler.load_window import LoadWindow
+from services.scheduler.path_costs import PathCosts
+from services.scheduler.planner import ROLES, EngineRoleView, PlanDecision, PlannerInputs, RolePlanner
+from services.scheduler.registry import EngineState, Role
+
+logger = logging.getLogger(__name__)
+PLANNER_MODES = ("off", "advise", "on")
+
+
+@dataclass(frozen=True, slots=True)
+class RoleChangeEntry:
+    at: float  # wall clock
+    engine_id: str
+    old: str
+    new: str
+    role_epoch: int
+    source: str  # "operator", "planner" or "engine" (a change another replica asked for)
+    reason: str
+
+
+class RoleAdmin:
+    """Role changes by hand or by the planner (see the module docstring)."""
+
+    def __init__(self, control: ControlServicer, max_log: int = 256) -> None:
+        self.control = control
+        self.registry = control.registry
+        self.log: deque[RoleChangeEntry] = deque(maxlen=max_log)
+        self._asked: dict[str, tuple[str, str]] = {}  # engine id -> (source, reason) of a pending ask
+        control.on_role_changed.append(self._changed)
+
+    def set_role(self, engine_id: str, role: str, reason: str, source: str = "operator") -> int:
+        """Asks `engine_id` to serve `role`; returns the role generation asked for. Raises
+        KeyError (unknown engine) or ValueError (bad role, engine unhealthy or already there)."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        role_epoch = self.control.set_role(engine_id, Role(role), reason)
+        self._asked[engine_id] = (source, reason)
+        return role_epoch
+
+    def _changed(self, engine: EngineState, old: Role) -> None:
+        source, reason = self._asked.pop(engine.engine_id, ("engine", "asked by another scheduler replica"))
+        entry = RoleChangeEntry(time.time(), engine.engine_id, str(old), str(engine.role), engine.role_epoch,
+                                source, reason)
+        self.log.append(entry)
+        logger.info("role change: engine %s %s -> %s (role epoch %d) by %s: %s", entry.engine_id, entry.old,
+                    entry.new, entry.role_epoch, source, reason)
+
+    def engines(self) -> list[dict[str, object]]:
+        return [{"engine_id": e.engine_id, "role": str(e.role), "role_epoch": e.role_epoch, "epoch": e.epoch,
+                 "routable": e.routable} for e in sorted(self.registry.engines.values(), key=lambda e: e.engine_id)]
+
+    def changes(self) -> list[dict[str, object]]:
+        return [asdict(c) for c in self.log]
+
+
+class PlannerLoop:
+    """Runs the planner every `interval_s` (see the module docstring)."""
+
+    def __init__(self, mode: str, planner: RolePlanner, window: LoadWindow, admin: RoleAdmin, costs: PathCosts,
+                 interval_s: float = 5.0) -> None:
+        if mode not in PLANNER_MODES:
+            raise ValueError(f"planner must be one of {', '.join(PLANNER_MODES)}, got {mode!r}")
+        self.mode, self.planner, self.window, self.admin, self.costs = mode, planner, window, admin, costs
+        self.interval_s = interval_s
+        self.decisions: deque[PlanDecision] = deque(maxlen=64)
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self.mode != "off":
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - a planning error must not end the loop
+                logger.exception("role planner tick failed")
+
+    def inputs(self) -> PlannerInputs | None:
+        """What the planner reads now; None when nothing finished in the window."""
+        stats = self.window.stats()
+        engines = [e for e in self.admin.registry.engines.values() if e.healthy]
+        if stats.num_requests == 0 or not engines:
+            return None
+        fixed = self.costs.prefill_s(0)
+        per_token = max(1e-7, (self.costs.prefill_s(1000) - fixed) / 1000)
+        decoding = [e for e in engines if e.role.side == Role.DECODE]
+        steps = [self.costs.step_s(e.engine_id) for e in decoding] or [self.costs.prefill_s(1)]
+        views = [EngineRoleView(e.engine_id, str(e.role), e.load.num_running + e.load.num_waiting) for e in engines]
+        return PlannerInputs(views, stats.arrival_rps, stats.mean_prompt_tokens, stats.mean_output_tokens,
+                             stats.prefix_hit_rate, fixed, per_token, min(steps), 0.0,
+                             stats.ttft_target_s, stats.itl_target_s)
+
+    def tick(self) -> PlanDecision | None:
+        x = self.inputs()
+        if x is None:
+            return None
+        decision = self.planner.plan(x)
+        self.decisions.append(decision)
+        observed = self.planner.observe(self.window.stats().goodput_rps)
+        if observed is not None:
+            logger.info("planner: after %s -> %s of %s, goodput observed %.2f rps (predicted %.2f, before %.2f)",
+                        observed.move.old, observed.move.new, observed.move.engine_id, observed.observed_rps or 0.0,
+                        observed.predicted_new_rps, observed.predicted_old_rps)
+        if decision.move is None:
+            return decision
+        logger.info("planner (%s): %s", self.mode, decision.reason)
+        if self.mode == "on":
+            try:
+                self.admin.set_role(decision.move.engine_id, decision.move.new, decision.reason, source="planner")
+                self.planner.record(decision, x)
+            except (KeyError, ValueError) as e:
+                logger.warning("planner: could not move %s: %s", decision.move.engine_id, e)
+        return decision
+
+
+class RoleCollector(Collector):
+    """Scrape-time gauges of engine roles and the planner's advice."""
+
+    def __init__(self, admin: RoleAdmin, loop: PlannerLoop | None) -> None:
+        self.admin, self.loop = admin, loop
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        roles = GaugeMetricFamily("pdserve_engine_role", "1 for the role each engine serves now, 0 for the others",
+                                  labels=["engine_id", "role"])
+        for e in list(self.admin.registry.engines.values()):
+            for role in ROLES:
+                roles.add_metric([e.engine_id, role], 1.0 if str(e.role) == role else 0.0)
+        yield roles
+        decision = self.loop.planner.last if self.loop is not None else None
+        if decision is None:
+            return
+        desired = GaugeMetricFamily("pdserve_planner_desired_engines",
+                                    "engines per role the role planner predicts best (HPA/KEDA scale on it)",
+                                    labels=["role"])
+        for role in ROLES:
+            desired.add_metric([role], float(decision.desired.count(role)))
+        yield desired
+        predicted = GaugeMetricFamily("pdserve_planner_predicted_goodput_rps",
+                                      "predicted goodput (requests/s meeting both SLOs at 90 % attainment)",
+                                      labels=["split"])
+        predicted.add_metric(["current"], decision.predicted_current_rps)
+        predicted.add_metric(["desired"], decision.predicted_desired_rps)
+        yield predicted
+        observed = GaugeMetricFamily("pdserve_planner_observed_goodput_rps",
+                                     "requests/s that met both SLOs over the planner's window")
+        observed.add_metric([], self.loop.window.stats().goodput_rps if self.loop is not None else 0.0)
+        yield observed
+
+
+def register_metrics(prometheus: CollectorRegistry, admin: RoleAdmin, loop: PlannerLoop | None) -> None:
+    prometheus.register(RoleCollector(admin, loop))
