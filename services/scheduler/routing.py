@@ -22,6 +22,7 @@ from typing import Protocol, runtime_checkable
 
 from connectors.head_map import mapping_problem
 from services.scheduler.path_policy import (
+    LOCAL_MIXED_ENGINE,
     LOCAL_NO_PREFILL,
     LOCAL_SHORT_PROMPT,
     PathConfig,
@@ -40,7 +41,7 @@ REASON_NO_PREFILL = LOCAL_NO_PREFILL
 REASON_NO_DECODE = "no_decode_engine"
 REASON_UNMAPPABLE_TP = "decode_only_unmappable_tp"
 # The chosen decode engine is mixed: it computes its own prompts (docs/decisions/0044).
-REASON_MIXED = "local_mixed_engine"
+REASON_MIXED = LOCAL_MIXED_ENGINE
 
 
 @dataclass(frozen=True, slots=True)
