@@ -70,7 +70,8 @@ class LoadWindow:
         n = len(done)
         if not n:
             return WindowStats(0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, None, None)
-        span = self.window_s
+        # The window's span, or less while it fills (the first requests after a start or a lull).
+        span = max(1.0, min(self.window_s, self.clock() - min(r.arrived for r in done)))
         prompt = sum(r.num_prompt_tokens for r in done)
         good = sum(1 for r in done if self.good(r))
         ttfts = [r.ttft_target_s for r in done if r.ttft_target_s]

@@ -11,9 +11,10 @@ at least one engine that decodes):
   each, `step_s + step_per_seq_s x batch` (the live ITL fit, batch = sequences decoding there).
 - Decode and mixed engines share the requests evenly. Requests on a decode engine prefill on a
   prefill engine (if there is none, locally, like a mixed engine's).
-- A prefill engine is a queue: utilisation rho = rate x prefill time / engines; TTFT is
-  exponential with mean prefill / (1 - rho) (M/M/1), so P(TTFT <= target) = 1 - exp(-(target -
-  prefill) (1 - rho) / prefill) above the bare prefill time, else 0.
+- A prefill engine is a queue: utilisation rho = rate x prefill time / engines; the wait
+  before a prompt's prefill is M/M/1's, P(wait > t) = rho exp(-(1 - rho) t / prefill), so
+  P(TTFT <= target) = 1 - rho exp(-(target - prefill) (1 - rho) / prefill) above the bare
+  prefill time, else 0.
 - A decoding engine runs `batch` sequences by Little's law; ITL meets its target while the
   step time does. A local prefill stalls that engine's decode: its ITL target is met only when
   the prefill share of its time leaves the step time within target (a prefill longer than the
@@ -149,9 +150,10 @@ def attainment(split: Split, x: PlannerInputs, ttft_target: float, itl_target: f
 
 
 def _ttft_term(rho: float, prefill: float, target: float) -> float:
+    """P(wait + prefill <= target) in an M/M/1 queue: P(wait > t) = rho exp(-(1 - rho) t / prefill)."""
     if rho >= 1.0 or target <= prefill:
         return 0.0
-    return 1.0 - math.exp(-(target - prefill) * (1.0 - rho) / prefill)
+    return 1.0 - rho * math.exp(-(target - prefill) * (1.0 - rho) / prefill)
 
 
 def _decode_step(rate: float, x: PlannerInputs, busy_share: float) -> float | None:

@@ -122,12 +122,20 @@ class PlannerLoop:
             return None
         fixed = self.costs.prefill_s(0)
         per_token = max(1e-7, (self.costs.prefill_s(1000) - fixed) / 1000)
-        decoding = [e for e in engines if e.role.side == Role.DECODE]
-        steps = [self.costs.step_s(e.engine_id) for e in decoding] or [self.costs.prefill_s(1)]
+        step_s, per_seq_s = self._decode_step([e for e in engines if e.role.side == Role.DECODE])
         views = [EngineRoleView(e.engine_id, str(e.role), e.load.num_running + e.load.num_waiting) for e in engines]
         return PlannerInputs(views, stats.arrival_rps, stats.mean_prompt_tokens, stats.mean_output_tokens,
-                             stats.prefix_hit_rate, fixed, per_token, min(steps), 0.0,
+                             stats.prefix_hit_rate, fixed, per_token, step_s, per_seq_s,
                              stats.ttft_target_s, stats.itl_target_s)
+
+    def _decode_step(self, decoding: list[EngineState]) -> tuple[float, float]:
+        """(step with one sequence, what each further one adds): a forward pass of one token
+        (the prefill fit) as the first, and the rest of each engine's measured step charged to the
+        sequences it was running (its load), averaged over the decoding engines."""
+        base = self.costs.prefill_s(1)
+        slopes = [max(0.0, self.costs.step_s(e.engine_id) - base) / e.load.num_running
+                  for e in decoding if e.load.num_running > 0]
+        return base, sum(slopes) / len(slopes) if slopes else 0.0
 
     def tick(self) -> PlanDecision | None:
         x = self.inputs()
