@@ -102,6 +102,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-itl-ms", type=float, default=200.0,
                         help="goodput SLO on mean inter-token latency (--compare-paths: also sent as every "
                              "request's itl_target_ms)")
+    parser.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                        help="vLLM's goodput SLOs (ttft, tpot, e2el in ms), e.g. --goodput ttft:1000 tpot:100; "
+                             "with --sweep-rates: goodput = the highest rate with >= 90 %% of requests good")
+    parser.add_argument("--sweep-rates", default="",
+                        help="comma-separated Poisson arrival rates (requests/s) to sweep, lowest first: reports "
+                             "the attainment curve and goodput_rps (on --target, or one started cluster)")
+    parser.add_argument("--planner", choices=["off", "advise", "on"], default="off",
+                        help="--up clusters: the scheduler's role planner (docs/decisions/0044)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument("--out", default="bench-results", help="directory for serve.json and serve.png")
     parser.add_argument("--threads", type=int, default=0,
@@ -615,6 +623,33 @@ def path_breakdown(results: list[GenerationResult], kinds: list[str]) -> dict[st
     return out
 
 
+def _goodput_sweep(args: argparse.Namespace, wl: Workload) -> dict[str, Any]:
+    """Open-loop Poisson arrivals at each `--sweep-rates` rate on one system (`--target`, or a
+    started cluster of --prefill / --decode engines with --planner): the attainment curve and
+    the goodput (bench/goodput.py)."""
+    from bench.goodput import GoodputSlo, RatePoint, goodput_rps, parse_goodput, sweep
+
+    slo = parse_goodput(args.goodput) if args.goodput else GoodputSlo(args.slo_ttft_ms, args.slo_itl_ms)
+    rates = [float(r) for r in args.sweep_rates.split(",") if r.strip()]
+    if not rates or min(rates) <= 0:
+        raise ValueError(f"--sweep-rates: positive rates needed, got {args.sweep_rates!r}")
+
+    def on(target: str) -> list[RatePoint]:
+        return sweep(lambda rate: asyncio.run(_drive(target, wl, args.concurrency, rate)), rates, slo)
+
+    if args.target:
+        curve = on(args.target)
+    else:
+        planner = ["--planner", args.planner] if args.planner != "off" else []
+        with started_cluster("sweep", args, num_prefill=args.prefill, num_decode=args.decode,
+                             scheduler_args=[*planner, *ALWAYS_REMOTE]) as c:
+            asyncio.run(_drive(c.target, warm_up_workload(), 2, 0.0))
+            curve = on(c.target)
+    return {"slo_ms": {"ttft": slo.ttft_ms, "tpot": slo.tpot_ms, "e2el": slo.e2el_ms},
+            "attainment_curve": [dataclasses.asdict(p) for p in curve],
+            "goodput_rps": goodput_rps(curve)}
+
+
 def _ratio(a: float, b: float) -> float:
     """a / b rounded; 0.0 when b is 0 (nothing measured)."""
     return round(a / b, 2) if b else 0.0
@@ -645,6 +680,8 @@ def run(args: argparse.Namespace) -> int:
             asyncio.run(_drive(c.target, warm, 2, 0.0))
             asyncio.run(_drive_http(c.http_url, warm, 2, 0.0))
             report.update(http_vs_grpc(c.target, c.http_url, args, vocab))
+    elif args.sweep_rates:
+        report.update(_goodput_sweep(args, wl))
     elif args.target:
         results, wall = asyncio.run(_drive(args.target, wl, args.concurrency, args.request_rate))
         report["target"] = summarize(results, wall, args)
