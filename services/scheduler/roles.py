@@ -9,9 +9,10 @@ per decision). Metrics: pdserve_engine_role{engine_id,role} (1 for the role an e
 {split="current"|"desired"}, pdserve_planner_observed_goodput_rps.
 
 Scheduler replicas (docs/decisions/0044): the engine is the source of truth for its role and
-states it in every heartbeat to every replica, so replicas that did not ask follow. One replica
-plans with `on` (in the chart: replica 0); the others run `advise`. Should two ever ask at once,
-the engine's compare-and-set on the role generation lets one win.
+states it in every heartbeat to every replica, so replicas that did not ask follow, and every
+change seen restarts each planner's dwell. Run one replica with `on` and the others with
+`advise`; should two acting planners ask one engine at once, its compare-and-set on the role
+generation lets one win (two may still move two different engines within one heartbeat).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 from prometheus_client import CollectorRegistry
@@ -57,6 +58,8 @@ class RoleAdmin:
         self.registry = control.registry
         self.log: deque[RoleChangeEntry] = deque(maxlen=max_log)
         self._asked: dict[str, tuple[str, str]] = {}  # engine id -> (source, reason) of a pending ask
+        # Told of every change an engine reports, whoever asked (the planner restarts its dwell).
+        self.listeners: list[Callable[[RoleChangeEntry], None]] = []
         control.on_role_changed.append(self._changed)
 
     def set_role(self, engine_id: str, role: str, reason: str, source: str = "operator") -> int:
@@ -75,6 +78,8 @@ class RoleAdmin:
         self.log.append(entry)
         logger.info("role change: engine %s %s -> %s (role epoch %d) by %s: %s", entry.engine_id, entry.old,
                     entry.new, entry.role_epoch, source, reason)
+        for listener in self.listeners:
+            listener(entry)
 
     def engines(self) -> list[dict[str, object]]:
         return [{"engine_id": e.engine_id, "role": str(e.role), "role_epoch": e.role_epoch, "epoch": e.epoch,
@@ -95,6 +100,12 @@ class PlannerLoop:
         self.interval_s = interval_s
         self.decisions: deque[PlanDecision] = deque(maxlen=64)
         self._task: asyncio.Task[None] | None = None
+        admin.listeners.append(self._changed)
+
+    def _changed(self, entry: RoleChangeEntry) -> None:
+        """Any role change (an operator's, another replica's planner) restarts the dwell, so
+        replicas that plan at once do not stack moves and a hand-set role is not undone at once."""
+        self.planner.last_change_at = self.planner.clock()
 
     def start(self) -> None:
         if self.mode != "off":

@@ -128,3 +128,14 @@ def test_operator_change_is_logged_with_its_reason() -> None:
         ("e0", "prefill", "mixed", "operator", "night traffic")]
     engine = registry.engine("e0")
     assert engine is not None and engine.epoch == 11 and engine.role_epoch == 1
+
+
+def test_a_change_another_replica_made_restarts_the_dwell() -> None:
+    clock = Clock()
+    registry, control, admin = cluster(clock, {"e0": Role.DECODE, "e1": Role.MIXED})
+    loop, window = loop_for(clock, admin)
+    # Another replica's planner moved e1 (this replica only hears the engine's heartbeat).
+    engine_applies(registry, control, "e1", "prefill", 1)
+    assert admin.changes()[-1]["source"] == "engine"
+    moves = run(loop, window, clock, registry, control, LONG_OUTPUTS, 15)
+    assert moves == []  # within the dwell (20 s) of the change it saw
