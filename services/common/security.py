@@ -303,7 +303,7 @@ def token_entries(text: str, source: str = "auth_tokens_file") -> list[tuple[str
 
 def configured_token_entries(tokens_file: str, inline: str) -> list[tuple[str, str, list[str]]]:
     """(name, secret, scopes) of the tokens in `auth_tokens_file` and the comma-separated
-    `auth_tokens` (those have every scope), in that order."""
+    `auth_tokens` (those have the default scopes: generate and events), in that order."""
     entries = []
     if tokens_file:
         try:

@@ -409,7 +409,7 @@ class HttpApi:
         self._server = self._task = None
 
 
-_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics"}
+_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics", "/admin/roles"}
 
 
 class _Server(uvicorn.Server):
