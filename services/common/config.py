@@ -142,8 +142,9 @@ class SchedulerConfig:
                                  "empty: any certificate of tls_ca")
     allow_plaintext: bool = opt(False, "explicit opt-in to plaintext gRPC on a non-loopback host")
     health_port: int = opt(0, "plaintext port serving only the gRPC health service (probes under TLS); 0 disables")
-    auth_tokens_file: str = opt("", "bearer tokens for Generate and KVEvents, one per line: <token> [generate,events]")
-    auth_tokens: str = opt("", "comma-separated bearer tokens (all scopes); prefer env PDSERVE_AUTH_TOKENS")
+    auth_tokens_file: str = opt("", "bearer tokens, one per line: <token> [generate,events,admin] (no scopes: "
+                                    "generate and events; admin: the /admin endpoints)")
+    auth_tokens: str = opt("", "comma-separated bearer tokens (generate and events); prefer env PDSERVE_AUTH_TOKENS")
     max_message_bytes: int = opt(64 * 1024 * 1024, "largest gRPC message received or sent")
     max_streams_per_client: int = opt(1024, "concurrent Generate / Subscribe streams per client; 0 unbounded")
     rate_limit_rps: float = opt(0.0, "requests per second per client (client API, KV events); 0 disables")
