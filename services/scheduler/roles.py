@@ -22,13 +22,12 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
 
+from services.common.metrics import PlannerReading, RoleMetrics
 from services.scheduler.control import ControlServicer
 from services.scheduler.load_window import LoadWindow
 from services.scheduler.path_costs import PathCosts
@@ -171,39 +170,17 @@ class PlannerLoop:
         return decision
 
 
-class RoleCollector(Collector):
-    """Scrape-time gauges of engine roles and the planner's advice."""
-
-    def __init__(self, admin: RoleAdmin, loop: PlannerLoop | None) -> None:
-        self.admin, self.loop = admin, loop
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        roles = GaugeMetricFamily("pdserve_engine_role", "1 for the role each engine serves now, 0 for the others",
-                                  labels=["engine_id", "role"])
-        for e in list(self.admin.registry.engines.values()):
-            for role in ROLES:
-                roles.add_metric([e.engine_id, role], 1.0 if str(e.role) == role else 0.0)
-        yield roles
-        decision = self.loop.planner.last if self.loop is not None else None
-        if decision is None:
-            return
-        desired = GaugeMetricFamily("pdserve_planner_desired_engines",
-                                    "engines per role the role planner predicts best (HPA/KEDA scale on it)",
-                                    labels=["role"])
-        for role in ROLES:
-            desired.add_metric([role], float(decision.desired.count(role)))
-        yield desired
-        predicted = GaugeMetricFamily("pdserve_planner_predicted_goodput_rps",
-                                      "predicted goodput (requests/s meeting both SLOs at 90 % attainment)",
-                                      labels=["split"])
-        predicted.add_metric(["current"], decision.predicted_current_rps)
-        predicted.add_metric(["desired"], decision.predicted_desired_rps)
-        yield predicted
-        observed = GaugeMetricFamily("pdserve_planner_observed_goodput_rps",
-                                     "requests/s that met both SLOs over the planner's window")
-        observed.add_metric([], self.loop.window.stats().goodput_rps if self.loop is not None else 0.0)
-        yield observed
-
-
 def register_metrics(prometheus: CollectorRegistry, admin: RoleAdmin, loop: PlannerLoop | None) -> None:
-    prometheus.register(RoleCollector(admin, loop))
+    """pdserve_engine_role and the planner's gauges (services.common.metrics.RoleMetrics)."""
+
+    def roles() -> list[tuple[str, str]]:
+        return [(e.engine_id, str(e.role)) for e in list(admin.registry.engines.values())]
+
+    def plan() -> PlannerReading | None:
+        decision = loop.planner.last if loop is not None else None
+        if loop is None or decision is None:
+            return None
+        return PlannerReading({r: decision.desired.count(r) for r in ROLES}, decision.predicted_current_rps,
+                              decision.predicted_desired_rps, loop.window.stats().goodput_rps)
+
+    RoleMetrics(prometheus).track(roles, plan, ROLES)
