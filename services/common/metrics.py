@@ -516,7 +516,8 @@ class RoleMetrics(_Group):
     def track(self, read_roles: Callable[[], Iterable[tuple[str, str]]],
               read_plan: Callable[[], PlannerReading | None], roles: Iterable[str]) -> None:
         """`read_roles`: (engine id, role) of every engine; `read_plan`: the planner's last
-        decision (None: no planner, or none yet); `roles`: every role an engine may serve."""
+        decision (None: no planner, or none yet: its families are exported without samples);
+        `roles`: every role an engine may serve."""
         names = ("pdserve_engine_role", "pdserve_planner_desired_engines", "pdserve_planner_predicted_goodput_rps",
                  "pdserve_planner_observed_goodput_rps")
         all_roles = tuple(roles)
@@ -527,8 +528,8 @@ class RoleMetrics(_Group):
                 for r in all_roles:
                     served.add_metric([engine_id, r], 1.0 if r == role else 0.0)
             plan = read_plan()
-            if plan is None:
-                return (served,)
+            if plan is None:  # no planner (or no decision yet): its families, empty
+                return (served, desired, predicted, observed)
             for r in all_roles:
                 desired.add_metric([r], float(plan.desired.get(r, 0)))
             predicted.add_metric(["current"], plan.predicted_current_rps)
