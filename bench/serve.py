@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="open-loop Poisson arrivals per second instead of fixed concurrency")
     parser.add_argument("--prompt-len", default="64:512", help="prompt length range MIN:MAX (uniform)")
     parser.add_argument("--output-len", default="16:32", help="output length range MIN:MAX (uniform)")
-    parser.add_argument("--workload", choices=["random", "shared-prefix", "mixed"], default="random",
+    parser.add_argument("--workload", choices=["random", "shared-prefix", "mixed", "phased"], default="random",
                         help="shared-prefix: prompts share one of a few long prefixes; mixed: short chat turns "
                              "(--short-len) and long shared-prefix prompts (--prompt-len)")
     parser.add_argument("--short-len", default="8:32", help="mixed workload: short prompt length range MIN:MAX")
@@ -151,6 +151,8 @@ def build_workload(args: argparse.Namespace, vocab: int) -> Workload:
     prefixes = [[token() for _ in range(args.prefix_len)] for _ in range(args.num_prefixes)]
     prompts, outs, kinds = [], [], []
     s_lo, s_hi = _range(getattr(args, "short_len", "8:32"))
+    if args.workload == "phased":
+        return phased_workload(args, rng, token)
     for _ in range(args.num_requests):
         n = rng.randint(p_lo, p_hi)
         if args.workload == "mixed":
@@ -169,6 +171,30 @@ def build_workload(args: argparse.Namespace, vocab: int) -> Workload:
             prompts.append([token() for _ in range(n)])
         outs.append(rng.randint(o_lo, o_hi))
     return Workload(prompts, outs, kinds or None)
+
+
+PHASES = ("prefill_heavy", "decode_heavy", "mixed")
+
+
+def phased_workload(args: argparse.Namespace, rng: random.Random, token: Callable[[], int]) -> Workload:
+    """Thirds of the requests in order (arrivals keep that order): prefill-heavy (prompts from
+    the top half of --prompt-len, the shortest --output-len), decode-heavy (--short-len prompts,
+    4x the longest --output-len), then mixed (either, at random). `kinds` names each phase."""
+    p_lo, p_hi = _range(args.prompt_len)
+    o_lo, o_hi = _range(args.output_len)
+    s_lo, s_hi = _range(args.short_len)
+    prompts, outs, kinds = [], [], []
+    for i in range(args.num_requests):
+        phase = PHASES[min(2, 3 * i // max(1, args.num_requests))]
+        heavy = phase if phase != "mixed" else PHASES[rng.randrange(2)]
+        if heavy == "prefill_heavy":
+            prompts.append([token() for _ in range(rng.randint((p_lo + p_hi) // 2, p_hi))])
+            outs.append(o_lo)
+        else:
+            prompts.append([token() for _ in range(rng.randint(s_lo, s_hi))])
+            outs.append(4 * o_hi)
+        kinds.append(phase)
+    return Workload(prompts, outs, kinds)
 
 
 async def _drive(target: str, wl: Workload, concurrency: int, rate: float) -> tuple[list[GenerationResult], float]:

@@ -38,3 +38,16 @@ def test_sweep_finds_the_highest_rate_at_90_percent() -> None:
     assert [p.rate_rps for p in curve][:3] == [1, 2, 4]
     assert goodput_rps(curve) == 4  # at 6 rps TTFT starts at 0.6 s
     assert len(curve) == 5  # stopped after two rates below the goal
+
+
+def test_phased_workload_goes_prefill_heavy_then_decode_heavy_then_mixed() -> None:
+    import argparse
+
+    from bench.serve import build_workload
+
+    args = argparse.Namespace(workload="phased", num_requests=30, prompt_len="64:512", output_len="16:32",
+                              short_len="8:32", seed=0, prefix_len=384, num_prefixes=4, short_fraction=0.5)
+    wl = build_workload(args, 49152)
+    assert wl.kinds == ["prefill_heavy"] * 10 + ["decode_heavy"] * 10 + ["mixed"] * 10
+    assert all(len(p) >= 288 and o == 16 for p, o in zip(wl.prompts[:10], wl.max_tokens[:10], strict=True))
+    assert all(len(p) <= 32 and o == 128 for p, o in zip(wl.prompts[10:20], wl.max_tokens[10:20], strict=True))
