@@ -84,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--compare-kv-reuse: the scheduler's --peer-fetch on the reuse side")
     parser.add_argument("--conversations", type=int, default=6, help="multi-turn workload: conversations")
     parser.add_argument("--turns", type=int, default=4, help="multi-turn workload: turns per conversation")
-    parser.add_argument("--workload", choices=["random", "shared-prefix", "mixed", "multi-turn"], default="random",
+    parser.add_argument("--workload", choices=["random", "shared-prefix", "mixed", "multi-turn", "phased"], default="random",
                         help="shared-prefix: prompts share one of a few long prefixes; mixed: short chat turns "
                              "(--short-len) and long shared-prefix prompts (--prompt-len)")
     parser.add_argument("--short-len", default="8:32", help="mixed workload: short prompt length range MIN:MAX")
@@ -109,6 +109,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-itl-ms", type=float, default=200.0,
                         help="goodput SLO on mean inter-token latency (--compare-paths: also sent as every "
                              "request's itl_target_ms)")
+    parser.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                        help="vLLM's goodput SLOs (ttft, tpot, e2el in ms), e.g. --goodput ttft:1000 tpot:100; "
+                             "with --sweep-rates: goodput = the highest rate with >= 90 %% of requests good")
+    parser.add_argument("--sweep-rates", default="",
+                        help="comma-separated Poisson arrival rates (requests/s) to sweep, lowest first: reports "
+                             "the attainment curve and goodput_rps (on --target, or one started cluster)")
+    parser.add_argument("--planner", choices=["off", "advise", "on"], default="off",
+                        help="--up clusters: the scheduler's role planner (docs/decisions/0044)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument("--out", default="bench-results", help="directory for serve.json and serve.png")
     parser.add_argument("--threads", type=int, default=0,
@@ -150,6 +158,8 @@ def build_workload(args: argparse.Namespace, vocab: int) -> Workload:
     prefixes = [[token() for _ in range(args.prefix_len)] for _ in range(args.num_prefixes)]
     prompts, outs, kinds = [], [], []
     s_lo, s_hi = _range(getattr(args, "short_len", "8:32"))
+    if args.workload == "phased":
+        return phased_workload(args, rng, token)
     for _ in range(args.num_requests):
         n = rng.randint(p_lo, p_hi)
         if args.workload == "mixed":
@@ -168,6 +178,30 @@ def build_workload(args: argparse.Namespace, vocab: int) -> Workload:
             prompts.append([token() for _ in range(n)])
         outs.append(rng.randint(o_lo, o_hi))
     return Workload(prompts, outs, kinds or None)
+
+
+PHASES = ("prefill_heavy", "decode_heavy", "mixed")
+
+
+def phased_workload(args: argparse.Namespace, rng: random.Random, token: Callable[[], int]) -> Workload:
+    """Thirds of the requests in order (arrivals keep that order): prefill-heavy (prompts from
+    the top half of --prompt-len, the shortest --output-len), decode-heavy (--short-len prompts,
+    4x the longest --output-len), then mixed (either, at random). `kinds` names each phase."""
+    p_lo, p_hi = _range(args.prompt_len)
+    o_lo, o_hi = _range(args.output_len)
+    s_lo, s_hi = _range(args.short_len)
+    prompts, outs, kinds = [], [], []
+    for i in range(args.num_requests):
+        phase = PHASES[min(2, 3 * i // max(1, args.num_requests))]
+        heavy = phase if phase != "mixed" else PHASES[rng.randrange(2)]
+        if heavy == "prefill_heavy":
+            prompts.append([token() for _ in range(rng.randint((p_lo + p_hi) // 2, p_hi))])
+            outs.append(o_lo)
+        else:
+            prompts.append([token() for _ in range(rng.randint(s_lo, s_hi))])
+            outs.append(4 * o_hi)
+        kinds.append(phase)
+    return Workload(prompts, outs, kinds)
 
 
 async def _drive(target: str, wl: Workload, concurrency: int, rate: float) -> tuple[list[GenerationResult], float]:
@@ -622,6 +656,33 @@ def path_breakdown(results: list[GenerationResult], kinds: list[str]) -> dict[st
     return out
 
 
+def _goodput_sweep(args: argparse.Namespace, wl: Workload) -> dict[str, Any]:
+    """Open-loop Poisson arrivals at each `--sweep-rates` rate on one system (`--target`, or a
+    started cluster of --prefill / --decode engines with --planner): the attainment curve and
+    the goodput (bench/goodput.py)."""
+    from bench.goodput import GoodputSlo, RatePoint, goodput_rps, parse_goodput, sweep
+
+    slo = parse_goodput(args.goodput) if args.goodput else GoodputSlo(args.slo_ttft_ms, args.slo_itl_ms)
+    rates = [float(r) for r in args.sweep_rates.split(",") if r.strip()]
+    if not rates or min(rates) <= 0:
+        raise ValueError(f"--sweep-rates: positive rates needed, got {args.sweep_rates!r}")
+
+    def on(target: str) -> list[RatePoint]:
+        return sweep(lambda rate: asyncio.run(_drive(target, wl, args.concurrency, rate)), rates, slo)
+
+    if args.target:
+        curve = on(args.target)
+    else:
+        planner = ["--planner", args.planner] if args.planner != "off" else []
+        with started_cluster("sweep", args, num_prefill=args.prefill, num_decode=args.decode,
+                             scheduler_args=[*planner, *ALWAYS_REMOTE]) as c:
+            asyncio.run(_drive(c.target, warm_up_workload(), 2, 0.0))
+            curve = on(c.target)
+    return {"slo_ms": {"ttft": slo.ttft_ms, "tpot": slo.tpot_ms, "e2el": slo.e2el_ms},
+            "attainment_curve": [dataclasses.asdict(p) for p in curve],
+            "goodput_rps": goodput_rps(curve)}
+
+
 def _ratio(a: float, b: float) -> float:
     """a / b rounded; 0.0 when b is 0 (nothing measured)."""
     return round(a / b, 2) if b else 0.0
@@ -652,6 +713,8 @@ def run(args: argparse.Namespace) -> int:
             asyncio.run(_drive(c.target, warm, 2, 0.0))
             asyncio.run(_drive_http(c.http_url, warm, 2, 0.0))
             report.update(http_vs_grpc(c.target, c.http_url, args, vocab))
+    elif args.sweep_rates:
+        report.update(_goodput_sweep(args, wl))
     elif args.target:
         results, wall = asyncio.run(_drive(args.target, wl, args.concurrency, args.request_rate))
         report["target"] = summarize(results, wall, args)

@@ -169,6 +169,13 @@ def overview() -> Board:
                                          "{{role}} {{state}}")])
     b.ts("Refused registrations", [q(f"sum by (reason) (rate(pdserve_scheduler_registrations_refused_total[{RI}]))",
                                      "{{reason}}")], "ops")
+    b.row("Roles and the planner")
+    b.ts("Engines serving each role", [q("sum by (role) (max by (engine_id, role) (pdserve_engine_role))",
+                                         "{{role}}")])
+    b.ts("Planner: desired engines per role", [q("max by (role) (pdserve_planner_desired_engines)", "{{role}}")])
+    b.ts("Planner: goodput predicted and observed", [
+        q("max by (split) (pdserve_planner_predicted_goodput_rps)", "predicted {{split}}"),
+        q("max(pdserve_planner_observed_goodput_rps)", "observed")], "reqps")
     b.row("Scheduler replicas")
     b.ts("Requests / s per replica", [q(f"sum by (pod) (rate(pdserve_scheduler_requests_total[{RI}]))", "{{pod}}")],
          "reqps")

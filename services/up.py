@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-transport", default="ucx-tag", choices=("ucx-tag", "nixl"),
                         help="how decode ranks pull KV from prefill ranks: ucx-tag (tagged messages) or nixl "
                              "(one NIXL READ per pull; needs nixl-cu12); every engine uses it")
+    parser.add_argument("--planner", choices=("off", "advise", "on"), default="off",
+                        help="the scheduler's role planner: advise exports desired engines per role, on also "
+                             "changes the running engines' roles (docs/decisions/0044)")
     parser.add_argument("--metrics", action="store_true", help="serve /metrics on a free port per process")
     parser.add_argument("--zmq-endpoint", default="", help="ZMQ PUB endpoint for vLLM-format KV events")
     parser.add_argument("--zmq-replay-endpoint", default="", help="ZMQ ROUTER replay endpoint (vLLM format)")
@@ -131,6 +134,8 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         engine_args.append("--allow-plaintext")
     if args.auth_tokens_file:
         scheduler_args += ["--auth-tokens-file", args.auth_tokens_file]
+    if args.planner != "off":
+        scheduler_args += ["--planner", args.planner]
     placement = gpu_placement(args)
     # Engines resolve auto the same way; only what differs from their defaults is passed on.
     if args.device != "auto" or placement.kind == "cuda":

@@ -186,7 +186,7 @@ class VllmWorkerHalf:
             max_inflight=c.max_inflight_transfers, ucx_tls=c.ucx_tls, ucx_net_devices=c.ucx_net_devices,
             metrics_port=c.metrics_port, metrics_any_port=c.metrics_any_port,
             ports_file=c.ports_file, security=security, kv_staging=c.kv_staging,
-            kv_staging_blocks=c.kv_staging_blocks,
+            kv_staging_blocks=c.kv_staging_blocks, role_changes=False,  # vLLM's kv_role is fixed at start
             device_kind=memory.device_kind)  # in Hello: the scheduler sizes the heartbeat timeout by it
         self.agent = _TeeRankAgent(factory, self.rank, self.tp_size, self._on_results)
         if self.rank == 0:

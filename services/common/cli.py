@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "prefill": ("services.prefill.main", "run a prefill engine (all its tp ranks)"),
     "decode": ("services.decode.main", "run a decode engine (all its tp ranks)"),
     "generate": ("services.generate", "send a prompt to the scheduler and stream the answer"),
+    "role": ("services.role", "show engine roles, or change one engine's role in place"),
     "events": ("services.events", "print the cluster's KV events as JSON lines"),
     "offline": ("engine.offline", "run the engine in-process on prompts (no services)"),
     "bench": ("bench.cli", "benchmarks: engine, transfer, aggregator, serve, events, scale, chaos, load, gpu-check"),

@@ -91,6 +91,14 @@ class SchedulerConfig:
     peer_fetch_min_blocks: int = opt(2, "peer fetch: fewest blocks a peer must hold beyond the computing engine")
     peer_fetch_timeout_s: float = opt(5.0, "peer fetch: longest wait for the holder to pin its blocks; then the "
                                            "prompt is recomputed")
+    planner: str = opt("off", "role planner (docs/decisions/0044): off, advise (export desired engines per role, "
+                              "change nothing) or on (change the running engines' roles)")
+    planner_interval_s: float = opt(5.0, "role planner: seconds between decisions")
+    planner_window_s: float = opt(30.0, "role planner: finished requests of this many seconds are its load")
+    planner_min_dwell_s: float = opt(20.0, "role planner: no role change within this many seconds of the last")
+    planner_hysteresis: float = opt(0.1, "role planner: change only for this much more predicted goodput (relative)")
+    slo_ttft_ms: float = opt(1000.0, "role planner: TTFT target of requests that set none")
+    slo_itl_ms: float = opt(100.0, "role planner: inter-token latency target of requests that set none")
     default_deadline_s: float = opt(120.0, "deadline for requests that set none")
     max_queue_per_engine: int = opt(256, "in-flight requests per engine before RESOURCE_EXHAUSTED")
     prefill_failure_policy: str = opt("recompute", "on prefill failure: recompute (decode) or retry")
@@ -141,8 +149,9 @@ class SchedulerConfig:
                                  "empty: any certificate of tls_ca")
     allow_plaintext: bool = opt(False, "explicit opt-in to plaintext gRPC on a non-loopback host")
     health_port: int = opt(0, "plaintext port serving only the gRPC health service (probes under TLS); 0 disables")
-    auth_tokens_file: str = opt("", "bearer tokens for Generate and KVEvents, one per line: <token> [generate,events]")
-    auth_tokens: str = opt("", "comma-separated bearer tokens (all scopes); prefer env PDSERVE_AUTH_TOKENS")
+    auth_tokens_file: str = opt("", "bearer tokens, one per line: <token> [generate,events,admin] (no scopes: "
+                                    "generate and events; admin: the /admin endpoints)")
+    auth_tokens: str = opt("", "comma-separated bearer tokens (generate and events); prefer env PDSERVE_AUTH_TOKENS")
     max_message_bytes: int = opt(64 * 1024 * 1024, "largest gRPC message received or sent")
     max_streams_per_client: int = opt(1024, "concurrent Generate / Subscribe streams per client; 0 unbounded")
     rate_limit_rps: float = opt(0.0, "requests per second per client (client API, KV events); 0 disables")
@@ -169,6 +178,11 @@ class SchedulerConfig:
         _require(0 < self.path_max_decode_kv_usage <= 1, "path_max_decode_kv_usage", "must be in (0, 1]")
         for name in ("path_decode_stall_steps", "path_decode_stall_budget_ms", "path_decode_load_ms", "path_ttft_target_ms",
                      "path_itl_target_ms", "path_prior_prefill_us_per_token", "path_prior_transfer_us_per_token"):
+            _require(getattr(self, name) >= 0, name, "must be >= 0")
+        _require(self.planner in ("off", "advise", "on"), "planner", f"must be off, advise or on, got {self.planner!r}")
+        for name in ("planner_interval_s", "planner_window_s", "slo_ttft_ms", "slo_itl_ms"):
+            _require(getattr(self, name) > 0, name, "must be > 0")
+        for name in ("planner_min_dwell_s", "planner_hysteresis"):
             _require(getattr(self, name) >= 0, name, "must be >= 0")
         _require(self.prefix_index_max_entries >= 1, "prefix_index_max_entries", "must be >= 1")
         _require(self.event_loop in ("uvloop", "asyncio"), "event_loop",

@@ -157,6 +157,16 @@ _SPECS = (
                ("role", "state")),
     MetricSpec("pdserve_scheduler_registered_ranks", _G, "Ranks known to the scheduler, by role and state",
                ("role", "state")),
+    # --- engine roles and the role planner (scheduler; docs/decisions/0044) ---
+    MetricSpec("pdserve_engine_role", _G, "1 for the role each engine serves now, 0 for the others",
+               ("engine_id", "role")),
+    MetricSpec("pdserve_planner_desired_engines", _G,
+               "Engines per role the role planner predicts best (HPA/KEDA scale on it)", ("role",)),
+    MetricSpec("pdserve_planner_predicted_goodput_rps", _G,
+               "Predicted goodput (requests/s at 90 % SLO attainment) of the current and desired split",
+               ("split",)),
+    MetricSpec("pdserve_planner_observed_goodput_rps", _G,
+               "Requests/s that met both SLOs over the planner's window", ()),
     MetricSpec("pdserve_scheduler_index_converged", _G,
                "1 once this replica's prefix index holds every engine's blocks (a replica that (re)started "
                "while engines ran: after a peer's snapshot; see scheduler replicas), 0 while converging"),
@@ -525,6 +535,46 @@ class SchedulerMetrics(_Group):
             return (family,)
 
         self._track(_CallbackCollector("convergence", read, (name,)))
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerReading:
+    """The role planner's last decision as metrics see it."""
+
+    desired: Mapping[str, int]
+    predicted_current_rps: float
+    predicted_desired_rps: float
+    observed_rps: float
+
+
+class RoleMetrics(_Group):
+    """Engine roles and the role planner's advice, read at scrape time."""
+
+    def track(self, read_roles: Callable[[], Iterable[tuple[str, str]]],
+              read_plan: Callable[[], PlannerReading | None], roles: Iterable[str]) -> None:
+        """`read_roles`: (engine id, role) of every engine; `read_plan`: the planner's last
+        decision (None: no planner, or none yet: its families are exported without samples);
+        `roles`: every role an engine may serve."""
+        names = ("pdserve_engine_role", "pdserve_planner_desired_engines", "pdserve_planner_predicted_goodput_rps",
+                 "pdserve_planner_observed_goodput_rps")
+        all_roles = tuple(roles)
+
+        def read() -> Iterable[GaugeMetricFamily]:
+            served, desired, predicted, observed = (_family(n) for n in names)
+            for engine_id, role in read_roles():
+                for r in all_roles:
+                    served.add_metric([engine_id, r], 1.0 if r == role else 0.0)
+            plan = read_plan()
+            if plan is None:  # no planner (or no decision yet): its families, empty
+                return (served, desired, predicted, observed)
+            for r in all_roles:
+                desired.add_metric([r], float(plan.desired.get(r, 0)))
+            predicted.add_metric(["current"], plan.predicted_current_rps)
+            predicted.add_metric(["desired"], plan.predicted_desired_rps)
+            observed.add_metric([], plan.observed_rps)
+            return (served, desired, predicted, observed)
+
+        self._track(_CallbackCollector("roles", read, names))
 
 
 class EventMetrics(_Group):

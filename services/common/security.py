@@ -45,7 +45,10 @@ logger = logging.getLogger(__name__)
 MIN_TOKEN_CHARS = 16
 SCOPE_GENERATE = "generate"
 SCOPE_EVENTS = "events"
-SCOPES = (SCOPE_GENERATE, SCOPE_EVENTS)
+SCOPE_ADMIN = "admin"  # operator endpoints: engine roles (HTTP /admin/...)
+SCOPES = (SCOPE_GENERATE, SCOPE_EVENTS, SCOPE_ADMIN)
+# What a token that names no scope may do: admin must be named.
+DEFAULT_SCOPES = (SCOPE_GENERATE, SCOPE_EVENTS)
 GUARDED_SERVICES = {"pdserve.v1.Generation": SCOPE_GENERATE, "pdserve.v1.KVEvents": SCOPE_EVENTS}
 
 
@@ -275,7 +278,7 @@ class ApiToken:
 def _token(name: str, secret: str, scopes: Iterable[str]) -> ApiToken:
     if len(secret) < MIN_TOKEN_CHARS:
         raise ValueError(f"{name}: tokens must be at least {MIN_TOKEN_CHARS} characters")
-    scope_set = frozenset(scopes) or frozenset(SCOPES)
+    scope_set = frozenset(scopes) or frozenset(DEFAULT_SCOPES)
     unknown = scope_set - set(SCOPES)
     if unknown:
         raise ValueError(f"{name}: unknown scope(s) {sorted(unknown)}; known: {', '.join(SCOPES)}")
@@ -284,7 +287,7 @@ def _token(name: str, secret: str, scopes: Iterable[str]) -> ApiToken:
 
 def token_entries(text: str, source: str = "auth_tokens_file") -> list[tuple[str, str, list[str]]]:
     """(name, secret, scopes) of each token line: one token per line, optionally followed by
-    comma-separated scopes (`generate`, `events`; none means all). Blank lines and lines
+    comma-separated scopes (`generate`, `events`, `admin`; none means generate and events). Blank lines and lines
     starting with # are skipped."""
     entries = []
     for lineno, line in enumerate(text.splitlines(), 1):
@@ -300,7 +303,7 @@ def token_entries(text: str, source: str = "auth_tokens_file") -> list[tuple[str
 
 def configured_token_entries(tokens_file: str, inline: str) -> list[tuple[str, str, list[str]]]:
     """(name, secret, scopes) of the tokens in `auth_tokens_file` and the comma-separated
-    `auth_tokens` (those have every scope), in that order."""
+    `auth_tokens` (those have the default scopes: generate and events), in that order."""
     entries = []
     if tokens_file:
         try:

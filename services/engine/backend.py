@@ -28,6 +28,7 @@ from typing import Protocol
 
 from connectors.ucx.handshake import KVTransferDescriptor
 from engine.request import SamplingParams
+from services.engine.role_state import EngineRole
 
 
 class BackendError(Exception):
@@ -136,6 +137,10 @@ class EngineBackend(Protocol):
 
     @property
     def ready(self) -> bool: ...
+
+    # The role the Engine API admits calls for (services.engine.role_state); it changes in place
+    # on the scheduler's SetRole where the backend supports that.
+    role_state: EngineRole
 
     @property
     def failed(self) -> bool: ...

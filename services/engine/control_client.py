@@ -66,7 +66,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -80,7 +80,7 @@ from services.common.security import ChannelSecurity, open_channel
 logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
-_ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE}
+_ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE, "mixed": pb.ROLE_MIXED}
 _ROLE_NAMES = {v: k for k, v in _ROLES.items()}
 _FINAL_CODES = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
 
@@ -97,7 +97,7 @@ class ControlRefusedError(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class RankIdentity:
     engine_id: str
-    role: str  # "prefill" or "decode"
+    role: str  # "prefill", "decode" or "mixed"
     epoch: int
     tp_rank: int
     tp_size: int
@@ -128,6 +128,7 @@ class ControlHello:
     protocol_version: int = PROTOCOL_VERSION
     dtype: str | None = None
     device_kind: str | None = None
+    role_epoch: int = 0  # the role generation `identity.role` belongs to (SetRole)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +187,15 @@ class ReleaseBlocks:
 
 
 @dataclass(frozen=True, slots=True)
+class SetRole:
+    """Serve `role` from now on, if `role_epoch` is the engine's role generation + 1."""
+
+    role: str
+    role_epoch: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerLost:
     """Not on the wire: the rank's `ControlFanout` declares a scheduler replica gone (its stream
     down past the loss timeout, or it came back as another scheduler id); the engine releases
@@ -194,7 +204,7 @@ class SchedulerLost:
     scheduler_id: str
 
 
-ControlMessage = Welcome | PeerUpdate | KVReady | KVFailed | ReleaseBlocks | SchedulerLost
+ControlMessage = Welcome | PeerUpdate | KVReady | KVFailed | ReleaseBlocks | SetRole | SchedulerLost
 
 
 @dataclass(slots=True)
@@ -266,6 +276,8 @@ def message_from_proto(m: pb.SchedulerMessage) -> ControlMessage | None:
         return KVFailed(m.kv_failed.request_id, m.kv_failed.reason, list(m.kv_failed.invalid_block_ids))
     if kind == "release":
         return ReleaseBlocks(m.release.request_id)
+    if kind == "set_role" and m.set_role.role in _ROLE_NAMES:
+        return SetRole(_ROLE_NAMES[m.set_role.role], m.set_role.role_epoch, m.set_role.reason)
     return None
 
 
@@ -427,6 +439,12 @@ class ControlClient:
         """Load and draining flag sent with every heartbeat from now on (rank 0)."""
         self._load, self._draining = load, draining
 
+    def set_role(self, role: str, role_epoch: int) -> None:
+        """The role this engine serves now: stated in every heartbeat (rank 0) and in the Hello
+        of every later (re)connect."""
+        self.hello = replace(self.hello, identity=replace(self.hello.identity, role=role), role_epoch=role_epoch)
+        self.heartbeat_now()
+
     def heartbeat_now(self) -> None:
         """Sends a heartbeat (with the current load) without waiting for the interval."""
         self._beat_now = True
@@ -564,7 +582,7 @@ class ControlClient:
         msg = pb.Hello(rank=h.identity.to_proto(), compatibility_hash=h.compatibility_hash,
                        protocol_version=h.protocol_version, engine_address=h.engine_address,
                        handshake_metadata=h.handshake_metadata, last_sent_seq=self._seq,
-                       first_position=self._first_position())
+                       first_position=self._first_position(), role_epoch=h.role_epoch)
         if h.hash_seed is not None:
             msg.hash_seed = h.hash_seed
         if h.block_size is not None:
@@ -618,7 +636,8 @@ class ControlClient:
         return self.hello.identity.tp_rank == 0 and self.hello.identity.pp_rank == 0
 
     def _heartbeat(self) -> pb.Heartbeat:
-        beat = pb.Heartbeat(draining=self._draining)
+        beat = pb.Heartbeat(draining=self._draining, role=_ROLES[self.hello.identity.role],
+                            role_epoch=self.hello.role_epoch)
         load = self._load
         if load is not None and self.hello.identity.tp_rank == 0 and self.hello.identity.pp_rank == 0:
             beat.load.CopyFrom(pb.EngineLoad(num_running=load.num_running, num_waiting=load.num_waiting,

@@ -173,6 +173,13 @@ class ControlFanout:
         for r in self._snapshot():
             r.client.set_load(load, draining)
 
+    def set_role(self, role: str, role_epoch: int) -> None:
+        """Every replica's stream states the new role (heartbeats, later Hellos)."""
+        self.hello = dataclasses.replace(self.hello, identity=dataclasses.replace(self.hello.identity, role=role),
+                                         role_epoch=role_epoch)
+        for r in self._snapshot():
+            r.client.set_role(role, role_epoch)
+
     def heartbeat_now(self) -> None:
         for r in self._snapshot():
             r.client.heartbeat_now()

@@ -25,6 +25,7 @@ UCX worker connector and the rank's control streams to the scheduler replicas (o
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import threading
@@ -57,6 +58,7 @@ from services.engine.control_client import (
     ControlMessage,
     PeerUpdate,
     RankIdentity,
+    SetRole,
     StepReport,
     TransferStat,
     Welcome,
@@ -114,6 +116,7 @@ class RankAgentFactory:
     ports_file: str = ""  # where every rank reports the ports it bound (services/common/bound_ports.py)
     security: ChannelSecurity | None = None  # TLS to the scheduler, the engine's certificate as identity
     offload: OffloadRankInit | None = None  # the CPU offload tier's per-rank half; None = no tier
+    role_changes: bool = True  # takes the scheduler's SetRole (False: vLLM's connector, whose kv_role is fixed)
 
     def __call__(self, rank: int, tp_size: int, kv_cache: Any, spec: Any) -> RankAgent:
         return RankAgent(self, rank, tp_size)
@@ -125,6 +128,7 @@ class RankAgent(WorkerConnector):
     def __init__(self, factory: RankAgentFactory, rank: int, tp_size: int) -> None:
         self.factory = factory
         self.identity = RankIdentity(factory.engine_id, factory.role, factory.epoch, rank, tp_size)
+        self.role_epoch = 0  # the role generation `identity.role` belongs to (SetRole)
         config = UcxConnectorConfig(transfer_timeout_s=factory.transfer_timeout_s, lease_s=factory.lease_s,
                                     max_inflight_transfers=factory.max_inflight, ucx_tls=factory.ucx_tls,
                                     ucx_net_devices=factory.ucx_net_devices, kv_staging=factory.kv_staging,
@@ -193,16 +197,37 @@ class RankAgent(WorkerConnector):
 
     def _on_message(self, msg: ControlMessage) -> None:
         if isinstance(msg, Welcome):
-            if self.identity.role == "decode":
+            if self.identity.role != "prefill":
                 for peer in msg.peers:
                     self._add_peer(peer.handshake_metadata)
+        elif isinstance(msg, SetRole):
+            self._set_role(msg)
         elif isinstance(msg, PeerUpdate):
-            if self.identity.role == "decode":
+            if self.identity.role != "prefill":
                 for peer in msg.joined:
                     self._add_peer(peer.handshake_metadata)
                 for left in msg.left:
                     self.ucx.remove_peer(left.engine_id, left.epoch)
         elif self._inbox is not None:
+            self._inbox(msg)
+
+    def _set_role(self, msg: SetRole) -> None:
+        """Takes the scheduler's new role for this rank (next role generation only), tells every
+        replica in heartbeats and Hellos, and hands it on to the engine (rank 0's inbox). Peers
+        stay connected: pulls from KV the old role pinned run to their end."""
+        if not self.factory.role_changes:
+            logger.warning("rank %d: this engine cannot change role in place; ignoring SetRole %s",
+                           self.identity.tp_rank, msg.role)
+            return
+        if msg.role_epoch != self.role_epoch + 1:
+            logger.info("rank %d: ignoring SetRole %s (role epoch %d, ours %d)", self.identity.tp_rank, msg.role,
+                        msg.role_epoch, self.role_epoch)
+            return
+        self.identity = dataclasses.replace(self.identity, role=msg.role)
+        self.role_epoch = msg.role_epoch
+        if self.control is not None:
+            self.control.set_role(msg.role, msg.role_epoch)
+        if self._inbox is not None:
             self._inbox(msg)
 
     def _add_peer(self, blob: bytes) -> None:

@@ -87,12 +87,14 @@ class EngineServicer(pb_grpc.EngineServicer):
         if not self.backend.ready:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is still starting")
 
-    async def _check_admits(self, context: grpc.aio.ServicerContext, role: str, request_id: str) -> None:
+    async def _check_admits(self, context: grpc.aio.ServicerContext, role: str | None, request_id: str) -> None:
+        """`role`: the leg the call serves ("prefill" / "decode"); None: either (a peer fetch)."""
         await self._check_started(context)
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is draining")
-        if self.role != role:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this is a {self.role} engine")
+        if role is not None and not self.backend.role_state.admits(role):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"this is a {self.backend.role_state.role} engine")
         if not request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must be non-empty")
 
@@ -103,7 +105,7 @@ class EngineServicer(pb_grpc.EngineServicer):
                               attributes={"pdserve.engine_id": self.config.engine_id,
                                           "pdserve.prompt_tokens": len(request.prompt_token_ids)}) as span:
             # A peer fetch pins a prefix held here for another engine's pull: either role serves it.
-            await self._check_admits(context, self.role if request.peer_fetch else "prefill", request.request_id)
+            await self._check_admits(context, None if request.peer_fetch else "prefill", request.request_id)
             try:
                 with _status_codes():
                     result = await self.backend.prefill(convert.prefill_from_proto(request))
@@ -163,7 +165,7 @@ class EngineServicer(pb_grpc.EngineServicer):
         await self._check_started(context)
         found = await self.backend.inspect()
         load = found.load
-        return pb.InspectResponse(engine_id=self.config.engine_id, epoch=self.backend.epoch, role=self.role,
+        return pb.InspectResponse(engine_id=self.config.engine_id, epoch=self.backend.epoch, role=self.backend.role_state.role,
                                   num_running=load.num_running, num_waiting=load.num_waiting,
                                   num_pinned=load.num_pinned, num_waiting_for_remote_kv=load.num_waiting_for_remote_kv,
                                   num_free_blocks=load.num_free_blocks, num_blocks=load.num_blocks, leaks=found.leaks,

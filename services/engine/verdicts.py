@@ -11,7 +11,14 @@ from __future__ import annotations
 from typing import Protocol
 
 from connectors.kv_verdicts import KVVerdict
-from services.engine.control_client import ControlMessage, KVFailed, KVReady, ReleaseBlocks, SchedulerLost
+from services.engine.control_client import (
+    ControlMessage,
+    KVFailed,
+    KVReady,
+    ReleaseBlocks,
+    SchedulerLost,
+    SetRole,
+)
 
 
 class VerdictHandler(Protocol):
@@ -24,6 +31,9 @@ class VerdictHandler(Protocol):
     def on_scheduler_lost(self, scheduler_id: str) -> None:
         """Release what is held for the requests of a scheduler replica that is gone."""
 
+    def on_set_role(self, msg: SetRole) -> None:
+        """Serve another role from now on (services.engine.role_state)."""
+
 
 def route_control_message(msg: ControlMessage, handler: VerdictHandler) -> None:
     """Dispatches one scheduler message; messages that are not verdicts are ignored."""
@@ -35,3 +45,5 @@ def route_control_message(msg: ControlMessage, handler: VerdictHandler) -> None:
         handler.on_release_blocks(msg.request_id)
     elif isinstance(msg, SchedulerLost):
         handler.on_scheduler_lost(msg.scheduler_id)
+    elif isinstance(msg, SetRole):
+        handler.on_set_role(msg)

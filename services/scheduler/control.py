@@ -30,6 +30,12 @@ Contracts (see control.proto):
   one heartbeat interval, is dead: its engine is down (transfers touching it
   fail over, an AllBlocksCleared for its epoch goes to the event sink, `on_engine_down` hooks
   run). A rank of a live epoch that speaks again brings its engine back.
+- Roles change in place (docs/decisions/0044): `set_role` sends SetRole (compare-and-set on
+  the engine's role generation) to every rank of the engine, and with it the peers the new role
+  reads from (a decode side gets every prefill rank; decode ranks get a new prefill engine).
+  Nothing is announced as left: pulls from the old role's pinned KV run to their end. The
+  registry takes the new role when rank 0's heartbeat states it (every replica does the same),
+  and `on_role_changed` hooks run then.
 - Messages reach a stream in the order they were sent. KVReady and KVFailed go out from the
   turn of the report that completed the transfer: written by that report's reader while the
   engine's rank-0 stream has nothing queued and no write in flight, else queued behind what is.
@@ -54,6 +60,8 @@ from connectors.kv_events import AllBlocksCleared, KVEventBatch, event_from_prot
 from pdserve.v1 import control_pb2 as pb
 from pdserve.v1 import control_pb2_grpc
 from services.scheduler.control_convert import (
+    ROLE_FROM_PB,
+    ROLE_TO_PB,
     CompactEventsError,
     CompactKindsError,
     WorkerEventDecoder,
@@ -200,6 +208,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self.on_engine_up: list[Callable[[EngineRef], None]] = []
         # Called for every accepted Hello (first registration, reconnect or new epoch).
         self.on_registered: list[Callable[[EngineRef], None]] = []
+        # Called when an engine's heartbeat states a new role: (engine, old role).
+        self.on_role_changed: list[Callable[[EngineState, Role], None]] = []
         self.down: set[EngineRef] = set()
         self.counters: Counter[str] = Counter()
         self.transfer_bytes: Counter[tuple[str, str]] = Counter()
@@ -498,7 +508,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         if hello.rank_id == engine.leader:
             self.positions.hello(engine.engine_id, engine.epoch, first.hello.first_position)
         self.aggregator.register_engine(engine.engine_id, engine.epoch, range(engine.tp_size * engine.pp_size))
-        conn = RankConnection(hello.rank_id, reg.rank.conn_id, engine.epoch, engine.role, asyncio.Queue())
+        conn = RankConnection(hello.rank_id, reg.rank.conn_id, engine.epoch, engine.role.side, asyncio.Queue())
         old = self.connections.get(hello.rank_id)
         if old is not None:
             old.queue.put_nowait(_Close(grpc.StatusCode.ABORTED, "replaced by a newer stream of this rank"))
@@ -615,6 +625,53 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                 m = beat.load
                 load = LoadInfo(m.num_running, m.num_waiting, m.kv_usage, m.num_pinned, m.num_free_blocks)
             self.registry.update_load(engine.engine_id, load or engine.load, beat.draining)
+            role = ROLE_FROM_PB.get(beat.role)
+            if role is not None and beat.role_epoch:
+                old = self.registry.follow_role(engine.engine_id, role, beat.role_epoch)
+                if old is not None:
+                    self._role_changed(engine, old)
+
+    # -- roles ---------------------------------------------------------------------------------
+
+    def set_role(self, engine_id: str, role: Role, reason: str) -> int:
+        """Asks the engine to serve `role` (see the module contracts); returns the role
+        generation asked for. Raises KeyError for an unknown engine, ValueError when it is not
+        healthy or already serves `role`."""
+        engine = self.registry.engine(engine_id)
+        if engine is None:
+            raise KeyError(engine_id)
+        if not engine.healthy:
+            raise ValueError(f"engine {engine_id} is not healthy")
+        if engine.role == role:
+            raise ValueError(f"engine {engine_id} already serves {role}")
+        role_epoch = engine.role_epoch + 1
+        msg = pb.SchedulerMessage(set_role=pb.SetRole(role=ROLE_TO_PB[role], role_epoch=role_epoch, reason=reason))
+        own = [c for c in self.connections.values() if c.rank_id.engine_id == engine_id and c.epoch == engine.epoch]
+        for conn in own:
+            conn.queue.put_nowait(msg)
+        if role.side == Role.DECODE and engine.role.side == Role.PREFILL:
+            peers = [peer_info_to_proto(e, r) for e in self.registry.by_role(Role.PREFILL)
+                     if e.engine_id != engine_id for r in e.ranks.values()]
+            for conn in own:
+                conn.queue.put_nowait(pb.SchedulerMessage(peer_update=pb.PeerUpdate(joined=peers)))
+        elif role.side == Role.PREFILL and engine.role.side == Role.DECODE:
+            joined = [peer_info_to_proto(engine, r) for r in engine.ranks.values()]
+            for conn in self.connections.values():
+                if conn.role == Role.DECODE and conn.rank_id.engine_id != engine_id:
+                    conn.queue.put_nowait(pb.SchedulerMessage(peer_update=pb.PeerUpdate(joined=joined)))
+        logger.info("engine %s: asked to change role %s -> %s (role epoch %d): %s", engine_id, engine.role, role,
+                    role_epoch, reason)
+        return role_epoch
+
+    def _role_changed(self, engine: EngineState, old: Role) -> None:
+        for conn in self.connections.values():
+            if conn.rank_id.engine_id == engine.engine_id:
+                conn.role = engine.role.side
+        self.counters["role_changes"] += 1
+        logger.info("engine %s now serves %s (was %s, role epoch %d)", engine.engine_id, engine.role, old,
+                    engine.role_epoch)
+        for hook in self.on_role_changed:
+            hook(engine, old)
 
     def _on_report(self, conn: RankConnection, engine: EngineState, report: pb.StepReport) -> None:
         """Applies a new report once (the caller acknowledges)."""

@@ -27,7 +27,7 @@ from services.scheduler.registry import (
     Role,
 )
 
-ROLE_FROM_PB = {pb.ROLE_PREFILL: Role.PREFILL, pb.ROLE_DECODE: Role.DECODE}
+ROLE_FROM_PB = {pb.ROLE_PREFILL: Role.PREFILL, pb.ROLE_DECODE: Role.DECODE, pb.ROLE_MIXED: Role.MIXED}
 ROLE_TO_PB = {v: k for k, v in ROLE_FROM_PB.items()}
 
 
@@ -37,7 +37,7 @@ def hello_from_proto(m: pb.Hello) -> RankHello:
         raise RegistrationError(RegistrationErrorKind.INVALID, "hello: rank identity missing")
     role = ROLE_FROM_PB.get(m.rank.role)
     if role is None:
-        raise RegistrationError(RegistrationErrorKind.INVALID, "hello: role must be ROLE_PREFILL or ROLE_DECODE")
+        raise RegistrationError(RegistrationErrorKind.INVALID, "hello: role must be ROLE_PREFILL, ROLE_DECODE or ROLE_MIXED")
     r = m.rank
     return RankHello(engine_id=r.engine_id, role=role, epoch=r.epoch, tp_rank=r.tp_rank, tp_size=r.tp_size,
                      pp_rank=r.pp_rank, pp_size=r.pp_size or 1, compatibility_hash=m.compatibility_hash,
@@ -46,7 +46,7 @@ def hello_from_proto(m: pb.Hello) -> RankHello:
                      hash_seed=m.hash_seed if m.HasField("hash_seed") else None,
                      block_size=m.block_size if m.HasField("block_size") else None,
                      dtype=m.dtype if m.HasField("dtype") else None,
-                     device_kind=m.device_kind if m.HasField("device_kind") else None)
+                     device_kind=m.device_kind if m.HasField("device_kind") else None, role_epoch=m.role_epoch)
 
 
 def identity_to_proto(engine: EngineState, rank_id: RankId) -> pb.RankIdentity:

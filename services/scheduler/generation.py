@@ -59,6 +59,7 @@ from services.scheduler.control import ControlServicer
 from services.scheduler.engine_channels import EngineChannels
 from services.scheduler.engine_views import EngineViews
 from services.scheduler.lifecycle import RUNNING, EngineRef, ReleaseCause, RequestState
+from services.scheduler.load_window import FinishedRequest, LoadWindow
 from services.scheduler.path_costs import PathCosts
 from services.scheduler.peer_fetch import PeerFetch
 from services.scheduler.registry import EngineState, Role
@@ -120,6 +121,8 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         self.router = router
         self.admission = admission
         self.engine_views = EngineViews(self.registry, admission, router.path.costs)
+        # Finished requests for the role planner (services/scheduler/roles.py); None: no planner.
+        self.load_window: LoadWindow | None = None
         self.table = table
         self.channels = channels or EngineChannels(component_channel_security(config))
         self.hasher = BlockHasher(config.block_size, config.hash_seed)
@@ -622,6 +625,8 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         self.metrics.count_prompt_tiers(own, peer, max(0, request.num_prompt_tokens - own - peer))
 
     def _complete(self, request: Request, finish_reason: int) -> gen_pb.GenerateResponse:
+        if self.load_window is not None:
+            self.load_window.finished(_finished(request))
         usage = gen_pb.Usage(prompt_tokens=request.num_prompt_tokens, cached_tokens=request.num_cached_tokens,
                              transferred_tokens=request.num_transferred_tokens,
                              generated_tokens=len(request.output_token_ids),
@@ -742,3 +747,13 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         for task in list(self._background):
             task.cancel()
         await self.channels.close()
+
+
+def _finished(request: Request) -> FinishedRequest:
+    """A finished request as the role planner's load window sees it."""
+    n = len(request.output_token_ids)
+    itl = None
+    if n > 1 and request.first_token_at is not None:
+        itl = (request.last_token_at - request.first_token_at) / (n - 1)
+    return FinishedRequest(time.monotonic(), request.arrived, request.num_prompt_tokens, request.num_cached_tokens, n,
+                           request.ttft_s, itl, None, request.itl_target_s)

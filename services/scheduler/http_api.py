@@ -45,7 +45,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from pdserve.v1 import generation_pb2 as gen_pb
-from services.common.security import SCOPE_GENERATE, ServerGuard, ServerSecurity, bearer_token
+from services.common.security import SCOPE_ADMIN, SCOPE_GENERATE, ServerGuard, ServerSecurity, bearer_token
 from services.scheduler.generation import GenerationServicer
 from services.scheduler.openai_protocol import (
     SSE_DONE,
@@ -56,6 +56,7 @@ from services.scheduler.openai_protocol import (
     parse_completion,
     sse,
 )
+from services.scheduler.roles import RoleAdmin
 from services.scheduler.validation import RequestError, invalid
 
 logger = logging.getLogger(__name__)
@@ -210,6 +211,8 @@ class HttpApi:
         # Whether the replica's prefix index has converged (set by the scheduler service).
         self.ready: Callable[[], bool] = lambda: True
         self.port = 0
+        # Engine roles by hand (services/scheduler/roles.py); None: no admin endpoint.
+        self.roles: RoleAdmin | None = None
         self.app = Starlette(routes=[
             Route("/v1/completions", self._completions, methods=["POST"]),
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
@@ -217,6 +220,7 @@ class HttpApi:
             Route("/health", self._health, methods=["GET"]),
             Route("/ready", self._ready, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
+            Route("/admin/roles", self._roles, methods=["GET", "POST"]),
         ], exception_handlers={HTTPException: self._http_error})
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
@@ -288,6 +292,35 @@ class HttpApi:
         data = await asyncio.to_thread(generate_latest, self.prometheus)
         return self._counted("/metrics", Response(data, media_type=CONTENT_TYPE_LATEST))
 
+    async def _roles(self, request: Request) -> Response:
+        """GET: every engine's role and the changes made; POST {"engine_id", "role", "reason"}:
+        asks that engine to serve the role (202 with the role generation asked for). Needs a
+        token with the admin scope when tokens are configured."""
+        _, refused = self._authorize(request, SCOPE_ADMIN)
+        if refused is not None:
+            return self._counted("/admin/roles", refused)
+        if self.roles is None:
+            return self._counted("/admin/roles", error_response(grpc.StatusCode.UNIMPLEMENTED, "no role admin"))
+        if request.method == "GET":
+            return self._counted("/admin/roles", JSONResponse({"engines": self.roles.engines(),
+                                                               "changes": self.roles.changes()}))
+        try:
+            body = await self._json(request)
+            if not isinstance(body, dict) or not isinstance(body.get("engine_id"), str) \
+                    or not isinstance(body.get("role"), str):
+                raise invalid("body must be {\"engine_id\": str, \"role\": prefill|decode|mixed, \"reason\": str}")
+            reason = str(body.get("reason") or "set by an operator")
+            role_epoch = self.roles.set_role(body["engine_id"], body["role"], reason)
+        except RequestError as e:
+            return self._counted("/admin/roles", error_response(e.code, e.message))
+        except KeyError:
+            return self._counted("/admin/roles", error_response(grpc.StatusCode.NOT_FOUND,
+                                                                f"no engine {body['engine_id']!r}"))
+        except ValueError as e:
+            return self._counted("/admin/roles", error_response(grpc.StatusCode.FAILED_PRECONDITION, str(e)))
+        return self._counted("/admin/roles", JSONResponse({"engine_id": body["engine_id"], "role": body["role"],
+                                                           "role_epoch": role_epoch}, status_code=202))
+
     async def _http_error(self, request: Request, exc: Exception) -> Response:
         """Starlette's own refusals (a wrong method) in OpenAI's error JSON."""
         status = exc.status_code if isinstance(exc, HTTPException) else 500
@@ -297,10 +330,10 @@ class HttpApi:
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def _authorize(self, request: Request) -> tuple[str, Response | None]:
+    def _authorize(self, request: Request, scope: str = SCOPE_GENERATE) -> tuple[str, Response | None]:
         presented = bearer_token(request.headers.items()) if self.guard.tokens is not None else None
         peer = request.client.host if request.client is not None else "unknown"
-        client, refusal = self.guard.admit(presented, peer, SCOPE_GENERATE)
+        client, refusal = self.guard.admit(presented, peer, scope)
         if refusal is None:
             return client, None
         logger.info("refused %s from %s over HTTP: %s", refusal.reason, peer, refusal.message)
@@ -376,7 +409,7 @@ class HttpApi:
         self._server = self._task = None
 
 
-_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics"}
+_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics", "/admin/roles"}
 
 
 class _Server(uvicorn.Server):

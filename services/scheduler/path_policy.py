@@ -80,6 +80,7 @@ LOCAL_PREFILL_QUEUE = "decode_local:prefill_queue"
 LOCAL_TTFT_TARGET = "decode_local:ttft_target"
 LOCAL_NO_PREFILL = "decode_local:no_prefill_engine"
 LOCAL_PEER_FETCH = "decode_local:peer_fetch"  # services/scheduler/peer_fetch.py
+LOCAL_MIXED_ENGINE = "decode_local:mixed_engine"  # the decode engine is mixed: it computes its own prompts
 REMOTE_LONG_PROMPT = "remote:long_prompt"
 REMOTE_ITL_TARGET = "remote:itl_target"
 REMOTE_TTFT_TARGET = "remote:ttft_target"
@@ -87,6 +88,7 @@ REMOTE_LOWER_COST = "remote:lower_cost"
 REMOTE_ALWAYS = "remote:always"
 REASONS = (LOCAL_SHORT_PROMPT, LOCAL_DECODE_HAS_PREFIX, LOCAL_PREFILL_QUEUE, LOCAL_TTFT_TARGET, LOCAL_NO_PREFILL,
            LOCAL_PEER_FETCH,
+           LOCAL_MIXED_ENGINE,
            REMOTE_LONG_PROMPT, REMOTE_ITL_TARGET, REMOTE_TTFT_TARGET, REMOTE_LOWER_COST, REMOTE_ALWAYS)
 MODES = ("cost", "threshold", "remote")
 # Predicted costs within this fraction of each other are a tie (the TTFT model's median error is

@@ -34,6 +34,12 @@ PROTOCOL_VERSION = 1
 class Role(enum.StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
+    MIXED = "mixed"  # a decode engine that computes its own prompts (docs/decisions/0044)
+
+    @property
+    def side(self) -> Role:
+        """Which leg the role serves: PREFILL, or DECODE (decode and mixed engines)."""
+        return Role.PREFILL if self is Role.PREFILL else Role.DECODE
 
 
 class RegistrationErrorKind(enum.StrEnum):
@@ -76,6 +82,7 @@ class RankHello:
     hash_seed: str | None = None
     dtype: str | None = None
     device_kind: str | None = None
+    role_epoch: int = 0
 
     @property
     def rank_id(self) -> RankId:
@@ -117,6 +124,9 @@ class EngineState:
     num_kv_heads: int = 0
     # KV bytes of one block over all ranks (a rank's region block bytes x tp; 0: not known).
     kv_block_bytes: int = 0
+    # The engine's role generation: 0 at start, +1 per in-place role change (SetRole). The
+    # engine's own word (Hello, rank 0's heartbeats) sets it and `role`; see `follow_role`.
+    role_epoch: int = 0
 
     def expected_ranks(self) -> list[RankId]:
         return [RankId(self.engine_id, tp, pp) for pp in range(self.pp_size) for tp in range(self.tp_size)]
@@ -245,7 +255,8 @@ class EngineRegistry:
             raise RegistrationError(incompatible, f"compatibility hash {h.compatibility_hash} != cluster's {expected} "
                                                   f"({self._hash_difference(h)})")
         if current is not None and not fencing:
-            if (current.role, current.tp_size, current.pp_size) != (h.role, h.tp_size, h.pp_size):
+            # The role may differ: it changes in place (a reconnecting rank states its current one).
+            if (current.tp_size, current.pp_size) != (h.tp_size, h.pp_size):
                 raise RegistrationError(RegistrationErrorKind.INVALID,
                                         f"hello: engine {h.engine_id} epoch {h.epoch:#x} registered as "
                                         f"{current.role} tp={current.tp_size} pp={current.pp_size}; this rank says "
@@ -267,8 +278,11 @@ class EngineRegistry:
             del self.engines[h.engine_id]
             current = None
         if current is None:
-            current = EngineState(h.engine_id, h.role, h.epoch, h.tp_size, h.pp_size, h.engine_address)
+            current = EngineState(h.engine_id, h.role, h.epoch, h.tp_size, h.pp_size, h.engine_address,
+                                  role_epoch=h.role_epoch)
             self.engines[h.engine_id] = current
+        elif h.role_epoch > current.role_epoch:
+            current.role, current.role_epoch = h.role, h.role_epoch
         self._next_conn += 1
         self._version += 1
         previous = current.ranks.get(h.rank_id)
@@ -299,6 +313,18 @@ class EngineRegistry:
             self.fenced.setdefault(engine_id, set()).add(engine.epoch)
             self._version += 1
         return engine
+
+    def follow_role(self, engine_id: str, role: Role, role_epoch: int) -> Role | None:
+        """Takes the role an engine states (rank 0's heartbeat) when its generation is newer than
+        the one known; returns the old role when it changed, else None. The engine is the source
+        of truth, so every scheduler replica converges on it whichever replica asked."""
+        engine = self.engines.get(engine_id)
+        if engine is None or role_epoch <= engine.role_epoch:
+            return None
+        old = engine.role
+        engine.role, engine.role_epoch = role, role_epoch
+        self._version += 1
+        return old
 
     # -- liveness and load ---------------------------------------------------------------------
 
@@ -384,21 +410,23 @@ class EngineRegistry:
         return self._version
 
     def by_role(self, role: Role) -> list[EngineState]:
-        return [e for e in self.engines.values() if e.role == role]
+        """Engines serving `role`: PREFILL or DECODE name a side (DECODE includes mixed engines),
+        MIXED only the mixed ones."""
+        return [e for e in self.engines.values() if _serves(e.role, role)]
 
     def routable(self, role: Role) -> list[EngineState]:
-        """The complete, healthy, non-draining engines of `role` (a new list each call). Kept
+        """The complete, healthy, non-draining engines serving `role` (as `by_role`; a new list each call). Kept
         between registry changes: every request asks twice, and the full answer walks every
         rank of every engine (1,024 ranks at cluster scale)."""
         hit = self._routable.get(role)
         if hit is None or hit[0] != self._version:
-            hit = (self._version, [e for e in self.engines.values() if e.role == role and e.routable])
+            hit = (self._version, [e for e in self.engines.values() if _serves(e.role, role) and e.routable])
             self._routable[role] = hit
         return list(hit[1])
 
     def ranks(self, role: Role | None = None) -> Iterator[RankState]:
         for engine in self.engines.values():
-            if role is None or engine.role == role:
+            if role is None or _serves(engine.role, role):
                 yield from engine.ranks.values()
 
 
@@ -412,6 +440,8 @@ def _block_bytes_of(handshake_metadata: bytes) -> int:
         return UcxHandshakeMetadata.decode(handshake_metadata).region.block_nbytes
     except ValueError:
         return 0
+def _serves(engine_role: Role, asked: Role) -> bool:
+    return engine_role == asked if asked is Role.MIXED else engine_role.side == asked
 
 
 def _kv_heads_of(handshake_metadata: bytes) -> int:

@@ -22,6 +22,7 @@ from typing import Protocol, runtime_checkable
 
 from connectors.head_map import mapping_problem
 from services.scheduler.path_policy import (
+    LOCAL_MIXED_ENGINE,
     LOCAL_NO_PREFILL,
     LOCAL_SHORT_PROMPT,
     PathConfig,
@@ -40,6 +41,8 @@ REASON_SHORT_PROMPT = LOCAL_SHORT_PROMPT
 REASON_NO_PREFILL = LOCAL_NO_PREFILL
 REASON_NO_DECODE = "no_decode_engine"
 REASON_UNMAPPABLE_TP = "decode_only_unmappable_tp"
+# The chosen decode engine is mixed: it computes its own prompts (docs/decisions/0044).
+REASON_MIXED = LOCAL_MIXED_ENGINE
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,13 +200,16 @@ class Router:
                 path = self.path.local(REASON_UNMAPPABLE_TP, want, decodes, matched)
             else:
                 path = self.path.decide(want, view, decodes, matched)
+        target = next((e for e in decodes if e.engine_id == path.decode_id), None)
+        if target is not None and target.role == "mixed" and not path.local:
+            path = self.path.local(REASON_MIXED, want, [target], matched)
         fetch = None
         if self.fetch is not None:
             held = {**self._matched_blocks(request, busy), **matched} if busy else matched
             if held:
                 path, fetch = self._peer_fetch(want, path, [*prefill_engines, *decodes, *busy], decodes, held)
+                target = next((e for e in decodes if e.engine_id == path.decode_id), None)
         prefill = chosen if chosen is not None and not path.local else RoutingDecision(None, path.reason)
-        target = next((e for e in decodes if e.engine_id == path.decode_id), None)
         if prefill.engine_id is not None and view is not None and target is not None \
                 and pair_problem(view, target) is not None:
             prefill = RoutingDecision(None, REASON_UNMAPPABLE_TP)

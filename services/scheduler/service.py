@@ -46,12 +46,15 @@ from services.scheduler.event_sink import EventSink
 from services.scheduler.generation import GenerationServicer
 from services.scheduler.http_api import HttpApi
 from services.scheduler.lifecycle import EngineRef, ReleaseCause
+from services.scheduler.load_window import LoadWindow
 from services.scheduler.path_costs import CostPriors, PathCosts
 from services.scheduler.path_policy import PathConfig, PathPolicy
 from services.scheduler.peer_fetch import PeerFetchConfig, PeerFetchPolicy
 from services.scheduler.peer_snapshots import PeerSnapshots, peer_security
+from services.scheduler.planner import PlannerConfig, RolePlanner
 from services.scheduler.registry import EngineRegistry
 from services.scheduler.request_table import RequestTable
+from services.scheduler.roles import PlannerLoop, RoleAdmin, register_metrics
 from services.scheduler.routing import Router, RoutingPolicy, make_policy
 from services.scheduler.telemetry import SchedulerTelemetry
 from services.scheduler.tokenization import ModelFacts, PromptTokenizer, read_model_facts
@@ -163,13 +166,28 @@ class SchedulerService:
         control_pb2_grpc.add_ControlServicer_to_server(self.control, self.control_server.server)
         if self.plane is not None:
             self.plane.add_to_server(self.events_server.server)
+        self.roles = RoleAdmin(self.control)
+        self.planner = self._planner_loop(config)
+        register_metrics(self.telemetry.prometheus, self.roles, self.planner)
         self.http: HttpApi | None = None
         if listen_port("http_port", config.http_port, config.ephemeral_ports) is not None:
             self.http = HttpApi(self.generation, self.guard, self.telemetry.prometheus)
+            self.http.roles = self.roles
         self.port = self.control_port = self.events_port = self.health_port = self.http_port = 0
         self._sweeper: asyncio.Task[None] | None = None
         self._started = False
         self._converger: asyncio.Task[None] | None = None
+
+    def _planner_loop(self, config: SchedulerConfig) -> PlannerLoop | None:
+        if config.planner == "off":
+            return None
+        planner = RolePlanner(PlannerConfig(ttft_target_s=config.slo_ttft_ms / 1000, itl_target_s=config.slo_itl_ms / 1000,
+                                            hysteresis=config.planner_hysteresis, min_dwell_s=config.planner_min_dwell_s))
+        window = LoadWindow(config.planner_window_s, ttft_target_s=config.slo_ttft_ms / 1000,
+                            itl_target_s=config.slo_itl_ms / 1000)
+        self.generation.load_window = window
+        return PlannerLoop(config.planner, planner, window, self.roles, self.router.path.costs,
+                           interval_s=config.planner_interval_s)
 
     @property
     def converged(self) -> bool:
@@ -220,6 +238,8 @@ class SchedulerService:
         for server in self.servers:
             await server.start()
         self.control.start_monitor()
+        if self.planner is not None:
+            self.planner.start()
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         self._started = True
         for server in self.servers:
@@ -262,6 +282,8 @@ class SchedulerService:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
+        if self.planner is not None:
+            await self.planner.stop()
         await self.control.stop()
         if self.http is not None:
             await self.http.stop(grace)

@@ -356,6 +356,17 @@ def test_hpa_per_role_and_pdbs() -> None:
     assert pdbs == {"scheduler", "prefill", "decode"}
 
 
+def test_hpa_on_the_planners_desired_engines() -> None:
+    docs = render_values({"scheduler": {"config": {"planner": "advise"}},
+                          "decode": {"hpa": {"enabled": True, "metric": "planner"}}})
+    (hpa,) = of_kind(docs, "HorizontalPodAutoscaler")
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "External"
+    assert metric["external"]["metric"] == {"name": "pdserve_planner_desired_engines",
+                                            "selector": {"matchLabels": {"role": "decode"}}}
+    assert metric["external"]["target"] == {"type": "AverageValue", "averageValue": "1"}
+
+
 def client_service(docs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     """The scheduler's regular Service (beside it, the headless `-peers` one for engines)."""
     (svc,) = [d for d in of_kind(docs, "Service") if d["metadata"]["name"] == "demo-pdserve-scheduler"]

@@ -29,12 +29,16 @@ class _RoleEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Role.ValueType],
     ROLE_UNSPECIFIED: _Role.ValueType  # 0
     ROLE_PREFILL: _Role.ValueType  # 1
     ROLE_DECODE: _Role.ValueType  # 2
+    ROLE_MIXED: _Role.ValueType  # 3
+    """A decode engine that also computes its own prompts (colocated serving on that engine)."""
 
 class Role(_Role, metaclass=_RoleEnumTypeWrapper): ...
 
 ROLE_UNSPECIFIED: Role.ValueType  # 0
 ROLE_PREFILL: Role.ValueType  # 1
 ROLE_DECODE: Role.ValueType  # 2
+ROLE_MIXED: Role.ValueType  # 3
+"""A decode engine that also computes its own prompts (colocated serving on that engine)."""
 Global___Role: _TypeAlias = Role  # noqa: Y015
 
 @_typing.final
@@ -90,6 +94,7 @@ class Hello(_message.Message):
     DTYPE_FIELD_NUMBER: _builtins.int
     DEVICE_KIND_FIELD_NUMBER: _builtins.int
     FIRST_POSITION_FIELD_NUMBER: _builtins.int
+    ROLE_EPOCH_FIELD_NUMBER: _builtins.int
     compatibility_hash: _builtins.str
     """Hex digest over model, dtype, layers, KV heads, head size, block size, KV layout, hash
     seed and protocol version; every engine of a cluster must agree.
@@ -121,6 +126,10 @@ class Hello(_message.Message):
     learned every report from here on; the ones before must come from a peer's snapshot
     (docs/architecture.md, scheduler replicas). 0: reports are not numbered.
     """
+    role_epoch: _builtins.int
+    """The engine's role generation (0 at start, +1 per in-place role change); with
+    RankIdentity.role it is the engine's current role, so a restarted scheduler learns it.
+    """
     @_builtins.property
     def rank(self) -> Global___RankIdentity: ...
     def __init__(
@@ -137,10 +146,11 @@ class Hello(_message.Message):
         dtype: _builtins.str | None = ...,
         device_kind: _builtins.str | None = ...,
         first_position: _builtins.int = ...,
+        role_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_device_kind", b"_device_kind", "_dtype", b"_dtype", "_hash_seed", b"_hash_seed", "block_size", b"block_size", "device_kind", b"device_kind", "dtype", b"dtype", "hash_seed", b"hash_seed", "rank", b"rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_device_kind", b"_device_kind", "_dtype", b"_dtype", "_hash_seed", b"_hash_seed", "block_size", b"block_size", "compatibility_hash", b"compatibility_hash", "device_kind", b"device_kind", "dtype", b"dtype", "engine_address", b"engine_address", "first_position", b"first_position", "handshake_metadata", b"handshake_metadata", "hash_seed", b"hash_seed", "last_sent_seq", b"last_sent_seq", "protocol_version", b"protocol_version", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_device_kind", b"_device_kind", "_dtype", b"_dtype", "_hash_seed", b"_hash_seed", "block_size", b"block_size", "compatibility_hash", b"compatibility_hash", "device_kind", b"device_kind", "dtype", b"dtype", "engine_address", b"engine_address", "first_position", b"first_position", "handshake_metadata", b"handshake_metadata", "hash_seed", b"hash_seed", "last_sent_seq", b"last_sent_seq", "protocol_version", b"protocol_version", "rank", b"rank", "role_epoch", b"role_epoch"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__block_size: _TypeAlias = _typing.Literal["block_size"]  # noqa: Y015
     _WhichOneofArgType__block_size: _TypeAlias = _typing.Literal["_block_size", b"_block_size"]  # noqa: Y015
@@ -450,7 +460,14 @@ class Heartbeat(_message.Message):
 
     LOAD_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    ROLE_EPOCH_FIELD_NUMBER: _builtins.int
     draining: _builtins.bool
+    role: Global___Role.ValueType
+    """Rank 0: the role the engine serves now and its role generation (SetRole). Every scheduler
+    replica follows the engine's word, so a change one replica asked for reaches them all.
+    """
+    role_epoch: _builtins.int
     @_builtins.property
     def load(self) -> Global___EngineLoad:
         """Sent by rank 0 only."""
@@ -460,10 +477,12 @@ class Heartbeat(_message.Message):
         *,
         load: Global___EngineLoad | None = ...,
         draining: _builtins.bool = ...,
+        role: Global___Role.ValueType = ...,
+        role_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_load", b"_load", "load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_load", b"_load", "draining", b"draining", "load", b"load"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_load", b"_load", "draining", b"draining", "load", b"load", "role", b"role", "role_epoch", b"role_epoch"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__load: _TypeAlias = _typing.Literal["load"]  # noqa: Y015
     _WhichOneofArgType__load: _TypeAlias = _typing.Literal["_load", b"_load"]  # noqa: Y015
@@ -753,6 +772,37 @@ class ReleaseBlocks(_message.Message):
 Global___ReleaseBlocks: _TypeAlias = ReleaseBlocks  # noqa: Y015
 
 @_typing.final
+class SetRole(_message.Message):
+    """Serve `role` from now on (docs/decisions/0044). Applied only when `role_epoch` is the
+    engine's current role generation + 1 (a compare-and-set: of two schedulers asking at once, one
+    wins); the engine's next heartbeat states the outcome. Work of the old role already admitted
+    runs to its end (pinned prefill KV is served to its readers); the KV cache stays.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    ROLE_EPOCH_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    role: Global___Role.ValueType
+    role_epoch: _builtins.int
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        role: Global___Role.ValueType = ...,
+        role_epoch: _builtins.int = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "role", b"role", "role_epoch", b"role_epoch"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetRole: _TypeAlias = SetRole  # noqa: Y015
+
+@_typing.final
 class SchedulerMessage(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -762,6 +812,7 @@ class SchedulerMessage(_message.Message):
     KV_READY_FIELD_NUMBER: _builtins.int
     KV_FAILED_FIELD_NUMBER: _builtins.int
     RELEASE_FIELD_NUMBER: _builtins.int
+    SET_ROLE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def welcome(self) -> Global___Welcome: ...
     @_builtins.property
@@ -774,6 +825,8 @@ class SchedulerMessage(_message.Message):
     def kv_failed(self) -> Global___KVFailed: ...
     @_builtins.property
     def release(self) -> Global___ReleaseBlocks: ...
+    @_builtins.property
+    def set_role(self) -> Global___SetRole: ...
     def __init__(
         self,
         *,
@@ -783,12 +836,13 @@ class SchedulerMessage(_message.Message):
         kv_ready: Global___KVReady | None = ...,
         kv_failed: Global___KVFailed | None = ...,
         release: Global___ReleaseBlocks | None = ...,
+        set_role: Global___SetRole | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "kv_failed", b"kv_failed", "kv_ready", b"kv_ready", "payload", b"payload", "peer_update", b"peer_update", "release", b"release", "welcome", b"welcome"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "kv_failed", b"kv_failed", "kv_ready", b"kv_ready", "payload", b"payload", "peer_update", b"peer_update", "release", b"release", "set_role", b"set_role", "welcome", b"welcome"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "kv_failed", b"kv_failed", "kv_ready", b"kv_ready", "payload", b"payload", "peer_update", b"peer_update", "release", b"release", "welcome", b"welcome"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "kv_failed", b"kv_failed", "kv_ready", b"kv_ready", "payload", b"payload", "peer_update", b"peer_update", "release", b"release", "set_role", b"set_role", "welcome", b"welcome"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["welcome", "peer_update", "ack", "kv_ready", "kv_failed", "release"]  # noqa: Y015
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["welcome", "peer_update", "ack", "kv_ready", "kv_failed", "release", "set_role"]  # noqa: Y015
     _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
 

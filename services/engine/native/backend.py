@@ -55,9 +55,10 @@ from services.engine.backend import (
     RequestAborted,
     TokenDelta,
 )
-from services.engine.control_client import EngineLoad
+from services.engine.control_client import EngineLoad, SetRole
 from services.engine.native.build import NativeEngine, build_native_engine
 from services.engine.native.loop import Delivery, EngineLoop
+from services.engine.role_state import EngineRole
 from services.engine.verdicts import route_control_message
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class NativeBackend:
         self.waits = RemoteKVWaits()  # decode: recompute locally if no KV verdict by then
         self.leases = PrefillLeases()  # prefill: pinned blocks freed when the lease runs out
         self._draining = False
+        self.role_state = EngineRole(config.role)
         self._aio: asyncio.AbstractEventLoop | None = None
         self._pending: dict[str, _Pending] = {}
         self._last_load: NativeLoad | None = None
@@ -193,6 +195,14 @@ class NativeBackend:
 
     def on_release_blocks(self, request_id: str) -> None:
         self._call(lambda e: self._release(e, request_id))
+
+    def on_set_role(self, msg: SetRole) -> None:
+        """A new role: the Engine API admits its calls from now on (and the old role's for a
+        grace period); whatever runs or is pinned goes on, and the KV cache stays as it is."""
+        change = self.role_state.apply(msg.role, msg.role_epoch, msg.reason)
+        if change is not None:
+            logger.info("engine %s: role %s -> %s (role epoch %d): %s", self.config.engine_id, change.old,
+                        change.new, change.role_epoch, change.reason or "no reason given")
 
     def on_scheduler_lost(self, scheduler_id: str) -> None:
         """Frees every pinned prefill of the lost replica's requests: nobody will release them.

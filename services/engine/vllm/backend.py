@@ -49,6 +49,7 @@ from services.engine.backend import (
     RequestAborted,
     TokenDelta,
 )
+from services.engine.role_state import EngineRole
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class VllmBackend:
         self.engine: VllmEngine | None = None
         self._ready = False
         self._draining = False
+        self.role_state = EngineRole(config.role)  # fixed: vLLM engines do not change role in place yet
         self._live: dict[str, str] = {}  # request id -> "prefill" / "decode", while vLLM runs it
         self._worker_counts = [0, 0]  # pinned prefills, pulls vLLM waits on (rank 0's view)
         self._load_task: asyncio.Task[None] | None = None

@@ -32,6 +32,7 @@ from services.engine.backend import (
     RequestAborted,
     TokenDelta,
 )
+from services.engine.role_state import EngineRole
 from services.engine.servicer import EngineServicer
 
 EPOCH = 0x1235
@@ -54,6 +55,7 @@ class ScriptedBackend:
         self.released: list[str] = []
         self.busy = 0
         self.hold = asyncio.Event()
+        self.role_state = EngineRole("decode")
 
     async def start(self) -> None: ...
 
@@ -104,6 +106,7 @@ class ScriptedBackend:
 async def engine(request: pytest.FixtureRequest) -> AsyncIterator[tuple[ScriptedBackend, pb_grpc.EngineStub,
                                                                         EngineServicer]]:
     backend = ScriptedBackend()
+    backend.role_state = EngineRole(request.param, grace_s=0.0)
     servicer = EngineServicer(EngineConfig(role=request.param, engine_id="e0", drain_timeout_s=0.3), backend)
     server = ServiceServer(["pdserve.v1.Engine"])
     pb_grpc.add_EngineServicer_to_server(servicer, server.server)
@@ -170,6 +173,17 @@ async def test_a_decode_engine_serves_a_peer_fetch_prefill(engine) -> None:
     response = await stub.Prefill(pb.PrefillRequest(request_id="f", prompt_token_ids=[1, 2], peer_fetch=True))
     (seen,) = backend.prefills
     assert seen.peer_fetch and seen.request_id == "f" and response.descriptor.engine_id
+
+
+async def test_admission_follows_the_role_set_in_place(engine) -> None:
+    backend, stub, servicer = engine
+    assert backend.role_state.apply("prefill", 1, "test") is not None  # grace 0: the old role's calls end now
+    assert await _code(stub.Decode(_decode())) == grpc.StatusCode.FAILED_PRECONDITION
+    inspected = await stub.Inspect(pb.InspectRequest())
+    assert inspected.role == "prefill"
+    backend.role_state.apply("mixed", 2)
+    assert await _code(stub.Prefill(pb.PrefillRequest(request_id="p", prompt_token_ids=[1]))) \
+        == grpc.StatusCode.FAILED_PRECONDITION  # mixed engines take Decode (their prompts come with it)
 
 
 async def test_checks_every_backend_gets(engine) -> None:

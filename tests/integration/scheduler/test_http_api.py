@@ -17,6 +17,7 @@ from test_generation import BAD, Cluster, no_leaks
 
 from pdserve.v1 import generation_pb2 as pb
 from services.scheduler.http_api import HttpApi
+from services.scheduler.registry import Role
 
 TOKEN = "http-test-token-0123456789"
 
@@ -265,3 +266,34 @@ async def test_a_taken_port_is_an_error_not_an_exit(http: HttpCluster) -> None:
     with pytest.raises(RuntimeError, match="could not bind"):
         await other.start("127.0.0.1", http.http.port)
     await other.stop(0)
+
+
+async def test_admin_roles_needs_the_admin_scope_and_asks_the_engine(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    admin_token, user_token = "admin-token-0123456789", "user-token-01234567890"
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{admin_token} admin\n{user_token}\n")
+    c = HttpCluster(auth_tokens_file=str(tokens))
+    await c.start()
+    c.http.roles = c.service.roles
+    try:
+        await c.add("p0", "prefill")
+        await c.add("d0", "decode")
+        await eventually(lambda: len(c.service.registry.routable(Role.DECODE)) == 1)
+        user = {"authorization": f"Bearer {user_token}"}
+        admin = {"authorization": f"Bearer {admin_token}"}
+        assert (await c.client.get("/admin/roles", headers=user)).status_code == 403
+        assert (await c.client.get("/admin/roles")).status_code == 401
+        listed = (await c.client.get("/admin/roles", headers=admin)).json()
+        assert [(e["engine_id"], e["role"], e["role_epoch"]) for e in listed["engines"]] == [
+            ("d0", "decode", 0), ("p0", "prefill", 0)]
+        bad = await c.post("/admin/roles", {"engine_id": "p0", "role": "both"}, headers=admin)
+        assert bad.status_code == 400 and "role must be one of" in bad.json()["error"]["message"]
+        missing = await c.post("/admin/roles", {"engine_id": "x9", "role": "decode"}, headers=admin)
+        assert missing.status_code == 404
+        same = await c.post("/admin/roles", {"engine_id": "d0", "role": "decode"}, headers=admin)
+        assert same.status_code == 400 and "already serves" in same.json()["error"]["message"]
+        ok = await c.post("/admin/roles", {"engine_id": "p0", "role": "mixed", "reason": "test"}, headers=admin)
+        assert ok.status_code == 202 and ok.json() == {"engine_id": "p0", "role": "mixed", "role_epoch": 1}
+        assert (await c.post("/v1/completions", {"prompt": [1]}, headers=admin)).status_code == 403
+    finally:
+        await c.stop()

@@ -16,7 +16,9 @@ from services.common.metrics import (
     EventMetrics,
     Kind,
     KVMemoryMetrics,
+    PlannerReading,
     RegisteredCount,
+    RoleMetrics,
     SchedulerMetrics,
     SubscriberLag,
     TransferMetrics,
@@ -61,6 +63,9 @@ def full_registry() -> tuple[CollectorRegistry, SchedulerMetrics, EngineMetrics,
     events.track_subscribers(lambda: [SubscriberLag("grpc", 4), SubscriberLag("grpc", 9)])
     events.track_index(lambda: {"GPU": 10, "CPU_OFFLOAD": 3})
     KVMemoryMetrics(registry).set("decode-0", "decode", 0, 1 << 20, 0)
+    RoleMetrics(registry).track(lambda: [("prefill-0", "mixed")],
+                                lambda: PlannerReading({"prefill": 1, "decode": 1}, 1.5, 2.5, 1.2),
+                                ("prefill", "decode", "mixed"))
     return registry, sched, engine, transfer, events
 
 
@@ -71,7 +76,7 @@ def scrape(registry: CollectorRegistry) -> dict[str, list]:
 
 def test_names_follow_the_convention() -> None:
     for name, spec in CATALOGUE.items():
-        assert re.fullmatch(r"pdserve_(scheduler|engine|transfer|events|kv)_[a-z0-9_]+", name), name
+        assert re.fullmatch(r"pdserve_(scheduler|engine|transfer|events|kv|planner)_[a-z0-9_]+", name), name
         assert (spec.kind is Kind.COUNTER) == name.endswith("_total"), name
         if spec.kind is Kind.HISTOGRAM:
             assert spec.buckets and list(spec.buckets) == sorted(spec.buckets), name

@@ -226,3 +226,26 @@ def test_routable_is_kept_only_until_the_registry_changes() -> None:
     check("p1")
     assert reg.remove_engine("p1") is not None
     check()
+
+
+def test_role_follows_the_engine_and_keeps_the_epoch() -> None:
+    reg = registry()
+    reg.register(hello("e0", tp_size=1))
+    reg.register(hello("e1", tp_size=1, role=Role.DECODE))
+    version = reg.version
+    assert reg.follow_role("e0", Role.MIXED, 1) == Role.PREFILL
+    assert reg.version != version
+    engine = reg.engine("e0", 7)
+    assert engine is not None and engine.role == Role.MIXED and engine.role_epoch == 1  # same incarnation
+    assert reg.follow_role("e0", Role.PREFILL, 1) is None  # not newer: ignored
+    assert [e.engine_id for e in reg.routable(Role.DECODE)] == ["e0", "e1"]  # mixed engines decode
+    assert [e.engine_id for e in reg.routable(Role.MIXED)] == ["e0"]
+    assert reg.routable(Role.PREFILL) == []
+
+
+def test_a_reconnecting_rank_states_its_current_role() -> None:
+    reg = registry()
+    reg.register(hello("e0", tp_size=1))
+    reg.register(hello("e0", tp_size=1, role=Role.DECODE, role_epoch=2))  # same epoch, role changed meanwhile
+    engine = reg.engine("e0")
+    assert engine is not None and engine.role == Role.DECODE and engine.role_epoch == 2

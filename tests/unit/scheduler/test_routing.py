@@ -86,3 +86,16 @@ def test_router_pairs_only_mappable_tp_layouts_and_counts_the_rest_as_decode_onl
     assert router.decisions[REASON_UNMAPPABLE_TP] == 1
     # Engines whose KV heads are unknown (no handshake metadata) are assumed to map.
     assert pair_problem(view("p", tp_size=3), view("d", "decode", tp_size=2)) is None
+
+
+def test_a_mixed_decode_engine_computes_its_own_prompts() -> None:
+    from services.scheduler.path_policy import LOCAL_MIXED_ENGINE
+
+    router = Router(LoadBasedPolicy())
+    prefill = EngineView("p0", 1, "prefill")
+    mixed = EngineView("m0", 1, "mixed")
+    route = router.route(RoutingRequest([1, 2, 3], 48), [prefill], [mixed])
+    assert route.decode_only and route.decode.engine_id == "m0"
+    assert route.path is not None and route.path.reason == LOCAL_MIXED_ENGINE
+    plain = router.route(RoutingRequest([1, 2, 3], 48), [prefill], [EngineView("d0", 1, "decode")])
+    assert plain.prefill.engine_id == "p0"

@@ -40,7 +40,7 @@ def test_token_file_scopes_comments_and_errors() -> None:
     with pytest.raises(ValueError, match="at least 16"):
         parse_token_file("short\n")
     with pytest.raises(ValueError, match="unknown scope"):
-        parse_token_file(f"{GOOD} admin\n")
+        parse_token_file(f"{GOOD} root\n")
     with pytest.raises(ValueError, match=":1: expected"):
         parse_token_file(f"{GOOD} generate extra\n")
 
