@@ -218,7 +218,12 @@ tests:
         values: '0+5x40'
       - series: 'pdserve_scheduler_requests_in_flight'
         values: '1x40'
+      - series: 'pdserve_scheduler_registered_engines{role="decode", state="unhealthy"}'
+        values: '1x40'
+      - series: 'pdserve_scheduler_registered_engines{role="prefill", state="routable"}'
+        values: '1x40'
     alert_rule_test:
+      - {eval_time: 30m, alertname: PdserveEngineDown, exp_alerts: [{exp_labels: {severity: critical, role: decode}}]}
       - {eval_time: 30m, alertname: PdserveTTFTAboveSLO, exp_alerts: [{exp_labels: {severity: warning}}]}
       - {eval_time: 30m, alertname: PdserveRankPendingTooLong,
          exp_alerts: [{exp_labels: {severity: critical, engine: prefill-0}}]}
@@ -242,6 +247,7 @@ tests:
     alert_rule_test:
       - {eval_time: 30m, alertname: PdserveTTFTAboveSLO, exp_alerts: []}
       - {eval_time: 30m, alertname: PdserveTransferFailuresRising, exp_alerts: []}
+      - {eval_time: 30m, alertname: PdserveEngineDown, exp_alerts: []}
       - {eval_time: 30m, alertname: PdserveSubscriberLagging,
          exp_alerts: [{exp_labels: {severity: warning, transport: grpc}}]}
       - {eval_time: 30m, alertname: PdserveSchedulerAbsent, exp_alerts: [{exp_labels: {severity: critical}}]}
