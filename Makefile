@@ -86,7 +86,7 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt | $(VENV)/bin/python $(IN
 	$(PY) $(COMPILE_BYTECODE)
 	touch $@
 
-$(VENV)/.installed-dev: $(VENV)/.installed | $(VENV)/bin/promtool
+$(VENV)/.installed-dev: $(VENV)/.installed | $(VENV)/bin/promtool $(VENV)/bin/prometheus
 	$(PIP) install -q $(TORCH_ARGS) -e '.[dev,$(UCX)]'
 	$(PY) $(COMPILE_BYTECODE)
 	touch $@
@@ -101,6 +101,17 @@ $(VENV)/bin/promtool: | $(VENV)/.installed
 	    { apt-get update -qq >/dev/null && apt-get download -q prometheus >/dev/null; }; } && \
 	    dpkg-deb --fsys-tarfile prometheus_*.deb | tar -x ./usr/bin/promtool) && \
 	  install -m 755 "$$tmp/usr/bin/promtool" $@; fi
+	@$@ --version | head -1
+
+# The Prometheus server, the same way (its binary only), for the test that scrapes a cluster and
+# evaluates the dashboards' queries and the alert rules (tests/e2e/test_prometheus.py).
+$(VENV)/bin/prometheus: | $(VENV)/.installed
+	@if command -v prometheus >/dev/null 2>&1; then ln -sf "$$(command -v prometheus)" $@; else \
+	  tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	  (cd "$$tmp" && { apt-get download -q prometheus >/dev/null 2>&1 || \
+	    { apt-get update -qq >/dev/null && apt-get download -q prometheus >/dev/null; }; } && \
+	    dpkg-deb --fsys-tarfile prometheus_*.deb | tar -x ./usr/bin/prometheus) && \
+	  install -m 755 "$$tmp/usr/bin/prometheus" $@; fi
 	@$@ --version | head -1
 
 PIP_VLLM := $(call pip_for,$(VENV_VLLM))

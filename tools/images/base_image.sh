@@ -16,7 +16,10 @@ if [ "$image" != pdserve-base:bookworm ]; then
 fi
 tarball=$cache/base-bookworm.tar
 if [ ! -s "$tarball" ]; then
-  command -v debootstrap >/dev/null || { echo "debootstrap missing: apt-get install debootstrap" >&2; exit 1; }
+  if ! command -v debootstrap >/dev/null; then
+    [ "$(id -u)" = 0 ] || { echo "debootstrap missing: apt-get install debootstrap" >&2; exit 1; }
+    { apt-get install -y -q debootstrap || { apt-get update -q && apt-get install -y -q debootstrap; }; } >/dev/null
+  fi
   mkdir -p "$cache"
   root=$(mktemp -d)
   trap 'rm -rf "$root"' EXIT

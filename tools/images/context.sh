@@ -17,9 +17,12 @@ dir=$cache/wheels/$(basename "$lock" .txt)-$key
 if [ ! -e "$dir/.complete" ]; then
   rm -rf "$cache/wheels/$(basename "$lock" .txt)"-*
   mkdir -p "$dir"
-  platforms=$(printf -- '--platform manylinux_%s_x86_64 ' 2_28 2_27 2_17; echo --platform manylinux2014_x86_64 --platform linux_x86_64)
+  # Every manylinux tag the image's glibc (bookworm's 2.36) runs.
+  platforms=$(for n in $(seq 36 -1 17); do printf -- '--platform manylinux_2_%s_x86_64 ' "$n"; done
+              echo --platform manylinux2014_x86_64 --platform linux_x86_64)
   # shellcheck disable=SC2086
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
+  # The lock alone decides versions: a machine-wide pip constraint file does not apply.
+  PIP_CONSTRAINT=/dev/null python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
     $platforms -d "$dir" -r "$lock" "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
   touch "$dir/.complete"
 fi
