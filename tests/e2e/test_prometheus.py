@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -156,8 +157,27 @@ def prometheus(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) 
     p.close()
 
 
+def http_requests(cluster: LocalCluster) -> None:
+    """OpenAI completions through the HTTP API, and one it refuses (400)."""
+    with urllib.request.urlopen(f"{cluster.http_url}/models", timeout=30) as reply:
+        [card] = json.loads(reply.read())["data"]
+    model = card["id"]
+    for body in ({"model": model, "prompt": PROMPT_TEXTS[0], "max_tokens": 4}, {"model": model, "prompt": 7}):
+        request = urllib.request.Request(f"{cluster.http_url}/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(request, timeout=60).close()
+        except urllib.error.HTTPError as e:
+            assert e.code == 400, e
+
+
 def load(cluster: LocalCluster, seconds: float) -> None:
-    """Requests from two threads for `seconds`: shared prefixes (prefix hits), different lengths."""
+    """Requests from two threads for `seconds` (shared prefixes: prefix hits; different lengths),
+    HTTP API requests, and a KV-event subscriber (`pdserve events`) throughout."""
+    subscriber = subprocess.Popen([sys.executable, "-m", "services.common.cli", "events", "--target",
+                                   cluster.events_target, "--duration", str(seconds)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    http_requests(cluster)
     deadline = time.monotonic() + seconds
 
     def worker(offset: int) -> None:
@@ -172,6 +192,7 @@ def load(cluster: LocalCluster, seconds: float) -> None:
         t.start()
     for t in threads:
         t.join()
+    subscriber.wait(timeout=30)
 
 
 def exported_names(cluster: LocalCluster) -> set[str]:

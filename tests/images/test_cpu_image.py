@@ -87,7 +87,9 @@ def test_generate_and_openai_http_across_containers(cluster: DockerCluster, refe
     assert metric_sum(decode_metrics, "pdserve_transfer_bytes_total", transport="tcp") > 0, \
         "KV crossed between the containers over TCP"
     http = cluster.host_port(scheduler_of(cluster), SCHEDULER_PORTS["http"])
-    body = json.dumps({"model": "any", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+    with urllib.request.urlopen(f"http://127.0.0.1:{http}/v1/models", timeout=30) as reply:
+        [card] = json.loads(reply.read())["data"]
+    body = json.dumps({"model": card["id"], "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
                        "ignore_eos": True}).encode()
     request = urllib.request.Request(f"http://127.0.0.1:{http}/v1/completions", body,
                                      {"Content-Type": "application/json"})
