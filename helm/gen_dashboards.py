@@ -121,7 +121,8 @@ def overview() -> Board:
               [datasource_var()])
     b.stat("Requests / s", f"sum(rate(pdserve_scheduler_requests_total[{RI}]))", "reqps")
     b.stat("In flight", "sum(pdserve_scheduler_requests_in_flight)")
-    b.stat("Error ratio", f'sum(rate(pdserve_scheduler_requests_total{{outcome="error"}}[{RI}])) '
+    # `or vector(0)`: 0 % rather than "No data" while no request has failed.
+    b.stat("Error ratio", f'(sum(rate(pdserve_scheduler_requests_total{{outcome="error"}}[{RI}])) or vector(0)) '
                           f"/ sum(rate(pdserve_scheduler_requests_total[{RI}]))", "percentunit")
     b.stat("TTFT p99", pct(0.99, "pdserve_scheduler_time_to_first_token_seconds"), "s")
     b.row("Traffic")

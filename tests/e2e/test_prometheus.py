@@ -177,9 +177,13 @@ def subscriber(cluster: LocalCluster) -> subprocess.Popen[bytes]:
                              cluster.events_target], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+# Several KV blocks every prompt shares: routing finds them in the prefix index (prefix hits).
+SHARED_PREFIX = "You are a helpful assistant. Answer briefly, in plain words, and do not repeat the question. " * 3
+
+
 def load(cluster: LocalCluster, seconds: float) -> None:
-    """Requests from two threads for `seconds` (shared prefixes: prefix hits; different lengths)
-    and through the HTTP API."""
+    """Requests from two threads for `seconds` (a shared prefix: prefix hits) and through the
+    HTTP API."""
     http_requests(cluster)
     deadline = time.monotonic() + seconds
 
@@ -188,7 +192,7 @@ def load(cluster: LocalCluster, seconds: float) -> None:
             for i in itertools.count(offset):
                 if time.monotonic() > deadline:
                     return
-                client.generate(PROMPT_TEXTS[i % len(PROMPT_TEXTS)] * (1 + i % 3), max_tokens=8, temperature=0.0)
+                client.generate(SHARED_PREFIX + PROMPT_TEXTS[i % len(PROMPT_TEXTS)], max_tokens=8, temperature=0.0)
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in (0, 7)]
     for t in threads:
