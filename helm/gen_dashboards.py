@@ -1,4 +1,5 @@
-"""Generates the Grafana dashboards in helm/pdserve/dashboards/ (checked in; a test fails on drift).
+"""Generates the Grafana dashboards in helm/pdserve/dashboards/ (checked in; a test fails on drift)
+with Grafana's own builders (grafana-foundation-sdk, the dev extra).
 
 Every query uses metric names from services/common/metrics.py's catalogue only. Each dashboard
 has a Prometheus datasource variable; engine and role variables come from `pdserve_engine_info`.
@@ -15,17 +16,26 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from grafana_foundation_sdk.builders import common, stat, table, timeseries
+from grafana_foundation_sdk.builders import dashboard as dash
+from grafana_foundation_sdk.builders import prometheus as prom
+from grafana_foundation_sdk.cog.builder import Builder
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common as common_models
+from grafana_foundation_sdk.models import dashboard as models
+from grafana_foundation_sdk.models.prometheus import PromQueryFormat
+
 OUT = Path(__file__).resolve().parent / "pdserve" / "dashboards"
-DS = {"type": "prometheus", "uid": "${datasource}"}
+DS = models.DataSourceRef(type_val="prometheus", uid="${datasource}")
 RI = "$__rate_interval"
 ENG = 'engine=~"$engine"'
 ROLE = 'role=~"$role"'
 
 
-def q(expr: str, legend: str = "", *, instant: bool = False) -> dict[str, Any]:
-    target: dict[str, Any] = {"datasource": DS, "expr": expr, "legendFormat": legend or "__auto"}
+def q(expr: str, legend: str = "", *, instant: bool = False) -> prom.Dataquery:
+    target = prom.Dataquery().datasource(DS).expr(expr).legend_format(legend or "__auto")
     if instant:
-        target.update(instant=True, range=False, format="table")
+        target = target.instant().format(PromQueryFormat.TABLE)
     return target
 
 
@@ -36,84 +46,70 @@ def pct(quantile: float, metric: str, by: str = "", selector: str = "") -> str:
 
 
 class Board:
-    """Lays panels out left to right, 24 columns wide, and numbers them."""
+    """One dashboard: numbers its panels and rows; the SDK's builder lays them out left to right,
+    24 columns wide."""
 
-    def __init__(self, uid: str, title: str, description: str, variables: list[dict[str, Any]]) -> None:
-        self.uid, self.title, self.description = uid, title, description
-        self.variables = variables
-        self.panels: list[dict[str, Any]] = []
-        self.x = self.y = self.row_h = 0
+    def __init__(self, uid: str, title: str, description: str, variables: list[Builder[Any]]) -> None:
+        self.next_id = 1
+        self.builder = (
+            dash.Dashboard(title).uid(uid).description(description).tags(["pdserve"]).editable()
+            .tooltip(models.DashboardCursorSync.CROSSHAIR).version(1).time("now-1h", "now").refresh("30s")
+            .timezone("")
+            .link(dash.DashboardLink("pdserve").type(models.DashboardLinkType.DASHBOARDS).tags(["pdserve"])
+                  .as_dropdown(True).include_vars(True).keep_time(True)))
+        for variable in variables:
+            self.builder.with_variable(variable)
 
-    def _place(self, w: int, h: int) -> dict[str, int]:
-        if self.x + w > 24:
-            self.x, self.y, self.row_h = 0, self.y + self.row_h, 0
-        pos = {"h": h, "w": w, "x": self.x, "y": self.y}
-        self.x += w
-        self.row_h = max(self.row_h, h)
-        return pos
+    def _id(self) -> int:
+        self.next_id += 1
+        return self.next_id - 1
 
     def row(self, title: str) -> None:
-        if self.x:
-            self.x, self.y, self.row_h = 0, self.y + self.row_h, 0
-        self.panels.append({"id": len(self.panels) + 1, "type": "row", "title": title, "collapsed": False,
-                            "gridPos": {"h": 1, "w": 24, "x": 0, "y": self.y}, "panels": []})
-        self.y += 1
+        self.builder.with_row(dash.Row(title).id(self._id()))
 
-    def panel(self, kind: str, title: str, targets: list[dict[str, Any]], unit: str = "short", *,
-              w: int = 12, h: int = 8, description: str = "", transformations: list[dict[str, Any]] | None = None,
-              options: dict[str, Any] | None = None) -> None:
-        for i, t in enumerate(targets):
-            t["refId"] = chr(ord("A") + i)
-        panel: dict[str, Any] = {
-            "id": len(self.panels) + 1, "type": kind, "title": title, "description": description,
-            "datasource": DS, "gridPos": self._place(w, h), "targets": targets,
-            "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
-            "options": options or {},
-        }
-        if transformations:
-            panel["transformations"] = transformations
-        self.panels.append(panel)
+    def _add(self, panel: Any, title: str, targets: list[prom.Dataquery], unit: str, w: int, h: int,
+             description: str) -> None:
+        for i, target in enumerate(targets):
+            panel.with_target(target.ref_id(chr(ord("A") + i)))
+        self.builder.with_panel(panel.id(self._id()).title(title).description(description).datasource(DS)
+                                .unit(unit).span(w).height(h))
 
-    def ts(self, title: str, targets: list[dict[str, Any]], unit: str = "short", **kw: Any) -> None:
-        self.panel("timeseries", title, targets, unit,
-                   options={"legend": {"displayMode": "table", "placement": "bottom", "calcs": ["mean", "max"]},
-                            "tooltip": {"mode": "multi", "sort": "desc"}}, **kw)
+    def ts(self, title: str, targets: list[prom.Dataquery], unit: str = "short", *, w: int = 12, h: int = 8,
+           description: str = "") -> None:
+        panel = (timeseries.Panel()
+                 .legend(common.VizLegendOptions().display_mode(common_models.LegendDisplayMode.TABLE)
+                         .placement(common_models.LegendPlacement.BOTTOM).show_legend(True).calcs(["mean", "max"]))
+                 .tooltip(common.VizTooltipOptions().mode(common_models.TooltipDisplayMode.MULTI)
+                          .sort(common_models.SortOrder.DESCENDING)))
+        self._add(panel, title, targets, unit, w, h, description)
 
-    def stat(self, title: str, expr: str, unit: str = "short", **kw: Any) -> None:
-        self.panel("stat", title, [q(expr)], unit, w=kw.pop("w", 6), h=kw.pop("h", 4),
-                   options={"reduceOptions": {"calcs": ["lastNotNull"], "values": False, "fields": ""},
-                            "colorMode": "value", "graphMode": "area"}, **kw)
+    def stat(self, title: str, expr: str, unit: str = "short", *, w: int = 6, h: int = 4,
+             description: str = "") -> None:
+        panel = (stat.Panel().reduce_options(common.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+                 .color_mode(common_models.BigValueColorMode.VALUE).graph_mode(common_models.BigValueGraphMode.AREA))
+        self._add(panel, title, [q(expr)], unit, w, h, description)
 
-    def matrix(self, title: str, expr: str, unit: str, **kw: Any) -> None:
+    def matrix(self, title: str, expr: str, unit: str, *, w: int = 8, h: int = 9, description: str = "") -> None:
         """A prefill (rows) × decode (columns) table from an instant query by src/dst engine."""
-        self.panel("table", title, [q(expr, instant=True)], unit, w=kw.pop("w", 8), h=kw.pop("h", 9),
-                   transformations=[{"id": "groupingToMatrix", "options": {
-                       "rowField": "src_engine", "columnField": "dst_engine", "valueField": "Value",
-                       "emptyValue": "null"}}],
-                   options={"showHeader": True, "cellHeight": "sm"}, **kw)
+        panel = (table.Panel().show_header(True).cell_height(common_models.TableCellHeight.SM)
+                 .with_transformation(models.DataTransformerConfig(id_val="groupingToMatrix", options={
+                     "rowField": "src_engine", "columnField": "dst_engine", "valueField": "Value",
+                     "emptyValue": "null"})))
+        self._add(panel, title, [q(expr, instant=True)], unit, w, h, description)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "uid": self.uid, "title": self.title, "description": self.description,
-            "tags": ["pdserve"], "editable": True, "graphTooltip": 1, "schemaVersion": 39, "version": 1,
-            "time": {"from": "now-1h", "to": "now"}, "refresh": "30s", "timezone": "",
-            "annotations": {"list": []}, "links": [
-                {"type": "dashboards", "tags": ["pdserve"], "asDropdown": True, "title": "pdserve",
-                 "includeVars": True, "keepTime": True}],
-            "templating": {"list": self.variables}, "panels": self.panels,
-        }
+        return dict(json.loads(json.dumps(self.builder.build(), cls=JSONEncoder)))
 
 
-def datasource_var() -> dict[str, Any]:
-    return {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
-            "current": {}, "hide": 0, "refresh": 1, "regex": "", "options": []}
+def datasource_var() -> dash.DatasourceVariable:
+    return dash.DatasourceVariable("datasource").label("Data source").type("prometheus")
 
 
-def label_var(name: str, label: str, query: str, *, multi: bool = True) -> dict[str, Any]:
-    return {"name": name, "label": label, "type": "query", "datasource": DS,
-            "query": {"query": query, "refId": f"{name}-var"}, "definition": query,
-            "refresh": 2, "sort": 1, "multi": multi, "includeAll": multi,
-            "allValue": ".*" if multi else None, "current": {}, "hide": 0, "options": [], "regex": ""}
+def label_var(name: str, label: str, query: str, *, multi: bool = True) -> dash.QueryVariable:
+    variable = (dash.QueryVariable(name).label(label).datasource(DS).query(query)
+                .refresh(models.VariableRefresh.ON_TIME_RANGE_CHANGED).sort(models.VariableSort.ALPHABETICAL_ASC)
+                .multi(multi).include_all(multi))
+    return variable.all_value(".*") if multi else variable
 
 
 ROLE_VAR = label_var("role", "Role", "label_values(pdserve_engine_info, role)")
@@ -125,7 +121,8 @@ def overview() -> Board:
               [datasource_var()])
     b.stat("Requests / s", f"sum(rate(pdserve_scheduler_requests_total[{RI}]))", "reqps")
     b.stat("In flight", "sum(pdserve_scheduler_requests_in_flight)")
-    b.stat("Error ratio", f'sum(rate(pdserve_scheduler_requests_total{{outcome="error"}}[{RI}])) '
+    # `or vector(0)`: 0 % rather than "No data" while no request has failed.
+    b.stat("Error ratio", f'(sum(rate(pdserve_scheduler_requests_total{{outcome="error"}}[{RI}])) or vector(0)) '
                           f"/ sum(rate(pdserve_scheduler_requests_total[{RI}]))", "percentunit")
     b.stat("TTFT p99", pct(0.99, "pdserve_scheduler_time_to_first_token_seconds"), "s")
     b.row("Traffic")

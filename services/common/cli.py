@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("services.generate", "send a prompt to the scheduler and stream the answer"),
     "role": ("services.role", "show engine roles, or change one engine's role in place"),
     "events": ("services.events", "print the cluster's KV events as JSON lines"),
+    "health": ("services.health", "check a server's gRPC health (exit 0 when SERVING)"),
     "offline": ("engine.offline", "run the engine in-process on prompts (no services)"),
     "bench": ("bench.cli", "benchmarks: engine, transfer, aggregator, serve, events, scale, chaos, load, gpu-check"),
     "model": ("engine.demo_model", "model utilities (prepare-demo: convert the demo model)"),

@@ -177,7 +177,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                 self.metrics.request_rejected()
                 raise
             self.metrics.request_started(request.num_prompt_tokens)
-            self.telemetry.routed(route, self.router.policy.name)
+            self.telemetry.routed(route, self.router.policy.name, self.config.block_size)
             state, reason = RequestState.ABORTED, "cancelled"
             try:
                 async for response in self._run(request, route):

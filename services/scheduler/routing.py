@@ -45,6 +45,9 @@ REASON_UNMAPPABLE_TP = "decode_only_unmappable_tp"
 REASON_MIXED = LOCAL_MIXED_ENGINE
 
 
+# A block held in several media counts once, under the fastest (default medium_weights' order).
+MEDIUM_ORDER = ("GPU", "CPU", "CPU_OFFLOAD")
+
 @dataclass(frozen=True, slots=True)
 class RoutingRequest:
     """What a policy may look at: the prompt's 64-bit block hashes and its length, the
@@ -103,6 +106,9 @@ class Route:
     decode: RoutingDecision
     path: PathDecision | None = None
     fetch: PeerFetch | None = None  # the decode engine pulls a prefix cached on another engine
+    # The prompt's blocks already cached on the engine that computes it, per medium (the best
+    # medium holding each block): what pdserve_scheduler_prefix_hit_tokens_total counts.
+    prefix_hit_blocks: tuple[tuple[str, int], ...] = ()
 
     @property
     def decode_only(self) -> bool:
@@ -217,7 +223,9 @@ class Router:
                                  matched.get(path.decode_id, 0))
         self.decisions[prefill.reason] += 1
         self.paths[path.reason] += 1
-        return Route(prefill, decode, path, fetch)
+        computing = prefill.engine_id or decode.engine_id
+        hit = (request.prefix_matches or {}).get(computing) if computing is not None else None
+        return Route(prefill, decode, path, fetch, _blocks_by_medium(hit, MEDIUM_ORDER))
 
     def _peer_fetch(self, want: PathRequest, path: PathDecision, engines: Sequence[EngineView],
                     decodes: Sequence[EngineView], matched: Mapping[str, int]) -> tuple[PathDecision, PeerFetch | None]:
@@ -283,3 +291,14 @@ def make_policy(name: str) -> RoutingPolicy:
     if name == "prefix":
         return LoadBasedPolicy()
     raise ValueError(f"routing_policy: unknown policy {name!r} (prefix, load or round_robin)")
+
+
+def _blocks_by_medium(match: EngineMatch | None, order: Sequence[str]) -> tuple[tuple[str, int], ...]:
+    """Each matched block counted once, under the first medium of `order` holding it (others
+    after, by name)."""
+    if match is None:
+        return ()
+    rank = {medium: i for i, medium in enumerate(order)}
+    counts: Counter[str] = Counter(min(held, key=lambda m: (rank.get(m, len(rank)), m))
+                                   for held in match.media if held)
+    return tuple(sorted(counts.items()))

@@ -44,8 +44,10 @@ class SchedulerTelemetry:
         self.metrics.track_aggregator(_AggregatorSource(aggregator))
         self.metrics.track_registry(lambda: registered_counts(engines))
 
-    def routed(self, route: Route, policy: str) -> None:
+    def routed(self, route: Route, policy: str, block_size: int) -> None:
         m = self.metrics
+        for medium, num_blocks in route.prefix_hit_blocks:
+            m.count_prefix_hit(medium, num_blocks * block_size)
         if route.prefill.engine_id is not None:
             m.count_routing_decision("prefill", route.prefill.engine_id, policy, route.prefill.reason)
         if route.path is not None:

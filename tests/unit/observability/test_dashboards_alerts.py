@@ -47,7 +47,7 @@ def dashboard_exprs() -> list[tuple[str, str]]:
     for path in DASHBOARDS:
         board = load(path)
         out += [(f"{path.name}: {p['title']}", t["expr"]) for p in panels(board) for t in p["targets"]]
-        out += [(f"{path.name}: ${v['name']}", v["definition"]) for v in board["templating"]["list"]
+        out += [(f"{path.name}: ${v['name']}", v["query"]) for v in board["templating"]["list"]
                 if v["type"] == "query"]
     return out
 
@@ -149,7 +149,7 @@ def test_engine_and_role_variables_and_the_pair_matrix() -> None:
     for name in ("pdserve-kv-events.json", "pdserve-engine.json"):
         variables = {v["name"]: v for v in load(CHART / "dashboards" / name)["templating"]["list"]}
         assert {"role", "engine"} <= set(variables)
-        assert "pdserve_engine_info" in variables["engine"]["definition"]
+        assert "pdserve_engine_info" in variables["engine"]["query"]
     board = load(CHART / "dashboards" / "pdserve-disaggregation.json")
     matrices = [p for p in panels(board) if p["type"] == "table"]
     assert len(matrices) == 3
@@ -218,7 +218,12 @@ tests:
         values: '0+5x40'
       - series: 'pdserve_scheduler_requests_in_flight'
         values: '1x40'
+      - series: 'pdserve_scheduler_registered_engines{role="decode", state="unhealthy"}'
+        values: '1x40'
+      - series: 'pdserve_scheduler_registered_engines{role="prefill", state="routable"}'
+        values: '1x40'
     alert_rule_test:
+      - {eval_time: 30m, alertname: PdserveEngineDown, exp_alerts: [{exp_labels: {severity: critical, role: decode}}]}
       - {eval_time: 30m, alertname: PdserveTTFTAboveSLO, exp_alerts: [{exp_labels: {severity: warning}}]}
       - {eval_time: 30m, alertname: PdserveRankPendingTooLong,
          exp_alerts: [{exp_labels: {severity: critical, engine: prefill-0}}]}
@@ -242,6 +247,7 @@ tests:
     alert_rule_test:
       - {eval_time: 30m, alertname: PdserveTTFTAboveSLO, exp_alerts: []}
       - {eval_time: 30m, alertname: PdserveTransferFailuresRising, exp_alerts: []}
+      - {eval_time: 30m, alertname: PdserveEngineDown, exp_alerts: []}
       - {eval_time: 30m, alertname: PdserveSubscriberLagging,
          exp_alerts: [{exp_labels: {severity: warning, transport: grpc}}]}
       - {eval_time: 30m, alertname: PdserveSchedulerAbsent, exp_alerts: [{exp_labels: {severity: critical}}]}
