@@ -29,6 +29,7 @@ from vllm_cluster import BLOCK, colocated, generate_greedy, log_problems, vllm_c
 
 from services.client import AsyncClient, GenerationResult, _ResultBuilder, build_request
 from services.local_cluster import LocalCluster
+from tests.prometheus_check import check_dashboards, check_rules_evaluate, scraping, subscriber
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -74,7 +75,9 @@ def zmq_endpoint() -> str:
 def cluster(tmp_path_factory: pytest.TempPathFactory, zmq_endpoint: str) -> Iterator[LocalCluster]:
     with vllm_cluster(tmp_path_factory, "vllm", num_prefill=2, num_decode=2, kv_cache_memory="96MiB",
                       scheduler_args=["--routing-policy", "prefix", "--zmq-endpoint", zmq_endpoint,
-                                      "--path-policy", "remote"],  # these tests check the KV transfer path
+                                      "--path-policy", "remote",  # these tests check the KV transfer path
+                                      "--planner", "advise"],  # its gauges, for the dashboards' test
+
                       max_model_len=1024, max_num_seqs=8, metrics=True) as c:
         yield c
 
@@ -227,6 +230,30 @@ def _stream_with_indexes(client: AsyncClient, prompt: list[int], max_tokens: int
         return builder.result, chunks
 
     return run()
+
+
+def test_dashboards_and_rules_in_prometheus_over_vllm_engines(cluster: LocalCluster, prompts: list[list[int]],
+                                                              tmp_path: Path) -> None:
+    """The chart's dashboards and alert rules in a real Prometheus scraping this cluster of vLLM
+    engines under load (tests/prometheus_check.py): every panel query returns a series, every
+    metric a dashboard names is exported, every rule evaluates. (The engine-down alert firing and
+    resolving is tested on pdserve's engines, tests/e2e/test_prometheus.py.)"""
+    prometheus = scraping(cluster, tmp_path)
+    events = subscriber(cluster)
+    try:
+        with urllib.request.urlopen(f"{cluster.http_url}/models", timeout=30) as reply:
+            model = json.loads(reply.read())["data"][0]["id"]
+        body = json.dumps({"model": model, "prompt": prompts[0], "max_tokens": 4}).encode()
+        request = urllib.request.Request(f"{cluster.http_url}/completions", body, {"Content-Type": "application/json"})
+        urllib.request.urlopen(request, timeout=120).close()
+        generate_greedy(cluster.target, prompts, 8, concurrency=4)
+        time.sleep(3.0)  # the last scrape after the load
+        check_dashboards(cluster, prometheus)
+        check_rules_evaluate(prometheus)
+    finally:
+        events.terminate()
+        events.wait(timeout=30)
+        prometheus.close()
 
 
 def test_kill_9_vllm_decode_migrates_and_kill_9_vllm_prefill_recomputes(cluster: LocalCluster,
