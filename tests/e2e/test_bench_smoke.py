@@ -61,7 +61,9 @@ def test_bench_serve_compare_vllm_runs_pdserve_and_reports_absent_systems(
     assert set(report["systems"]["pdserve"]) == {"wall_s", "tok_s", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms",
                                                  "itl_p99_ms", "threads", "itl_first_p50_ms", "itl_first_p99_ms",
                                                  "itl_rest_p99_ms", "cpu", "kv_bytes_registered", "kv_mirror_bytes",
-                                                 "kv_staging"}
+                                                 "kv_staging", "identical", "reference"}
+    # greedy tokens judged per engine family: pdserve alone is its own reference
+    assert report["systems"]["pdserve"]["identical"] is True and report["systems"]["pdserve"]["reference"] == "pdserve"
     # read from both engines' /metrics: each registered its whole KV cache in place, no mirror
     assert report["systems"]["pdserve"]["kv_bytes_registered"] > 0
     assert report["systems"]["pdserve"]["kv_mirror_bytes"] == 0 and report["systems"]["pdserve"]["kv_staging"] == "none"
