@@ -175,12 +175,14 @@ protos: install-dev
 check-protos: install-dev
 	$(PY) -m services.common.protogen --check
 
-# The two environments install side by side (they share nothing but uv's cache), then lint, the
-# main suite (tests/vllm is skipped there: no vLLM in .venv), then the vLLM suite in .venv-vllm.
-# pdserve's own modules are byte-compiled before the suites too (they change between runs; a
-# stale .pyc is recompiled at import as without one).
+# The two environments install side by side (they share nothing but uv's cache), and the CPU
+# image builds beside them (all three mostly wait on the network and the disk; `test-images`
+# then finds it built); then lint, the main suite (tests/vllm is skipped there: no vLLM in .venv),
+# the image's containers, the vLLM suite in .venv-vllm. pdserve's own modules are byte-compiled
+# before the suites too (they change between runs; a stale .pyc is recompiled at import as
+# without one).
 test:
-	$(MAKE) -j2 install-dev install-vllm
+	$(MAKE) -j3 install-dev install-vllm image-cpu
 	$(MAKE) lint check-protos
 	$(PY) $(COMPILE_BYTECODE) connectors engine services bench protos
 	$(PY) -m pytest -q -x --durations=15 tests

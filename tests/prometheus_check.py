@@ -33,8 +33,9 @@ DOWN_FOR = "2s"  # PdserveEngineDown's `for:` here (the chart's: 1m)
 
 
 def prometheus_binary() -> str:
-    beside = Path(sys.executable).parent / "prometheus"
-    found = str(beside) if beside.exists() else shutil.which("prometheus")
+    # beside this interpreter, or in the main venv (the vLLM suite runs in .venv-vllm)
+    candidates = [Path(sys.executable).parent / "prometheus", ROOT / ".venv" / "bin" / "prometheus"]
+    found = next((str(c) for c in candidates if c.exists()), None) or shutil.which("prometheus")
     if found is None:
         pytest.fail("prometheus not found: `make install-dev` installs it into the venv")
     return found

@@ -46,11 +46,12 @@ def test_bench_serve_compare_vllm_tiny(tmp_path: Path, capsys: pytest.CaptureFix
                                "--output-len", "3:4", "--kv-cache-memory", "64MiB",
                                "--systems", ",".join(VLLM_SYSTEMS), "--vllm-arg", "enforce_eager=true"])
     keys = {"wall_s", "tok_s", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p99_ms", "threads",
-            "itl_first_p50_ms", "itl_first_p99_ms", "itl_rest_p99_ms", "cpu"}
+            "itl_first_p50_ms", "itl_first_p99_ms", "itl_rest_p99_ms", "cpu", "identical", "reference"}
     assert report["absent"] == {} and set(report["systems"]) == set(VLLM_SYSTEMS), report["absent"]
     for name in VLLM_SYSTEMS:
         assert set(report["systems"][name]) - {"proxy", *PDSERVE_KEYS} == keys, name
         assert report["systems"][name]["tok_s"] > 0, name
+        assert report["systems"][name]["identical"] is True, (name, report.get("not_identical"))
     # pdserve with vLLM engines: vLLM's own KV registered in place (both engines' /metrics), no mirror
     pdserve_vllm = report["systems"]["pdserve_vllm"]
     assert set(PDSERVE_KEYS) <= set(pdserve_vllm)
