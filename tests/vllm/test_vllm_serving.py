@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -232,6 +233,17 @@ def _stream_with_indexes(client: AsyncClient, prompt: list[int], max_tokens: int
     return run()
 
 
+# The engine dashboard's step metrics, which pdserve's vLLM backend does not feed yet: vLLM's
+# iteration stats reach its front-end process (connectors/vllm/engine.py's stat logger), the
+# engine's metrics live in the rank-0 worker's registry. Empty panels for vLLM engines, named here
+# so the test fails when one more goes empty or one of these is fixed.
+VLLM_ENGINE_GAPS = frozenset({
+    "pdserve_engine_step_duration_seconds", "pdserve_engine_step_tokens", "pdserve_engine_prompt_tokens_total",
+    "pdserve_engine_generation_tokens_total", "pdserve_engine_finished_requests_total",
+    "pdserve_engine_prefix_cache_hits_tokens_total", "pdserve_engine_prefix_cache_queries_tokens_total",
+})
+
+
 def test_dashboards_and_rules_in_prometheus_over_vllm_engines(cluster: LocalCluster, prompts: list[list[int]],
                                                               tmp_path: Path) -> None:
     """The chart's dashboards and alert rules in a real Prometheus scraping this cluster of vLLM
@@ -246,9 +258,13 @@ def test_dashboards_and_rules_in_prometheus_over_vllm_engines(cluster: LocalClus
         body = json.dumps({"model": model, "prompt": prompts[0], "max_tokens": 4}).encode()
         request = urllib.request.Request(f"{cluster.http_url}/completions", body, {"Content-Type": "application/json"})
         urllib.request.urlopen(request, timeout=120).close()
+        refused = urllib.request.Request(f"{cluster.http_url}/completions", json.dumps({"model": model, "prompt": 7}).encode(),
+                                         {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError, match="400"):
+            urllib.request.urlopen(refused, timeout=60)
         generate_greedy(cluster.target, prompts, 8, concurrency=4)
         time.sleep(3.0)  # the last scrape after the load
-        check_dashboards(cluster, prometheus)
+        check_dashboards(cluster, prometheus, VLLM_ENGINE_GAPS)
         check_rules_evaluate(prometheus)
     finally:
         events.terminate()
