@@ -39,7 +39,7 @@ from pdserve.v1 import engine_pb2 as engine_pb
 from pdserve.v1 import engine_pb2_grpc as engine_grpc
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import generation_pb2_grpc as gen_grpc
-from services.common.bound_ports import read_ports
+from services.common.bound_ports import EXIT_PORT_IN_USE, read_ports
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.security import ChannelSecurity, open_sync_channel
 
@@ -77,6 +77,16 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:  # everything below the range is taken: let the OS pick
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+class ComponentExited(RuntimeError):
+    """A component exited while the cluster started (status 69: a port it was given is taken)."""
+
+    def __init__(self, name: str, status: int, log_path: Path | None = None) -> None:
+        where = f"; see {log_path}" if log_path else ""
+        why = " (a port it was given is in use)" if status == EXIT_PORT_IN_USE else ""
+        super().__init__(f"{name} exited with status {status} while starting{why}{where}")
+        self.name, self.status = name, status
 
 
 def default_torch_threads(num_rank_processes: int, cores: int | None = None) -> int:
@@ -355,8 +365,7 @@ class LocalCluster:
             if wanted <= set(comp.ports):
                 return comp.ports
             if comp.proc is not None and comp.proc.poll() is not None:
-                raise RuntimeError(f"{comp.name} exited with status {comp.proc.returncode} while starting"
-                                   + (f"; see {comp.log_path}" if comp.log_path else ""))
+                raise ComponentExited(comp.name, comp.proc.returncode, comp.log_path)
             time.sleep(0.05)
         raise TimeoutError(f"{comp.name} did not report its ports ({', '.join(sorted(wanted - set(comp.ports)))})")
 
@@ -441,8 +450,7 @@ class LocalCluster:
             for comp in self.components.values():
                 self._read_ports(comp)
                 if comp.proc is not None and comp.proc.poll() is not None:
-                    raise RuntimeError(f"{comp.name} exited with status {comp.proc.returncode} while starting"
-                                       + (f"; see {comp.log_path}" if comp.log_path else ""))
+                    raise ComponentExited(comp.name, comp.proc.returncode, comp.log_path)
             try:
                 infos = [self.server_info(target=self.replica_target(r)) for r in self.replicas
                          if self.components.get(r.name) is None or self.components[r.name].alive]

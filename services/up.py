@@ -17,7 +17,7 @@ from services.common.bound_ports import EXIT_PORT_IN_USE
 from services.common.config import ENGINES, check_vllm_args, parse_vllm_args
 from services.common.logs import setup_logging
 from services.common.security import check_plaintext
-from services.local_cluster import ClusterSpec, LocalCluster
+from services.local_cluster import ClusterSpec, ComponentExited, LocalCluster
 from services.placement import DEFAULT_KV_SHARE, PlacementPlan, plan_placement
 from services.supervisor import Supervisor
 
@@ -285,25 +285,29 @@ def run(args: argparse.Namespace) -> int:
     if placement.plan is not None:
         for line in placement.plan.render():
             print(f"  {line}")
-    with cluster:
-        flags = ""
-        if cluster.pki is not None:
-            p = cluster.pki
-            flags = f" --tls-ca {p.ca_cert} --tls-cert {p.client_cert} --tls-key {p.client_key}"
-            print(f"  mTLS           certificates in {p.directory}")
-        if args.auth_tokens_file:
-            flags += " --token-file <file with one of your tokens>"
-        print_endpoints(cluster, args, flags)
-        for comp in cluster.components.values():
-            if comp.metrics_port:
-                print(f"  metrics        http://{args.host}:{comp.metrics_port}/metrics   ({comp.name})")
-        print("Ctrl-C stops everything; a component that exits is restarted (with backoff).", flush=True)
-        supervisor = Supervisor(cluster)
-        while not stop.wait(0.5):
-            supervisor.poll()
-            if supervisor.failed:
-                print(f"pdserve up: {', '.join(supervisor.failed)} cannot bind a port it was given (in use); "
-                      "stopping", file=sys.stderr, flush=True)
-                return EXIT_PORT_IN_USE
+    try:
+        with cluster:
+            flags = ""
+            if cluster.pki is not None:
+                p = cluster.pki
+                flags = f" --tls-ca {p.ca_cert} --tls-cert {p.client_cert} --tls-key {p.client_key}"
+                print(f"  mTLS           certificates in {p.directory}")
+            if args.auth_tokens_file:
+                flags += " --token-file <file with one of your tokens>"
+            print_endpoints(cluster, args, flags)
+            for comp in cluster.components.values():
+                if comp.metrics_port:
+                    print(f"  metrics        http://{args.host}:{comp.metrics_port}/metrics   ({comp.name})")
+            print("Ctrl-C stops everything; a component that exits is restarted (with backoff).", flush=True)
+            supervisor = Supervisor(cluster)
+            while not stop.wait(0.5):
+                supervisor.poll()
+                if supervisor.failed:
+                    print(f"pdserve up: {', '.join(supervisor.failed)} cannot bind a port it was given (in use); "
+                          "stopping", file=sys.stderr, flush=True)
+                    return EXIT_PORT_IN_USE
+    except ComponentExited as e:
+        print(f"pdserve up: {e}", file=sys.stderr, flush=True)
+        return e.status if e.status == EXIT_PORT_IN_USE else 1
     print("pdserve up: stopped", flush=True)
     return 0

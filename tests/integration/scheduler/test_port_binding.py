@@ -72,3 +72,17 @@ def test_an_ephemeral_port_setting_that_is_not_optional_is_refused() -> None:
     proc = _scheduler("--ephemeral-ports", "control_port")
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2 and "ephemeral_ports: control_port is not one of" in out
+
+
+def test_pdserve_up_stops_with_the_reason_when_a_port_it_was_given_is_taken() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "services.common.cli", "up", "--control-port", str(port),
+                               "--port", "0", "--events-port", "0", "--http-port", "0"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == EXIT_PORT_IN_USE, done.stderr[-2000:]
+    assert f"cannot bind control_port {port}" in done.stderr
+    assert "pdserve up: scheduler exited with status 69 while starting (a port it was given is in use)" in done.stderr
+    assert "Traceback" not in done.stderr
