@@ -49,3 +49,18 @@ def start_cluster(tmp_path_factory: pytest.TempPathFactory, name: str, **kwargs:
     return cluster
 
 
+def wait_for_block(c: LocalCluster, engine: str, block_hash: int, timeout: float = 60.0) -> None:
+    """Waits until the event plane republished `engine` storing `block_hash` (the prefix index
+    then knows the holder)."""
+    import grpc
+
+    from pdserve.v1 import kv_events_pb2 as pb
+    from pdserve.v1 import kv_events_pb2_grpc as pb_grpc
+
+    request = pb.SubscribeRequest(from_seq=0, engine_ids=[engine])
+    with grpc.insecure_channel(c.events_target) as channel:
+        for msg in pb_grpc.KVEventsStub(channel).Subscribe(request, timeout=timeout):
+            if msg.WhichOneof("payload") == "batch" and any(
+                    block_hash in e.block_stored.block_hashes for e in msg.batch.events):
+                return
+    raise AssertionError(f"{engine} never reported block {block_hash:#x}")

@@ -13,11 +13,10 @@ import random
 from pathlib import Path
 
 import pytest
-from e2e_cluster import start_cluster
+from e2e_cluster import start_cluster, wait_for_block
 
 from connectors.hashing import DEFAULT_HASH_SEED, BlockHasher
 from services.client import AsyncClient, GenerationResult
-from services.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -63,23 +62,6 @@ async def _mixed(target: str, short: list[list[int]], long: list[list[int]]) -> 
     return [*shorts, *longs]
 
 
-def _wait_for_block(c: LocalCluster, engine: str, block_hash: int, timeout: float = 60.0) -> None:
-    """The decode engine's KV events reach the scheduler's prefix index asynchronously (control
-    stream -> event plane); waits until the event plane republished `engine` storing the block."""
-    import grpc
-
-    from pdserve.v1 import kv_events_pb2 as pb
-    from pdserve.v1 import kv_events_pb2_grpc as pb_grpc
-
-    request = pb.SubscribeRequest(from_seq=0, engine_ids=[engine])
-    with grpc.insecure_channel(c.events_target) as channel:
-        for msg in pb_grpc.KVEventsStub(channel).Subscribe(request, timeout=timeout):
-            if msg.WhichOneof("payload") == "batch" and any(
-                    block_hash in e.block_stored.block_hashes for e in msg.batch.events):
-                return
-    raise AssertionError(f"{engine} never reported block {block_hash:#x}")
-
-
 def test_short_prompts_go_decode_local_long_ones_remote_and_outputs_match(
         tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> None:
     short, long = _prompts()
@@ -109,7 +91,7 @@ def test_short_prompts_go_decode_local_long_ones_remote_and_outputs_match(
             assert r.path_reason.startswith("remote:"), r.path_reason
             assert r.prefill_engine_id in ("prefill-0", "prefill-1")
         hashes = BlockHasher(BLOCK, DEFAULT_HASH_SEED).external_hashes(long[0])
-        _wait_for_block(c, holder, hashes[full // BLOCK - 1])
+        wait_for_block(c, holder, hashes[full // BLOCK - 1])
 
         local = asyncio.run(_run(c.target, [reuse_local], 1))[0]
         assert local.path_reason == "decode_local:decode_has_prefix", local

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e_cluster import start_cluster
+from e2e_cluster import start_cluster, wait_for_block
 
 from connectors.hashing import DEFAULT_HASH_SEED, BlockHasher
 from services.client import AsyncClient, GenerationResult
@@ -61,23 +61,6 @@ async def _one(target: str, prompt: list[int], max_tokens: int) -> GenerationRes
         return await client.generate(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, timeout=300)
 
 
-def _wait_for_block(c: LocalCluster, engine: str, block_hash: int, timeout: float = 60.0) -> None:
-    """Waits until the event plane republished `engine` storing `block_hash` (the prefix index
-    then knows the holder)."""
-    import grpc
-
-    from pdserve.v1 import kv_events_pb2 as pb
-    from pdserve.v1 import kv_events_pb2_grpc as pb_grpc
-
-    request = pb.SubscribeRequest(from_seq=0, engine_ids=[engine])
-    with grpc.insecure_channel(c.events_target) as channel:
-        for msg in pb_grpc.KVEventsStub(channel).Subscribe(request, timeout=timeout):
-            if msg.WhichOneof("payload") == "batch" and any(
-                    block_hash in e.block_stored.block_hashes for e in msg.batch.events):
-                return
-    raise AssertionError(f"{engine} never reported block {block_hash:#x}")
-
-
 class _Busy:
     """Runs `prompt` with many output tokens in a thread: its decode engine holds the prefix and
     has no room for another request while it runs."""
@@ -107,7 +90,7 @@ def _holder_of(c: LocalCluster, prompt: list[int]) -> str:
 
     def watch(name: str) -> None:
         try:
-            _wait_for_block(c, name, block, timeout=30.0)
+            wait_for_block(c, name, block, timeout=30.0)
             found.append(name)
             done.set()
         except Exception:  # noqa: BLE001 - not this engine (its stream times out, a daemon thread)

@@ -80,3 +80,15 @@ async def exchange(port: int, messages: list[pb.RankMessage], hold: float) -> li
 
     async with insecure_channel(f"127.0.0.1:{port}") as channel:
         return [m async for m in control_pb2_grpc.ControlStub(channel).Connect(gen())]
+
+
+class Inbox:
+    """Collects a client's polled messages across polls."""
+
+    def __init__(self, client) -> None:  # type: ignore[no-untyped-def]
+        self.client = client
+        self.items: list = []
+
+    def of(self, kind: type) -> list:
+        self.items += self.client.poll()
+        return [m for m in self.items if isinstance(m, kind)]

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
-from scheduler_harness import ControlHarness, eventually, hello
+from scheduler_harness import ControlHarness, Inbox, eventually, hello
 
 from connectors.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
 from pdserve.v1 import control_pb2 as pb
@@ -24,18 +24,6 @@ from services.engine.control_client import (
 )
 from services.scheduler.lifecycle import EngineRef
 from services.scheduler.registry import RankId
-
-
-class Inbox:
-    """Collects a client's polled messages across polls."""
-
-    def __init__(self, client) -> None:  # type: ignore[no-untyped-def]
-        self.client = client
-        self.items: list = []
-
-    def of(self, kind: type) -> list:
-        self.items += self.client.poll()
-        return [m for m in self.items if isinstance(m, kind)]
 
 
 async def test_welcome_carries_peers_and_peer_updates_announce_joins(harness: ControlHarness) -> None:

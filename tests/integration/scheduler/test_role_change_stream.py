@@ -6,20 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
-from scheduler_harness import ControlHarness, eventually, hello
+from scheduler_harness import ControlHarness, Inbox, eventually, hello
 
 from services.engine.control_client import PeerUpdate, SetRole
 from services.scheduler.registry import Role
-
-
-class Inbox:
-    def __init__(self, client) -> None:  # type: ignore[no-untyped-def]
-        self.client = client
-        self.items: list = []
-
-    def of(self, kind: type) -> list:
-        self.items += self.client.poll()
-        return [m for m in self.items if isinstance(m, kind)]
 
 
 async def test_prefill_engine_becomes_decode_in_place(harness: ControlHarness) -> None:
