@@ -131,8 +131,10 @@ def _admin(base_url: str, body: dict[str, str] | None = None) -> dict[str, Any]:
 
 
 def set_roles(base_url: str, roles: tuple[str, ...], timeout_s: float = 60.0) -> None:
-    """Sets the engines (sorted by id) to `roles` and waits until every engine states its role."""
-    engines = sorted(e["engine_id"] for e in _admin(base_url)["engines"])
+    """Sets the engines (the one started as prefill first) to `roles` and waits until every
+    engine states its role."""
+    engines = sorted((e["engine_id"] for e in _admin(base_url)["engines"]),
+                     key=lambda engine_id: (not engine_id.startswith("prefill"), engine_id))
     if len(engines) != len(roles):
         raise RuntimeError(f"{len(engines)} engines, {len(roles)} roles asked")
     want = dict(zip(engines, roles, strict=True))
