@@ -17,6 +17,7 @@ its probes are the overall search's, so its resolution is theirs.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -116,8 +117,15 @@ def curve(probes: Sequence[Probe], pair: SloPair, phases: Sequence[str]) -> list
     return [{"rate_rps": p.rate_rps, "attainment": round(p.attainment(pair), 3),
              "by_phase": {ph: round(p.attainment(pair, ph), 3) for ph in phases},
              "requests": len(p.requests), "lost": p.lost, "wall_s": round(p.wall_s, 2),
+             "ttft_ms_p50": _p50([1000.0 * r.ttft_s for r in p.requests if r.ttft_s is not None]),
+             "tpot_ms_p50": _p50([r.tpot_ms for r in p.requests if r.tokens > 1]),
+             "cut_off": sum(r.ttft_s is None and not r.lost for r in p.requests),
              "start_roles": p.extra.get("start_roles"), "role_changes": p.role_changes}
             for p in sorted(probes, key=lambda p: p.rate_rps)]
+
+
+def _p50(values: list[float]) -> float | None:
+    return round(statistics.median(values), 1) if values else None
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
