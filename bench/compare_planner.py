@@ -332,7 +332,10 @@ def summarize(found: dict[str, dict[str, list[Probe]]], pairs: list[SloPair]) ->
                 gp.setdefault(pair.name, {})[system] = {ph: goodput(probes, pair, None if ph == "overall" else ph)
                                                         for ph in phases}
                 curves.setdefault(pair.name, {})[system] = curve(probes, pair, PHASES)
-    out: dict[str, Any] = {"goodput_rps": gp, "attainment_curves": curves}
+    # True where no probe failed: the goodput is only a lower bound (the range was too low).
+    censored = {pair: {system: all(p["attainment"] >= ATTAINMENT for p in c) for system, c in by_system.items()}
+                for pair, by_system in curves.items()}
+    out: dict[str, Any] = {"goodput_rps": gp, "goodput_is_lower_bound": censored, "attainment_curves": curves}
     for key in ("planner_vs_best_static", "planner_vs_worst_static", "planner_vs_vllm_colocated"):
         out[key] = {pair: {ph: _versus(key, systems, ph) for ph in phases} for pair, systems in gp.items()}
     out["role_changes"] = {pair: sum(p.role_changes for p in probes)

@@ -35,6 +35,7 @@ def test_compare_planner_reports_goodput_per_system_and_phase(tiny_tp_model: Pat
     for key in ("planner_vs_best_static", "planner_vs_worst_static"):
         assert report[key]["loose"]["overall"] == 1.0
     assert report["planner_vs_vllm_colocated"]["loose"]["overall"] is None  # not run
+    assert report["goodput_is_lower_bound"]["loose"]["planner"] is True  # no probe failed
     assert report["requests_lost"]["total"] == 0 and report["role_changes"]["loose"] >= 0
     curves = report["attainment_curves"]["loose"]
     assert curves["static_2mixed"][0]["start_roles"] == ["mixed", "mixed"]

@@ -77,3 +77,14 @@ def test_roles_svg_draws_every_role_segment(tmp_path: Path) -> None:
     fills = [r.get("fill") for r in root.iter("{http://www.w3.org/2000/svg}rect")]
     assert fills.count("#d95f02") == 1 and fills.count("#7570b3") == 1 and fills.count("#1b9e77") == 1
     assert len(list(root.iter("{http://www.w3.org/2000/svg}polyline"))) == 1
+
+
+def test_a_goodput_no_probe_failed_is_flagged_a_lower_bound() -> None:
+    from bench.compare_planner import summarize
+
+    probes = search(system, [TTFT_TIGHT], 0.1, 0.4, 2)  # every rate here meets ttft_tight
+    failing = search(system, [TTFT_TIGHT], 0.25, 4.0, 3)
+    out = summarize({"static_1p1d": {"ttft_tight": probes}, "planner": {"ttft_tight": failing}}, [TTFT_TIGHT])
+    assert out["goodput_is_lower_bound"]["ttft_tight"] == {"static_1p1d": True, "planner": False}
+    assert out["planner_vs_best_static"]["ttft_tight"]["overall"] == ratio(goodput(failing, TTFT_TIGHT),
+                                                                           goodput(probes, TTFT_TIGHT))
