@@ -475,9 +475,13 @@ class SchedulerMetrics(_Group):
         """released | aborted | expired | duplicate (a later, no-op release)."""
         self._labelled("pdserve_scheduler_lease_outcomes_total", outcome).inc()
 
-    def count_rank_report(self, merged: bool) -> None:
-        """A StepReport applied: kind "merged" when it carries other ranks' events, else "rank"."""
-        self._labelled("pdserve_scheduler_rank_reports_total", "merged" if merged else "rank").inc()
+    def count_rank_reports(self, rank: int, merged: int) -> None:
+        """StepReports applied (one message's): kind "merged" for the `merged` that carry other
+        ranks' events, "rank" for the other `rank`. One update per kind and message."""
+        if rank:
+            self._labelled("pdserve_scheduler_rank_reports_total", "rank").inc(rank)
+        if merged:
+            self._labelled("pdserve_scheduler_rank_reports_total", "merged").inc(merged)
 
     def count_control_reconnect(self, engine: str) -> None:
         self._m["pdserve_scheduler_control_reconnects_total"].labels(engine=engine).inc()

@@ -98,7 +98,10 @@ logger = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 10.0
 MAX_HELD_MESSAGES = 10_000
 MAX_REPORTS_PER_MESSAGE = 256
-MAX_ACK_INTERVAL_S = 1.0
+# The default ack interval: ACK_INTERVAL_BEATS heartbeat intervals, at most MAX_ACK_INTERVAL_S
+# (decision 0045: an Ack is a write, the costliest message per stream).
+ACK_INTERVAL_BEATS = 4
+MAX_ACK_INTERVAL_S = 4.0
 STREAM_WINDOW_BYTES = 16 << 10
 
 
@@ -164,10 +167,12 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self.max_reports_per_message = MAX_REPORTS_PER_MESSAGE
         # At most one Ack per stream per this interval (the first at once, later ones at the
         # interval's end, cumulative): a rank reporting more often gets fewer messages back.
-        # Default: the heartbeat interval, at most MAX_ACK_INTERVAL_S (a rank then buffers about
-        # one interval of reports, which it does anyway while a stream reconnects).
+        # Default: ACK_INTERVAL_BEATS heartbeat intervals, at most MAX_ACK_INTERVAL_S (a rank
+        # then buffers up to that long of reports, as it does while a stream reconnects; a
+        # reconnect resends only those above the Welcome's last applied seq). Each Ack is a
+        # write, which costs this process more than reading a report (decision 0045).
         if ack_interval_s is None:
-            ack_interval_s = min(heartbeat_interval_s, MAX_ACK_INTERVAL_S)
+            ack_interval_s = min(heartbeat_interval_s * ACK_INTERVAL_BEATS, MAX_ACK_INTERVAL_S)
         if ack_interval_s < 0:
             raise ValueError(f"ack_interval_s must be >= 0, got {ack_interval_s}")
         self.ack_interval_s = ack_interval_s
@@ -595,12 +600,17 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
     def _apply_message(self, conn: RankConnection, engine: EngineState, msg: pb.RankMessage) -> None:
         kind = msg.WhichOneof("payload")
         if kind == "report":
-            self._on_report(conn, engine, msg.report)
+            self._count_applied(self._on_report(conn, engine, msg.report))
             self._ack(conn, msg.report.seq)
         elif kind == "reports":
             reports = msg.reports.reports
+            applied = merged = 0
             for report in reports:
-                self._on_report(conn, engine, report)
+                one = self._on_report(conn, engine, report)
+                applied += one is not None
+                merged += bool(one)
+            if applied:
+                self._count_applied(merged, applied)
             if reports:
                 self._ack(conn, reports[-1].seq)
             self.counters["report_batches"] += 1
@@ -673,18 +683,26 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         for hook in self.on_role_changed:
             hook(engine, old)
 
-    def _on_report(self, conn: RankConnection, engine: EngineState, report: pb.StepReport) -> None:
-        """Applies a new report once (the caller acknowledges)."""
+    def _count_applied(self, merged: bool | int | None, applied: int = 1) -> None:
+        """Counts `applied` reports of one message, `merged` of them carrying other ranks' events
+        (None: the message's report was not applied): one counter update per message."""
+        if merged is None:
+            return
+        self.counters["reports_applied"] += applied
+        self.telemetry.metrics.count_rank_reports(applied - int(merged), int(merged))
+
+    def _on_report(self, conn: RankConnection, engine: EngineState, report: pb.StepReport) -> bool | None:
+        """Applies a new report once (the caller acknowledges and counts it): None when it was
+        not applied (a duplicate, malformed), else whether it merges other ranks' events."""
         if report.seq == 0:
             self.counters["reports_malformed"] += 1
-            return
+            return None
         if self.registry.accept_seq(conn.rank_id, conn.conn_id, report.seq):
             if report.position and conn.rank_id == engine.leader:
                 self.positions.advance(engine.engine_id, engine.epoch, report.position)
             try:
                 self.apply_report(engine, conn.rank_id, report)
-                self.counters["reports_applied"] += 1
-                self.telemetry.metrics.count_rank_report(bool(report.merged_event_ranks))
+                return bool(report.merged_event_ranks)
             except CompactEventsError as e:
                 self.counters["reports_malformed"] += 1
                 self.counters["reports_malformed_compact_events"] += 1
@@ -694,8 +712,9 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             except ValueError as e:
                 self.counters["reports_malformed"] += 1
                 logger.warning("dropped report %d of %s: %s", report.seq, conn.rank_id, e)
-        else:
-            self.counters["reports_duplicate"] += 1
+            return None
+        self.counters["reports_duplicate"] += 1
+        return None
 
     def _ack(self, conn: RankConnection, seq: int) -> None:
         """Acknowledges the rank's last applied seq (`seq` when the rank is gone): at once when

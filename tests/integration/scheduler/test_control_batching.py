@@ -35,6 +35,24 @@ async def test_report_batch_is_applied_in_order_and_acked_once(harness: ControlH
     counters = harness.servicer.counters  # type: ignore[union-attr]
     assert counters["reports_applied"] == 4 and counters["reports_duplicate"] == 2
     assert counters["report_batches"] == 2
+    # The metric counts each applied report (one update per message), not each message.
+    prometheus = harness.servicer.telemetry.prometheus  # type: ignore[union-attr]
+    assert prometheus.get_sample_value("pdserve_scheduler_rank_reports_total", {"kind": "rank"}) == 4
+    assert prometheus.get_sample_value("pdserve_scheduler_rank_reports_total", {"kind": "merged"}) is None
+
+
+def test_default_ack_interval_is_a_few_heartbeats_capped() -> None:
+    """Acks are writes, the costliest message per stream: by default one per stream per
+    ACK_INTERVAL_BEATS heartbeat intervals, at most MAX_ACK_INTERVAL_S (decision 0045)."""
+    from services.scheduler.control import ACK_INTERVAL_BEATS, MAX_ACK_INTERVAL_S
+
+    def interval(beat_s: float) -> float:
+        registry = EngineRegistry(block_size=16, hash_seed="0", heartbeat_timeout_s=60.0)
+        return ControlServicer(registry, heartbeat_interval_s=beat_s).ack_interval_s
+
+    assert interval(0.05) == 0.05 * ACK_INTERVAL_BEATS
+    assert interval(1.0) == MAX_ACK_INTERVAL_S == 4.0
+    assert interval(30.0) == MAX_ACK_INTERVAL_S
 
 
 async def test_control_client_sends_queued_reports_together(harness: ControlHarness) -> None:
