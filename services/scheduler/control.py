@@ -111,6 +111,12 @@ class _Close:
     reason: str
 
 
+def _leads(rank_id: RankId) -> bool:
+    """Whether a rank of its engine is the engine's leader (`EngineState.leader`, without
+    building a RankId per report)."""
+    return rank_id.tp_rank == 0 and rank_id.pp_rank == 0
+
+
 def peer_roles(role: Role, decode_peers: bool = False) -> tuple[Role, ...]:
     """The roles whose ranks' handshakes a rank of `role` gets: a prefill rank its readers (the
     decode ranks); a decode rank every engine it may pull from — prefill engines, and with
@@ -698,7 +704,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             self.counters["reports_malformed"] += 1
             return None
         if self.registry.accept_seq(conn.rank_id, conn.conn_id, report.seq):
-            if report.position and conn.rank_id == engine.leader:
+            if report.position and _leads(conn.rank_id):
                 self.positions.advance(engine.engine_id, engine.epoch, report.position)
             try:
                 self.apply_report(engine, conn.rank_id, report)
@@ -780,7 +786,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         not rank 0: ignored, as always). Compact ones (`compact_engine_events`) become a
         `CompactBatch` with the header's ts and data_parallel_rank, no object per event;
         CompactEventsError when they are malformed (checked before anything applies)."""
-        if rank_id != engine.leader:
+        if not _leads(rank_id):
             return None
         m = report.engine_events
         dp = m.data_parallel_rank if m.HasField("data_parallel_rank") else None
