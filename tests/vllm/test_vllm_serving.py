@@ -6,8 +6,8 @@ One cluster for the module. Measured on the shared 2-core host: cluster start 13
 to 435 s (load ~25); the tests 48 s (identity), 160 s (routing + events, loaded), 3 s (cancel),
 55-141 s (kill -9), so about 4-12 minutes for the module depending on the host's load. After idle vLLM
 engines stopped spinning their workers (services/engine/vllm/backend.py): start 85 s, the tests
-16 s, 22 s, 1 s, 24 s (load 2.5 at the start); the role change under load 37 s with its vLLM
-offline reference (7 December 2026, alone under the heavy lock: cluster start 56 s). Run under
+16 s, 22 s, 1 s, 24 s (load 2.5 at the start); the role change under load 37-62 s with its vLLM
+offline reference (7 December 2026 under the heavy lock, alone and beside another test run). Run under
 `flock /tmp/pdserve-vllm.lock` beside other vLLM users. The reference is vLLM colocated: a decode
 engine answering `Engine.Decode` without a descriptor computes the prompt itself, greedily.
 """

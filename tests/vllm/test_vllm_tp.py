@@ -13,8 +13,8 @@ with pdserve's own compile setting (eager on CPU, decision 0040) and without vLL
 user runs them; the disaggregated tokens must also be vLLM offline's at tp 2 with the same
 settings. Measured on the shared 2-core host under the heavy lock: offline reference and cluster
 start 93-100 s per dtype, the test 6-16 s; 222 s for the module. The float32 cluster also serves
-a peer fetch into a third, tp 1 engine it starts (decisions 0043, 0047): 73 s with that engine's
-start and its tp 1 offline reference (7 December 2026, under the heavy lock).
+a peer fetch into a third, tp 1 engine it starts (decisions 0043, 0047), with that engine's
+start and its tp 1 offline reference: 46-73 s (7 December 2026, under the heavy lock).
 """
 
 from __future__ import annotations
