@@ -311,7 +311,8 @@ class LocalCluster:
         peers = [f"{self.spec.host}:{p.events_port}" for p in self.replicas if p.name != r.name and p.events_port]
         return ["--peers", ",".join(peers)] if peers else []
 
-    def _engine_component(self, role: str, index: int) -> Component:
+    def _engine_component(self, role: str, index: int, tp: int = 0) -> Component:
+        """Engine `{role}-{index}` at TP `tp` (0: the role's, `role_tp`)."""
         s = self.spec
         engine_id = f"{role}-{index}"
         ports_file = self._ports_dir / f"{engine_id}.jsonl"
@@ -319,7 +320,7 @@ class LocalCluster:
         devices = s.engine_devices[slot] if slot < len(s.engine_devices) else ""
         fraction = s.engine_memory_fractions[slot] if slot < len(s.engine_memory_fractions) else 0.0
         argv = self._cli(role, "--engine-id", engine_id, "--scheduler", self._control_targets(),
-                         "--host", s.host, "--port", "0", "--tp", str(self.role_tp(role)), "--torch-threads", str(self.torch_threads),
+                         "--host", s.host, "--port", "0", "--tp", str(tp or self.role_tp(role)), "--torch-threads", str(self.torch_threads),
                          "--metrics-port", "0", "--ephemeral-ports", "metrics_port" if s.metrics else "",
                          "--ports-file", str(ports_file), "--kv-cache-memory", s.kv_cache_memory,
                          *(["--model", s.model] if s.model else []), *(["--dtype", s.dtype] if s.dtype else []),
@@ -410,6 +411,17 @@ class LocalCluster:
         except Exception:
             self.stop()
             raise
+
+    def add_engine(self, role: str, *, tp: int = 0, timeout: float = 180.0) -> str:
+        """Starts one more engine of `role` beside the spec's (at TP `tp`; 0: the role's), named
+        after the role's last one, and returns its name once the scheduler routes to it and it
+        serves."""
+        index = sum(1 for name in self.engine_names if name.startswith(f"{role}-"))
+        comp = self._engine_component(role, index, tp)
+        self._launch(comp)
+        counts = {r: sum(1 for name in self.engine_names if name.startswith(f"{r}-")) for r in ("prefill", "decode")}
+        self.wait_ready(counts["prefill"], counts["decode"], timeout)
+        return comp.name
 
     def _launch(self, comp: Component) -> None:
         env = {**os.environ, **self.spec.env, "PYTHONUNBUFFERED": "1"}

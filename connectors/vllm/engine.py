@@ -356,6 +356,11 @@ class VllmEngine:
             answers.append(tuple(tokens))
         return tuple(answers)
 
+    def num_kv_heads(self) -> int:
+        """The model's KV heads over all ranks (what a reader's TP must map onto)."""
+        assert self.llm is not None
+        return int(self.llm.vllm_config.model_config.get_total_num_kv_heads())
+
     def num_blocks(self) -> int:
         assert self.llm is not None
         return int(self.llm.vllm_config.cache_config.num_gpu_blocks or 0)

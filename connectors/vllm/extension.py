@@ -8,6 +8,8 @@ usage, running and waiting requests) reaches the engine service through vLLM's s
 
 from __future__ import annotations
 
+from typing import Any
+
 from connectors.vllm import connector
 from services.engine.control_client import EngineLoad
 
@@ -42,16 +44,19 @@ class PdserveWorkerExtension:
         return any(worker.release(request_id) for worker in connector.WORKER_HALVES)
 
     def pdserve_report_load(self, num_running: int, num_waiting: int, kv_usage: float, num_free_blocks: int,
-                            draining: bool) -> list[int]:
+                            draining: bool, role_epoch: int = 0) -> list[Any]:
         """Hands the engine's load to rank 0's next heartbeat and /metrics; answers [pinned
-        prefills, pulls vLLM waits on] of this worker."""
+        prefills, pulls vLLM waits on, role changes] of this worker — the changes (role,
+        role_epoch, reason) rank 0 took after role generation `role_epoch`, oldest first."""
         pinned = sum(worker.num_pinned() for worker in connector.WORKER_HALVES)
         pulling = sum(worker.num_pulling() for worker in connector.WORKER_HALVES)
         load = EngineLoad(num_running, num_waiting, kv_usage, pinned, num_free_blocks)
+        roles: list[tuple[str, int, str]] = []
         for worker in connector.WORKER_HALVES:
             if worker.rank == 0:
                 worker.report_load(load, draining)
-        return [pinned, pulling]
+                roles += worker.role_changes(role_epoch)
+        return [pinned, pulling, roles]
 
     def pdserve_leaks(self) -> list[str]:
         """What the connector halves of this process still hold (empty when idle)."""

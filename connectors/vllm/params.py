@@ -4,7 +4,8 @@
   `kv_transfer_config.kv_connector_extra_config` (engine identity, epoch, scheduler address,
   data-plane settings, the ZMQ endpoint of vLLM's KV-event publisher).
 - Per-request `kv_transfer_params` (vLLM's `SamplingParams.extra_args["kv_transfer_params"]`):
-  a prefill request carries `{"do_remote_decode": True, "pdserve_request_id": id}` and gets back
+  a prefill request carries `{"do_remote_decode": True, "pdserve_request_id": id,
+  "pdserve_reader_tp": decode TP}` and gets back
   the transfer descriptor (`descriptor_to_params`) when it finishes; a decode request carries
   `{"do_remote_prefill": True, "pdserve_request_id": id, **descriptor}`.
 - `PdserveConnectorMetadata`: the per-step plan the scheduler half hands every worker rank
@@ -28,6 +29,7 @@ REFUSAL_FILE_ENV = "PDSERVE_VLLM_REFUSAL_FILE"
 REMOTE_DECODE = "do_remote_decode"
 REMOTE_PREFILL = "do_remote_prefill"
 PDSERVE_ID = "pdserve_request_id"
+READER_TP = "pdserve_reader_tp"  # a prefill's: the TP of the engine that will read its KV (0: this engine's)
 _DESCRIPTOR_KEYS = ("engine_id", "epoch", "block_ids", "num_tokens", "tp_size", "block_size", "num_kv_heads",
                     "lease_expires_unix_ms")
 
@@ -119,6 +121,7 @@ class SendSpec:
     vllm_id: str
     request_id: str
     block_ids: tuple[int, ...]
+    reader_tp_size: int = 0  # the reading engine's TP (0: this engine's), for each rank's reader count
 
 
 @dataclass(frozen=True, slots=True)

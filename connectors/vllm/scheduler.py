@@ -8,7 +8,8 @@ Contracts:
 - Prefill (`kv_transfer_params` has `do_remote_decode`): in the step whose tokens complete the
   prompt, the plan carries a `SendSpec` so every rank pins the prompt's blocks *before* that
   step's output leaves the engine core (the descriptor can never reach a reader before the
-  pin). `request_finished` then holds the blocks (returns True) and answers the transfer
+  pin), for the reader's TP (`pdserve_reader_tp`: each rank pins for the decode ranks reading
+  its KV heads). `request_finished` then holds the blocks (returns True) and answers the transfer
   descriptor as `kv_transfer_params`; the blocks go back to vLLM only when every worker reports
   the request in `finished_sending` — which a worker does once the pdserve scheduler's
   ReleaseBlocks arrived, its readers said done, the lease ran out, or the request was aborted.
@@ -20,6 +21,12 @@ Contracts:
   (`vllm_waits=False`) so the pdserve scheduler hears "done reading" and releases the prefill
   engine's blocks at once. An aborted request still pulling gets a `CancelSpec`; the worker
   then reports it received, which is when vLLM frees its blocks.
+- A peer fetch (decision 0043) is both, on two engines: the holder serves a prefill of the
+  prompt's first whole blocks (whatever its role: its prefix cache answers all but the last
+  block), the puller a decode whose descriptor covers fewer tokens than its prompt. The pull
+  fills the blocks between its local hit and the descriptor's end; vLLM then computes the rest
+  of the prompt itself (a partial external hit, as any connector's), and a failed pull is
+  recomputed from its first invalid block (`kv_load_failure_policy="recompute"`).
 - `take_events` returns nothing: vLLM's block-pool events reach the pdserve scheduler through
   vLLM's own publisher (see `events.py`); this connector caches no KV outside vLLM.
 """
@@ -33,6 +40,7 @@ from typing import Any
 from connectors.ucx.handshake import KVTransferDescriptor
 from connectors.vllm.params import (
     PDSERVE_ID,
+    READER_TP,
     REMOTE_DECODE,
     REMOTE_PREFILL,
     CancelSpec,
@@ -68,7 +76,8 @@ class VllmSchedulerHalf:
         self.tp_size = tp_size
         self.num_kv_heads = num_kv_heads
         self._kv_cache_manager: Any = None
-        self._prefills: dict[str, tuple[str, int]] = {}  # vllm id -> (pdserve id, prompt tokens), not yet pinned
+        # vllm id -> (pdserve id, prompt tokens, reader TP), not yet pinned
+        self._prefills: dict[str, tuple[str, int, int]] = {}
         self._pinned: dict[str, SendSpec] = {}  # vllm id -> its pin, until request_finished
         self._planned: set[str] = set()  # decode requests whose pull was planned (never twice)
         self._pulling: dict[str, str] = {}  # vllm id -> pdserve id, pulls vLLM waits on
@@ -80,8 +89,10 @@ class VllmSchedulerHalf:
     # -- prefill side -----------------------------------------------------------------------------
 
     def on_new_request(self, request: Any) -> None:
-        if _params(request).get(REMOTE_DECODE):
-            self._prefills[request.request_id] = (_pdserve_id(request), int(request.num_prompt_tokens))
+        params = _params(request)
+        if params.get(REMOTE_DECODE):
+            self._prefills[request.request_id] = (_pdserve_id(request), int(request.num_prompt_tokens),
+                                                  int(params.get(READER_TP) or 0))
 
     def _plan_pins(self, scheduler_output: Any) -> None:
         if not self._prefills:
@@ -91,10 +102,10 @@ class VllmSchedulerHalf:
             entry = self._prefills.get(vllm_id)
             if entry is None or computed.get(vllm_id, 0) + num_scheduled < entry[1]:
                 continue
-            request_id, num_prompt = entry
+            request_id, num_prompt, reader_tp = entry
             del self._prefills[vllm_id]
             block_ids = tuple(self._block_ids(vllm_id)[:self._num_blocks(num_prompt)])
-            spec = SendSpec(vllm_id, request_id, block_ids)
+            spec = SendSpec(vllm_id, request_id, block_ids, reader_tp)
             self._pinned[vllm_id] = spec
             self._plan.sends.append(spec)
 

@@ -9,7 +9,10 @@ finished_sending / finished_recving / failed_recving with invalid block ids and 
 to the pdserve scheduler as they happen. Ranks 1..tp-1 register at once; rank 0 registers on
 `connect()`, which the engine service calls once vLLM's engine runs, so the engine is never
 routable before it can serve. Rank 0 also forwards vLLM's block-pool KV events
-(`BlockPoolEventForwarder`) and receives the scheduler's ReleaseBlocks / KVFailed.
+(`BlockPoolEventForwarder`) and receives the scheduler's ReleaseBlocks / KVFailed, and keeps the
+role changes (SetRole) every rank's agent took for the engine service, which reads them
+(`role_changes`): vLLM's `kv_both` connector prefills and decodes whatever the role, so a role
+is only what the Engine API admits (decision 0047).
 
 Per step (vLLM calls these on the worker's step thread):
 - `start_load_kv`: starts the plan's pulls (each run of consecutive blocks as the ranges the
@@ -41,6 +44,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from connectors.head_map import readers_of
 from connectors.kv_events import KVCacheEvent
 from connectors.outputs import TransferResults
 from connectors.ucx.handshake import KV_LAYOUT
@@ -57,6 +61,7 @@ from services.engine.control_client import (
     KVFailed,
     ReleaseBlocks,
     SchedulerLost,
+    SetRole,
     StepReport,
 )
 from services.engine.rank_agent import RankAgent, RankAgentFactory, compatibility_hash
@@ -139,6 +144,7 @@ class VllmWorkerHalf:
         self._invalid: set[int] = set()
         self._released: set[str] = set()  # pdserve ids the scheduler released or failed (rank 0)
         self._failed_by_scheduler: set[str] = set()
+        self._roles: list[SetRole] = []  # rank 0: the role changes taken, in order (the engine service reads them)
         self._meta: PdserveConnectorMetadata | None = None
         self.metrics: EngineMetrics | None = None  # rank 0 with --metrics-port: the engine's load gauges
         self._last_load: Any = EngineLoad(0, 0, 0.0, 0, 0)  # read by the gauges at each scrape
@@ -186,7 +192,7 @@ class VllmWorkerHalf:
             max_inflight=c.max_inflight_transfers, ucx_tls=c.ucx_tls, ucx_net_devices=c.ucx_net_devices,
             metrics_port=c.metrics_port, metrics_any_port=c.metrics_any_port,
             ports_file=c.ports_file, security=security, kv_staging=c.kv_staging,
-            kv_staging_blocks=c.kv_staging_blocks, role_changes=False,  # vLLM's kv_role is fixed at start
+            kv_staging_blocks=c.kv_staging_blocks,
             device_kind=memory.device_kind)  # in Hello: the scheduler sizes the heartbeat timeout by it
         self.agent = _TeeRankAgent(factory, self.rank, self.tp_size, self._on_results)
         if self.rank == 0:
@@ -245,6 +251,16 @@ class VllmWorkerHalf:
         elif isinstance(msg, SchedulerLost):  # its requests' pinned prefills: nobody will release them
             with self._lock:
                 self._released.update(rid for rid in self._sends if owner_of(rid) == msg.scheduler_id)
+        elif isinstance(msg, SetRole):  # the rank agent took it (next role generation only)
+            with self._lock:
+                self._roles.append(msg)
+
+    def role_changes(self, after_role_epoch: int) -> list[tuple[str, int, str]]:
+        """Rank 0: the role changes taken since role generation `after_role_epoch`, oldest first,
+        as (role, role_epoch, reason). The engine service applies them to the role its Engine API
+        admits (`services.engine.vllm.backend`): a SetRole reaches this worker, not the service."""
+        with self._lock:
+            return [(m.role, m.role_epoch, m.reason) for m in self._roles if m.role_epoch > after_role_epoch]
 
     def _on_results(self, results: TransferResults, invalid: set[int]) -> None:
         """Drain thread: results the pdserve scheduler is being told, kept for vLLM."""
@@ -291,8 +307,10 @@ class VllmWorkerHalf:
         for send in meta.sends:
             with self._lock:
                 self._sends[send.request_id] = send.vllm_id
+            # Pinned for the decode ranks that read this rank's KV heads under the reader's TP.
+            readers = readers_of(self.rank, self.tp_size, send.reader_tp_size or self.tp_size, self.model.num_kv_heads)
             try:
-                agent.ucx.expect_send(send.request_id, list(send.block_ids), ready=fence)
+                agent.ucx.expect_send(send.request_id, list(send.block_ids), num_readers=readers, ready=fence)
             except ValueError as e:  # held by vLLM all the same: report it sent at once
                 logger.error("cannot pin %s for sending: %s", send.request_id, e)
                 with self._lock:

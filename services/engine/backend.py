@@ -26,6 +26,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from connectors.head_map import mapping_problem
 from connectors.ucx.handshake import KVTransferDescriptor
 from engine.request import SamplingParams
 from services.engine.role_state import EngineRole
@@ -127,6 +128,16 @@ class Inspection:
     peer_transports: list[PeerTransport] = field(default_factory=list)  # rank 0's KV sources
 
 
+def check_reader_tp(tp_size: int, decode_tp_size: int, num_kv_heads: int) -> None:
+    """Raises InvalidRequest, before any state, for a reader TP (`PrefillInput.decode_tp_size`;
+    0: this engine's) whose KV heads this engine's ranks cannot serve."""
+    if decode_tp_size == 0:
+        return
+    problem = mapping_problem(tp_size, decode_tp_size, num_kv_heads)
+    if problem is not None:
+        raise InvalidRequest(f"decode_tp_size {decode_tp_size}: {problem}")
+
+
 class EngineBackend(Protocol):
     """One engine behind the Engine API (see the module docstring for the contracts)."""
 
@@ -139,8 +150,13 @@ class EngineBackend(Protocol):
     def ready(self) -> bool: ...
 
     # The role the Engine API admits calls for (services.engine.role_state); it changes in place
-    # on the scheduler's SetRole where the backend supports that.
+    # on the scheduler's SetRole.
     role_state: EngineRole
+
+    async def sync_role(self) -> None:
+        """Brings `role_state` up to date where the SetRole reaches another process (a vLLM
+        engine's rank-0 worker); the servicer asks before it refuses a call for its role."""
+        ...
 
     @property
     def failed(self) -> bool: ...

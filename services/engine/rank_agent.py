@@ -116,7 +116,6 @@ class RankAgentFactory:
     ports_file: str = ""  # where every rank reports the ports it bound (services/common/bound_ports.py)
     security: ChannelSecurity | None = None  # TLS to the scheduler, the engine's certificate as identity
     offload: OffloadRankInit | None = None  # the CPU offload tier's per-rank half; None = no tier
-    role_changes: bool = True  # takes the scheduler's SetRole (False: vLLM's connector, whose kv_role is fixed)
 
     def __call__(self, rank: int, tp_size: int, kv_cache: Any, spec: Any) -> RankAgent:
         return RankAgent(self, rank, tp_size)
@@ -212,23 +211,20 @@ class RankAgent(WorkerConnector):
             self._inbox(msg)
 
     def _set_role(self, msg: SetRole) -> None:
-        """Takes the scheduler's new role for this rank (next role generation only), tells every
-        replica in heartbeats and Hellos, and hands it on to the engine (rank 0's inbox). Peers
-        stay connected: pulls from KV the old role pinned run to their end."""
-        if not self.factory.role_changes:
-            logger.warning("rank %d: this engine cannot change role in place; ignoring SetRole %s",
-                           self.identity.tp_rank, msg.role)
-            return
+        """Takes the scheduler's new role for this rank (next role generation only), hands it on
+        to the engine (rank 0's inbox), then tells every replica in heartbeats and Hellos — in
+        that order, so the engine admits the new role's calls before any scheduler routes them.
+        Peers stay connected: pulls from KV the old role pinned run to their end."""
         if msg.role_epoch != self.role_epoch + 1:
             logger.info("rank %d: ignoring SetRole %s (role epoch %d, ours %d)", self.identity.tp_rank, msg.role,
                         msg.role_epoch, self.role_epoch)
             return
         self.identity = dataclasses.replace(self.identity, role=msg.role)
         self.role_epoch = msg.role_epoch
-        if self.control is not None:
-            self.control.set_role(msg.role, msg.role_epoch)
         if self._inbox is not None:
             self._inbox(msg)
+        if self.control is not None:
+            self.control.set_role(msg.role, msg.role_epoch)
 
     def _add_peer(self, blob: bytes) -> None:
         """Connects to a prefill rank this rank reads KV heads from (under its TP size)."""

@@ -15,9 +15,12 @@ Contracts:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "mixed")
 DEFAULT_GRACE_S = 10.0
@@ -57,6 +60,14 @@ class EngineRole:
         change = RoleChange(self.role, role, role_epoch, reason, self.clock())
         self.previous, self.role, self.role_epoch, self.changed_at = self.role, role, role_epoch, change.at
         self.changes.append(change)
+        return change
+
+    def take(self, engine_id: str, role: str, role_epoch: int, reason: str = "") -> RoleChange | None:
+        """`apply`, logging the change taken (every backend's record of it)."""
+        change = self.apply(role, role_epoch, reason)
+        if change is not None:
+            logger.info("engine %s: role %s -> %s (role epoch %d): %s", engine_id, change.old, change.new,
+                        change.role_epoch, change.reason or "no reason given")
         return change
 
     def admits(self, leg: str) -> bool:

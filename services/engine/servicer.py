@@ -93,6 +93,8 @@ class EngineServicer(pb_grpc.EngineServicer):
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is draining")
         if role is not None and not self.backend.role_state.admits(role):
+            await self.backend.sync_role()  # a role changed in another process (vLLM's rank 0) is read now
+        if role is not None and not self.backend.role_state.admits(role):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"this is a {self.backend.role_state.role} engine")
         if not request_id:

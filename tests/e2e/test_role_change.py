@@ -8,9 +8,7 @@ cluster, ~40 short requests, about 60 s on the shared 2-core machine."""
 from __future__ import annotations
 
 import asyncio
-import json
 import random
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -18,8 +16,9 @@ from typing import Any
 import pytest
 from e2e_cluster import start_cluster
 
-from services.client import AsyncClient, GenerationResult
+from services.client import AsyncClient
 from services.local_cluster import LocalCluster
+from tests.role_change_load import admin, engine_role, generate, set_role, stream
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -43,65 +42,24 @@ def _reference(demo_model: Path, prompts: list[list[int]]) -> list[list[int]]:
         return engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
 
 
-def _admin(c: LocalCluster, body: dict[str, str] | None = None) -> Any:
-    url = c.replica_http_url(c.replicas[0]).removesuffix("/v1") + "/admin/roles"
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method="POST" if data else "GET",
-                                     headers={"content-type": "application/json"})
-    with urllib.request.urlopen(request, timeout=10) as response:
-        return json.loads(response.read())
-
-
-def _engine(c: LocalCluster, engine_id: str) -> dict[str, Any]:
-    return next(e for e in _admin(c)["engines"] if e["engine_id"] == engine_id)
-
-
-async def _set_role(c: LocalCluster, role: str, timeout: float = 30.0) -> None:
-    await asyncio.to_thread(_admin, c, {"engine_id": ENGINE, "role": role, "reason": f"e2e: to {role}"})
-    deadline = time.monotonic() + timeout
-    while (await asyncio.to_thread(_engine, c, ENGINE))["role"] != role:
-        assert time.monotonic() < deadline, f"{ENGINE} never reported role {role}"
-        await asyncio.sleep(0.2)
-
-
-async def _generate(client: AsyncClient, prompt: list[int]) -> GenerationResult:
-    return await client.generate(prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, timeout=300)
-
-
-async def _stream(target: str, prompts: list[list[int]], stop: asyncio.Event,
-                  out: list[tuple[int, GenerationResult]]) -> None:
-    """Two clients send the prompts round and round until `stop`, then once more around."""
-    async with AsyncClient(target) as client:
-        async def worker(offset: int) -> None:
-            i, rounds_after_stop = offset, 0
-            while rounds_after_stop < len(prompts) // 2:
-                if stop.is_set():
-                    rounds_after_stop += 1
-                k = i % len(prompts)
-                out.append((k, await _generate(client, prompts[k])))
-                i += 2
-
-        await asyncio.gather(worker(0), worker(1))
-
-
 async def _scenario(c: LocalCluster, load: list[list[int]], cached: list[int]) -> dict[str, Any]:
     seen: dict[str, Any] = {"load": []}
     stop = asyncio.Event()
-    streaming = asyncio.create_task(_stream(c.target, load, stop, seen["load"]))
+    streaming = asyncio.create_task(stream(c.target, load, MAX_TOKENS, stop, seen["load"]))
     async with AsyncClient(c.target) as client:
-        seen["first"] = await _generate(client, cached)  # computed on prefill-0 (remote path)
+        seen["first"] = await generate(client, cached, MAX_TOKENS)  # computed on prefill-0 (remote path)
         for role in ("decode", "mixed"):
             await asyncio.sleep(1.5)
-            await _set_role(c, role)
-            seen[role] = await _generate(client, cached + [11, 12, 13])
+            await set_role(c, ENGINE, role)
+            seen[role] = await generate(client, cached + [11, 12, 13], MAX_TOKENS)
         await asyncio.sleep(1.5)
-        await _set_role(c, "prefill")
+        await set_role(c, ENGINE, "prefill")
         stop.set()
         await streaming
         # Alone on the cluster now: what prefill-0's own prefix cache gives this prompt is the
         # prefix it cached as a prefill engine, three role changes ago.
         before = await asyncio.to_thread(_prefix_hits, c)
-        seen["prefill"] = await _generate(client, cached + [21, 22])
+        seen["prefill"] = await generate(client, cached + [21, 22], MAX_TOKENS)
         seen["prefill_hit_tokens"] = await asyncio.to_thread(_prefix_hits, c) - before
     return seen
 
@@ -123,7 +81,7 @@ def test_prefill_decode_mixed_prefill_under_load(tmp_path_factory: pytest.TempPa
     c = start_cluster(tmp_path_factory, "roles", num_prefill=1, num_decode=1, metrics=True,
                       engine_args=["--kv-cache-memory", "128MiB"])
     try:
-        epoch = _engine(c, ENGINE)["epoch"]
+        epoch = engine_role(c, ENGINE)["epoch"]
         seen = asyncio.run(_scenario(c, load, cached))
         results = seen["load"]
         assert len(results) >= 2 * len(load), len(results)
@@ -142,9 +100,9 @@ def test_prefill_decode_mixed_prefill_under_load(tmp_path_factory: pytest.TempPa
         back = seen["prefill"]
         assert back.prefill_engine_id == ENGINE and back.token_ids == expected[len(load) + 2], back
         assert seen["prefill_hit_tokens"] >= 5 * BLOCK, seen["prefill_hit_tokens"]
-        engine = _engine(c, ENGINE)
+        engine = engine_role(c, ENGINE)
         assert engine["epoch"] == epoch and engine["role"] == "prefill" and engine["role_epoch"] == 3
-        changes = [(x["old"], x["new"], x["source"]) for x in _admin(c)["changes"]]
+        changes = [(x["old"], x["new"], x["source"]) for x in admin(c)["changes"]]
         assert changes == [("prefill", "decode", "operator"), ("decode", "mixed", "operator"),
                            ("mixed", "prefill", "operator")]
         assert c.wait_no_leaks() == {}

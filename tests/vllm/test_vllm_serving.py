@@ -6,7 +6,8 @@ One cluster for the module. Measured on the shared 2-core host: cluster start 13
 to 435 s (load ~25); the tests 48 s (identity), 160 s (routing + events, loaded), 3 s (cancel),
 55-141 s (kill -9), so about 4-12 minutes for the module depending on the host's load. After idle vLLM
 engines stopped spinning their workers (services/engine/vllm/backend.py): start 85 s, the tests
-16 s, 22 s, 1 s, 24 s (load 2.5 at the start). Run under
+16 s, 22 s, 1 s, 24 s (load 2.5 at the start); the role change under load 37-62 s with its vLLM
+offline reference (7 December 2026 under the heavy lock, alone and beside another test run). Run under
 `flock /tmp/pdserve-vllm.lock` beside other vLLM users. The reference is vLLM colocated: a decode
 engine answering `Engine.Decode` without a descriptor computes the prompt itself, greedily.
 """
@@ -25,12 +26,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
-from vllm_cluster import BLOCK, colocated, generate_greedy, log_problems, vllm_cluster
+from vllm_cluster import BLOCK, colocated, generate_greedy, log_problems, offline_greedy, vllm_cluster
 
+from pdserve.v1 import engine_pb2, engine_pb2_grpc, generation_pb2
 from services.client import AsyncClient, GenerationResult, _ResultBuilder, build_request
 from services.local_cluster import LocalCluster
 from tests.prometheus_check import check_dashboards, check_rules_evaluate, scraping, subscriber
+from tests.role_change_load import admin, engine_role, generate, set_role, stream
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -270,6 +274,62 @@ def test_dashboards_and_rules_in_prometheus_over_vllm_engines(cluster: LocalClus
         events.terminate()
         events.wait(timeout=30)
         prometheus.close()
+
+
+ROLE_ENGINE = "prefill-1"
+
+
+def _prefill_alone(c: LocalCluster, name: str, prompt: list[int]) -> None:
+    """The engine `name` computes `prompt` as a prefill (`Engine.Prefill`, then Release): its
+    blocks stay in that engine's prefix cache only."""
+    stub = engine_pb2_grpc.EngineStub(grpc.insecure_channel(c.components[name].address))
+    rid = f"prime-{time.monotonic_ns()}"
+    reply = stub.Prefill(engine_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt,
+                                                   sampling=generation_pb2.SamplingParams(max_tokens=1)), timeout=120)
+    stub.Release(engine_pb2.ReleaseRequest(request_id=rid, epoch=reply.descriptor.epoch), timeout=30)
+
+
+def test_vllm_engine_changes_role_in_place_under_load(cluster: LocalCluster, prompts: list[list[int]],
+                                                      demo_model: Path, tmp_path: Path) -> None:
+    """Issue 38, decision 0047: prefill-1 goes prefill -> decode -> prefill through the admin
+    endpoint while two clients stream. Every request is token-identical to vLLM offline and none
+    migrated; the engine keeps its incarnation and its KV cache: a prompt it prefilled before
+    the change is decoded there after it, from its own cache."""
+    load = prompts[:6]
+    cached = [9000 + i for i in range(4 * BLOCK + 5)]
+    probe = cached + [11, 12, 13]
+    expected = offline_greedy(demo_model, "float32", [*load, probe], tmp_path, max_tokens=MAX_TOKENS,
+                              max_model_len=1024)
+    before = engine_role(cluster, ROLE_ENGINE)
+    _prefill_alone(cluster, ROLE_ENGINE, cached)
+
+    async def scenario() -> tuple[list[tuple[int, GenerationResult]], GenerationResult]:
+        results: list[tuple[int, GenerationResult]] = []
+        stop = asyncio.Event()
+        streaming = asyncio.create_task(stream(cluster.target, load, MAX_TOKENS, stop, results))
+        async with AsyncClient(cluster.target) as client:
+            await asyncio.sleep(2.0)
+            await set_role(cluster, ROLE_ENGINE, "decode")
+            # Remote path: the decode engine holding the most of the prompt pulls the rest.
+            after = await generate(client, probe, MAX_TOKENS)
+            await asyncio.sleep(1.0)
+            await set_role(cluster, ROLE_ENGINE, "prefill")
+        stop.set()
+        await streaming
+        return results, after
+
+    results, after = asyncio.run(scenario())
+    assert len(results) >= len(load), len(results)
+    for k, r in results:
+        assert r.token_ids == expected[k], f"prompt {k} ({r.path_reason}) differs from vLLM offline"
+        assert r.num_migrations == 0 and r.finish_reason == "length", r
+    assert after.token_ids == expected[-1], after
+    assert after.decode_engine_id == ROLE_ENGINE and after.cached_tokens >= 4 * BLOCK, after
+    now = engine_role(cluster, ROLE_ENGINE)
+    assert (now["epoch"], now["role"], now["role_epoch"]) == (before["epoch"], "prefill", before["role_epoch"] + 2)
+    changes = [(x["engine_id"], x["old"], x["new"]) for x in admin(cluster)["changes"]][-2:]
+    assert changes == [(ROLE_ENGINE, "prefill", "decode"), (ROLE_ENGINE, "decode", "prefill")]
+    assert cluster.wait_no_leaks(timeout=60) == {}
 
 
 def test_kill_9_vllm_decode_migrates_and_kill_9_vllm_prefill_recomputes(cluster: LocalCluster,

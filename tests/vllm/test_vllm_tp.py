@@ -12,11 +12,14 @@ One cluster per dtype (float32, bfloat16; issue 35): two vLLM engines of two wor
 with pdserve's own compile setting (eager on CPU, decision 0040) and without vLLM's CI switch, as a
 user runs them; the disaggregated tokens must also be vLLM offline's at tp 2 with the same
 settings. Measured on the shared 2-core host under the heavy lock: offline reference and cluster
-start 93-100 s per dtype, the test 6-16 s; 222 s for the module.
+start 93-100 s per dtype, the test 6-16 s; 222 s for the module. The float32 cluster also serves
+a peer fetch into a third, tp 1 engine it starts (decisions 0043, 0047), with that engine's
+start and its tp 1 offline reference: 46-73 s (7 December 2026, under the heavy lock).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import urllib.request
@@ -25,9 +28,10 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from vllm_cluster import colocated, generate_greedy, log_problems, offline_greedy, vllm_cluster
+from vllm_cluster import BLOCK, colocated, generate_greedy, log_problems, offline_greedy, vllm_cluster
 
 from services.local_cluster import LocalCluster
+from tests.role_change_load import set_role
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -90,7 +94,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_tp_model: Path, dtype
                       # is also how long an HTTP/2 PING may go unanswered (decision 0038), at this
                       # host's multi-rank CPU budget: a rank's PING once went 5 s unanswered in a
                       # fresh-clone run (engine down, the prompt with no decode engine left).
-                      scheduler_args=["--path-policy", "remote", "--heartbeat-timeout-s", "30"],
+                      # A peer fetch is made whenever a peer holds 2 blocks more than the
+                      # decode engine (test_peer_fetch_*); the other tests' prompts share none.
+                      # The holder's pin may wait behind a tp 2 step on these cores: its
+                      # deadline is the multi-rank CPU budget too.
+                      scheduler_args=["--path-policy", "remote", "--heartbeat-timeout-s", "30",
+                                      "--peer-fetch", "always", "--peer-fetch-timeout-s", "30"],
                       max_model_len=512, max_num_seqs=4,
                       # Four vLLM workers and two engine cores on 2 shared cores: a rank's Python
                       # threads stop for seconds while its peer busy-waits in vLLM's CPU
@@ -139,4 +148,28 @@ def test_tp2_prefill_to_tp2_decode_matches_vllm_colocated_tp2(cluster: LocalClus
         assert result.prefill_engine_id == "prefill-0", result
         assert result.transferred_tokens > 0, \
             f"prompt {i}: no KV came over the data plane: {result}\n{log_problems(cluster)}"
+    assert cluster.wait_no_leaks(timeout=60) == {}
+
+
+def test_peer_fetch_from_a_tp2_engine_into_a_tp1_decode_engine_matches_vllm_offline(
+        cluster: LocalCluster, dtype: str, tiny_tp_model: Path, tmp_path: Path) -> None:
+    """Issue 37, decisions 0043 and 0047, heterogeneous TP as decision 0032: a prefix only the tp 2
+    decode-0 caches is pulled by a tp 1 vLLM decode engine (a third engine, started here), whose
+    connector loads it as a partial external hit and computes the rest of the prompt. To make
+    the tp 1 engine the only decode engine, decode-0 becomes a prefill engine first (in place:
+    its cache and its index entries stay). One dtype: the bfloat16 cluster runs the same path."""
+    if dtype != "float32":
+        pytest.skip("the peer pull is tested on the float32 cluster")
+    prefix = [(13 * j) % 40000 + 300 for j in range(4 * BLOCK)]
+    follow = prefix + [(7 * j) % 40000 + 200 for j in range(10)]
+    [expected] = offline_greedy(tiny_tp_model, dtype, [follow], tmp_path, max_tokens=MAX_TOKENS, max_model_len=512)
+    colocated(cluster, prefix + [5], 1, "decode-0")  # decode-0 (tp 2) caches the prefix's 4 blocks
+    puller = cluster.add_engine("decode", tp=1, timeout=600)
+    asyncio.run(set_role(cluster, "decode-0", "prefill"))
+    [result] = generate_greedy(cluster.target, [follow], MAX_TOKENS, concurrency=1)
+    assert result.token_ids == expected, f"{result.token_ids} != vLLM offline tp 1 {expected}"
+    assert (result.decode_engine_id, result.path_reason) == (puller, "decode_local:peer_fetch"), \
+        f"{result}\n{log_problems(cluster)}"
+    assert result.peer_fetch_engine_id == "decode-0" and result.peer_fetched_tokens >= 3 * BLOCK, \
+        f"{result}\n{log_problems(cluster)}"
     assert cluster.wait_no_leaks(timeout=60) == {}

@@ -31,7 +31,6 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from connectors.head_map import mapping_problem
 from connectors.kv_verdicts import KVVerdict, PrefillLeases, RemoteKVWaits
 from connectors.ucx.handshake import KVTransferDescriptor
 from engine.batch_scheduler import NoFreeBlocksError
@@ -54,6 +53,7 @@ from services.engine.backend import (
     PrefillResult,
     RequestAborted,
     TokenDelta,
+    check_reader_tp,
 )
 from services.engine.control_client import EngineLoad, SetRole
 from services.engine.native.build import NativeEngine, build_native_engine
@@ -199,10 +199,10 @@ class NativeBackend:
     def on_set_role(self, msg: SetRole) -> None:
         """A new role: the Engine API admits its calls from now on (and the old role's for a
         grace period); whatever runs or is pinned goes on, and the KV cache stays as it is."""
-        change = self.role_state.apply(msg.role, msg.role_epoch, msg.reason)
-        if change is not None:
-            logger.info("engine %s: role %s -> %s (role epoch %d): %s", self.config.engine_id, change.old,
-                        change.new, change.role_epoch, change.reason or "no reason given")
+        self.role_state.take(self.config.engine_id, msg.role, msg.role_epoch, msg.reason)
+
+    async def sync_role(self) -> None:
+        """Nothing to read: rank 0's SetRole reaches `on_set_role` in this process."""
 
     def on_scheduler_lost(self, scheduler_id: str) -> None:
         """Frees every pinned prefill of the lost replica's requests: nobody will release them.
@@ -268,7 +268,8 @@ class NativeBackend:
 
     async def prefill(self, request: PrefillInput) -> PrefillResult:
         rid, prompt, params = request.request_id, request.prompt_token_ids, request.sampling
-        self._check_reader_tp(request.decode_tp_size)
+        assert self.parts is not None
+        check_reader_tp(self.config.tp, request.decode_tp_size, self.parts.engine.model_config.num_kv_heads)
         self._connector().set_reader_tp(rid, request.decode_tp_size)
         pending = await self._add(rid, lambda e: e.add_request(rid, prompt, params, mode=RequestMode.PREFILL_ONLY))
         try:
@@ -286,15 +287,6 @@ class NativeBackend:
         reason = out.finish_reason if params.max_tokens == 1 or out.finish_reason == "stop" else None
         return PrefillResult(out.new_token_ids[0], out.text_delta, reason, out.num_cached_tokens + tier_tokens,
                              self._descriptor(rid, len(prompt), delivery.block_ids))
-
-    def _check_reader_tp(self, decode_tp_size: int) -> None:
-        """A decode TP whose heads this engine's ranks cannot serve is refused before any state."""
-        if decode_tp_size == 0:
-            return
-        assert self.parts is not None
-        problem = mapping_problem(self.config.tp, decode_tp_size, self.parts.engine.model_config.num_kv_heads)
-        if problem is not None:
-            raise InvalidRequest(f"decode_tp_size {decode_tp_size}: {problem}")
 
     def _descriptor(self, request_id: str, num_tokens: int, block_ids: list[int]) -> KVTransferDescriptor:
         cfg = self.config

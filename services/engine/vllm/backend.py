@@ -15,6 +15,16 @@ same.
   `kv_transfer_params={"do_remote_prefill", **descriptor}` makes vLLM wait in
   WAITING_FOR_REMOTE_KVS while every rank pulls the prompt's blocks after its local prefix hit;
   a failed pull's blocks are recomputed by vLLM (kv_load_failure_policy "recompute").
+- peer fetch (decision 0043): the holder's Prefill (either role) is a prefill of the prompt's
+  first whole blocks, pinned for the reader's TP; the puller's Decode carries a descriptor of
+  fewer tokens than its prompt, which vLLM loads as a partial external hit and computes the
+  rest of the prompt after it.
+- role (decision 0047): vLLM's connector is `kv_both`, so every call above runs whatever the
+  role; the role is what the Engine API admits (`role_state`). A SetRole reaches rank 0's
+  worker, not this process: the changes it took come back with every load report (at least
+  every `IDLE_LOAD_INTERVAL_S`) and at once when a call its last-seen role would refuse
+  arrives (`sync_role`), so the new role's calls are admitted as soon as the scheduler routes
+  them; the old role's grace period starts when this process reads the change.
 - load: vLLM's scheduler stats (running, waiting, KV usage) as of its last step, rank 0's pinned
   prefills and pulls (worker extension, which also hands the load to rank 0's heartbeat every
   `LOAD_INTERVAL_S`). While the engine is idle (no request in flight, no pin or pull, the same
@@ -33,7 +43,13 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from connectors.vllm.engine import VllmEngine, VllmEngineSettings, events_endpoint, sampling_params
-from connectors.vllm.params import PdserveConnectorConfig, descriptor_from_params, descriptor_to_params
+from connectors.vllm.params import (
+    PDSERVE_ID,
+    READER_TP,
+    PdserveConnectorConfig,
+    descriptor_from_params,
+    descriptor_to_params,
+)
 from services.common.bound_ports import listen_port
 from services.common.config import EngineConfig
 from services.engine.backend import (
@@ -48,6 +64,7 @@ from services.engine.backend import (
     PrefillResult,
     RequestAborted,
     TokenDelta,
+    check_reader_tp,
 )
 from services.engine.role_state import EngineRole
 
@@ -72,7 +89,8 @@ class VllmBackend:
         self.engine: VllmEngine | None = None
         self._ready = False
         self._draining = False
-        self.role_state = EngineRole(config.role)  # fixed: vLLM engines do not change role in place yet
+        # Changed in place (decision 0047): the SetRole reaches rank 0's worker, which this reads.
+        self.role_state = EngineRole(config.role)
         self._live: dict[str, str] = {}  # request id -> "prefill" / "decode", while vLLM runs it
         self._worker_counts = [0, 0]  # pinned prefills, pulls vLLM waits on (rank 0's view)
         self._load_task: asyncio.Task[None] | None = None
@@ -140,11 +158,23 @@ class VllmBackend:
         assert self.engine is not None
         load = await self.load()
         answers = await self.engine.rpc("pdserve_report_load", load.num_running, load.num_waiting, load.kv_usage,
-                                        load.num_free_blocks, self._draining)
+                                        load.num_free_blocks, self._draining, self.role_state.role_epoch)
         if answers:
-            self._worker_counts = list(answers[0])
+            pinned, pulling, roles = answers[0]
+            self._worker_counts = [pinned, pulling]
+            self._follow_roles(roles)
         self._reported = self._load_key(load)
         self._reported_at = asyncio.get_running_loop().time()
+
+    def _follow_roles(self, changes: list[tuple[str, int, str]]) -> None:
+        """Rank 0's role changes, applied in order to the role the Engine API admits."""
+        for role, role_epoch, reason in changes:
+            self.role_state.take(self.config.engine_id, role, role_epoch, reason)
+
+    async def sync_role(self) -> None:
+        """Reads rank 0's role changes now (a call the role admitted last seen was refused)."""
+        if self.engine is not None and self._ready:
+            await self._refresh_load()
 
     def _require(self) -> VllmEngine:
         if self.engine is None or not self._ready:
@@ -161,9 +191,12 @@ class VllmBackend:
     async def prefill(self, request: PrefillInput) -> PrefillResult:
         engine = self._require()
         rid = request.request_id
+        check_reader_tp(self.config.tp, request.decode_tp_size, engine.num_kv_heads())
         try:
+            # Either role computes it: a peer fetch's (decision 0043) is a prefill of the prefix held here.
             params = sampling_params(request.sampling, max_tokens=1,
-                                     kv_transfer_params={"do_remote_decode": True, "pdserve_request_id": rid})
+                                     kv_transfer_params={"do_remote_decode": True, PDSERVE_ID: rid,
+                                                         READER_TP: request.decode_tp_size})
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
         self._admit(rid, "prefill")
@@ -192,7 +225,7 @@ class VllmBackend:
         transfer: dict[str, Any] | None = None
         if request.descriptor is not None:
             transfer = {"do_remote_prefill": True, **descriptor_to_params(request.descriptor)}
-            transfer["pdserve_request_id"] = rid
+            transfer[PDSERVE_ID] = rid
         try:
             if remaining < 1:
                 raise ValueError(f"max_tokens {request.sampling.max_tokens} leaves nothing after {len(outputs)} "

@@ -124,6 +124,20 @@ def test_released_or_cancelled_prefill_reports_sent_once_and_unpins(pair) -> Non
     assert p.leaks() == []
 
 
+def test_rank0_keeps_the_role_changes_its_agent_took_for_the_engine_service(pair) -> None:  # type: ignore[no-untyped-def]
+    """Decision 0047: a SetRole reaches the rank's agent (next role generation only) and rank 0
+    keeps it, in order, for the engine service that admits calls by role."""
+    from services.engine.control_client import SetRole
+
+    p, _, _, _ = pair
+    assert p.agent is not None
+    for msg in (SetRole("decode", 1, "to decode"), SetRole("mixed", 3, "skips one"), SetRole("mixed", 2, "")):
+        p.agent._on_message(msg)
+    assert p.agent.identity.role == "mixed" and p.agent.role_epoch == 2
+    assert p.role_changes(0) == [("decode", 1, "to decode"), ("mixed", 2, "")]
+    assert p.role_changes(1) == [("mixed", 2, "")] and p.role_changes(2) == []
+
+
 def test_failed_pull_is_reported_received_with_its_invalid_blocks(pair) -> None:  # type: ignore[no-untyped-def]
     p, d, _, _ = pair
     # Nothing pinned on the prefill side: the pull is refused, vLLM hears it failed and recomputes.

@@ -56,8 +56,16 @@ class ScriptedBackend:
         self.busy = 0
         self.hold = asyncio.Event()
         self.role_state = EngineRole("decode")
+        self.pending_roles: list[tuple[str, int]] = []  # taken where the backend reads them on sync_role
+        self.role_syncs = 0
 
     async def start(self) -> None: ...
+
+    async def sync_role(self) -> None:
+        self.role_syncs += 1
+        for role, role_epoch in self.pending_roles:
+            self.role_state.apply(role, role_epoch)
+        self.pending_roles = []
 
     def set_draining(self, draining: bool) -> None:
         self.draining = draining
@@ -184,6 +192,20 @@ async def test_admission_follows_the_role_set_in_place(engine) -> None:
     backend.role_state.apply("mixed", 2)
     assert await _code(stub.Prefill(pb.PrefillRequest(request_id="p", prompt_token_ids=[1]))) \
         == grpc.StatusCode.FAILED_PRECONDITION  # mixed engines take Decode (their prompts come with it)
+
+
+async def test_a_role_changed_in_another_process_is_read_before_a_call_is_refused(engine) -> None:
+    """Decision 0047: a vLLM engine's SetRole reaches its rank-0 worker, not the service. A call
+    the role last seen would refuse makes the servicer read the role first: the new role's calls
+    are served as soon as the scheduler routes them; a call neither role takes is still refused."""
+    backend, stub, _ = engine
+    backend.pending_roles = [("prefill", 1)]
+    response = await stub.Prefill(pb.PrefillRequest(request_id="p", prompt_token_ids=[1, 2]))
+    assert response.descriptor.engine_id and backend.role_state.role == "prefill" and backend.role_syncs == 1
+    assert await _code(stub.Decode(_decode())) == grpc.StatusCode.FAILED_PRECONDITION
+    assert backend.role_syncs == 2 and not backend.decodes
+    await stub.Prefill(pb.PrefillRequest(request_id="q", prompt_token_ids=[1]))
+    assert backend.role_syncs == 2, "a call the role admits reads nothing"
 
 
 async def test_checks_every_backend_gets(engine) -> None:

@@ -87,6 +87,17 @@ def test_prefill_pins_in_the_step_that_completes_the_prompt_and_holds_until_fini
     assert h.num_tracked() == 0
 
 
+def test_prefill_pins_for_the_readers_tp() -> None:
+    """A holder's pin names the reading engine's TP (a peer fetch tp 2 -> tp 1, decision 0032):
+    each worker rank pins for the decode ranks reading its heads; none named is this engine's."""
+    h, m = half()
+    for rid, params in (("a", {"pdserve_reader_tp": 2}), ("b", {})):
+        h.on_new_request(Req(rid, 4, {"do_remote_decode": True, "pdserve_request_id": rid, **params}))
+        m.blocks[rid] = [1]
+    plan = h.build_connector_meta(Step({"a": 4, "b": 4}, [NewReq("a", 0), NewReq("b", 0)]))
+    assert sorted((s.request_id, s.reader_tp_size) for s in plan.sends) == [("a", 2), ("b", 0)]
+
+
 def test_prefill_aborted_before_its_prompt_completes_is_not_held() -> None:
     h, m = half()
     r = Req("p2", 10, {"do_remote_decode": True, "pdserve_request_id": "p2"}, Status.FINISHED_ABORTED)
@@ -126,6 +137,23 @@ def test_decode_pulls_the_blocks_after_the_local_hit_once() -> None:
     r.status = Status.FINISHED_LENGTH_CAPPED
     assert h.request_finished(r) == (False, None)
     assert h.num_tracked() == 0
+
+
+def test_peer_fetch_pulls_a_prefix_and_leaves_the_rest_of_the_prompt_to_vllm() -> None:
+    """Decision 0043: the descriptor covers the holder's whole blocks of a longer prompt. The
+    tokens offered are the descriptor's beyond the local hit; the pull fills the blocks between
+    the two, and the prompt's tail (its last block) is vLLM's to compute."""
+    h, m = half("decode")
+    r = Req("f1-x", 14, remote("f1", 12, (5, 6, 9)))  # a 14-token prompt, 3 blocks held elsewhere
+    m.blocks["f1-x"] = [30, 31, 32, 33]
+    assert h.get_num_new_matched_tokens(r, 4) == (8, True)
+    h.update_state_after_alloc(r, 8)
+    (pull,) = h.build_connector_meta(Step({})).pulls
+    assert (pull.request_id, pull.local_block_ids, pull.vllm_waits) == ("f1", (31, 32), True)
+    assert pull.descriptor.num_tokens == 12
+    h.update_connector_output({"f1-x"})
+    r.status = Status.FINISHED_LENGTH_CAPPED
+    assert h.request_finished(r) == (False, None) and h.num_tracked() == 0
 
 
 def test_decode_with_a_full_local_hit_still_tells_the_scheduler() -> None:
