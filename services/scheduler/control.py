@@ -110,18 +110,17 @@ class _Close:
 
 def peer_roles(role: Role, decode_peers: bool = False) -> tuple[Role, ...]:
     """The roles whose ranks' handshakes a rank of `role` gets: a prefill rank its readers (the
-    decode ranks); a decode rank every engine it may pull from — prefill engines, and with
-    `decode_peers` (peer fetch on, decision 0043) the other decode engines."""
-    if role == Role.PREFILL:
-        return (Role.DECODE,)
-    return (Role.PREFILL, Role.DECODE) if decode_peers else (Role.PREFILL,)
+    decode ranks); a decode rank every engine it may pull from — prefill engines. With
+    `decode_peers` (peer fetch on, decisions 0043 and 0046) every rank gets every engine's: any
+    engine may pull a prefix from any other."""
+    if decode_peers:
+        return (Role.PREFILL, Role.DECODE)
+    return (Role.DECODE,) if role == Role.PREFILL else (Role.PREFILL,)
 
 
 def audience(role: Role, decode_peers: bool = False) -> tuple[Role, ...]:
     """The roles told when a rank of `role` joins or leaves (the converse of `peer_roles`)."""
-    if role == Role.PREFILL:
-        return (Role.DECODE,)
-    return (Role.PREFILL, Role.DECODE) if decode_peers else (Role.PREFILL,)
+    return peer_roles(role, decode_peers)
 
 
 @dataclass(slots=True)

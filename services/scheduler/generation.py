@@ -27,7 +27,8 @@ Contracts (see generation.proto):
   descriptor and computes the rest; the holder is `Request.prefill` for the release-once rule. A
   failed pin sends the Decode without a descriptor; a failed pull is recomputed by the decode
   engine (KVFailed). Either is counted (`pdserve_kv_peer_fetch_failures_total`); the output
-  never changes.
+  never changes. A remote request's fetch (`route.fetch.into_prefill`, decision 0046) runs
+  before its prefill: the prefill engine pulls the prefix into its cache (prefill_fetch.py).
 - Client cancel or deadline: both legs get an Abort, the prefill blocks are released; whichever
   of done / abort / lease comes first releases them, exactly once (counted in the RequestTable's outcomes).
 """
@@ -62,6 +63,7 @@ from services.scheduler.lifecycle import RUNNING, EngineRef, ReleaseCause, Reque
 from services.scheduler.load_window import FinishedRequest, LoadWindow
 from services.scheduler.path_costs import PathCosts
 from services.scheduler.peer_fetch import PeerFetch
+from services.scheduler.prefill_fetch import PrefillFetch
 from services.scheduler.registry import EngineState, Role
 from services.scheduler.request import Request
 from services.scheduler.request_table import RequestTable
@@ -130,6 +132,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                              config.default_max_tokens)
         self.draining = False
         self.tracer = ComponentTracer("scheduler")
+        self.prefill_fetch = PrefillFetch(self)
         self._background: set[asyncio.Task[Any]] = set()
         control.on_transfer_outcome = self.on_transfer_outcome
         control.on_engine_down.append(self.on_engine_down)
@@ -325,7 +328,12 @@ class GenerationServicer(gen_grpc.GenerationServicer):
     async def _run(self, request: Request, route: Route) -> AsyncIterator[gen_pb.GenerateResponse]:
         descriptor: eng_pb.TransferDescriptor | None = None
         if route.prefill.engine_id is not None:
+            fetched = 0
+            if route.fetch is not None and route.fetch.into_prefill:  # decision 0046
+                fetched = await self.prefill_fetch.run(request, route.fetch)
             response = await self._prefill_leg(request, route.prefill.engine_id)
+            if response is not None and route.fetch is not None and fetched:
+                self.prefill_fetch.settle(request, route.fetch, fetched)
             if response is not None:
                 yield self._chunk(request, [response.first_token_id], response.first_token_text)
                 if response.finish_reason in _FINISH_FROM_ENGINE:
@@ -556,7 +564,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
     def _transferred(self, request: Request, decode_id: str, num_tokens: int) -> None:
         """The decode engine reported the prompt tokens it pulled; with the KVReady time this is
         one sample of the pair's transfer cost."""
-        if request.peer_fetch_engine_id:
+        if request.peer_fetch_engine_id and not request.prefill_engine_id:  # a peer's prefix, pulled
             self._peer_fetched(request, decode_id, num_tokens)
             return
         request.num_transferred_tokens = num_tokens
@@ -673,7 +681,8 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         self.table.remove(request)
         outcome = {RequestState.FINISHED: "success", RequestState.FAILED: "error"}.get(
             request.state, "deadline" if reason == "deadline" else "cancelled")
-        self.metrics.request_finished(outcome, time.monotonic() - request.arrived, request.path_name)
+        if not request.internal:
+            self.metrics.request_finished(outcome, time.monotonic() - request.arrived, request.path_name)
 
     def _abort_counters(self, request: Request) -> None:
         """Drops the request's pending transfer counters (late reports of it are absorbed) on
