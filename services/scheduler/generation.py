@@ -258,7 +258,9 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             itl = self.config.path_itl_target_ms / 1000.0
         request = self.table.admit(request_id, valid, timeout, client_id=client_id, arrived=arrived)
         request.path, request.path_reason, request.itl_target_s = route.path, route.path.reason, itl
-        request.peer_fetch = route.fetch
+        # A fetch into the decode engine is this request's own pull; one into its prefill engine
+        # is a pull of its own (prefill_fetch.py), before the prefill.
+        request.peer_fetch = route.fetch if route.fetch is not None and not route.fetch.into_prefill else None
         decode_engine = self.registry.engines.get(route.decode.engine_id)
         request.decode_tp_size = decode_engine.tp_size if decode_engine is not None else 0
         self._take_slot(request, route.decode.engine_id)
