@@ -560,7 +560,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                              accepts_compact_worker_events=self.accepts_compact_worker_events,
                              accepts_merged_transfer_results=self.accepts_merged_transfer_results,
                              accepts_compact_engine_events=self.accepts_compact_engine_events,
-                             accepts_mixed_compact_events=self.accepts_mixed_compact_events)
+                             accepts_mixed_compact_events=self.accepts_mixed_compact_events,
+                             peer_fetch=self.decode_peers)
         return pb.SchedulerMessage(welcome=welcome)
 
     async def _read(self, conn: RankConnection, request_iterator: AsyncIterator[pb.RankMessage]) -> None:
