@@ -80,6 +80,7 @@ ABORT_RPC_TIMEOUT_S = 2.0
 # peer_transports, pdserve_transfer_bytes_total); peer-fetch metrics say "ucx".
 PEER_FETCH_TRANSPORT = "ucx"
 STREAM_END_TIMEOUT_S = 1.0
+MIN_FETCH_TIMEOUT_S = 0.5  # a peer fetch's pin waits at least this (see _fetch_timeout_s)
 
 
 async def _read_to_end(responses: AsyncIterator[Any]) -> None:
@@ -405,8 +406,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                                             prompt_token_ids=request.valid.prompt_token_ids[:fetch.num_tokens],
                                             sampling=gen_pb.SamplingParams(max_tokens=1, temperature=0.0),
                                             decode_tp_size=request.decode_tp_size, peer_fetch=True)
-            call = self.channels.stub(engine).Prefill(
-                message, timeout=min(self._remaining(request), self.config.peer_fetch_timeout_s))
+            call = self.channels.stub(engine).Prefill(message, timeout=self._fetch_timeout_s(request, fetch))
             request.call = call
             started = time.monotonic()
             try:
@@ -430,6 +430,16 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             return None
         request.peer_fetch_pinned(self._lease_deadline(d.lease_expires_unix_ms))
         return d
+
+    def _fetch_timeout_s(self, request: Request, fetch: PeerFetch) -> float:
+        """How long the holder's pin (and a prefill engine's pull) may take: `peer_fetch_timeout_s`,
+        and no more than twice the TTFT predicted without the fetch (at least
+        `MIN_FETCH_TIMEOUT_S`): one that slow has lost what the fetch was to save (a busy
+        holder's queue, seconds on a loaded host)."""
+        limit = self.config.peer_fetch_timeout_s
+        if fetch.without_s is not None:
+            limit = min(limit, max(MIN_FETCH_TIMEOUT_S, 2.0 * fetch.without_s))
+        return min(self._remaining(request), limit)
 
     def _peer_fetch_failed(self, request: Request, fetch: PeerFetch, reason: str) -> None:
         if request.peer_fetch_failed:

@@ -17,8 +17,9 @@ conversation's history lives on the decode engine that generated it). The ways t
 - recompute: none of these.
 
 Mode `cost` fetches when the predicted time to first token with the fetch is below the
-decision's: the holder's pin (a prefill step of one block behind its backlog) plus the holder's
-load (`decode_load_s` per unit, as decode engines are charged), the pair's fitted transfer time
+decision's: the holder's pin (a one-block prefill behind its backlog, and on a busy engine at
+least the steps it waits for) plus the holder's load (`decode_load_s` per unit, as decode
+engines are charged), the pair's fitted transfer time
 of the blocks pulled, then the computing engine's prefill of the rest (`PathPolicy.raw_ttft_s`
 with its correction; into a prefill engine, plus the one-token step that ends its pull). When
 both fetches beat the decision, the one into the decode engine wins unless the other is faster
@@ -170,9 +171,13 @@ class PeerFetchPolicy:
 
     def _pull_s(self, target: EngineView, holder: EngineView, num_blocks: int, num_local_blocks: int,
                 path: PathPolicy) -> float:
-        """The holder's pin (behind its backlog, plus its load) and the pair's transfer."""
+        """The holder's pin and the pair's transfer. The pin is a one-block prefill on the
+        holder predicted as a local prefill there (`PathPolicy.raw_ttft_s`): behind its backlog
+        and, when requests run there, at least the steps it waits for — a busy decode engine
+        takes its measured step to pin, not an idle prefill's time — plus its load."""
         bs, costs = self.config.block_size, path.costs
-        pin_s = costs.queued_prefill_s(holder.num_backlog_tokens, bs) + path.config.decode_load_s * holder.load_score
+        pin = TtftInputs(PATH_LOCAL, holder.engine_id, holder.num_backlog_tokens, bs, holder.num_inflight > 0)
+        pin_s = path.raw_ttft_s(pin) + path.config.decode_load_s * holder.load_score
         return pin_s + costs.transfer_s(holder.engine_id, target.engine_id, (num_blocks - num_local_blocks) * bs)
 
     def predict_s(self, request: PathRequest, decode: EngineView, holder: EngineView, num_blocks: int,

@@ -17,7 +17,8 @@ outlasts `peer_fetch_timeout_s`, or blocks evicted on the prefill engine before 
 reaches them: the prefill computes what is missing, the output is unchanged, and the failure is
 counted (`pdserve_kv_peer_fetch_failures_total`, reasons pin_failed, transfer_failed,
 pull_failed, evicted). A slow holder delays the request by at most the pin's and the pull's
-`peer_fetch_timeout_s`.
+timeouts (`GenerationServicer._fetch_timeout_s`: `peer_fetch_timeout_s`, and at most twice the
+TTFT predicted without the fetch).
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class PrefillFetch:
         message = eng_pb.DecodeRequest(request_id=sub.request_id, prompt_token_ids=sub.valid.prompt_token_ids,
                                        sampling=sub.valid.sampling, peer_fetch=True)
         message.descriptor.CopyFrom(descriptor)
-        call = s.channels.stub(engine).Decode(message, timeout=min(s._remaining(sub), s.config.peer_fetch_timeout_s))
+        call = s.channels.stub(engine).Decode(message, timeout=s._fetch_timeout_s(sub, fetch))
         sub.call = call
         sub.leg_started_at, sub.kv_ready_at = time.monotonic(), None
         first = True

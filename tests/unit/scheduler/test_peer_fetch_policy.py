@@ -99,6 +99,20 @@ def test_a_loaded_holder_costs_more() -> None:
     assert a is not None and (b is None or b.predicted_s > a.predicted_s)
 
 
+def test_a_busy_holder_pins_after_its_step() -> None:
+    """A holder with requests running pins between its steps: its pin is predicted at least its
+    measured step (1 s here), not an idle one-block prefill."""
+    pol, path = PeerFetchPolicy(PeerFetchConfig("always")), path_policy()
+    d0 = view("d0")
+    for i in range(20):
+        path.costs.observe_itl(1.0, "d1", float(i))
+    args = (PathRequest(2000), path.decide(PathRequest(2000), None, [d0], {}), d0)
+    _, idle = pol.decide(*args, [view("d1")], {"d1": 100}, path)
+    _, busy = pol.decide(*args, [view("d1", num_inflight=1)], {"d1": 100}, path)
+    assert idle is not None and busy is not None
+    assert busy.predicted_s >= idle.predicted_s + 1.0
+
+
 def test_off_never_fetches() -> None:
     pol, path = PeerFetchPolicy(PeerFetchConfig("off")), path_policy()
     d0, d1 = view("d0"), view("d1")
