@@ -16,6 +16,9 @@ Workloads (`--workload`):
   `--prefix-len` tokens).
 - `random`: unrelated prompts (nothing to reuse: the cost of trying).
 
+Each side's `decisions` count the path reasons: `decode_local:peer_fetch` (a fetch into the
+decode engine), `remote:peer_fetch` (into the prefill engine, decision 0046).
+
 Keys: ttft_p50_speedup, ttft_p90_speedup (off / on), throughput_ratio (on / off),
 peer_hit_rate (prompt tokens fetched from a peer / prompt tokens, on), recomputed_tokens_ratio
 (prompt tokens computed, on / off), prediction_error_p50 (the fetch decisions' |predicted -
