@@ -49,7 +49,7 @@ from services.client import AsyncClient, GenerationResult
 from services.local_cluster import ClusterSpec, LocalCluster
 
 # Keys `--repeat` reports with min-max beside the ratios (bench/repeats.py).
-HEADLINE_KEYS = ("ttft_prediction_error_p50", "control_plane_overhead_ms_p50", "ratios.http_added_round_trip_p50_ms",
+HEADLINE_KEYS: tuple[str, ...] = ("ttft_prediction_error_p50", "control_plane_overhead_ms_p50", "ratios.http_added_round_trip_p50_ms",
                  "ratios.http_added_ttft_p50_ms_paired", "ratios.http_added_ttft_p50_ms")
 # The classic disaggregated path for every prompt (the scheduler's default is the cost policy).
 ALWAYS_REMOTE = ["--path-policy", "remote"]
@@ -140,6 +140,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="",
                         help="engine dtype for --up (float32, bfloat16; default: the engine's; "
                              "--compare vllm: bfloat16 for every system)")
+    from bench import compare_planner
+
+    compare_planner.add_arguments(parser)
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -181,6 +184,12 @@ def build_workload(args: argparse.Namespace, vocab: int) -> Workload:
 
 
 PHASES = ("prefill_heavy", "decode_heavy", "mixed")
+HEADLINE_KEYS += tuple(f"{k}.{p}.{ph}" for k in ("planner_vs_best_static", "planner_vs_worst_static",
+                                                 "planner_vs_vllm_colocated")
+                       for p in ("ttft_tight", "itl_tight") for ph in ("overall", *PHASES))
+HEADLINE_KEYS += tuple(f"goodput_rps.{p}.{s}.overall" for p in ("ttft_tight", "itl_tight")
+                       for s in ("static_1p1d", "static_2mixed", "planner", "vllm_colocated"))
+HEADLINE_KEYS += ("role_changes.ttft_tight", "role_changes.itl_tight", "requests_lost.total")
 
 
 def phased_workload(args: argparse.Namespace, rng: random.Random, token: Callable[[], int]) -> Workload:
@@ -693,6 +702,10 @@ def run(args: argparse.Namespace) -> int:
         from bench.vllm_compare import run_compare
 
         return run_compare(args)
+    if args.compare_planner:
+        from bench import compare_planner
+
+        return compare_planner.run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     vocab = _vocab(args) if not args.target else 49152
