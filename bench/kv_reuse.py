@@ -4,18 +4,29 @@ than the workload's working set — with the same client and workload; `--repeat
 the sides ABBA (bench/repeats.py).
 
 Workloads (`--workload`):
-- `multi-turn`: `--conversations` conversations of `--turns` turns, each conversation's turns
-  one after the other (a user waits for each answer), the conversations concurrently. Turn t+1's
-  prompt is turn t's prompt, its answer (the tokens generated) and a new message of 16-64 tokens.
+- `multi-turn`: `--conversations` conversations of `--turns` turns (at least 4), each
+  conversation's turns one after the other (a user waits for each answer), the conversations
+  concurrently, so their turns interleave on the engines. Turn t+1's prompt is turn t's prompt,
+  its answer (the tokens generated) and a new message of 16-64 tokens; `--prompt-len` is the
+  first turn's (800:1000 puts the last turns' history past 1,000 tokens). Each side reports
+  `history_tokens` (the last turns' prompt lengths, p50 and max) and `turns_away`: the share of
+  follow-up turns computed (prefilled) on another engine than the one that decoded the turn
+  before (where the history's KV is), the case a peer fetch exists for.
 - `shared-prefix`: bench/serve.py's shared-prefix prompts (`--num-prefixes` prefixes of
   `--prefix-len` tokens).
 - `random`: unrelated prompts (nothing to reuse: the cost of trying).
+
+Each side's `decisions` count the path reasons: `decode_local:peer_fetch` (a fetch into the
+decode engine), `remote:peer_fetch` (into the prefill engine, decision 0046).
 
 Keys: ttft_p50_speedup, ttft_p90_speedup (off / on), throughput_ratio (on / off),
 peer_hit_rate (prompt tokens fetched from a peer / prompt tokens, on), recomputed_tokens_ratio
 (prompt tokens computed, on / off), prediction_error_p50 (the fetch decisions' |predicted -
 actual| / actual TTFT), identical (every request's output tokens equal on both sides),
 requests_lost (requests that failed, both sides).
+
+Fairness: both sides run the scheduler's defaults (prefix routing, the cost path policy) and
+differ only in `--peer-fetch` (off: no peer fetch and no decode-to-decode endpoints).
 """
 
 from __future__ import annotations
@@ -42,8 +53,14 @@ from services.client import AsyncClient, GenerationResult
 ENGINES = {"num_prefill": 2, "num_decode": 2}
 
 
+MIN_TURNS = 4
+
+
 def _conversations(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], list[list[int]], list[int]]]:
     """Per conversation: the first prompt, the later turns' new messages, the output lengths."""
+    if args.turns < MIN_TURNS or args.conversations < 1:
+        raise ValueError(f"multi-turn: --turns must be >= {MIN_TURNS} and --conversations >= 1, "
+                         f"got {args.turns} and {args.conversations}")
     rng = random.Random(args.seed)
     lo, _, hi = args.prompt_len.partition(":")
     o_lo, _, o_hi = args.output_len.partition(":")
@@ -80,6 +97,26 @@ async def _drive_conversations(target: str, convs: list[tuple[list[int], list[li
         return [r for rs in per for r in rs], time.perf_counter() - start
 
 
+def turn_placement(results: list[GenerationResult | None], turns: int) -> dict[str, Any]:
+    """`history_tokens` (the last turns' prompt lengths: p50, max) and `turns_away` (the share of
+    follow-up turns whose computing engine — the prefill engine, or the decode engine when
+    decode-local — is not the engine that decoded the turn before) of a multi-turn run's results,
+    conversation by conversation (`turns` each, in order; None: lost)."""
+    away = follow_ups = 0
+    last: list[int] = []
+    for c in range(0, len(results), turns):
+        conv = results[c:c + turns]
+        for before, turn in zip(conv, conv[1:], strict=False):
+            if before is None or turn is None:
+                continue
+            follow_ups += 1
+            away += (turn.prefill_engine_id or turn.decode_engine_id) != before.decode_engine_id
+        if conv and conv[-1] is not None:
+            last.append(conv[-1].prompt_tokens)
+    return {"history_tokens": {"p50": statistics.median(last) if last else 0, "max": max(last, default=0)},
+            "turns_away": round(away / follow_ups, 3) if follow_ups else 0.0}
+
+
 async def _drive_prompts(target: str, wl: Workload, concurrency: int) -> tuple[list[GenerationResult | None], float]:
     async with AsyncClient(target) as client:
         sem = asyncio.Semaphore(concurrency)
@@ -108,6 +145,8 @@ def _side(name: str, args: argparse.Namespace, mode: str, vocab: int) -> dict[st
             results, wall = asyncio.run(_drive_prompts(c.target, build_workload(args, vocab), args.concurrency))
     done = [r for r in results if r is not None]
     summary = summarize(done, wall, args)
+    if args.workload == "multi-turn":
+        summary.update(turn_placement(results, args.turns))
     prompt = sum(r.prompt_tokens for r in done)
     peer = sum(r.peer_fetched_tokens for r in done)
     # Computed somewhere (a prefill engine's tokens, later pulled, were computed too).
@@ -126,6 +165,8 @@ def _side(name: str, args: argparse.Namespace, mode: str, vocab: int) -> dict[st
 
 
 def compare_kv_reuse(args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    if args.workload == "multi-turn":
+        _conversations(args, vocab)  # bad arguments end the run before any cluster starts
     runs = _in_order(args, {"reuse_off": lambda: _side("reuse_off", args, "off", vocab),
                             "reuse_on": lambda: _side("reuse_on", args, args.kv_reuse_mode, vocab)})
     off, on = runs["reuse_off"], runs["reuse_on"]

@@ -126,7 +126,9 @@ _SPECS = (
                ("source", "target", "transport")),
     MetricSpec("pdserve_kv_peer_fetch_failures_total", _C,
                "Peer fetches that failed and were recomputed, by holder, puller, transport and reason "
-               "(pin_failed: the holder did not pin; transfer_failed: the pull failed)",
+               "(pin_failed: the holder did not pin; transfer_failed: the pull failed; pull_failed: a prefill "
+               "engine's pull did not complete; evicted: the pulled blocks left the prefill engine's cache before "
+               "its prefill)",
                ("source", "target", "transport", "reason")),
     MetricSpec("pdserve_kv_peer_fetch_duration_seconds", _H,
                "Peer fetches from dispatch to the blocks' arrival (the holder's pin and the pull)",

@@ -159,6 +159,8 @@ class Welcome:
     accepts_compact_engine_events: bool = False
     # Whether compact events may mix BlockStored and BlockRemoved (CompactEvents.kinds).
     accepts_mixed_compact_events: bool = False
+    # Peer fetch on: a prefill rank connects to its peers too (it may pull from them).
+    peer_fetch: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,7 +268,7 @@ def message_from_proto(m: pb.SchedulerMessage) -> ControlMessage | None:
                        max(1, w.max_reports_per_message), w.accepts_packed_worker_events,
                        w.accepts_merged_worker_events, w.accepts_compact_worker_events,
                        w.accepts_merged_transfer_results, w.accepts_compact_engine_events,
-                       w.accepts_mixed_compact_events)
+                       w.accepts_mixed_compact_events, w.peer_fetch)
     if kind == "peer_update":
         return PeerUpdate([_peer(p) for p in m.peer_update.joined],
                           [RankIdentity.from_proto(r) for r in m.peer_update.left])

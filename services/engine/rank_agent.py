@@ -151,6 +151,7 @@ class RankAgent(WorkerConnector):
             self._metrics_server = start_metrics_server(port, self.registry)
             PortsFile(factory.ports_file).report("metrics_port", self._metrics_server.port, rank)
         self._inbox: Callable[[ControlMessage], None] | None = None
+        self._peer_fetch = False  # the latest Welcome's: peer fetch on, a prefill rank connects to its peers
         self._tracer: ComponentTracer | None = None
         if factory.role == "decode":  # only decode ranks make spans (kv_transfer)
             self._tracer = process_tracer("decode", {"pdserve.engine_id": factory.engine_id, "pdserve.rank": rank})
@@ -196,13 +197,15 @@ class RankAgent(WorkerConnector):
 
     def _on_message(self, msg: ControlMessage) -> None:
         if isinstance(msg, Welcome):
-            if self.identity.role != "prefill":
+            # With peer fetch on a prefill rank pulls too (decision 0046): it connects as well.
+            self._peer_fetch = msg.peer_fetch
+            if self.identity.role != "prefill" or self._peer_fetch:
                 for peer in msg.peers:
                     self._add_peer(peer.handshake_metadata)
         elif isinstance(msg, SetRole):
             self._set_role(msg)
         elif isinstance(msg, PeerUpdate):
-            if self.identity.role != "prefill":
+            if self.identity.role != "prefill" or self._peer_fetch:
                 for peer in msg.joined:
                     self._add_peer(peer.handshake_metadata)
                 for left in msg.left:

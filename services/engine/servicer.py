@@ -132,8 +132,12 @@ class EngineServicer(pb_grpc.EngineServicer):
                               attributes={"pdserve.engine_id": self.config.engine_id,
                                           "pdserve.prompt_tokens": len(request.prompt_token_ids),
                                           "pdserve.remote_kv": request.HasField("descriptor")}):
-            await self._check_admits(context, "decode", request.request_id)
+            # A peer fetch pulls a prefix into this engine's cache for a prompt it prefills next:
+            # either role serves it (decision 0046); it needs the descriptor it pulls.
+            await self._check_admits(context, None if request.peer_fetch else "decode", request.request_id)
             remote = request.HasField("descriptor")
+            if request.peer_fetch and not remote:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a peer_fetch Decode needs a descriptor")
             if remote and request.descriptor.block_size != self.config.block_size:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"descriptor block_size "
                                     f"{request.descriptor.block_size} != {self.config.block_size}")

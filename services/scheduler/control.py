@@ -119,18 +119,17 @@ def _leads(rank_id: RankId) -> bool:
 
 def peer_roles(role: Role, decode_peers: bool = False) -> tuple[Role, ...]:
     """The roles whose ranks' handshakes a rank of `role` gets: a prefill rank its readers (the
-    decode ranks); a decode rank every engine it may pull from — prefill engines, and with
-    `decode_peers` (peer fetch on, decision 0043) the other decode engines."""
-    if role == Role.PREFILL:
-        return (Role.DECODE,)
-    return (Role.PREFILL, Role.DECODE) if decode_peers else (Role.PREFILL,)
+    decode ranks); a decode rank every engine it may pull from — prefill engines. With
+    `decode_peers` (peer fetch on, decisions 0043 and 0046) every rank gets every engine's: any
+    engine may pull a prefix from any other."""
+    if decode_peers:
+        return (Role.PREFILL, Role.DECODE)
+    return (Role.DECODE,) if role == Role.PREFILL else (Role.PREFILL,)
 
 
 def audience(role: Role, decode_peers: bool = False) -> tuple[Role, ...]:
     """The roles told when a rank of `role` joins or leaves (the converse of `peer_roles`)."""
-    if role == Role.PREFILL:
-        return (Role.DECODE,)
-    return (Role.PREFILL, Role.DECODE) if decode_peers else (Role.PREFILL,)
+    return peer_roles(role, decode_peers)
 
 
 @dataclass(slots=True)
@@ -572,7 +571,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                              accepts_compact_worker_events=self.accepts_compact_worker_events,
                              accepts_merged_transfer_results=self.accepts_merged_transfer_results,
                              accepts_compact_engine_events=self.accepts_compact_engine_events,
-                             accepts_mixed_compact_events=self.accepts_mixed_compact_events)
+                             accepts_mixed_compact_events=self.accepts_mixed_compact_events,
+                             peer_fetch=self.decode_peers)
         return pb.SchedulerMessage(welcome=welcome)
 
     async def _read(self, conn: RankConnection, request_iterator: AsyncIterator[pb.RankMessage]) -> None:

@@ -27,7 +27,8 @@ Contracts (see generation.proto):
   descriptor and computes the rest; the holder is `Request.prefill` for the release-once rule. A
   failed pin sends the Decode without a descriptor; a failed pull is recomputed by the decode
   engine (KVFailed). Either is counted (`pdserve_kv_peer_fetch_failures_total`); the output
-  never changes.
+  never changes. A remote request's fetch (`route.fetch.into_prefill`, decision 0046) runs
+  before its prefill: the prefill engine pulls the prefix into its cache (prefill_fetch.py).
 - Client cancel or deadline: both legs get an Abort, the prefill blocks are released; whichever
   of done / abort / lease comes first releases them, exactly once (counted in the RequestTable's outcomes).
 """
@@ -62,6 +63,7 @@ from services.scheduler.lifecycle import RUNNING, EngineRef, ReleaseCause, Reque
 from services.scheduler.load_window import FinishedRequest, LoadWindow
 from services.scheduler.path_costs import PathCosts
 from services.scheduler.peer_fetch import PeerFetch
+from services.scheduler.prefill_fetch import PrefillFetch
 from services.scheduler.registry import EngineState, Role
 from services.scheduler.request import Request
 from services.scheduler.request_table import RequestTable
@@ -78,6 +80,7 @@ ABORT_RPC_TIMEOUT_S = 2.0
 # peer_transports, pdserve_transfer_bytes_total); peer-fetch metrics say "ucx".
 PEER_FETCH_TRANSPORT = "ucx"
 STREAM_END_TIMEOUT_S = 1.0
+MIN_FETCH_TIMEOUT_S = 0.5  # a peer fetch's pin waits at least this (see _fetch_timeout_s)
 
 
 async def _read_to_end(responses: AsyncIterator[Any]) -> None:
@@ -130,6 +133,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                              config.default_max_tokens)
         self.draining = False
         self.tracer = ComponentTracer("scheduler")
+        self.prefill_fetch = PrefillFetch(self)
         self._background: set[asyncio.Task[Any]] = set()
         control.on_transfer_outcome = self.on_transfer_outcome
         control.on_engine_down.append(self.on_engine_down)
@@ -255,7 +259,9 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             itl = self.config.path_itl_target_ms / 1000.0
         request = self.table.admit(request_id, valid, timeout, client_id=client_id, arrived=arrived)
         request.path, request.path_reason, request.itl_target_s = route.path, route.path.reason, itl
-        request.peer_fetch = route.fetch
+        # A fetch into the decode engine is this request's own pull; one into its prefill engine
+        # is a pull of its own (prefill_fetch.py), before the prefill.
+        request.peer_fetch = route.fetch if route.fetch is not None and not route.fetch.into_prefill else None
         decode_engine = self.registry.engines.get(route.decode.engine_id)
         request.decode_tp_size = decode_engine.tp_size if decode_engine is not None else 0
         self._take_slot(request, route.decode.engine_id)
@@ -325,7 +331,12 @@ class GenerationServicer(gen_grpc.GenerationServicer):
     async def _run(self, request: Request, route: Route) -> AsyncIterator[gen_pb.GenerateResponse]:
         descriptor: eng_pb.TransferDescriptor | None = None
         if route.prefill.engine_id is not None:
+            fetched = 0
+            if route.fetch is not None and route.fetch.into_prefill:  # decision 0046
+                fetched = await self.prefill_fetch.run(request, route.fetch)
             response = await self._prefill_leg(request, route.prefill.engine_id)
+            if response is not None and route.fetch is not None and fetched:
+                self.prefill_fetch.settle(request, route.fetch, fetched)
             if response is not None:
                 yield self._chunk(request, [response.first_token_id], response.first_token_text)
                 if response.finish_reason in _FINISH_FROM_ENGINE:
@@ -395,8 +406,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                                             prompt_token_ids=request.valid.prompt_token_ids[:fetch.num_tokens],
                                             sampling=gen_pb.SamplingParams(max_tokens=1, temperature=0.0),
                                             decode_tp_size=request.decode_tp_size, peer_fetch=True)
-            call = self.channels.stub(engine).Prefill(
-                message, timeout=min(self._remaining(request), self.config.peer_fetch_timeout_s))
+            call = self.channels.stub(engine).Prefill(message, timeout=self._fetch_timeout_s(request, fetch))
             request.call = call
             started = time.monotonic()
             try:
@@ -420,6 +430,16 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             return None
         request.peer_fetch_pinned(self._lease_deadline(d.lease_expires_unix_ms))
         return d
+
+    def _fetch_timeout_s(self, request: Request, fetch: PeerFetch) -> float:
+        """How long the holder's pin (and a prefill engine's pull) may take: `peer_fetch_timeout_s`,
+        and no more than twice the TTFT predicted without the fetch (at least
+        `MIN_FETCH_TIMEOUT_S`): one that slow has lost what the fetch was to save (a busy
+        holder's queue, seconds on a loaded host)."""
+        limit = self.config.peer_fetch_timeout_s
+        if fetch.without_s is not None:
+            limit = min(limit, max(MIN_FETCH_TIMEOUT_S, 2.0 * fetch.without_s))
+        return min(self._remaining(request), limit)
 
     def _peer_fetch_failed(self, request: Request, fetch: PeerFetch, reason: str) -> None:
         if request.peer_fetch_failed:
@@ -556,7 +576,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
     def _transferred(self, request: Request, decode_id: str, num_tokens: int) -> None:
         """The decode engine reported the prompt tokens it pulled; with the KVReady time this is
         one sample of the pair's transfer cost."""
-        if request.peer_fetch_engine_id:
+        if request.peer_fetch_engine_id and not request.prefill_engine_id:  # a peer's prefix, pulled
             self._peer_fetched(request, decode_id, num_tokens)
             return
         request.num_transferred_tokens = num_tokens
@@ -673,7 +693,8 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         self.table.remove(request)
         outcome = {RequestState.FINISHED: "success", RequestState.FAILED: "error"}.get(
             request.state, "deadline" if reason == "deadline" else "cancelled")
-        self.metrics.request_finished(outcome, time.monotonic() - request.arrived, request.path_name)
+        if not request.internal:
+            self.metrics.request_finished(outcome, time.monotonic() - request.arrived, request.path_name)
 
     def _abort_counters(self, request: Request) -> None:
         """Drops the request's pending transfer counters (late reports of it are absorbed) on

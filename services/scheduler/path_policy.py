@@ -53,6 +53,7 @@ Every decision has a reason, a low-cardinality label (`REASONS`), `<path>:<why>`
   remote:ttft_target              only remote meets the request's TTFT target (local costs less)
   remote:lower_cost               local was allowed, remote is predicted faster (beyond `TTFT_TIE`)
   remote:always                   mode remote
+  remote:peer_fetch               the prefill engine first pulls a prefix another engine caches (peer_fetch.py)
 
 Pure: plain data in and out, no clock, no I/O.
 """
@@ -86,10 +87,11 @@ REMOTE_ITL_TARGET = "remote:itl_target"
 REMOTE_TTFT_TARGET = "remote:ttft_target"
 REMOTE_LOWER_COST = "remote:lower_cost"
 REMOTE_ALWAYS = "remote:always"
+REMOTE_PEER_FETCH = "remote:peer_fetch"  # the prefill engine pulls a prefix another engine caches (peer_fetch.py)
 REASONS = (LOCAL_SHORT_PROMPT, LOCAL_DECODE_HAS_PREFIX, LOCAL_PREFILL_QUEUE, LOCAL_TTFT_TARGET, LOCAL_NO_PREFILL,
            LOCAL_PEER_FETCH,
            LOCAL_MIXED_ENGINE,
-           REMOTE_LONG_PROMPT, REMOTE_ITL_TARGET, REMOTE_TTFT_TARGET, REMOTE_LOWER_COST, REMOTE_ALWAYS)
+           REMOTE_LONG_PROMPT, REMOTE_ITL_TARGET, REMOTE_TTFT_TARGET, REMOTE_LOWER_COST, REMOTE_ALWAYS, REMOTE_PEER_FETCH)
 MODES = ("cost", "threshold", "remote")
 # Predicted costs within this fraction of each other are a tie (the TTFT model's median error is
 # about this size, docs/benchmarks.md), won by the local option: it pays no hop and no transfer.

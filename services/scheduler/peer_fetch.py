@@ -1,27 +1,35 @@
-"""`PeerFetchPolicy`: fetch a cached prefix from the engine holding it, or not (decision 0043).
+"""`PeerFetchPolicy`: fetch a cached prefix from the engine holding it, or not (decisions 0043, 0046).
 
 After the path policy chose where a prompt is computed, a longer prefix of it may be cached on
 another engine (the prefix index knows every engine's blocks, decode engines' included: a
-conversation's history lives on the decode engine that generated it). Three ways to serve it:
+conversation's history lives on the decode engine that generated it). The ways to serve it:
 
 - route to the holder: the routing and path policies already weigh each engine's cached
   prefix (a prefill engine holding it wins the prefix policy; a decode engine holding most of
   it prefills the rest itself), so whatever they chose stands when no fetch beats it;
-- fetch: the decode engine of the decision pulls the holder's blocks over the KV data plane
-  (the holder pins them under a lease, as a prefill engine pins a prompt) and computes only the
-  rest; the request becomes decode-local on that engine, reason `decode_local:peer_fetch`;
-- recompute: neither.
+- fetch into the decode engine: the decode engine of the decision pulls the holder's blocks
+  over the KV data plane (the holder pins them under a lease, as a prefill engine pins a
+  prompt) and computes only the rest; the request becomes decode-local on that engine, reason
+  `decode_local:peer_fetch`;
+- fetch into the prefill engine (a remote decision only): the decision's prefill engine pulls
+  the holder's blocks into its cache first (decision 0046), then prefills the prompt as routed,
+  computing only the rest; reason `remote:peer_fetch`;
+- recompute: none of these.
 
-Mode `cost` (default) fetches when the predicted time to first token with the fetch is below
-the decision's: the holder's pin (a prefill step of one block behind its backlog) plus the
-holder's load (`decode_load_s` per unit, as decode engines are charged), the pair's fitted
-transfer time of the blocks pulled, then the decode engine's local prefill of the rest
-(`PathPolicy.raw_ttft_s` with its correction). `always` fetches whenever a holder has at
-least `min_blocks` more blocks than the decode engine; `off` never.
+Mode `cost` fetches when the predicted time to first token with the fetch is below the
+decision's: the holder's pin (a one-block prefill behind its backlog, and on a busy engine at
+least the steps it waits for) plus the holder's load (`decode_load_s` per unit, as decode
+engines are charged), the pair's fitted transfer time
+of the blocks pulled, then the computing engine's prefill of the rest (`PathPolicy.raw_ttft_s`
+with its correction; into a prefill engine, plus the one-token step that ends its pull). When
+both fetches beat the decision, the one into the decode engine wins unless the other is faster
+beyond the path policy's tie band (it saves the second hop). `always` fetches whenever a holder
+has at least `min_blocks` more blocks than the target engine (into the decode engine first);
+`off` never.
 
-The holder is the live engine (other than the decode engine, whose KV heads the decode engine
-can read — the caller filters) holding the most consecutive blocks of the prompt, ties to the
-less loaded, then the smaller id. At least one prompt token is always computed, so at most
+The holder is the live engine (other than the target, whose KV heads the target can read — the
+caller filters) holding the most consecutive blocks of the prompt, ties to the less loaded,
+then the smaller id. At least one prompt token is always computed, so at most
 `(num_tokens - 1) // block_size` blocks are fetched.
 
 Pure: plain data in and out, no clock, no I/O.
@@ -37,6 +45,9 @@ from typing import TYPE_CHECKING
 from services.scheduler.path_policy import (
     LOCAL_PEER_FETCH,
     PATH_LOCAL,
+    PATH_REMOTE,
+    REMOTE_PEER_FETCH,
+    TTFT_TIE,
     PathDecision,
     PathPolicy,
     PathRequest,
@@ -73,7 +84,8 @@ class PeerFetchConfig:
 class PeerFetch:
     """A decided fetch: `target_id` pulls the first `num_blocks` prompt blocks (of which it
     caches `num_local_blocks` itself) from `holder_id`, then computes the rest. `predicted_s`
-    is the predicted TTFT with the fetch, `without_s` the decision's without it."""
+    is the predicted TTFT with the fetch, `without_s` the decision's without it. `into_prefill`:
+    the target is the decision's prefill engine (it pulls into its cache, then prefills)."""
 
     holder_id: str
     holder_epoch: int
@@ -83,6 +95,7 @@ class PeerFetch:
     block_size: int
     predicted_s: float
     without_s: float | None
+    into_prefill: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -103,35 +116,48 @@ class PeerFetchPolicy:
 
     def decide(self, request: PathRequest, decision: PathDecision, decode: EngineView,
                holders: Sequence[EngineView], matched_blocks: Mapping[str, int],
-               path: PathPolicy) -> tuple[PathDecision, PeerFetch | None]:
+               path: PathPolicy, *, prefill: EngineView | None = None,
+               prefill_holders: Sequence[EngineView] = ()) -> tuple[PathDecision, PeerFetch | None]:
         """The decision to apply and the fetch, if any. `decode` is the decision's decode engine;
-        `holders` the live engines it could read from (itself excluded)."""
+        `holders` the live engines it could read from (itself excluded); `prefill` the
+        decision's prefill engine when remote, `prefill_holders` those it could read from."""
         if self.config.mode == "off":
             return decision, None
-        fetch = self._candidate(request, decision, decode, holders, matched_blocks, path)
-        if fetch is None:
+        into_decode = self._candidate(request, decision, decode, holders, matched_blocks, path)
+        into_prefill = None
+        if prefill is not None and not decision.local:
+            into_prefill = self._candidate(request, decision, prefill, prefill_holders, matched_blocks, path,
+                                           into_prefill=True)
+        if into_decode is None and into_prefill is None:
             self.decisions[NO_HOLDER] += 1
             return decision, None
-        if self.config.mode == "cost" and fetch.without_s is not None and fetch.predicted_s >= fetch.without_s:
+        fetch = _choose(into_decode, into_prefill, self.config.mode == "cost")
+        if fetch is None:
             self.decisions[SLOWER] += 1
             return decision, None
         self.decisions[FETCH] += 1
         rest = request.num_tokens - fetch.num_tokens
-        fetched = PathDecision(PATH_LOCAL, LOCAL_PEER_FETCH, decode.engine_id, None, rest, fetch.num_pull_tokens,
-                               fetch.predicted_s + path.config.decode_load_s * decode.load_score,
-                               predicted_ttft_s=fetch.predicted_s, alternative_ttft_s=fetch.without_s)
+        if fetch.into_prefill:
+            fetched = PathDecision(PATH_REMOTE, REMOTE_PEER_FETCH, decision.decode_id, fetch.target_id, rest,
+                                   decision.num_pull_tokens,
+                                   fetch.predicted_s + path.config.decode_load_s * decode.load_score,
+                                   predicted_ttft_s=fetch.predicted_s, alternative_ttft_s=fetch.without_s)
+        else:
+            fetched = PathDecision(PATH_LOCAL, LOCAL_PEER_FETCH, decode.engine_id, None, rest, fetch.num_pull_tokens,
+                                   fetch.predicted_s + path.config.decode_load_s * decode.load_score,
+                                   predicted_ttft_s=fetch.predicted_s, alternative_ttft_s=fetch.without_s)
         return fetched, fetch
 
-    def _candidate(self, request: PathRequest, decision: PathDecision, decode: EngineView,
+    def _candidate(self, request: PathRequest, decision: PathDecision, target: EngineView,
                    holders: Sequence[EngineView], matched_blocks: Mapping[str, int],
-                   path: PathPolicy) -> PeerFetch | None:
+                   path: PathPolicy, *, into_prefill: bool = False) -> PeerFetch | None:
         bs = self.config.block_size
         most = (request.num_tokens - 1) // bs
-        own = min(matched_blocks.get(decode.engine_id, 0), most)
+        own = min(matched_blocks.get(target.engine_id, 0), most)
         best: EngineView | None = None
         for h in holders:
             n = min(matched_blocks.get(h.engine_id, 0), most)
-            if h.engine_id == decode.engine_id or n - own < self.config.min_blocks:
+            if h.engine_id == target.engine_id or n - own < self.config.min_blocks:
                 continue
             if best is None or (-n, h.load_score, h.engine_id) < (-min(matched_blocks[best.engine_id], most),
                                                                    best.load_score, best.engine_id):
@@ -139,16 +165,49 @@ class PeerFetchPolicy:
         if best is None:
             return None
         n = min(matched_blocks[best.engine_id], most)
-        return PeerFetch(best.engine_id, best.epoch, decode.engine_id, n, own, bs,
-                         self.predict_s(request, decode, best, n, own, path), decision.predicted_ttft_s)
+        predict = self.predict_into_prefill_s if into_prefill else self.predict_s
+        return PeerFetch(best.engine_id, best.epoch, target.engine_id, n, own, bs,
+                         predict(request, target, best, n, own, path), decision.predicted_ttft_s, into_prefill)
+
+    def _pull_s(self, target: EngineView, holder: EngineView, num_blocks: int, num_local_blocks: int,
+                path: PathPolicy) -> float:
+        """The holder's pin and the pair's transfer. The pin is a one-block prefill on the
+        holder predicted as a local prefill there (`PathPolicy.raw_ttft_s`): behind its backlog
+        and, when requests run there, at least the steps it waits for — a busy decode engine
+        takes its measured step to pin, not an idle prefill's time — plus its load."""
+        bs, costs = self.config.block_size, path.costs
+        pin = TtftInputs(PATH_LOCAL, holder.engine_id, holder.num_backlog_tokens, bs, holder.num_inflight > 0)
+        pin_s = path.raw_ttft_s(pin) + path.config.decode_load_s * holder.load_score
+        return pin_s + costs.transfer_s(holder.engine_id, target.engine_id, (num_blocks - num_local_blocks) * bs)
 
     def predict_s(self, request: PathRequest, decode: EngineView, holder: EngineView, num_blocks: int,
                   num_local_blocks: int, path: PathPolicy) -> float:
-        """Predicted TTFT with the fetch (see the module docstring)."""
-        bs, costs = self.config.block_size, path.costs
-        pin_s = costs.queued_prefill_s(holder.num_backlog_tokens, bs) + path.config.decode_load_s * holder.load_score
-        transfer_s = costs.transfer_s(holder.engine_id, decode.engine_id, (num_blocks - num_local_blocks) * bs)
+        """Predicted TTFT with a fetch into the decode engine (see the module docstring)."""
         inputs = TtftInputs(PATH_LOCAL, decode.engine_id, decode.num_backlog_tokens,
-                            request.num_tokens - num_blocks * bs, decode.num_inflight > 0)
-        local_s = path.raw_ttft_s(inputs) * costs.correction(decode.engine_id, PATH_LOCAL)
-        return pin_s + transfer_s + local_s
+                            request.num_tokens - num_blocks * self.config.block_size, decode.num_inflight > 0)
+        local_s = path.raw_ttft_s(inputs) * path.costs.correction(decode.engine_id, PATH_LOCAL)
+        return self._pull_s(decode, holder, num_blocks, num_local_blocks, path) + local_s
+
+    def predict_into_prefill_s(self, request: PathRequest, prefill: EngineView, holder: EngineView,
+                               num_blocks: int, num_local_blocks: int, path: PathPolicy) -> float:
+        """Predicted TTFT with a fetch into the prefill engine: the pull, the one-token step that
+        ends it, then the prefill of the rest behind the engine's backlog."""
+        costs = path.costs
+        inputs = TtftInputs(PATH_REMOTE, prefill.engine_id, prefill.num_backlog_tokens,
+                            request.num_tokens - num_blocks * self.config.block_size)
+        remote_s = path.raw_ttft_s(inputs) * costs.correction(prefill.engine_id, PATH_REMOTE)
+        return self._pull_s(prefill, holder, num_blocks, num_local_blocks, path) + costs.queued_prefill_s(0, 1) \
+            + remote_s
+
+
+def _choose(into_decode: PeerFetch | None, into_prefill: PeerFetch | None, cost: bool) -> PeerFetch | None:
+    """The fetch to make (None: none beats the decision, cost mode). Into the decode engine first;
+    into the prefill engine when only it qualifies or (cost) it is faster beyond the tie band."""
+    if not cost:
+        return into_decode or into_prefill
+    viable = [f for f in (into_decode, into_prefill)
+              if f is not None and (f.without_s is None or f.predicted_s < f.without_s)]
+    if len(viable) == 2:
+        decode_s, prefill_s = viable[0].predicted_s, viable[1].predicted_s
+        return viable[1] if prefill_s * (1 + TTFT_TIE) < decode_s else viable[0]
+    return viable[0] if viable else None

@@ -89,6 +89,9 @@ class Request:
     peer_fetch_engine_id: str = ""  # the holder that pinned the prefix ("": no fetch under way)
     peer_fetch_failed: bool = False
     num_peer_fetched_tokens: int = 0
+    # A prefill engine's pull of a peer's prefix (prefill_fetch.py, decision 0046): the
+    # scheduler's own request, not a client's (not counted as one).
+    internal: bool = False
     fetch_started_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float = 0.0

@@ -213,12 +213,15 @@ class Router:
         if self.fetch is not None:
             held = {**self._matched_blocks(request, busy), **matched} if busy else matched
             if held:
-                path, fetch = self._peer_fetch(want, path, [*prefill_engines, *decodes, *busy], decodes, held)
+                remote = view if chosen is not None and not path.local else None
+                path, fetch = self._peer_fetch(want, path, [*prefill_engines, *decodes, *busy], decodes, held, remote)
                 target = next((e for e in decodes if e.engine_id == path.decode_id), None)
         prefill = chosen if chosen is not None and not path.local else RoutingDecision(None, path.reason)
         if prefill.engine_id is not None and view is not None and target is not None \
                 and pair_problem(view, target) is not None:
             prefill = RoutingDecision(None, REASON_UNMAPPABLE_TP)
+            if fetch is not None and fetch.into_prefill:  # nothing is prefilled there now
+                fetch = None
         decode = RoutingDecision(path.decode_id, REASON_PREFIX if matched.get(path.decode_id) else REASON_LOAD,
                                  matched.get(path.decode_id, 0))
         self.decisions[prefill.reason] += 1
@@ -228,16 +231,22 @@ class Router:
         return Route(prefill, decode, path, fetch, _blocks_by_medium(hit, MEDIUM_ORDER))
 
     def _peer_fetch(self, want: PathRequest, path: PathDecision, engines: Sequence[EngineView],
-                    decodes: Sequence[EngineView], matched: Mapping[str, int]) -> tuple[PathDecision, PeerFetch | None]:
+                    decodes: Sequence[EngineView], matched: Mapping[str, int],
+                    prefill: EngineView | None) -> tuple[PathDecision, PeerFetch | None]:
         """The peer-fetch policy's verdict on `path`: holders are the engines holding part of the
-        prompt whose KV heads the decision's decode engine can read."""
+        prompt whose KV heads the target — the decision's decode engine, or its prefill engine
+        (`prefill`, remote decisions) — can read."""
         assert self.fetch is not None
         d = next((e for e in decodes if e.engine_id == path.decode_id), None)
         if d is None:
             return path, None
-        holders = [e for e in engines if e.engine_id != d.engine_id and matched.get(e.engine_id)
-                   and pair_problem(e, d) is None]
-        return self.fetch.decide(want, path, d, holders, matched, self.path)
+
+        def holders(target: EngineView) -> list[EngineView]:
+            return [e for e in engines if e.engine_id != target.engine_id and matched.get(e.engine_id)
+                    and pair_problem(e, target) is None]
+
+        return self.fetch.decide(want, path, d, holders(d), matched, self.path, prefill=prefill,
+                                 prefill_holders=holders(prefill) if prefill is not None else ())
 
     def _matched_blocks(self, request: RoutingRequest, engines: Sequence[EngineView]) -> dict[str, int]:
         """Engine id -> consecutive prompt blocks it holds, for the engines' live epochs."""

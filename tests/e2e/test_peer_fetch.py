@@ -6,11 +6,16 @@ with the holder SIGKILLed while the fetch is under way (recomputed, output uncha
 multi-turn chat through the OpenAI client whose second turn pulls the first turn's KV (prompt
 and generated tokens) from the decode engine that generated it.
 
+And a prefill engine fetching (decision 0046): a long prompt goes remote, its decode engine
+already holds the prefix, so its prefill engine pulls the prefix from that decode engine first
+and prefills only the rest — token-identical, `peer_fetched_tokens` > 0, nothing leaked.
+
 The holder is made busy, not absent: `--max-queue-per-engine 1` and a long request running on
 it, so the router must send the next prompt elsewhere (the issue's "the holder is busy").
-Every prompt is decode-local (`--path-policy threshold` with a threshold no prompt reaches) and
-every fetch is made (`--peer-fetch always`), so the scenario does not depend on this machine's
-speed; the cost choice is covered by tests/unit/scheduler/test_peer_fetch_policy.py.
+Prompts are decode-local below 300 uncached tokens and remote above (`--path-policy
+threshold`: only the prefill-fetch test's prompt is that long) and every fetch is made
+(`--peer-fetch always`), so the scenario does not depend on this machine's speed; the cost
+choice is covered by tests/unit/scheduler/test_peer_fetch_policy.py.
 Cost: one cluster, about 60-90 s on the shared 2-core machine."""
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ BLOCK = 16
 MAX_TOKENS = 8
 BUSY_TOKENS = 400  # the holder's own request runs long enough for the others to be routed
 PREFIX_LEN = 12 * BLOCK
-SCHEDULER_ARGS = ["--path-policy", "threshold", "--path-threshold-tokens", "100000", "--peer-fetch", "always",
+THRESHOLD = 300  # uncached tokens: decode-local below, remote from here
+SCHEDULER_ARGS = ["--path-policy", "threshold", "--path-threshold-tokens", str(THRESHOLD), "--peer-fetch", "always",
                   "--max-queue-per-engine", "1"]
 
 
@@ -179,6 +185,34 @@ def test_multi_turn_chat_reuses_the_previous_turns_kv_from_the_engine_that_gener
     # Turn 1's prompt at least (the system text and the first question) came from the holder.
     assert fetched >= len(tokenizer.encode(tokenizer.render_messages(turn1))) // BLOCK * BLOCK - 2 * BLOCK, usage
     assert holder in ("decode-0", "decode-1")
+    assert cluster.wait_no_leaks() == {}
+
+
+def _peer_fetch_blocks(c: LocalCluster, source: str, target: str) -> float:
+    port = c.components["scheduler"].metrics_port or 0
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    lines = [line for line in text.splitlines() if line.startswith("pdserve_kv_peer_fetch_blocks_total{")
+             and f'source="{source}"' in line and f'target="{target}"' in line]
+    return float(lines[0].rsplit(" ", 1)[1]) if lines else 0.0
+
+
+def test_a_remote_prompt_is_prefilled_on_a_prefill_engine_that_pulls_the_prefix_first(
+        cluster: LocalCluster, demo_model: Path) -> None:
+    short, _ = _prompts(43)  # decode-local: its decode engine then holds the prefix
+    rng = random.Random(44)
+    long = short[:PREFIX_LEN] + [rng.randrange(100, 49000) for _ in range(THRESHOLD + 20)]
+    expected_short, expected_long = _reference(demo_model, [short, long])
+    first = asyncio.run(_one(cluster.target, short, MAX_TOKENS))
+    assert first.token_ids == expected_short and first.prefill_engine_id == ""
+    holder = _holder_of(cluster, short)
+    result = asyncio.run(_one(cluster.target, long, MAX_TOKENS))
+    assert result.token_ids == expected_long
+    assert result.path_reason == "remote:peer_fetch", result.path_reason
+    assert result.prefill_engine_id.startswith("prefill-") and result.peer_fetch_engine_id == holder, result
+    assert result.peer_fetched_tokens == PREFIX_LEN, result
+    # The holder decodes (it holds the most of the prompt) and pulls only what follows its prefix.
+    assert result.decode_engine_id == holder and result.transferred_tokens == len(long) - PREFIX_LEN, result
+    assert _peer_fetch_blocks(cluster, holder, result.prefill_engine_id) >= PREFIX_LEN // BLOCK
     assert cluster.wait_no_leaks() == {}
 
 

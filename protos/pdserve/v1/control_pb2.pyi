@@ -592,6 +592,7 @@ class Welcome(_message.Message):
     ACCEPTS_MERGED_TRANSFER_RESULTS_FIELD_NUMBER: _builtins.int
     ACCEPTS_COMPACT_ENGINE_EVENTS_FIELD_NUMBER: _builtins.int
     ACCEPTS_MIXED_COMPACT_EVENTS_FIELD_NUMBER: _builtins.int
+    PEER_FETCH_FIELD_NUMBER: _builtins.int
     last_acked_seq: _builtins.int
     """Highest StepReport seq of this rank (this epoch) the scheduler has applied."""
     heartbeat_interval_ms: _builtins.int
@@ -623,6 +624,11 @@ class Welcome(_message.Message):
     """Whether CompactEvents.kinds is understood, so compact worker and engine events may mix
     BlockStored and BlockRemoved (false: an older scheduler; such steps go as protobuf).
     """
+    peer_fetch: _builtins.bool
+    """Peer fetch is on (decisions 0043, 0046): any engine may pull a prefix from any other, so a
+    prefill rank connects to the peers it is told of too (false: a prefill rank's peers are its
+    readers, which connect to it; it connects to none).
+    """
     @_builtins.property
     def expected_ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankIdentity]:
         """Every rank of this engine the scheduler waits for before a transfer counts as finished."""
@@ -649,10 +655,11 @@ class Welcome(_message.Message):
         accepts_merged_transfer_results: _builtins.bool = ...,
         accepts_compact_engine_events: _builtins.bool = ...,
         accepts_mixed_compact_events: _builtins.bool = ...,
+        peer_fetch: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_compact_engine_events", b"accepts_compact_engine_events", "accepts_compact_worker_events", b"accepts_compact_worker_events", "accepts_merged_transfer_results", b"accepts_merged_transfer_results", "accepts_merged_worker_events", b"accepts_merged_worker_events", "accepts_mixed_compact_events", b"accepts_mixed_compact_events", "accepts_packed_worker_events", b"accepts_packed_worker_events", "ack_interval_ms", b"ack_interval_ms", "expected_ranks", b"expected_ranks", "heartbeat_interval_ms", b"heartbeat_interval_ms", "last_acked_seq", b"last_acked_seq", "max_reports_per_message", b"max_reports_per_message", "peers", b"peers", "scheduler_id", b"scheduler_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_compact_engine_events", b"accepts_compact_engine_events", "accepts_compact_worker_events", b"accepts_compact_worker_events", "accepts_merged_transfer_results", b"accepts_merged_transfer_results", "accepts_merged_worker_events", b"accepts_merged_worker_events", "accepts_mixed_compact_events", b"accepts_mixed_compact_events", "accepts_packed_worker_events", b"accepts_packed_worker_events", "ack_interval_ms", b"ack_interval_ms", "expected_ranks", b"expected_ranks", "heartbeat_interval_ms", b"heartbeat_interval_ms", "last_acked_seq", b"last_acked_seq", "max_reports_per_message", b"max_reports_per_message", "peer_fetch", b"peer_fetch", "peers", b"peers", "scheduler_id", b"scheduler_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

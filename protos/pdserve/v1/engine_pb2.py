@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import generation_pb2 as pdserve_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/engine.proto\x12\npdserve.v1\x1a\x1bpdserve/v1/generation.proto\"\xcb\x01\n\x12TransferDescriptor\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x08 \x01(\r\x12\x1d\n\x15lease_expires_unix_ms\x18\t \x01(\x04\"\x98\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_tp_size\x18\x04 \x01(\r\x12\x12\n\npeer_fetch\x18\x05 \x01(\x08\"\xd7\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x32\n\ndescriptor\x18\x03 \x01(\x0b\x32\x1e.pdserve.v1.TransferDescriptor\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x18\n\x10\x66irst_token_text\x18\x06 \x01(\t\"\xcd\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x37\n\ndescriptor\x18\x05 \x01(\x0b\x32\x1e.pdserve.v1.TransferDescriptorH\x00\x88\x01\x01\x42\r\n\x0b_descriptor\"\xb1\x01\n\x0e\x44\x65\x63odeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x1e\n\x16num_transferred_tokens\x18\x06 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"3\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\" \n\x0fReleaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0c\x44rainRequest\"8\n\rDrainResponse\x12\x12\n\nnum_pinned\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\"\x10\n\x0eInspectRequest\"\x92\x02\n\x0fInspectResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x12\n\nnum_pinned\x18\x06 \x01(\r\x12!\n\x19num_waiting_for_remote_kv\x18\x07 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x08 \x01(\r\x12\x12\n\nnum_blocks\x18\t \x01(\r\x12\r\n\x05leaks\x18\n \x03(\t\x12\x32\n\x0fpeer_transports\x18\x0b \x03(\x0b\x32\x19.pdserve.v1.PeerTransport\"U\n\rPeerTransport\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x11\n\ttransport\x18\x04 \x01(\t2\x93\x03\n\x06\x45ngine\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12<\n\x05\x44rain\x12\x18.pdserve.v1.DrainRequest\x1a\x19.pdserve.v1.DrainResponse\x12\x42\n\x07Inspect\x12\x1a.pdserve.v1.InspectRequest\x1a\x1b.pdserve.v1.InspectResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/engine.proto\x12\npdserve.v1\x1a\x1bpdserve/v1/generation.proto\"\xcb\x01\n\x12TransferDescriptor\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x08 \x01(\r\x12\x1d\n\x15lease_expires_unix_ms\x18\t \x01(\x04\"\x98\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_tp_size\x18\x04 \x01(\r\x12\x12\n\npeer_fetch\x18\x05 \x01(\x08\"\xd7\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x32\n\ndescriptor\x18\x03 \x01(\x0b\x32\x1e.pdserve.v1.TransferDescriptor\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x18\n\x10\x66irst_token_text\x18\x06 \x01(\t\"\xe1\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x37\n\ndescriptor\x18\x05 \x01(\x0b\x32\x1e.pdserve.v1.TransferDescriptorH\x00\x88\x01\x01\x12\x12\n\npeer_fetch\x18\x06 \x01(\x08\x42\r\n\x0b_descriptor\"\xb1\x01\n\x0e\x44\x65\x63odeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x1e\n\x16num_transferred_tokens\x18\x06 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"3\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\" \n\x0fReleaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0c\x44rainRequest\"8\n\rDrainResponse\x12\x12\n\nnum_pinned\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\"\x10\n\x0eInspectRequest\"\x92\x02\n\x0fInspectResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x12\n\nnum_pinned\x18\x06 \x01(\r\x12!\n\x19num_waiting_for_remote_kv\x18\x07 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x08 \x01(\r\x12\x12\n\nnum_blocks\x18\t \x01(\r\x12\r\n\x05leaks\x18\n \x03(\t\x12\x32\n\x0fpeer_transports\x18\x0b \x03(\x0b\x32\x19.pdserve.v1.PeerTransport\"U\n\rPeerTransport\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x11\n\ttransport\x18\x04 \x01(\t2\x93\x03\n\x06\x45ngine\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12<\n\x05\x44rain\x12\x18.pdserve.v1.DrainRequest\x1a\x19.pdserve.v1.DrainResponse\x12\x42\n\x07Inspect\x12\x1a.pdserve.v1.InspectRequest\x1a\x1b.pdserve.v1.InspectResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,27 +39,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLRESPONSE']._serialized_start=430
   _globals['_PREFILLRESPONSE']._serialized_end=645
   _globals['_DECODEREQUEST']._serialized_start=648
-  _globals['_DECODEREQUEST']._serialized_end=853
-  _globals['_DECODERESPONSE']._serialized_start=856
-  _globals['_DECODERESPONSE']._serialized_end=1033
-  _globals['_ABORTREQUEST']._serialized_start=1035
-  _globals['_ABORTREQUEST']._serialized_end=1069
-  _globals['_ABORTRESPONSE']._serialized_start=1071
-  _globals['_ABORTRESPONSE']._serialized_end=1101
-  _globals['_RELEASEREQUEST']._serialized_start=1103
-  _globals['_RELEASEREQUEST']._serialized_end=1154
-  _globals['_RELEASERESPONSE']._serialized_start=1156
-  _globals['_RELEASERESPONSE']._serialized_end=1188
-  _globals['_DRAINREQUEST']._serialized_start=1190
-  _globals['_DRAINREQUEST']._serialized_end=1204
-  _globals['_DRAINRESPONSE']._serialized_start=1206
-  _globals['_DRAINRESPONSE']._serialized_end=1262
-  _globals['_INSPECTREQUEST']._serialized_start=1264
-  _globals['_INSPECTREQUEST']._serialized_end=1280
-  _globals['_INSPECTRESPONSE']._serialized_start=1283
-  _globals['_INSPECTRESPONSE']._serialized_end=1557
-  _globals['_PEERTRANSPORT']._serialized_start=1559
-  _globals['_PEERTRANSPORT']._serialized_end=1644
-  _globals['_ENGINE']._serialized_start=1647
-  _globals['_ENGINE']._serialized_end=2050
+  _globals['_DECODEREQUEST']._serialized_end=873
+  _globals['_DECODERESPONSE']._serialized_start=876
+  _globals['_DECODERESPONSE']._serialized_end=1053
+  _globals['_ABORTREQUEST']._serialized_start=1055
+  _globals['_ABORTREQUEST']._serialized_end=1089
+  _globals['_ABORTRESPONSE']._serialized_start=1091
+  _globals['_ABORTRESPONSE']._serialized_end=1121
+  _globals['_RELEASEREQUEST']._serialized_start=1123
+  _globals['_RELEASEREQUEST']._serialized_end=1174
+  _globals['_RELEASERESPONSE']._serialized_start=1176
+  _globals['_RELEASERESPONSE']._serialized_end=1208
+  _globals['_DRAINREQUEST']._serialized_start=1210
+  _globals['_DRAINREQUEST']._serialized_end=1224
+  _globals['_DRAINRESPONSE']._serialized_start=1226
+  _globals['_DRAINRESPONSE']._serialized_end=1282
+  _globals['_INSPECTREQUEST']._serialized_start=1284
+  _globals['_INSPECTREQUEST']._serialized_end=1300
+  _globals['_INSPECTRESPONSE']._serialized_start=1303
+  _globals['_INSPECTRESPONSE']._serialized_end=1577
+  _globals['_PEERTRANSPORT']._serialized_start=1579
+  _globals['_PEERTRANSPORT']._serialized_end=1664
+  _globals['_ENGINE']._serialized_start=1667
+  _globals['_ENGINE']._serialized_end=2070
 # @@protoc_insertion_point(module_scope)

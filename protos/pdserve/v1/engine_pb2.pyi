@@ -161,7 +161,13 @@ class DecodeRequest(_message.Message):
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     DESCRIPTOR_FIELD_NUMBER: _builtins.int
+    PEER_FETCH_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
+    peer_fetch: _builtins.bool
+    """A peer fetch into this engine's cache (decision 0046): the descriptor's prefix is pulled and
+    the prompt's last token computed, so that the prompt this engine prefills next finds the
+    prefix cached. Admitted whatever the engine's role (a prefill engine pulls).
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -182,10 +188,11 @@ class DecodeRequest(_message.Message):
         output_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling: _generation_pb2.SamplingParams | None = ...,
         descriptor: Global___TransferDescriptor | None = ...,
+        peer_fetch: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_descriptor", b"_descriptor", "descriptor", b"descriptor", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_descriptor", b"_descriptor", "descriptor", b"descriptor", "output_token_ids", b"output_token_ids", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_descriptor", b"_descriptor", "descriptor", b"descriptor", "output_token_ids", b"output_token_ids", "peer_fetch", b"peer_fetch", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__descriptor: _TypeAlias = _typing.Literal["descriptor"]  # noqa: Y015
     _WhichOneofArgType__descriptor: _TypeAlias = _typing.Literal["_descriptor", b"_descriptor"]  # noqa: Y015

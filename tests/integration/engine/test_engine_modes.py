@@ -133,6 +133,42 @@ def test_peer_fetch_of_a_prefix_then_the_rest_computed_matches_colocated(tiny_mo
     assert not holder.check_leaks() and not puller.check_leaks()
 
 
+@pytest.mark.parametrize("evicted", [False, True])
+def test_a_prefill_engine_pulls_a_peers_prefix_into_its_cache_then_prefills_the_rest(
+        tiny_model, make_engine, prompts_of, evicted) -> None:
+    """A fetch into a prefill engine (decision 0046): the holder pins the prefix, the prefill
+    engine runs the pull (REMOTE_KV of the prefix and one token, `remote_kv_tokens` the prefix),
+    and its prefill of the whole prompt, next, finds the pulled blocks cached and computes only
+    the rest. `evicted`: the pulled blocks left its cache before the prefill, which recomputes
+    them. Either way the decode engine's output equals the colocated run's."""
+    model = tiny_model("llama_gqa_llama3")
+    [prompt] = prompts_of([6 * BS + 5], seed=11)
+    expected = model.reference(prompt, N)
+    holder = make_engine(model.path, block_size=BS)
+    p_eng = make_engine(model.path, block_size=BS)
+    d_eng = make_engine(model.path, block_size=BS)
+    fetched = 4 * BS
+    holder.generate([prompt[:fetched + 3]], SamplingParams(max_tokens=2))  # a turn that began with it
+    _prefill(holder, "pull", prompt[:fetched])
+    p_eng.add_request("pull", prompt[:fetched + 1], SamplingParams(max_tokens=1), mode=RequestMode.REMOTE_KV,
+                      remote_kv_tokens=fetched)
+    _copy_blocks(holder, holder.get_block_ids("pull"), p_eng, p_eng.get_block_ids("pull"), 0)
+    p_eng.finish_remote_kv("pull", ok=True)
+    assert [o.finish_reason for o in _drain(p_eng, "pull")] == ["length"]
+    assert holder.release("pull") is True
+    if evicted:
+        assert p_eng.reset_prefix_cache()
+    first = _prefill(p_eng, "r", prompt)
+    assert p_eng.num_local_cached_tokens("r") == (0 if evicted else fetched)
+    assert first == expected[0]
+    d_eng.add_request("r", prompt, SamplingParams(max_tokens=N), mode=RequestMode.REMOTE_KV, output_token_ids=[first])
+    _copy_blocks(p_eng, p_eng.get_block_ids("r"), d_eng, d_eng.get_block_ids("r"), 0)
+    d_eng.finish_remote_kv("r", ok=True)
+    assert [t for o in _drain(d_eng, "r") for t in o.new_token_ids] == expected[1:]
+    assert p_eng.release("r") is True
+    assert not holder.check_leaks() and not p_eng.check_leaks() and not d_eng.check_leaks()
+
+
 def test_remote_kv_tokens_is_refused_outside_a_remote_kv_request(tiny_model, make_engine, prompts_of) -> None:
     model = tiny_model("llama_gqa_llama3")
     [prompt] = prompts_of([3 * BS], seed=10)

@@ -183,6 +183,24 @@ async def test_a_decode_engine_serves_a_peer_fetch_prefill(engine) -> None:
     assert seen.peer_fetch and seen.request_id == "f" and response.descriptor.engine_id
 
 
+async def test_a_prefill_engine_serves_a_peer_fetch_decode_with_a_descriptor_only(engine) -> None:
+    """Decision 0046: a Decode with `peer_fetch` (a prefill engine pulling a peer's prefix into
+    its cache) is accepted whatever the role; without the descriptor it pulls, refused."""
+    backend, stub, _ = engine
+    backend.role_state.apply("prefill", 1, "test")  # grace 0: a plain Decode is refused now
+    assert await _code(stub.Decode(_decode())) == grpc.StatusCode.FAILED_PRECONDITION
+    backend.hold.set()
+    fetch = _decode("f")
+    fetch.peer_fetch = True
+    assert [list(r.token_ids) async for r in stub.Decode(fetch)] == [[1, 2], [3]]
+    (seen,) = backend.decodes
+    assert seen.request_id == "f" and seen.descriptor is not None
+    fetch.ClearField("descriptor")
+    fetch.request_id = "g"
+    assert await _code(stub.Decode(fetch)) == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(backend.decodes) == 1  # refused before the backend
+
+
 async def test_admission_follows_the_role_set_in_place(engine) -> None:
     backend, stub, servicer = engine
     assert backend.role_state.apply("prefill", 1, "test") is not None  # grace 0: the old role's calls end now

@@ -1,13 +1,22 @@
 """The peer-fetch policy on hand-built engine views (no processes): which holder, how many
 blocks, the cost comparison against the decision as routed, the modes, and the Router's wiring
-(unmappable holders are never chosen, a fetch makes the request decode-local)."""
+(unmappable holders are never chosen, a fetch into the decode engine makes the request
+decode-local, a remote request's prefill engine fetches when its decode engine already holds the
+prefix — decision 0046)."""
 
 import pytest
 
 from services.scheduler.path_costs import CostPriors, PathCosts
-from services.scheduler.path_policy import LOCAL_PEER_FETCH, REASONS, PathConfig, PathPolicy, PathRequest
+from services.scheduler.path_policy import (
+    LOCAL_PEER_FETCH,
+    REASONS,
+    REMOTE_PEER_FETCH,
+    PathConfig,
+    PathPolicy,
+    PathRequest,
+)
 from services.scheduler.peer_fetch import FETCH, NO_HOLDER, SLOWER, PeerFetchConfig, PeerFetchPolicy
-from services.scheduler.routing import EngineView, LoadBasedPolicy, Router, RoutingRequest
+from services.scheduler.routing import EngineView, LoadBasedPolicy, Route, Router, RoutingRequest
 
 PRIORS = CostPriors(prefill_fixed_s=0.01, prefill_per_token_s=0.0002, transfer_fixed_s=0.01,
                     transfer_per_token_s=0.00002)
@@ -22,7 +31,7 @@ def path_policy() -> PathPolicy:
 
 
 def test_reason_is_a_known_path_reason() -> None:
-    assert LOCAL_PEER_FETCH in REASONS
+    assert LOCAL_PEER_FETCH in REASONS and REMOTE_PEER_FETCH in REASONS
 
 
 def test_config_is_validated() -> None:
@@ -90,6 +99,20 @@ def test_a_loaded_holder_costs_more() -> None:
     assert a is not None and (b is None or b.predicted_s > a.predicted_s)
 
 
+def test_a_busy_holder_pins_after_its_step() -> None:
+    """A holder with requests running pins between its steps: its pin is predicted at least its
+    measured step (1 s here), not an idle one-block prefill."""
+    pol, path = PeerFetchPolicy(PeerFetchConfig("always")), path_policy()
+    d0 = view("d0")
+    for i in range(20):
+        path.costs.observe_itl(1.0, "d1", float(i))
+    args = (PathRequest(2000), path.decide(PathRequest(2000), None, [d0], {}), d0)
+    _, idle = pol.decide(*args, [view("d1")], {"d1": 100}, path)
+    _, busy = pol.decide(*args, [view("d1", num_inflight=1)], {"d1": 100}, path)
+    assert idle is not None and busy is not None
+    assert busy.predicted_s >= idle.predicted_s + 1.0
+
+
 def test_off_never_fetches() -> None:
     pol, path = PeerFetchPolicy(PeerFetchConfig("off")), path_policy()
     d0, d1 = view("d0"), view("d1")
@@ -132,10 +155,65 @@ def test_a_busy_engine_is_never_routed_to_but_is_fetched_from() -> None:
     assert router.route(request, [view("p0", "prefill")], [view("d1")]).fetch is None
 
 
-def test_decode_ranks_learn_decode_engines_only_with_peer_fetch_on() -> None:
+def test_ranks_learn_every_engine_only_with_peer_fetch_on() -> None:
     from services.scheduler.control import audience, peer_roles
     from services.scheduler.registry import Role
 
     assert peer_roles(Role.DECODE) == audience(Role.DECODE) == (Role.PREFILL,)
     assert peer_roles(Role.DECODE, True) == audience(Role.DECODE, True) == (Role.PREFILL, Role.DECODE)
-    assert peer_roles(Role.PREFILL, True) == audience(Role.PREFILL, True) == (Role.DECODE,)
+    assert peer_roles(Role.PREFILL) == audience(Role.PREFILL) == (Role.DECODE,)
+    # A prefill engine pulls a prefix from any engine (decision 0046).
+    assert peer_roles(Role.PREFILL, True) == audience(Role.PREFILL, True) == (Role.PREFILL, Role.DECODE)
+
+
+# -- fetching into the prefill engine of a remote decision (decision 0046) -----------------------
+
+
+def _remote_route(router: Router, holders: dict[str, int], decodes: list[EngineView] | None = None,
+                  num_tokens: int = 330) -> Route:
+    from services.scheduler.prefix_index import EngineMatch
+
+    matches = {e: EngineMatch(e, 1, n, tuple(frozenset({"GPU"}) for _ in range(n))) for e, n in holders.items()}
+    hashes = list(range(1, num_tokens // 16 + 1))
+    return router.route(RoutingRequest(hashes, num_tokens, prefix_matches=matches), [view("p0", "prefill")],
+                        decodes or [view("d0"), view("d1", num_running=3)])
+
+
+def _remote_router(mode: str) -> Router:
+    return Router(LoadBasedPolicy(), path=PathPolicy(PathConfig(mode="remote"), PathCosts(PRIORS)),
+                  fetch=PeerFetchPolicy(PeerFetchConfig(mode)))
+
+
+def test_a_remote_prompt_whose_decode_engine_holds_the_prefix_is_fetched_into_the_prefill_engine() -> None:
+    # d0 holds the conversation's history and is the remote decision's decode engine (fewest
+    # blocks to pull): nothing to fetch into it, so p0 pulls the history and prefills the rest.
+    route = _remote_route(_remote_router("always"), {"d0": 20})
+    assert route.fetch is not None and route.fetch.into_prefill
+    assert (route.fetch.holder_id, route.fetch.target_id, route.fetch.num_blocks) == ("d0", "p0", 20)
+    path = route.path
+    assert path is not None and (path.reason, path.prefill_id, path.decode_id) == (REMOTE_PEER_FETCH, "p0", "d0")
+    assert path.num_uncached_tokens == 330 - 20 * 16 and route.prefill.engine_id == "p0"
+    assert path.predicted_ttft_s is not None and path.alternative_ttft_s is not None
+    assert path.predicted_ttft_s < path.alternative_ttft_s
+
+
+def test_the_cost_mode_fetches_into_the_prefill_engine_only_when_predicted_faster() -> None:
+    router = _remote_router("cost")
+    route = _remote_route(router, {"d0": 60}, num_tokens=1000)
+    assert route.fetch is not None and route.fetch.into_prefill and route.path is not None
+    assert route.path.reason == REMOTE_PEER_FETCH
+    # The holder's link to p0 measured slow: pulling costs more than prefilling, no fetch.
+    for _ in range(20):
+        router.path.costs.observe_transfer("d0", "p0", 960, 10.0)
+    route = _remote_route(router, {"d0": 60}, num_tokens=1000)
+    assert route.fetch is None and route.path is not None and route.path.reason != REMOTE_PEER_FETCH
+    assert router.fetch is not None and router.fetch.decisions[SLOWER] == 1
+
+
+def test_a_fetch_into_the_decode_engine_is_preferred_and_a_prefill_engine_holding_the_prefix_needs_none() -> None:
+    # d0, nearly full, holds it; the decision decodes on d1: d1 pulls (as before decision 0046).
+    route = _remote_route(_remote_router("always"), {"d0": 20}, [view("d0", kv_usage=0.95), view("d1")])
+    assert route.fetch is not None and not route.fetch.into_prefill
+    assert route.path is not None and route.path.reason == LOCAL_PEER_FETCH
+    # p0 itself holds as much as anyone: nothing to fetch anywhere.
+    assert _remote_route(_remote_router("always"), {"d0": 20, "p0": 20}).fetch is None
