@@ -19,25 +19,24 @@ msgpack (plus `--grpc-subscribers` gRPC `Subscribe` ones, pdserve's side only, 0
 The rank stamps its send time into the block hashes, so latency is from the rank's send (the
 engine step's first report) to the subscriber's receipt. Steps are paced to `--rate` events/s.
 
-Every side is measured alike (`delivery`): the same ZMQ subscribers, one stop rule (when pacing
-ends the subscribers keep reading until each holds every event offered, or `--drain-s` passed),
-`lost` = events offered while paced that a subscriber did not receive by then, summed over
-subscribers (a resync's skipped events count), `events_per_s` = events a subscriber received
-over the paced time plus the drain time used.
+Every side is measured alike by the same subscribers, one stop rule and one loss count
+(bench/events_subscribers.py, `delivery`): `lost` = events offered while paced that a
+subscriber did not receive by the stop rule, summed over subscribers; `events_per_s` = events a
+subscriber received over the paced time plus the drain time used.
 
-Baseline (section "vllm"): vLLM's own `vllm.distributed.kv_events.ZmqEventPublisher` (msgspec
-encoding, its publisher thread and queue, PUB + replay buffer), imported from the vLLM
-environment (`.venv-vllm`), fed the same 64-event batches of vLLM's own `BlockStored` structs
-directly (no aggregation, no control streams, no gRPC) to `--subscribers` ZMQ subscribers, at
-the same paced rate as each pdserve section that ran: `--rate` beside "pdserve" and
-`--direct-rate` beside "direct", so every ratio compares equal offered rates. Where vLLM does
-not import, a re-implementation of its design from the reference spec §1.5 runs instead and
-the output says so (`baseline` names which).
+Baseline (section "vllm", bench/events_baseline.py): vLLM's own `ZmqEventPublisher` (or, where
+vLLM does not import, a labelled re-implementation of its design) fed the same batches
+directly, paced at the same rate as each pdserve section that ran, so every ratio compares
+equal offered rates.
 
 Overload (section "overload"): the republisher driven unpaced for `--overload-seconds` with one
 subscriber that never reads and one that keeps up: publish rate, the stalled subscriber's
 largest buffer (bounded by `subscriber_buffer`), resyncs, and the process's current RSS
 (VmRSS) before and after.
+
+The load generator (the simulated ranks, the stamped events and their wire forms, the pacing)
+is bench/events_load.py; the plot and the text summary bench/events_report.py. This module
+runs the sections and is also the entry point of the helper processes (`--role`).
 """
 
 from __future__ import annotations
@@ -46,36 +45,18 @@ import argparse
 import asyncio
 import json
 import os
-import queue
-import statistics
-import subprocess
-import sys
-import threading
 import time
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgpack
-import zmq
-
-from bench.events_load import (
-    Pacer,
-    _ranks_main,
-    _stream_ranks_main,
-    removed_count,
-    sent_at,
-    stamp_events,
-    step_base,
-)
-from connectors.kv_events import MEDIUM_CPU_OFFLOAD, BlockStored, KVEventBatch
-from connectors.wire import encode_batch
+from bench.events_baseline import baselines
+from bench.events_load import _ranks_main, _stream_ranks_main, drive_batches, removed_count, stamp_events
+from bench.events_report import plot_results, print_summary
+from bench.events_subscribers import delivery, read_line, spawn, spawn_subscribers, subscribers_main, tell
+from connectors.kv_events import KVEventBatch
 
 SECTIONS = ("pdserve", "decode_per_rank", "direct", "vllm", "overload")
 HEADLINE_KEYS = ("events_per_s", "p99_ms", "lost", "vllm.events_per_s", "vllm.p99_ms", "vllm.lost")
-_MODULE = "bench.events"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -137,198 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "instead of running")
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
-
-
-# -- subscriber process --------------------------------------------------------------------------
-
-@dataclass
-class SubStats:
-    transport: str
-    batches: int = 0
-    events: int = 0
-    resyncs: int = 0
-    gaps: int = 0
-    last_seq: int | None = None
-    last_at: float = 0.0  # time.monotonic() of the last batch received
-
-    def seen(self, seq: int, n_events: int, first_hash: int, now: float, latencies: list[float]) -> None:
-        if self.last_seq is not None and seq != self.last_seq + 1:
-            self.gaps += 1
-        self.last_seq = seq
-        self.batches += 1
-        self.events += n_events
-        latencies.append(now - sent_at(first_hash))
-
-
-async def _grpc_subscriber(target: str, stats: SubStats, latencies: list[float], stop: asyncio.Event) -> None:
-    from pdserve.v1 import kv_events_pb2 as pb
-    from pdserve.v1 import kv_events_pb2_grpc as pb_grpc
-    from services.common.grpc_server import insecure_channel
-
-    async with insecure_channel(target) as channel:
-        # Batches that are ready together come in one message (the subscriber is behind).
-        call = pb_grpc.KVEventsStub(channel).Subscribe(pb.SubscribeRequest(max_batches_per_message=64))
-        reader = asyncio.ensure_future(_grpc_read(call, pb, stats, latencies))
-        await stop.wait()
-        call.cancel()
-        reader.cancel()
-
-
-async def _grpc_read(call: Any, pb: Any, stats: SubStats, latencies: list[float]) -> None:
-    snapshot = False
-    async for msg in call:
-        if msg.WhichOneof("payload") == "notice":
-            if msg.notice.kind == pb.StreamNotice.RESYNC:
-                stats.resyncs += 1
-            snapshot = msg.notice.kind in (pb.StreamNotice.RESYNC, pb.StreamNotice.SNAPSHOT_BEGIN)
-            if msg.notice.kind == pb.StreamNotice.SNAPSHOT_END:
-                snapshot, stats.last_seq = False, msg.notice.next_seq - 1
-            continue
-        if snapshot:
-            continue
-        now = time.time()
-        for b in msg.batches if msg.batches else (msg.batch,):
-            stats.seen(b.seq, len(b.events), b.events[0].block_stored.block_hashes[0], now, latencies)
-        stats.last_at = time.monotonic()
-
-
-def zmq_batch_head(payload: bytes) -> tuple[int, int]:
-    """(number of events, the first event's first block hash) of a ZMQ payload in vLLM's
-    msgpack (`[ts, events, data_parallel_rank]`, each event a map or a tagged array), reading
-    the events' array header and the first event only."""
-    unpacker = msgpack.Unpacker()
-    unpacker.feed(payload)
-    unpacker.read_array_header()
-    unpacker.skip()  # ts
-    n = unpacker.read_array_header()
-    first = unpacker.unpack()
-    return n, first["block_hashes"][0] if isinstance(first, dict) else first[1][0]
-
-
-def zmq_batch_full(payload: bytes) -> tuple[int, int]:
-    """`zmq_batch_head` decoding every event, as a consumer that indexes them does."""
-    _, events, _ = msgpack.unpackb(payload)
-    first = events[0]
-    return len(events), first["block_hashes"][0] if isinstance(first, dict) else first[1][0]
-
-
-def _zmq_subscriber(ctx: zmq.Context, endpoint: str, stats: SubStats, latencies: list[float],
-                    stop: threading.Event, decode: Callable[[bytes], tuple[int, int]]) -> None:
-    """A ZMQ SUB on its own thread (a blocking socket: no event-loop round per message), taking
-    every message that is ready at each wake-up; runs until `stop`."""
-    sock = ctx.socket(zmq.SUB)
-    sock.setsockopt(zmq.SUBSCRIBE, b"")
-    sock.setsockopt(zmq.RCVHWM, 0)
-    sock.connect(endpoint)
-    while not stop.is_set():
-        if not sock.poll(10):
-            continue
-        while True:
-            try:
-                _, seq, payload = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            n, first_hash = decode(payload)
-            stats.seen(int.from_bytes(seq, "big"), n, first_hash, time.time(), latencies)
-            stats.last_at = time.monotonic()
-    sock.close(linger=0)
-
-
-async def _subscribers_main(grpc_target: str, zmq_endpoint: str, n_grpc: int, n_zmq: int,
-                            decode: str = "head", drain_s: float = 2.0) -> None:
-    """Subscribers until told `go OFFERED` (pacing has ended; OFFERED events were handed to the
-    publisher), then until every subscriber holds OFFERED events or `drain_s` passed: the one
-    stop rule of both sides. Prints their counts, latencies and `drain_used_s` (pacing's end to
-    the last batch received)."""
-    ctx = zmq.Context()
-    stop = asyncio.Event()
-    zmq_stop = threading.Event()
-    stats = [SubStats("grpc") for _ in range(n_grpc)] + [SubStats("zmq") for _ in range(n_zmq)]
-    grpc_lat: list[float] = []
-    zmq_lat: list[float] = []
-    tasks = [asyncio.ensure_future(_grpc_subscriber(grpc_target, s, grpc_lat, stop)) for s in stats[:n_grpc]]
-    decoder = zmq_batch_head if decode == "head" else zmq_batch_full
-    threads = [threading.Thread(target=_zmq_subscriber, args=(ctx, zmq_endpoint, s, zmq_lat, zmq_stop, decoder),
-                                daemon=True) for s in stats[n_grpc:]]
-    for t in threads:
-        t.start()
-    await asyncio.sleep(1.0)
-    print("ready", flush=True)
-    cpu0, wall0 = time.process_time(), time.monotonic()
-    told = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-    paced_end = time.monotonic()
-    offered = int(told.split()[1]) if len(told.split()) > 1 else None
-    while time.monotonic() < paced_end + drain_s and (offered is None or any(s.events < offered for s in stats)):
-        await asyncio.sleep(0.01)
-    cpu_share = (time.process_time() - cpu0) / max(1e-9, time.monotonic() - wall0)
-    stop.set()
-    zmq_stop.set()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    for t in threads:
-        await asyncio.to_thread(t.join)
-    ctx.destroy(linger=0)
-    latencies = grpc_lat + zmq_lat
-    by_transport = {t: [x * 1e3 for x in lat] for t, lat in (("grpc", grpc_lat), ("zmq", zmq_lat))}
-    drain_used = max([s.last_at - paced_end for s in stats if s.last_at], default=0.0)
-    print(json.dumps({"subscribers": [vars(s) for s in stats], "cpu_share": cpu_share,
-                      "drain_used_s": max(0.0, drain_used),
-                      "p50_ms": percentile(latencies, 50) * 1e3,
-                      "p99_ms_by_transport": {t: percentile(v, 99) for t, v in by_transport.items() if v},
-                      "p99_ms": percentile(latencies, 99) * 1e3, "max_ms": max(latencies, default=0.0) * 1e3}),
-          flush=True)
-
-
-# -- rank process ----------------------------------------------------------------------------------
-
-# -- in-process scheduler ------------------------------------------------------------------------
-
-def _spawn(*argv: str) -> subprocess.Popen[str]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.path.join(os.getcwd(), "protos"),
-                                                       os.environ.get("PYTHONPATH", "")]))
-    return subprocess.Popen([sys.executable, "-m", _MODULE, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, env=env)
-
-
-async def _readline(proc: subprocess.Popen[str]) -> str:
-    assert proc.stdout is not None
-    line = await asyncio.to_thread(proc.stdout.readline)
-    if not line:
-        raise RuntimeError(f"bench helper process exited with {proc.wait()}")
-    return line.strip()
-
-
-def _tell(proc: subprocess.Popen[str], line: str = "go") -> None:
-    assert proc.stdin is not None
-    proc.stdin.write(line + "\n")
-    proc.stdin.flush()
-
-
-def _subscribers(args: argparse.Namespace, grpc_target: str, zmq_endpoint: str, grpc: bool) -> subprocess.Popen[str]:
-    """The subscriber process: `--subscribers` ZMQ subscribers on every side (the mix vLLM's
-    publisher serves), plus `--grpc-subscribers` gRPC ones where the side has gRPC (pdserve)."""
-    return _spawn("--role", "subscribers", "--grpc", grpc_target, "--zmq", zmq_endpoint,
-                  "--n-grpc", str(args.grpc_subscribers if grpc else 0), "--n-zmq", str(args.subscribers),
-                  "--decode", args.subscriber_decode, "--drain", str(args.drain_s))
-
-
-def delivery(got: dict[str, Any], offered: int, paced_s: float) -> dict[str, Any]:
-    """The figures every side reports alike from its subscribers' counts: `lost` = events offered
-    (handed to the publisher while paced) that a subscriber did not receive by the stop rule,
-    summed over subscribers; `events_per_s` = events a subscriber received (the mean) over the
-    paced time plus the drain time used."""
-    received = [s["events"] for s in got["subscribers"]]
-    seconds = paced_s + got.get("drain_used_s", 0.0)
-    return {"offered_events": offered, "lost": sum(max(0, offered - r) for r in received),
-            "events_per_s": statistics.fmean(received) / seconds if received and seconds > 0 else 0.0,
-            "paced_s": paced_s, "drain_used_s": got.get("drain_used_s"),
-            "p50_ms": got["p50_ms"], "p99_ms": got["p99_ms"], "max_ms": got["max_ms"],
-            "p99_ms_by_transport": got["p99_ms_by_transport"], "subscribers": got["subscribers"]}
-
+# -- pdserve's sections --------------------------------------------------------------------------
 
 async def _pdserve_section(args: argparse.Namespace, decode_per_rank: bool = False) -> dict[str, Any]:
     """The end-to-end run. `decode_per_rank` restores the pre-cache Control servicer path (every
@@ -365,24 +155,24 @@ async def _pdserve_section(args: argparse.Namespace, decode_per_rank: bool = Fal
     control.start_monitor()
     settle_gc()  # as `pdserve scheduler` does after start-up
     assert plane.zmq is not None
-    subs = _subscribers(args, f"127.0.0.1:{port}", plane.zmq.bound_endpoint, grpc=True)
-    ranks = _spawn("--role", "ranks" if args.rank_client == "control-client" else "stream-ranks",
-                   "--grpc", f"127.0.0.1:{port}", "--engines", str(args.engines),
-                   "--tp", str(args.tp), "--batch-events", str(args.batch_events), "--rate", str(args.rate),
-                   "--duration", str(args.duration), "--report-encoding", encoding,
-                   "--report-per", args.report_per, "--event-source", args.event_source,
-                   "--removed-share", str(args.removed_share))
+    subs = spawn_subscribers(args, f"127.0.0.1:{port}", plane.zmq.bound_endpoint, grpc=True)
+    ranks = spawn("--role", "ranks" if args.rank_client == "control-client" else "stream-ranks",
+                  "--grpc", f"127.0.0.1:{port}", "--engines", str(args.engines),
+                  "--tp", str(args.tp), "--batch-events", str(args.batch_events), "--rate", str(args.rate),
+                  "--duration", str(args.duration), "--report-encoding", encoding,
+                  "--report-per", args.report_per, "--event-source", args.event_source,
+                  "--removed-share", str(args.removed_share))
     try:
-        await _readline(subs)
+        await read_line(subs)
         t0 = time.monotonic()
-        await _readline(ranks)
+        await read_line(ranks)
         setup_s = time.monotonic() - t0
         start_batches = plane.republisher.stats().num_batches
-        _tell(ranks)
+        tell(ranks)
         t0, cpu0 = time.monotonic(), time.process_time()
-        sent = json.loads(await _readline(ranks))  # pacing has ended
-        _tell(subs, f"go {sent['offered_events']}")
-        got = json.loads(await _readline(subs))  # delivered, or the drain window passed
+        sent = json.loads(await read_line(ranks))  # pacing has ended
+        tell(subs, f"go {sent['offered_events']}")
+        got = json.loads(await read_line(subs))  # delivered, or the drain window passed
         elapsed, cpu_s = time.monotonic() - t0, time.process_time() - cpu0
     finally:
         for p in (subs, ranks):
@@ -436,7 +226,7 @@ async def _direct_section(args: argparse.Namespace) -> dict[str, Any]:
     await server.start()
     plane.start()
     assert plane.zmq is not None
-    subs = _subscribers(args, f"127.0.0.1:{port}", plane.zmq.bound_endpoint, grpc=True)
+    subs = spawn_subscribers(args, f"127.0.0.1:{port}", plane.zmq.bound_endpoint, grpc=True)
     engines = [f"bench-p{e}" for e in range(args.engines)]
     turn = iter(range(1 << 62))
 
@@ -444,12 +234,13 @@ async def _direct_section(args: argparse.Namespace) -> dict[str, Any]:
         plane.republisher.publish(engines[next(turn) % len(engines)], 1, batch)
 
     try:
-        await _readline(subs)
+        await read_line(subs)
         t0 = time.monotonic()
-        published = await asyncio.to_thread(_drive, publish, args.direct_rate, args.batch_events, args.duration)
+        published = await asyncio.to_thread(drive_batches, publish, args.direct_rate, args.batch_events,
+                                            args.duration)
         elapsed = time.monotonic() - t0
-        _tell(subs, f"go {published}")
-        got = json.loads(await _readline(subs))
+        tell(subs, f"go {published}")
+        got = json.loads(await read_line(subs))
     finally:
         subs.kill() if subs.poll() is None else None
         await server.stop(0)
@@ -457,121 +248,6 @@ async def _direct_section(args: argparse.Namespace) -> dict[str, Any]:
     return {**delivery(got, published, elapsed), "published_events": published,
             "resyncs": plane.republisher.stats().num_resyncs}
 
-
-# -- baseline: vLLM's own ZmqEventPublisher, or its design re-implemented -------------------------
-
-def vllm_publisher(endpoint_port: int) -> tuple[Any, Callable[[float, list[int]], Any], str] | None:
-    """(vLLM's ZmqEventPublisher bound on 127.0.0.1:port, a batch builder from (ts, hashes) using
-    vLLM's own event structs, "vllm <version>"), or None when vLLM does not import here."""
-    try:
-        import vllm
-        from vllm.distributed.kv_events import BlockStored as VllmBlockStored
-        from vllm.distributed.kv_events import KVEventBatch as VllmBatch
-        from vllm.distributed.kv_events import ZmqEventPublisher
-    except Exception:  # noqa: BLE001 - any import failure means: no vLLM here
-        return None
-    publisher = ZmqEventPublisher(0, endpoint=f"tcp://*:{endpoint_port}")
-
-    def build(ts: float, hashes: list[int]) -> Any:
-        return VllmBatch(ts=ts, events=[VllmBlockStored(block_hashes=[h], parent_block_hash=None, token_ids=[],
-                                                        block_size=0, lora_id=None, medium=MEDIUM_CPU_OFFLOAD,
-                                                        lora_name=None) for h in hashes])
-
-    return publisher, build, f"vllm {vllm.__version__} ZmqEventPublisher"
-
-
-class VllmStylePublisher:
-    """Bounded queue, one publisher thread, PUB with an HWM, replay deque; put() blocks when full."""
-
-    def __init__(self, endpoint: str, *, hwm: int = 100_000, max_queue_size: int = 100_000,
-                 buffer_steps: int = 10_000) -> None:
-        self._ctx = zmq.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.set_hwm(hwm)
-        self._pub.bind(endpoint)
-        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(maxsize=max_queue_size)
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def publish(self, batch: KVEventBatch) -> None:
-        if batch.data_parallel_rank is None:
-            batch.data_parallel_rank = 0
-        self._queue.put(batch)
-
-    def _run(self) -> None:
-        seq = 0
-        while True:
-            batch = self._queue.get()
-            if batch is None:
-                return
-            payload = encode_batch(batch)
-            self._pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
-            self._buffer.append((seq, payload))
-            seq += 1
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(5.0)
-        self._pub.close(linger=0)
-        self._ctx.term()
-
-
-async def _baseline_section(args: argparse.Namespace, rate: float) -> dict[str, Any]:
-    """vLLM's own publisher (or, without vLLM, the labelled re-implementation) paced at `rate`."""
-    from services.local_cluster import free_port
-
-    port = free_port()
-    real = vllm_publisher(port) if not args.reimplemented_baseline else None
-    if real is not None:
-        publisher, build, name = real
-        endpoint = f"tcp://127.0.0.1:{port}"
-
-        def publish(ts: float, hashes: list[int]) -> None:
-            publisher.publish(build(ts, hashes))
-
-        close = publisher.shutdown
-    else:
-        reimpl = VllmStylePublisher("tcp://127.0.0.1:*")
-        endpoint, name, close = reimpl.endpoint, "re-implementation of vLLM's ZmqEventPublisher (vLLM absent)", \
-            reimpl.close
-
-        def publish(ts: float, hashes: list[int]) -> None:
-            reimpl.publish(KVEventBatch(ts, [BlockStored((h,), None, (), 0, medium=MEDIUM_CPU_OFFLOAD)
-                                             for h in hashes]))
-
-    subs = _subscribers(args, "", endpoint, grpc=False)
-    try:
-        await _readline(subs)
-        t0 = time.monotonic()
-        published = await asyncio.to_thread(_drive_hashes, publish, rate, args.batch_events, args.duration)
-        elapsed = time.monotonic() - t0
-        _tell(subs, f"go {published}")
-        got = json.loads(await _readline(subs))
-    finally:
-        subs.kill() if subs.poll() is None else None
-        close()
-    return {"baseline": name, "offered_rate": rate, **delivery(got, published, elapsed), "published_events": published}
-
-
-def _drive(publish: Callable[[KVEventBatch], Any], rate: float, batch_events: int, duration: float) -> int:
-    steps = Pacer(rate / batch_events).run(
-        duration, lambda: publish(KVEventBatch(time.time(), list(stamp_events(time.time(), batch_events)))))
-    return steps * batch_events
-
-
-def _drive_hashes(publish: Callable[[float, list[int]], Any], rate: float, batch_events: int,
-                  duration: float) -> int:
-    def step() -> None:
-        now = time.time()
-        base = step_base(now)
-        publish(now, [base + i for i in range(batch_events)])
-
-    return Pacer(rate / batch_events).run(duration, step) * batch_events
-
-
-# -- overload ------------------------------------------------------------------------------------
 
 def _overload_section(args: argparse.Namespace) -> dict[str, Any]:
     from services.scheduler.events import EventRepublisher, NoticeKind, StreamNotice
@@ -610,84 +286,6 @@ def current_rss_mib() -> float:
 
 # -- entry points ----------------------------------------------------------------------------------
 
-def _variant(result: dict[str, Any]) -> str:
-    """A saved result's pdserve variant, as a legend label: event source, encoding, removals."""
-    p = result.get("pdserve") or {}
-    label = f"{p.get('event_source', 'worker')} events, {p.get('report_encoding', 'packed')}"
-    config = result.get("config") or {}
-    share = config.get("removed_share") or 0
-    label = f"{label}, {share:.0%} removed" if share else label
-    return label + _subscribers_label(result)
-
-
-def _subscribers_label(result: dict[str, Any]) -> str:
-    """How the run's ZMQ subscribers decoded (saved runs from before the option decoded fully)."""
-    return ", subscribers read heads" if (result.get("config") or {}).get("subscriber_decode") == "head" else ""
-
-
-def plot_results(results: list[dict[str, Any]], path: str) -> None:
-    """Draws saved `--json` results against their offered rate (several runs of a variant at
-    one rate: a line through their median and a dot per run): p99 (pdserve per variant and
-    vLLM's publisher, issue 18's 50 ms goal dotted), the share of events lost, and the
-    scheduler's CPU per event. Results without a pdserve section are skipped; ValueError when
-    none has one."""
-    import matplotlib
-
-    runs = [r for r in results if r.get("pdserve")]
-    if not runs:
-        raise ValueError("--from-json: no result holds a pdserve section")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    series: dict[str, list[tuple[float, dict[str, Any]]]] = {}
-    for r in runs:
-        series.setdefault(_variant(r), []).append((r["config"]["rate"] / 1000, r["pdserve"]))
-    baselines: dict[str, list[tuple[float, dict[str, Any]]]] = {}
-    for r in runs:
-        if r.get("vllm"):
-            baselines.setdefault(_subscribers_label(r), []).append((r["config"]["rate"] / 1000, r["vllm"]))
-    subscribers = runs[0]["config"].get("subscribers", 4)
-
-    def lost_share(side: dict[str, Any]) -> float:
-        return 100 * side["lost"] / max(1, side.get("offered_events", side["published_events"]) * subscribers)
-
-    panels: list[tuple[str, Callable[[dict[str, Any]], float]]] = [
-        ("p99 publish → subscriber (ms)", lambda side: side["p99_ms"]),
-        ("events lost (% of deliveries)", lost_share),
-        ("scheduler CPU per event (µs)", lambda side: side["scheduler_cpu_us_per_event"])]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-    for i, (ax, (title, value)) in enumerate(zip(axes, panels, strict=True)):
-        for label, points in sorted(series.items()):
-            # Several runs at one rate: the line goes through their median, each run a dot.
-            by_rate: dict[float, list[float]] = {}
-            for x, side in points:
-                by_rate.setdefault(x, []).append(value(side))
-            rates = sorted(by_rate)
-            line, = ax.plot(rates, [statistics.median(by_rate[x]) for x in rates], marker="o", label=label)
-            if any(len(v) > 1 for v in by_rate.values()):
-                ax.scatter([x for x in rates for _ in by_rate[x]], [y for x in rates for y in by_rate[x]],
-                           s=10, alpha=0.5, color=line.get_color())
-        for j, (subs, baseline) in enumerate(sorted(baselines.items()) if i < 2 else ()):
-            base_by_rate: dict[float, list[float]] = {}
-            for x, side in baseline:
-                base_by_rate.setdefault(x, []).append(value(side))
-            base_rates = sorted(base_by_rate)
-            ax.plot(base_rates, [statistics.median(base_by_rate[x]) for x in base_rates], marker="s",
-                    color="black" if not j else "dimgrey", linestyle="--" if not j else ":",
-                    label=f"{runs[0].get('baseline') or 'vLLM publisher'} alone{subs}")
-        if i == 0:
-            ax.set_yscale("log")
-            ax.axhline(50.0, color="grey", linestyle=":", linewidth=1)
-            ax.annotate("goal p99 50 ms", (min(x for x, _ in series[min(series)]), 50.0), fontsize=6,
-                        color="grey", va="bottom")
-        ax.set_title(title, fontsize=9)
-        ax.set_xlabel("offered events/s (thousands)")
-        ax.legend(fontsize=6)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-
-
 def run(args: argparse.Namespace) -> int:
     if args.from_json:
         if not args.plot:
@@ -709,12 +307,12 @@ def run(args: argparse.Namespace) -> int:
     ours = ("pdserve" in sections or "decode_per_rank" in sections, "direct" in sections)
     baseline = baseline_direct = None
     if baseline_first and "vllm" in sections:
-        baseline, baseline_direct = _baselines(args, *ours)
+        baseline, baseline_direct = baselines(args, *ours)
     pdserve = asyncio.run(_pdserve_section(args)) if "pdserve" in sections else None
     per_rank = asyncio.run(_pdserve_section(args, decode_per_rank=True)) if "decode_per_rank" in sections else None
     direct = asyncio.run(_direct_section(args)) if "direct" in sections else None
     if not baseline_first and "vllm" in sections:
-        baseline, baseline_direct = _baselines(args, *ours)
+        baseline, baseline_direct = baselines(args, *ours)
     overload = _overload_section(args) if "overload" in sections else None
     head = pdserve or per_rank or {}
     result: dict[str, Any] = {
@@ -745,50 +343,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    removed = f" ({args.removed_share:.0%} BlockRemoved)" if args.removed_share else ""
-    print(f"KV-event plane, {args.engines} engines x tp {args.tp}, {args.batch_events}-event batches{removed}, "
-          f"{args.subscribers} ZMQ subscribers on each side"
-          + (f" + {args.grpc_subscribers} gRPC on pdserve's (not like for like)" if args.grpc_subscribers else "")
-          + f"; every side stops when each subscriber holds every offered event or {args.drain_s:g} s after pacing")
-    label = "vLLM ZmqEventPublisher" if result["baseline"] and result["baseline"].startswith("vllm") \
-        else "vLLM-style re-implementation"
-    if result["baseline"]:
-        print(f"  baseline: {result['baseline']}; load average {os.getloadavg()[0]:.1f}")
-    for name, r in ((f"pdserve end to end, paced {args.rate:.0f}/s", pdserve),
-                    ("  same, decoding every rank's copy (old path)", per_rank),
-                    (f"{label}, paced {args.rate:.0f}/s", baseline),
-                    (f"pdserve event plane alone, paced {args.direct_rate:.0f}/s", direct),
-                    (f"{label}, paced {args.direct_rate:.0f}/s", baseline_direct)):
-        if r is None:
-            continue
-        cpu = r.get("scheduler_cpu_us_per_event")
-        print(f"  {name:45s} {r['events_per_s']:10.0f} events/s  p50 {r['p50_ms']:7.2f} ms  "
-              f"p99 {r['p99_ms']:7.2f} ms  lost {r['lost']}" + (f"  scheduler CPU {cpu:.1f} us/event" if cpu else ""))
-    if pdserve:
-        print(f"  rank-side events (x tp): {pdserve['rank_events_per_s']:.0f}/s through {args.engines * args.tp} "
-              f"control streams")
-    if result["cpu_per_event_ratio_vs_decode_per_rank"]:
-        print(f"  scheduler CPU per event, old path / new path: {result['cpu_per_event_ratio_vs_decode_per_rank']:.2f}x")
-    if overload:
-        o = overload
-        print(f"  overload: {o['events_per_s']:.0f} events/s unpaced; stalled subscriber held at most "
-              f"{o['stalled_max_buffered_batches']} batches (buffer {o['subscriber_buffer']}), resynced "
-              f"{o['stalled_resyncs']}x, told: {o['stalled_told_resync']}; RSS {o['rss_before_mib']:.0f} -> "
-              f"{o['rss_after_mib']:.0f} MiB (current VmRSS)")
-    for key in ("p99_ratio_vs_vllm", "delivered_ratio_vs_vllm", "direct_p99_ratio_vs_vllm",
-                "direct_delivered_ratio_vs_vllm"):
-        if result[key] is not None:
-            print(f"  {key}: {result[key]:.2f}x (equal offered rates)")
+    print_summary(args, result)
     return 0
-
-
-def _baselines(args: argparse.Namespace, end_to_end: bool, direct: bool
-               ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """vLLM's publisher at `--rate` (beside the end-to-end sections, or alone) and at
-    `--direct-rate` (beside the event plane alone)."""
-    at_rate = asyncio.run(_baseline_section(args, args.rate)) if end_to_end or not direct else None
-    at_direct = asyncio.run(_baseline_section(args, args.direct_rate)) if direct else None
-    return at_rate, at_direct
 
 
 def _ratio(mine: dict[str, Any] | None, base: dict[str, Any] | None, key: str) -> float | None:
@@ -820,7 +376,7 @@ def _main() -> None:
     engine_events = a.event_source == "engine"
     merged = a.report_per == "engine"
     if a.role == "subscribers":
-        asyncio.run(_subscribers_main(a.grpc, a.zmq, a.n_grpc, a.n_zmq, a.decode, a.drain))
+        asyncio.run(subscribers_main(a.grpc, a.zmq, a.n_grpc, a.n_zmq, a.decode, a.drain))
     elif a.role == "stream-ranks":
         asyncio.run(_stream_ranks_main(a.grpc, a.engines, a.tp, a.batch_events, a.rate, a.duration,
                                        encoding=a.report_encoding, merged=merged, engine_events=engine_events,

@@ -5,8 +5,10 @@ events, stamped with their send time in the block hashes (`step_base`, `sent_at`
 per step in the form a rank reports (`stamped_compact_wire`, `step_events_wire`); the ranks
 themselves, either real `ControlClient`s on threads (`_ranks_main`) or raw Control streams on one
 event loop (`_stream_ranks_main`, the default), which coalesce reports queued behind a busy
-stream into one ReportBatch as ControlClient does. `Pacer` holds a paced rate. Runs in its own
-process (bench/events.py spawns it with `--role ranks|stream-ranks`).
+stream into one ReportBatch as ControlClient does. `Pacer` holds a paced rate. The ranks run in
+their own process (bench/events.py spawns it with `--role ranks|stream-ranks`);
+`drive_batches` and `drive_hashes` pace stamped batches into a publisher in the calling process
+instead (the event plane alone, and vLLM's publisher: bench/events_baseline.py).
 """
 
 from __future__ import annotations
@@ -98,6 +100,27 @@ class Pacer:
                 step()
                 self.done += 1
         return self.done
+
+
+def drive_batches(publish: Callable[[KVEventBatch], Any], rate: float, batch_events: int,
+                  duration: float) -> int:
+    """Publishes batches of `batch_events` stamped events at `rate` events/s for `duration` s;
+    returns the events offered."""
+    steps = Pacer(rate / batch_events).run(
+        duration, lambda: publish(KVEventBatch(time.time(), list(stamp_events(time.time(), batch_events)))))
+    return steps * batch_events
+
+
+def drive_hashes(publish: Callable[[float, list[int]], Any], rate: float, batch_events: int,
+                 duration: float) -> int:
+    """`drive_batches` handing the publisher (send time, stamped block hashes), from which it
+    builds its own event structs (vLLM's publisher takes vLLM's)."""
+    def step() -> None:
+        now = time.time()
+        base = step_base(now)
+        publish(now, [base + i for i in range(batch_events)])
+
+    return Pacer(rate / batch_events).run(duration, step) * batch_events
 
 
 def _ranks_main(target: str, engines: int, tp: int, batch_events: int, rate: float, duration: float,

@@ -738,7 +738,8 @@ class _PdserveEnd:
     """One side of pdserve's UCX connector: the writer pins blocks [0, n), the reader pulls them."""
 
     def __init__(self, role: str, method: str, device: str, shape: KVShape) -> None:
-        from connectors.ucx.worker import UcxConnectorConfig, UcxWorkerConnector
+        from connectors.ucx.config import UcxConnectorConfig
+        from connectors.ucx.worker import UcxWorkerConnector
 
         self.role, self.shape = role, shape
         self.kv = _kv_tensor(device, shape, seed=1 if role == "writer" else 0)

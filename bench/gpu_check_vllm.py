@@ -259,7 +259,8 @@ class _Rank:
                  seed: int) -> None:
         import torch
 
-        from connectors.ucx.worker import UcxConnectorConfig, UcxWorkerConnector
+        from connectors.ucx.config import UcxConnectorConfig
+        from connectors.ucx.worker import UcxWorkerConnector
         from connectors.vllm.kv_region import allocate_like_vllm, describe_kv_caches, logical_view
 
         heads = shape.kv_heads // tp_size

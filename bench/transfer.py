@@ -535,7 +535,8 @@ def _pdserve_connector(conn: Connection, shape: Shape, role: str, ucx_tls: str, 
     """The connector of one side, or None (told to the parent) where its transport is not installed.
     With `shape.kv_staging` host: staged through a pool as large as the cache, or with `pool`
     through `shape.staging_blocks` slots."""
-    from connectors.ucx.worker import UcxConnectorConfig, UcxWorkerConnector
+    from connectors.ucx.config import UcxConnectorConfig
+    from connectors.ucx.worker import UcxWorkerConnector
 
     writer = role == "prefill"
     staging = "host" if pool else shape.kv_staging
@@ -626,7 +627,7 @@ def _ucxx_worker(tls: str) -> tuple[Any, Any, Any]:
     import ucxx._lib.libucxx as ucx_api
     from ucxx._lib.arr import Array
 
-    from connectors.ucx.worker import UcxConnectorConfig
+    from connectors.ucx.config import UcxConnectorConfig
 
     ctx = ucx_api.UCXContext(config_dict=UcxConnectorConfig(ucx_tls=tls).ucx_options(),
                              feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))

@@ -358,8 +358,9 @@ def _rank_main(conn: Connection, spec: RankSpec) -> None:
     sys.stdout.flush()
     os.dup2(2, 1)  # UCX logs to stdout, which belongs to the parent's table
     torch.set_num_threads(1)
+    from connectors.ucx.config import UcxConnectorConfig
     from connectors.ucx.handshake import KVTransferDescriptor
-    from connectors.ucx.worker import UcxConnectorConfig, UcxWorkerConnector
+    from connectors.ucx.worker import UcxWorkerConnector
 
     s = spec.shape
     kv = torch.empty(s.num_blocks, num_local_heads(spec.tp_size, s.kv_heads), s.num_layers, 2, s.block_size,

@@ -1,7 +1,7 @@
 """The KV transport interface: moves runs of KV blocks between ranks for the UCX connector.
 
-The connector (`connectors/ucx/worker.py`) does the bookkeeping — requests, leases, results,
-stats; a transport only moves bytes and delivers protocol events. `UcxTagTransport`
+The connector (`connectors/ucx/worker.py`, its sides `pull_side.py` and `serve_side.py`) does
+the bookkeeping — requests, leases, results, stats; a transport only moves bytes and delivers protocol events. `UcxTagTransport`
 (tagged messages, the writer sends on the reader's request) is the one implementation today;
 an RMA backend (NIXL READ, or UCX get with remote keys in the handshake) implements the same
 interface, with `pull` reading directly and `on_pull_request` called only for validation

@@ -40,9 +40,11 @@ from connectors.head_map import mapping_problem, readers_of, source_ranks
 from connectors.kv_events import KVCacheEvent
 from connectors.offload import OffloadRankInit, OffloadWorker
 from connectors.outputs import KVConnectorOutput, KVConnectorStats, TransferResults
+from connectors.ucx.config import UcxConnectorConfig
 from connectors.ucx.handshake import UcxHandshakeMetadata
 from connectors.ucx.scheduler import UcxConnectorMetadata
-from connectors.ucx.worker import UcxConnectorConfig, UcxTransferStats, UcxWorkerConnector
+from connectors.ucx.transfer_stats import UcxTransferStats
+from connectors.ucx.worker import UcxWorkerConnector
 from services.common.bound_ports import PortsFile
 from services.common.metrics import (
     KVMemoryMetrics,

@@ -122,8 +122,9 @@ def rank_main(conn: Connection, spec: dict[str, Any]) -> None:
 
     torch.set_num_threads(1)
     from connectors.head_map import num_local_heads, rank_heads
+    from connectors.ucx.config import UcxConnectorConfig
     from connectors.ucx.handshake import KVTransferDescriptor
-    from connectors.ucx.worker import UcxConnectorConfig, UcxWorkerConnector
+    from connectors.ucx.worker import UcxWorkerConnector
 
     heads = num_local_heads(spec["tp_size"], spec["num_kv_heads"])
     head_start = rank_heads(spec["tp_rank"], spec["tp_size"], spec["num_kv_heads"])[0]

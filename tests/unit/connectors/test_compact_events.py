@@ -332,8 +332,8 @@ def test_the_bench_builds_what_the_encoder_gives() -> None:
 def test_the_bench_subscribers_read_what_a_full_decode_reads() -> None:
     """`bench events`' ZMQ subscribers read a message's event count and first hash from its
     head: the same as decoding it whole, in vLLM's map form and the legacy array form."""
-    from bench.events import zmq_batch_full, zmq_batch_head
     from bench.events_load import step_events
+    from bench.events_subscribers import zmq_batch_full, zmq_batch_head
 
     for n, prev, gone in ((1, None, 0), (15, None, 0), (16, None, 0), (64, 1.25, 16), (200, None, 0)):
         events = step_events(2.5, n, prev, gone)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from connectors.ucx.config import UcxConnectorConfig
 from connectors.ucx.handshake import UcxHandshakeMetadata
 from connectors.ucx.nixl_transport import (
     NixlAddress,
@@ -23,7 +24,7 @@ from connectors.ucx.nixl_transport import (
     vram_problem,
 )
 from connectors.ucx.transport import HeadGeometry, Segment
-from connectors.ucx.worker import UcxConnectorConfig, UcxWorkerConnector
+from connectors.ucx.worker import UcxWorkerConnector
 from services.common.config import EngineConfig
 
 

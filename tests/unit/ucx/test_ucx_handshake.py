@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from connectors.base import create_worker_connector, registered_connectors
+from connectors.ucx.config import DEFAULT_UCX_TLS, UcxConnectorConfig
 from connectors.ucx.handshake import (
     HANDSHAKE_VERSION,
     KVRegionLayout,
@@ -20,7 +21,7 @@ from connectors.ucx.handshake import (
 )
 from connectors.ucx.tag_transport import MAX_SEGMENTS, data_tag, split_data_tag
 from connectors.ucx.transport import Segment, coalesce
-from connectors.ucx.worker import DEFAULT_UCX_TLS, UcxConnectorConfig, UcxWorkerConnector
+from connectors.ucx.worker import UcxWorkerConnector
 
 
 def region(**over: object) -> KVRegionLayout:

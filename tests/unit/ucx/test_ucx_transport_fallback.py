@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 import torch
 
+from connectors.ucx.config import UcxConnectorConfig
 from connectors.ucx.handshake import KVTransferDescriptor, PeerKey
 from connectors.ucx.transport import KVTransport, PullOp, PullResult, TransportListener
-from connectors.ucx.worker import UcxConnectorConfig, UcxWorkerConnector
+from connectors.ucx.worker import UcxWorkerConnector
 
 
 class ReportingTransport(KVTransport):
@@ -81,7 +82,7 @@ def pair() -> Any:
 def test_every_pull_over_a_slower_transport_is_counted_and_logged_once(pair: Any, caplog: Any) -> None:
     decode, wire = pair
     assert decode.peer_transports() == {PeerKey("prefill-0", 3, 0): ""}  # before any pull
-    with caplog.at_level(logging.WARNING, logger="connectors.ucx.worker"):
+    with caplog.at_level(logging.WARNING, logger="connectors.ucx.pull_side"):
         for i in range(3):
             pull(decode, f"r{i}")
             wire.finish_all()
