@@ -8,8 +8,8 @@ graph eagerly): the engines run what a user's do. Before decision 0040 they ran 
 CPU graph, which in bfloat16 answered the capital prompt `L'Étoile…` where vLLM offline eager
 answers `The capital of France is Paris.`
 
-One cluster (1 prefill, 1 decode, demo model) and one offline reference process per dtype; the
-rest needs no compilation (per dtype: offline reference and cluster start 62 s, the test 9 s).
+One cluster (1 prefill, 1 decode, demo model) per dtype and one offline reference process for
+both dtypes (one vLLM import); none of it compiles.
 The self-check's refusal compiles a model with vLLM's inductor: the demo model cut to its first
 `COMPILED_LAYERS` layers (its own weights, tokenizer and chat template), whose compiled bfloat16
 graph disagrees with its eager forward as the whole model's does, in 65 s on the shared 2-core
@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from vllm_cluster import BLOCK, generate_greedy, log_problems, offline_greedy, vllm_cluster
+from vllm_cluster import BLOCK, generate_greedy, log_problems, offline_greedy_dtypes, vllm_cluster
 
 from services.local_cluster import LocalCluster
 
@@ -36,6 +36,7 @@ pytestmark = pytest.mark.timeout(1500)
 
 MAX_TOKENS = 16
 MAX_MODEL_LEN = 1024
+DTYPES = ("bfloat16", "float32")
 LOCAL_BELOW = 64  # the threshold path policy: fewer uncached prompt tokens run decode-local
 PREAMBLE = "You are a helpful assistant. Answer briefly and precisely, in plain English. "
 # (text, chat, long): long prompts are over LOCAL_BELOW tokens (remote), short ones under it.
@@ -101,12 +102,19 @@ def users_environment() -> Iterator[None]:
         os.environ["VLLM_CPU_CI_ENV"] = before
 
 
-@pytest.fixture(scope="module", params=["bfloat16", "float32"])
-def dtype_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, demo_model: Path,
-              prompts: list[list[int]], users_environment: None) -> Iterator[tuple[str, LocalCluster, list[list[int]]]]:
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory, demo_model: Path, prompts: list[list[int]],
+               users_environment: None) -> dict[str, list[list[int]]]:
+    """vLLM offline's greedy tokens in every dtype of `DTYPES`, from one process."""
+    return offline_greedy_dtypes(demo_model, list(DTYPES), prompts, tmp_path_factory.mktemp("offline"),
+                                 max_tokens=MAX_TOKENS, max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module", params=DTYPES)
+def dtype_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, users_environment: None,
+              references: dict[str, list[list[int]]]) -> Iterator[tuple[str, LocalCluster, list[list[int]]]]:
     dtype = str(request.param)
-    reference = offline_greedy(demo_model, dtype, prompts, tmp_path_factory.mktemp(f"offline-{dtype}"),
-                               max_tokens=MAX_TOKENS, max_model_len=MAX_MODEL_LEN)
+    reference = references[dtype]
     with vllm_cluster(tmp_path_factory, f"vllm-parity-{dtype}", num_prefill=1, num_decode=1, kv_cache_memory="64MiB",
                       scheduler_args=["--path-policy", "threshold", "--path-threshold-tokens", str(LOCAL_BELOW)],
                       max_model_len=MAX_MODEL_LEN, max_num_seqs=4, dtype=dtype, vllm_args=()) as c:
