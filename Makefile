@@ -177,13 +177,13 @@ check-protos: install-dev
 
 # The two environments install side by side (they share nothing but uv's cache), and the CPU
 # image builds beside them (all three mostly wait on the network and the disk; `test-images`
-# then finds it built); then lint, the main suite (tests/vllm is skipped there: no vLLM in .venv),
-# the image's containers, the vLLM suite in .venv-vllm. pdserve's own modules are byte-compiled
-# before the suites too (they change between runs; a stale .pyc is recompiled at import as
-# without one).
+# then finds it built); lint and the proto check run as soon as .venv is installed (both need
+# install-dev only), beside the vLLM install and the image build; then the main suite (tests/vllm
+# is skipped there: no vLLM in .venv), the image's containers, the vLLM suite in .venv-vllm.
+# pdserve's own modules are byte-compiled before the suites too (they change between runs; a
+# stale .pyc is recompiled at import as without one).
 test:
-	$(MAKE) -j3 install-dev install-vllm image-cpu
-	$(MAKE) lint check-protos
+	$(MAKE) -j4 install-vllm image-cpu lint check-protos
 	$(PY) $(COMPILE_BYTECODE) connectors engine services bench protos
 	$(PY) -m pytest -q -x --durations=15 tests
 	$(MAKE) test-images

@@ -64,8 +64,15 @@ def offline_greedy(model: Path, dtype: str, prompts: list[list[int]], tmp_path: 
                    max_model_len: int, tp: int = 1) -> list[list[int]]:
     """vLLM offline (`vllm.LLM`) greedy with pdserve's CPU settings (eager, block size `BLOCK`,
     prefix caching), each prompt alone, in a process of its own (offline_reference.py)."""
+    return offline_greedy_dtypes(model, [dtype], prompts, tmp_path, max_tokens=max_tokens,
+                                 max_model_len=max_model_len, tp=tp)[dtype]
+
+
+def offline_greedy_dtypes(model: Path, dtypes: list[str], prompts: list[list[int]], tmp_path: Path, *,
+                          max_tokens: int, max_model_len: int, tp: int = 1) -> dict[str, list[list[int]]]:
+    """`offline_greedy` in each of `dtypes`, by dtype, from one process (one vLLM import)."""
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"model": str(model), "dtype": dtype, "tp": tp, "max_tokens": max_tokens,
+    spec.write_text(json.dumps({"model": str(model), "dtypes": dtypes, "tp": tp, "max_tokens": max_tokens,
                                 "max_model_len": max_model_len, "prompts": prompts, "vllm": {"enforce_eager": True}}))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
@@ -75,7 +82,7 @@ def offline_greedy(model: Path, dtype: str, prompts: list[list[int]], tmp_path: 
     marker = "pdserve-offline-reference: "
     lines = [line for line in done.stdout.splitlines() if line.startswith(marker)]
     assert lines, done.stdout[-3000:] + done.stderr[-3000:]
-    answers: list[list[int]] = json.loads(lines[-1][len(marker):])
+    answers: dict[str, list[list[int]]] = json.loads(lines[-1][len(marker):])
     return answers
 
 
