@@ -12,8 +12,9 @@ One cluster (1 prefill, 1 decode, demo model) per dtype and one offline referenc
 both dtypes (one vLLM import); none of it compiles.
 The self-check's refusal compiles a model with vLLM's inductor: the demo model cut to its first
 `COMPILED_LAYERS` layers (its own weights, tokenizer and chat template), whose compiled bfloat16
-graph disagrees with its eager forward as the whole model's does, in 65 s on the shared 2-core
-host against 166 s for the 30-layer model (inductor compiles every layer of the one traced graph).
+graph disagrees with its eager forward as the whole model's does: the refusal in 62 s on the
+shared 2-core host against 128 s for the 30-layer model (back to back, empty compile caches;
+inductor compiles every layer of the one traced graph).
 """
 
 from __future__ import annotations
