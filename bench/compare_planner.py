@@ -3,7 +3,8 @@ judged by goodput under two SLO pairs, over the phased workload.
 
 Systems (each on the same pinned cores with the same total of compute threads, one after the
 other; the order reverses on every other `--repeat` run):
-- `static_1p1d`: pdserve, 1 prefill + 1 decode engine, every request on the remote path.
+- `static_1p1d`: pdserve, 1 prefill + 1 decode engine, every request on the remote path (the
+  engines are pdserve's own, or vLLM's with `--engine vllm`, for every pdserve system).
 - `static_2mixed`: the same cluster with both engines set to `mixed` (POST /admin/roles), i.e.
   two colocated engines, each computing its own prompts. These are the only distinct layouts of
   2 engines: 0P+2D routes like 2 mixed (a decode engine with no prefill engine computes its own
@@ -177,8 +178,9 @@ def _pdserve_probe(base_url: str, wl: Workload, pairs: list[SloPair], roles: tup
 
 @contextlib.contextmanager
 def _pdserve_cluster(name: str, args: argparse.Namespace, scheduler_args: list[str]) -> Iterator[str]:
-    mode_args = argparse.Namespace(**{**vars(args), "engine": "native"})
-    with started_cluster(name, mode_args, num_prefill=1, num_decode=1,
+    # `--engine vllm` runs the pdserve systems on vLLM engines (their roles change in place too,
+    # decision 0047); the default is pdserve's own engine.
+    with started_cluster(name, args, num_prefill=1, num_decode=1,
                          scheduler_args=[*ALWAYS_REMOTE, *scheduler_args]) as cluster:
         asyncio.run(_probe(cluster.http_url, _warm_up_kinds(), 50.0, [parse_slo_pair("w=ttft:1e9,tpot:1e9")]))
         yield cluster.http_url
