@@ -12,12 +12,12 @@ import itertools
 from collections.abc import AsyncIterator
 from typing import Any
 
-import grpc
 import pytest
 
 from bench import kv_reuse
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
+from tests.generation_stub import serving
 
 
 class AlternatingEngines(pb_grpc.GenerationServicer):
@@ -43,15 +43,9 @@ def _args(**kw: Any) -> argparse.Namespace:
 
 
 async def _drive(convs: list[Any]) -> tuple[list[Any], list[list[int]]]:
-    server = grpc.aio.server()
     servicer = AlternatingEngines()
-    pb_grpc.add_GenerationServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        results, _ = await kv_reuse._drive_conversations(f"127.0.0.1:{port}", convs)
-    finally:
-        await server.stop(None)
+    async with serving(servicer) as target:
+        results, _ = await kv_reuse._drive_conversations(target, convs)
     return results, servicer.prompts
 
 

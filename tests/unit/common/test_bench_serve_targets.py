@@ -9,11 +9,10 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-import grpc
-
 from bench import serve
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
+from tests.generation_stub import serving
 
 
 class RecordingGeneration(pb_grpc.GenerationServicer):
@@ -28,15 +27,9 @@ class RecordingGeneration(pb_grpc.GenerationServicer):
 
 
 async def _drive_recorded(wl: serve.Workload) -> list[pb.GenerateRequest]:
-    server = grpc.aio.server()
     servicer = RecordingGeneration()
-    pb_grpc.add_GenerationServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        await serve._drive(f"127.0.0.1:{port}", wl, 2, 0.0)
-    finally:
-        await server.stop(None)
+    async with serving(servicer) as target:
+        await serve._drive(target, wl, 2, 0.0)
     return servicer.requests
 
 
