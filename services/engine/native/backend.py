@@ -65,6 +65,7 @@ from services.engine.backend import (
 from services.engine.control_client import EngineLoad, SetRole
 from services.engine.native.build import NativeEngine, build_native_engine
 from services.engine.native.loop import Delivery, EngineLoop
+from services.engine.native.peer_pin import pin_for_peer
 from services.engine.role_state import EngineRole
 from services.engine.verdicts import route_control_message
 
@@ -298,29 +299,14 @@ class NativeBackend:
                              self._descriptor(rid, len(prompt), delivery.block_ids))
 
     async def _pin_for_peer(self, request: PrefillInput) -> PrefillResult:
-        """A peer fetch's pin (decision 0049): on the engine-loop thread between two steps, the
-        prompt's cached full blocks are pinned under the request's id (a PINNED request, as a
-        finished prefill is), every rank pins them for the reader at once (a command-only
-        flush), and the descriptor covers exactly those blocks. No step, no compute, no token."""
+        """A peer fetch's pin (`peer_pin.pin_for_peer`, between two steps: no compute, no
+        token); the descriptor covers exactly the cached blocks pinned."""
         rid = request.request_id
         if rid in self._pending:
             raise DuplicateRequest(f"request {rid} is already running here")
-
-        def pin(engine: LLMEngine) -> tuple[int, list[int]]:
-            if rid in engine.batch_scheduler.requests:
-                raise DuplicateRequest(f"request {rid} is already running or pinned here")
-            self._connector().set_reader_tp(rid, request.decode_tp_size)
-            try:
-                num_tokens = engine.pin_cached_prefix(rid, request.prompt_token_ids)
-            finally:
-                if rid not in engine.batch_scheduler.pinned:
-                    self._connector().set_reader_tp(rid, 0)  # not pinned: forget the reader's TP
-            if num_tokens:
-                engine.flush_commands()  # the descriptor never leaves before every rank pinned
-            return num_tokens, engine.get_block_ids(rid)
-
         try:
-            num_tokens, block_ids = await self._call(pin)
+            num_tokens, block_ids = await self._call(
+                lambda e: pin_for_peer(e, self._connector(), rid, request.prompt_token_ids, request.decode_tp_size))
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
         except asyncio.CancelledError:  # the caller left: a pin made meanwhile is released
