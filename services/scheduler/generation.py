@@ -397,10 +397,12 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                 self._take_slot(request, engine_id)
 
     async def _peer_fetch_leg(self, request: Request, fetch: PeerFetch) -> eng_pb.TransferDescriptor | None:
-        """Asks the holder to pin the prompt's first `fetch.num_blocks` blocks for the decode
-        engine's pull (a Prefill with `peer_fetch`: it computes only what it no longer caches);
-        the descriptor, or None when the holder cannot (the decode engine then computes the whole
-        prompt). Waits at most `peer_fetch_timeout_s`: a slow holder costs no more than that."""
+        """Asks the holder to pin the prompt's first `fetch.num_blocks` blocks for the target's
+        pull (a Prefill with `peer_fetch`: pdserve's engine pins what it still caches of them
+        without computing, decision 0049, so the descriptor may cover fewer, and the target
+        computes the rest; a vLLM engine computes what it no longer caches); the descriptor, or
+        None when the holder cannot (the target then computes the whole prompt). Waits at most
+        `peer_fetch_timeout_s`: a slow holder costs no more than that."""
         request.fetch_started_at = time.monotonic()
         try:
             engine = self._engine(fetch.holder_id)
@@ -420,8 +422,10 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                 request.outside_s += time.monotonic() - started
                 request.call = None
             d = response.descriptor
-            if (d.engine_id, d.epoch) != (engine.engine_id, engine.epoch) or len(d.block_ids) < fetch.num_blocks:
-                raise LegFailed(f"holder answered {len(d.block_ids)} blocks of {d.engine_id!r} epoch {d.epoch:#x}")
+            if (d.engine_id, d.epoch) != (engine.engine_id, engine.epoch) or not d.block_ids \
+                    or not 0 < d.num_tokens <= min(fetch.num_tokens, len(d.block_ids) * fetch.block_size):
+                raise LegFailed(f"holder answered {len(d.block_ids)} blocks ({d.num_tokens} tokens) of "
+                                f"{d.engine_id!r} epoch {d.epoch:#x}")
         except (LegFailed, grpc.aio.AioRpcError, asyncio.CancelledError) as e:
             if isinstance(e, asyncio.CancelledError) and request.engine_failed is None:
                 raise  # the client left
