@@ -130,7 +130,10 @@ class PeerFetchPolicy:
             return decision, None
         into_decode = self._candidate(request, decision, decode, holders, matched_blocks, path)
         into_prefill = None
-        if prefill is not None and not decision.local:
+        # Only pdserve's engine pulls as a prefill engine (decision 0046): a vLLM prefill
+        # engine's connector loads remote KV for decode-side requests only, so a fetch into it
+        # would fail its pull and be recomputed after the holder's pin.
+        if prefill is not None and not decision.local and prefill.native_engine:
             into_prefill = self._candidate(request, decision, prefill, prefill_holders, matched_blocks, path,
                                            into_prefill=True)
         if into_decode is None and into_prefill is None:

@@ -177,12 +177,13 @@ def test_ranks_learn_every_engine_only_with_peer_fetch_on() -> None:
 
 
 def _remote_route(router: Router, holders: dict[str, int], decodes: list[EngineView] | None = None,
-                  num_tokens: int = 330) -> Route:
+                  num_tokens: int = 330, prefill: EngineView | None = None) -> Route:
     from services.scheduler.prefix_index import EngineMatch
 
     matches = {e: EngineMatch(e, 1, n, tuple(frozenset({"GPU"}) for _ in range(n))) for e, n in holders.items()}
     hashes = list(range(1, num_tokens // 16 + 1))
-    return router.route(RoutingRequest(hashes, num_tokens, prefix_matches=matches), [view("p0", "prefill")],
+    return router.route(RoutingRequest(hashes, num_tokens, prefix_matches=matches),
+                        [prefill or view("p0", "prefill", native_engine=True)],
                         decodes or [view("d0"), view("d1", num_running=3)])
 
 
@@ -202,6 +203,14 @@ def test_a_remote_prompt_whose_decode_engine_holds_the_prefix_is_fetched_into_th
     assert path.num_uncached_tokens == 330 - 20 * 16 and route.prefill.engine_id == "p0"
     assert path.predicted_ttft_s is not None and path.alternative_ttft_s is not None
     assert path.predicted_ttft_s < path.alternative_ttft_s
+
+
+def test_a_vllm_prefill_engine_is_never_fetched_into() -> None:
+    # The same remote decision as above with p0 a vLLM engine: its connector cannot pull as a
+    # prefill engine, so nothing is fetched (d0 already holds the prefix it decodes with).
+    route = _remote_route(_remote_router("always"), {"d0": 20}, prefill=view("p0", "prefill"))
+    assert route.fetch is None and route.path is not None and route.path.reason != REMOTE_PEER_FETCH
+    assert route.prefill.engine_id == "p0"
 
 
 def test_the_cost_mode_fetches_into_the_prefill_engine_only_when_predicted_faster() -> None:
