@@ -41,7 +41,11 @@ Contracts:
   timeouts, as for a silent rank).
 - Heartbeats go every Welcome `heartbeat_interval`; a rank other than rank 0 skips a beat when
   it sent reports since its last one (every message counts as liveness for the scheduler; rank
-  0's beats also carry the engine's load and draining flag, so it always beats).
+  0's beats also carry the engine's load, draining flag and role). To a scheduler whose Welcome
+  sets `accepts_report_beats`, rank 0's beat rides on its report messages (`RankMessage.beat`,
+  on the last message of what goes out together) once half an interval passed since its last
+  beat, so a rank 0 that reports at least that often sends no heartbeat message of its own;
+  `heartbeat_now()` puts one on the next message.
 - Reconnects back off exponentially (`backoff_initial_s` doubling up to `backoff_max_s`) and
   resend the same Hello (same epoch). After every reconnect a fresh `Welcome` is delivered
   through `poll()` (and the callback), so the rank can refresh its peers.
@@ -161,6 +165,8 @@ class Welcome:
     accepts_mixed_compact_events: bool = False
     # Peer fetch on: a prefill rank connects to its peers too (it may pull from them).
     peer_fetch: bool = False
+    # Whether rank 0's heartbeat may ride on a report message (RankMessage.beat).
+    accepts_report_beats: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,7 +274,7 @@ def message_from_proto(m: pb.SchedulerMessage) -> ControlMessage | None:
                        max(1, w.max_reports_per_message), w.accepts_packed_worker_events,
                        w.accepts_merged_worker_events, w.accepts_compact_worker_events,
                        w.accepts_merged_transfer_results, w.accepts_compact_engine_events,
-                       w.accepts_mixed_compact_events, w.peer_fetch)
+                       w.accepts_mixed_compact_events, w.peer_fetch, w.accepts_report_beats)
     if kind == "peer_update":
         return PeerUpdate([_peer(p) for p in m.peer_update.joined],
                           [RankIdentity.from_proto(r) for r in m.peer_update.left])
@@ -615,23 +621,42 @@ class ControlClient:
             if self.welcome is not None:
                 for m in pending:  # encoded for a scheduler that was replaced by an older one
                     downgrade_report(m, self.welcome)
-            limit = min(self.max_reports_per_message, self.welcome.max_reports_per_message if self.welcome else 1)
-            for i in range(0, len(pending), max(1, limit)):
-                chunk = pending[i:i + max(1, limit)]
-                if len(chunk) == 1:
-                    yield pb.RankMessage(report=chunk[0])
-                else:
-                    yield pb.RankMessage(reports=pb.ReportBatch(reports=chunk))
-                sent_upto = chunk[-1].seq
-            if pending and not self._leader:
-                # Any message proves liveness; only rank 0's beats carry something more (load).
-                last_beat = time.monotonic()
             interval = self.welcome.heartbeat_interval_s if self.welcome and self.welcome.heartbeat_interval_s > 0 else 1.0
+            if pending:
+                beat = self._riding_beat(time.monotonic() - last_beat, interval)
+                for msg in self._report_messages(pending, beat):
+                    yield msg
+                sent_upto = pending[-1].seq
+                if beat is not None or not self._leader:
+                    # Any message proves liveness; only rank 0's beats carry something more (load).
+                    last_beat = time.monotonic()
             now = time.monotonic()
             if now - last_beat >= interval or self._beat_now:
                 last_beat, self._beat_now = now, False
                 yield pb.RankMessage(heartbeat=self._heartbeat())
             await self._sleep(max(0.0, interval - (time.monotonic() - last_beat)))
+
+    def _report_messages(self, pending: list[pb.StepReport], beat: pb.Heartbeat | None) -> list[pb.RankMessage]:
+        """`pending` in messages of at most the agreed number of reports; `beat` rides on the last."""
+        limit = max(1, min(self.max_reports_per_message, self.welcome.max_reports_per_message if self.welcome else 1))
+        messages = [pb.RankMessage(report=chunk[0]) if len(chunk) == 1 else
+                    pb.RankMessage(reports=pb.ReportBatch(reports=chunk))
+                    for chunk in (pending[i:i + limit] for i in range(0, len(pending), limit))]
+        if beat is not None:
+            messages[-1].beat.CopyFrom(beat)
+        return messages
+
+    def _riding_beat(self, since_beat_s: float, interval_s: float) -> pb.Heartbeat | None:
+        """Rank 0's heartbeat to ride on the reports about to go (a scheduler that takes them):
+        once half an interval passed since the last beat, or when one is asked for now. A rank
+        that reports at least every half interval then sends no heartbeat message of its own,
+        and its load is never older than a beat every interval would leave it."""
+        if not (self._leader and self.welcome is not None and self.welcome.accepts_report_beats):
+            return None
+        if not self._beat_now and since_beat_s < interval_s / 2:
+            return None
+        self._beat_now = False
+        return self._heartbeat()
 
     @property
     def _leader(self) -> bool:
