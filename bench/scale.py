@@ -362,6 +362,8 @@ def _figures(got: dict[str, Any], sim_out: list[dict[str, Any]], ranks: int, num
                                 if got["results"] else 0.0),
             "events_per_s": got["events"] / got["seconds"],
             "rank_reports_per_s": sum(s["reports"] for s in sim_out) / max(s["seconds"] for s in sim_out),
+            # heartbeat messages of their own (rank 0's ride on its reports where the scheduler takes them)
+            "rank_beats_per_s": sum(s.get("beats", 0) for s in sim_out) / max(s["seconds"] for s in sim_out),
             "unacked_reports_at_end": sum(s["unacked_reports"] for s in sim_out),
             # every replica together; the engine simulators and the client on the same cores
             "scheduler_cpu_share": sched_share, "load_generator_cpu_share": load_share,

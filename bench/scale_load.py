@@ -279,6 +279,7 @@ class SimEngine:
                 beat = self._beat(rank)
                 for stream in rank.streams:
                     stream.outbox.put_nowait(cpb.RankMessage(heartbeat=beat))
+                self.stats["beats"] += 1
             await asyncio.sleep(beat_s)
 
     def transfer_done_on_every_rank(self, request_id: str, sending: bool) -> None:
@@ -398,7 +399,7 @@ async def _sim_main(a: argparse.Namespace) -> None:
 
     logging.getLogger("services").setLevel(logging.ERROR)  # one plaintext warning per Engine server
 
-    stats: dict[str, Any] = {"left": set(), "streams_ended": [], "reports": 0, "kv_wait_ms": {}, "kv_spread_ms": {},
+    stats: dict[str, Any] = {"left": set(), "streams_ended": [], "reports": 0, "beats": 0, "kv_wait_ms": {}, "kv_spread_ms": {},
                              "kv_untimed_ranks": 0, "kv_failed": 0}
     engines = []
     for i in range(a.first, a.first + a.count):
@@ -409,7 +410,7 @@ async def _sim_main(a: argparse.Namespace) -> None:
         await engine.start(engine_channels)
     print("ready", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-    stats["reports"] = 0
+    stats["reports"] = stats["beats"] = 0
     end = time.monotonic() + a.duration
     for engine in engines:
         engine.run(end)
@@ -417,7 +418,7 @@ async def _sim_main(a: argparse.Namespace) -> None:
     unacked = sum(s.seq - s.acked for e in engines for r in e.ranks for s in r.streams)
     # the figures go out once the client's last requests finished; the ranks keep beating
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-    print(json.dumps({"reports": stats["reports"], "left": sorted(stats["left"]),
+    print(json.dumps({"reports": stats["reports"], "beats": stats["beats"], "left": sorted(stats["left"]),
                       "streams_ended": stats["streams_ended"], "kv_wait_ms": stats["kv_wait_ms"],
                       "kv_spread_ms": stats["kv_spread_ms"], "kv_untimed_ranks": stats["kv_untimed_ranks"],
                       "kv_failed": stats["kv_failed"], "unacked_reports": unacked,
