@@ -6,8 +6,9 @@ demo model's tokenizer facts) and:
 
 - `--sim-procs` engine-simulator processes. Every simulated rank holds its own real Control
   stream and speaks it as `ControlClient` does (Hello, Welcome, numbered StepReports, queued
-  reports coalesced into a ReportBatch, Acks, heartbeats at the scheduler's interval: rank 0
-  always, with the engine load; other ranks only when they sent nothing since). Each engine steps at `--step-hz`; each step has `--events-per-step` worker-side BlockStored events
+  reports coalesced into a ReportBatch, Acks, heartbeats at the scheduler's interval: rank 0's
+  with the engine load, riding on its reports where the scheduler takes that; other ranks only
+  when they sent nothing since). Each engine steps at `--step-hz`; each step has `--events-per-step` worker-side BlockStored events
   (medium CPU_OFFLOAD, the same on every rank, encoded once per step into
   `packed_worker_events`: the aggregator publishes them once all ranks counted). With
   `--report-per rank` (default: what pdserve's and vLLM's engines send) every rank reports every

@@ -454,7 +454,8 @@ class ControlClient:
         self.heartbeat_now()
 
     def heartbeat_now(self) -> None:
-        """Sends a heartbeat (with the current load) without waiting for the interval."""
+        """Sends a heartbeat (with the current load) without waiting for the interval: on the
+        next report message where it may ride on one, else as a message of its own."""
         self._beat_now = True
         self._poke()
 
