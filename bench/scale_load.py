@@ -416,9 +416,10 @@ async def _sim_main(a: argparse.Namespace) -> None:
         engine.run(end)
     await asyncio.sleep(a.duration)
     unacked = sum(s.seq - s.acked for e in engines for r in e.ranks for s in r.streams)
+    beats = stats["beats"]
     # the figures go out once the client's last requests finished; the ranks keep beating
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-    print(json.dumps({"reports": stats["reports"], "beats": stats["beats"], "left": sorted(stats["left"]),
+    print(json.dumps({"reports": stats["reports"], "beats": beats, "left": sorted(stats["left"]),
                       "streams_ended": stats["streams_ended"], "kv_wait_ms": stats["kv_wait_ms"],
                       "kv_spread_ms": stats["kv_spread_ms"], "kv_untimed_ranks": stats["kv_untimed_ranks"],
                       "kv_failed": stats["kv_failed"], "unacked_reports": unacked,
