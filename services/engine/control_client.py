@@ -69,7 +69,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
 
 import grpc
@@ -429,15 +429,15 @@ class ControlClient:
                 yield pb.RankMessage(heartbeat=self._heartbeat())
             await self._sleep(max(0.0, interval - (time.monotonic() - last_beat)))
 
-    def _report_messages(self, pending: list[pb.StepReport], beat: pb.Heartbeat | None) -> list[pb.RankMessage]:
-        """`pending` in messages of at most the agreed number of reports; `beat` rides on the last."""
+    def _report_messages(self, pending: list[pb.StepReport], beat: pb.Heartbeat | None) -> Iterator[pb.RankMessage]:
+        """`pending` in messages of at most the agreed number of reports, built one at a time (a
+        resent backlog is not copied at once); `beat` rides on the last."""
         limit = max(1, min(self.max_reports_per_message, self.welcome.max_reports_per_message if self.welcome else 1))
-        messages = [pb.RankMessage(report=chunk[0]) if len(chunk) == 1 else
-                    pb.RankMessage(reports=pb.ReportBatch(reports=chunk))
-                    for chunk in (pending[i:i + limit] for i in range(0, len(pending), limit))]
-        if beat is not None:
-            messages[-1].beat.CopyFrom(beat)
-        return messages
+        for i in range(0, len(pending), limit):
+            chunk = pending[i:i + limit]
+            last = i + limit >= len(pending)
+            yield pb.RankMessage(report=chunk[0], beat=beat if last else None) if len(chunk) == 1 else \
+                pb.RankMessage(reports=pb.ReportBatch(reports=chunk), beat=beat if last else None)
 
     def _riding_beat(self, since_beat_s: float, interval_s: float) -> pb.Heartbeat | None:
         """Rank 0's heartbeat to ride on the reports about to go (a scheduler that takes them):
