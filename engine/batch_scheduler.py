@@ -322,6 +322,32 @@ class BatchScheduler:
         self.kv.free(request_id)
         del self.requests[request_id]
 
+    def pin_cached(self, request: Request) -> int:
+        """A peer-fetch pin (decision 0049): the request takes a reference on the cached full
+        blocks of its prompt's longest cached prefix and is PINNED at once, as a finished
+        PREFILL_ONLY request is (`release`, `abort`, the connector's send for readers and the
+        leak checks treat it alike), without being scheduled: nothing is computed. Returns the
+        tokens pinned; 0, with nothing changed, when not even the first block is cached."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.mode is not RequestMode.PREFILL_ONLY:
+            raise ValueError(f"request {request.request_id!r}: only a PREFILL_ONLY request is pinned")
+        hits = self.kv.get_cached_full_blocks(request)
+        if not hits:
+            return 0
+        # Cached blocks are never short: the pool holds them already (a free one leaves the
+        # free queue), so nothing is allocated and this cannot fail.
+        allocated = self.kv.allocate_slots(request, 0, hits)
+        assert allocated
+        request.num_computed_tokens = request.num_cached_tokens = len(hits) * self.block_size
+        request.finish_reason = "length"
+        request.status = RequestStatus.PINNED
+        self.requests[request.request_id] = request
+        self.pinned[request.request_id] = request
+        if self.connector is not None:
+            self.connector.request_finished(request, self.kv.get_block_ids(request.request_id))
+        return request.num_computed_tokens
+
     def release(self, request_id: str) -> bool:
         """Frees a PINNED request's blocks. False (and nothing changes) when it is not pinned."""
         request = self.pinned.pop(request_id, None)

@@ -36,10 +36,18 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request, max_tokens: int | None = None) -> list[KVCacheBlock]:
         """Longest cached prefix of the request, leaving at least one token to compute (the model
         needs one to produce logits) and at most max_tokens tokens. No side effects."""
-        self.update_block_hashes(request)
         limit = request.num_tokens - 1 if max_tokens is None else min(max_tokens, request.num_tokens - 1)
+        return self._cached_prefix(request, limit // self.block_size)
+
+    def get_cached_full_blocks(self, request: Request) -> list[KVCacheBlock]:
+        """Longest cached prefix of the request's full blocks, all of them (nothing is computed
+        after it: a peer-fetch pin). No side effects."""
+        return self._cached_prefix(request, request.num_tokens // self.block_size)
+
+    def _cached_prefix(self, request: Request, max_blocks: int) -> list[KVCacheBlock]:
+        self.update_block_hashes(request)
         hits: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[: limit // self.block_size]:
+        for block_hash in request.block_hashes[:max_blocks]:
             block = self.pool.get_cached_block(block_hash)
             if block is None:
                 break

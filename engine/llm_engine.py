@@ -188,6 +188,20 @@ class LLMEngine:
                                                        request.num_cached_tokens or 0, request.num_prompt_tokens))
         return True
 
+    def pin_cached_prefix(self, request_id: str, prompt_token_ids: list[int]) -> int:
+        """A peer-fetch pin: `request_id` holds the longest cached prefix of the prompt's full
+        blocks, PINNED for readers (`release` / `abort_request` end it), without a step or any
+        compute. Returns the tokens pinned (a multiple of the block size); 0, with nothing
+        changed, when the prompt's first block is not cached. ValueError on bad input."""
+        params = SamplingParams(max_tokens=1, detokenize=False)
+        self._validate(request_id, prompt_token_ids, params, [])
+        request = Request(request_id, list(prompt_token_ids), params, mode=RequestMode.PREFILL_ONLY,
+                          all_token_ids=list(prompt_token_ids), arrival_order=self._order)
+        num_tokens = self.batch_scheduler.pin_cached(request)
+        if num_tokens:
+            self._order += 1
+        return num_tokens
+
     def release(self, request_id: str) -> bool:
         """Frees a PINNED (prefill-only, finished) request's blocks. Idempotent: False when the
         request is not pinned (already released, aborted or unknown)."""

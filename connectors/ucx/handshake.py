@@ -66,6 +66,11 @@ class KVRegionLayout:
     memory_type: str = "cpu"  # where the region lives: cpu or cuda (a peer without it is cpu)
 
     @property
+    def native(self) -> bool:
+        """The region is pdserve's own engine's (its layout), not a vLLM engine's KV in place."""
+        return self.layout == KV_LAYOUT
+
+    @property
     def num_local_heads(self) -> int:
         return self.head_end - self.head_start
 

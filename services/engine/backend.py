@@ -56,6 +56,10 @@ class NotReady(BackendError):
     """The engine is starting or stopping: UNAVAILABLE."""
 
 
+class NotCached(BackendError):
+    """A peer-fetch pin finds none of the prefix cached here any more: FAILED_PRECONDITION."""
+
+
 @dataclass(slots=True)
 class PrefillInput:
     request_id: str
@@ -70,6 +74,7 @@ class PrefillInput:
 
 @dataclass(slots=True)
 class PrefillResult:
+    # A peer-fetch pin computes no token (decision 0049): 0, "" and None there, unused.
     first_token_id: int
     first_token_text: str
     finish_reason: str | None  # "stop" / "length" when the first token ends the request

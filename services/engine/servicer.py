@@ -27,6 +27,7 @@ from services.engine.backend import (
     DuplicateRequest,
     EngineBackend,
     InvalidRequest,
+    NotCached,
     NotReady,
     OutOfBlocks,
     RequestAborted,
@@ -40,6 +41,7 @@ STATUS: dict[type[BackendError], grpc.StatusCode] = {
     OutOfBlocks: grpc.StatusCode.RESOURCE_EXHAUSTED,
     RequestAborted: grpc.StatusCode.ABORTED,
     NotReady: grpc.StatusCode.UNAVAILABLE,
+    NotCached: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 

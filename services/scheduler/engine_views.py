@@ -80,4 +80,5 @@ class EngineViews:
         return EngineView(e.engine_id, e.epoch, str(e.role), num_inflight=num_inflight,
                           num_running=load.num_running, num_waiting=load.num_waiting, kv_usage=load.kv_usage,
                           max_inflight=self.admission.max_inflight_per_engine, tp_size=e.tp_size,
-                          num_kv_heads=e.num_kv_heads, num_backlog_tokens=num_backlog, itl_target_s=itl)
+                          num_kv_heads=e.num_kv_heads, num_backlog_tokens=num_backlog, itl_target_s=itl,
+                          native_engine=e.native_engine)

@@ -60,7 +60,7 @@ from services.scheduler.control import ControlServicer
 from services.scheduler.engine_channels import EngineChannels
 from services.scheduler.engine_views import EngineViews
 from services.scheduler.lifecycle import RUNNING, EngineRef, ReleaseCause, RequestState
-from services.scheduler.load_window import FinishedRequest, LoadWindow
+from services.scheduler.load_window import ArrivedRequest, FinishedRequest, LoadWindow
 from services.scheduler.path_costs import PathCosts
 from services.scheduler.peer_fetch import PeerFetch
 from services.scheduler.prefill_fetch import PrefillFetch
@@ -255,9 +255,14 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             route = dataclasses.replace(route, prefill=RoutingDecision(None, "resumed"), fetch=None)
         if route.decode.engine_id is None or route.path is None:
             raise self._no_decode_error(frozenset())
+        own_itl = itl
         if itl is None and self.config.path_itl_target_ms > 0:
             itl = self.config.path_itl_target_ms / 1000.0
         request = self.table.admit(request_id, valid, timeout, client_id=client_id, arrived=arrived)
+        if self.load_window is not None:  # the planner reads what arrives, not only what finished
+            num_prompt = len(valid.prompt_token_ids)
+            self.load_window.arrived(ArrivedRequest(arrived, num_prompt, num_prompt - route.path.num_uncached_tokens,
+                                                    valid.max_tokens, ttft, own_itl))
         request.path, request.path_reason, request.itl_target_s = route.path, route.path.reason, itl
         # A fetch into the decode engine is this request's own pull; one into its prefill engine
         # is a pull of its own (prefill_fetch.py), before the prefill.
@@ -392,10 +397,12 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                 self._take_slot(request, engine_id)
 
     async def _peer_fetch_leg(self, request: Request, fetch: PeerFetch) -> eng_pb.TransferDescriptor | None:
-        """Asks the holder to pin the prompt's first `fetch.num_blocks` blocks for the decode
-        engine's pull (a Prefill with `peer_fetch`: it computes only what it no longer caches);
-        the descriptor, or None when the holder cannot (the decode engine then computes the whole
-        prompt). Waits at most `peer_fetch_timeout_s`: a slow holder costs no more than that."""
+        """Asks the holder to pin the prompt's first `fetch.num_blocks` blocks for the target's
+        pull (a Prefill with `peer_fetch`: pdserve's engine pins what it still caches of them
+        without computing, decision 0049, so the descriptor may cover fewer, and the target
+        computes the rest; a vLLM engine computes what it no longer caches); the descriptor, or
+        None when the holder cannot (the target then computes the whole prompt). Waits at most
+        `peer_fetch_timeout_s`: a slow holder costs no more than that."""
         request.fetch_started_at = time.monotonic()
         try:
             engine = self._engine(fetch.holder_id)
@@ -415,8 +422,10 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                 request.outside_s += time.monotonic() - started
                 request.call = None
             d = response.descriptor
-            if (d.engine_id, d.epoch) != (engine.engine_id, engine.epoch) or len(d.block_ids) < fetch.num_blocks:
-                raise LegFailed(f"holder answered {len(d.block_ids)} blocks of {d.engine_id!r} epoch {d.epoch:#x}")
+            if (d.engine_id, d.epoch) != (engine.engine_id, engine.epoch) or not d.block_ids \
+                    or not 0 < d.num_tokens <= min(fetch.num_tokens, len(d.block_ids) * fetch.block_size):
+                raise LegFailed(f"holder answered {len(d.block_ids)} blocks ({d.num_tokens} tokens) of "
+                                f"{d.engine_id!r} epoch {d.epoch:#x}")
         except (LegFailed, grpc.aio.AioRpcError, asyncio.CancelledError) as e:
             if isinstance(e, asyncio.CancelledError) and request.engine_failed is None:
                 raise  # the client left
@@ -777,4 +786,4 @@ def _finished(request: Request) -> FinishedRequest:
     if n > 1 and request.first_token_at is not None:
         itl = (request.last_token_at - request.first_token_at) / (n - 1)
     return FinishedRequest(time.monotonic(), request.arrived, request.num_prompt_tokens, request.num_cached_tokens, n,
-                           request.ttft_s, itl, None, request.itl_target_s)
+                           request.ttft_s, itl, None, request.itl_target_s, request.valid.max_tokens)

@@ -17,9 +17,10 @@ conversation's history lives on the decode engine that generated it). The ways t
 - recompute: none of these.
 
 Mode `cost` fetches when the predicted time to first token with the fetch is below the
-decision's: the holder's pin (a one-block prefill behind its backlog, and on a busy engine at
-least the steps it waits for) plus the holder's load (`decode_load_s` per unit, as decode
-engines are charged), the pair's fitted transfer time
+decision's: the holder's pin (`PeerFetchPolicy.pin_s`: on pdserve's engine the rest of its
+current step, decision 0049; on a vLLM engine a one-block prefill behind its backlog, on a busy
+engine at least the steps it waits for, plus the holder's load, `decode_load_s` per unit),
+the pair's fitted transfer time
 of the blocks pulled, then the computing engine's prefill of the rest (`PathPolicy.raw_ttft_s`
 with its correction; into a prefill engine, plus the one-token step that ends its pull). When
 both fetches beat the decision, the one into the decode engine wins unless the other is faster
@@ -58,6 +59,10 @@ if TYPE_CHECKING:  # routing imports this module
     from services.scheduler.routing import EngineView
 
 MODES = ("cost", "always", "off")
+
+# A pin on pdserve's engine besides the step it waits for: the Prefill call's round trip, the
+# block lookup and the command-only flush to every rank (a few milliseconds on a loaded host).
+PIN_CALL_S = 0.01
 
 # Why a fetch was or was not made (metric label values).
 FETCH = "fetch"
@@ -171,14 +176,25 @@ class PeerFetchPolicy:
 
     def _pull_s(self, target: EngineView, holder: EngineView, num_blocks: int, num_local_blocks: int,
                 path: PathPolicy) -> float:
-        """The holder's pin and the pair's transfer. The pin is a one-block prefill on the
-        holder predicted as a local prefill there (`PathPolicy.raw_ttft_s`): behind its backlog
-        and, when requests run there, at least the steps it waits for — a busy decode engine
-        takes its measured step to pin, not an idle prefill's time — plus its load."""
-        bs, costs = self.config.block_size, path.costs
-        pin = TtftInputs(PATH_LOCAL, holder.engine_id, holder.num_backlog_tokens, bs, holder.num_inflight > 0)
-        pin_s = path.raw_ttft_s(pin) + path.config.decode_load_s * holder.load_score
-        return pin_s + costs.transfer_s(holder.engine_id, target.engine_id, (num_blocks - num_local_blocks) * bs)
+        """The holder's pin (`pin_s`) and the pair's transfer."""
+        bs = self.config.block_size
+        transfer_s = path.costs.transfer_s(holder.engine_id, target.engine_id, (num_blocks - num_local_blocks) * bs)
+        return self.pin_s(holder, path) + transfer_s
+
+    def pin_s(self, holder: EngineView, path: PathPolicy) -> float:
+        """How long the holder takes to pin the blocks. pdserve's engine pins between two steps
+        and computes nothing (decision 0049): the rest of the step it is in when the call
+        arrives — a whole measured step when requests run there (an arrival lands in a long
+        step more often than in a short one, so the mean rest is more than half a step) —
+        plus `PIN_CALL_S`. A vLLM engine pins through its scheduler: a one-block prefill
+        predicted as a local prefill there (`PathPolicy.raw_ttft_s`), behind its backlog and,
+        when requests run there, at least the steps it waits for, plus its load."""
+        if holder.native_engine:
+            busy = holder.num_inflight > 0 or holder.num_running > 0
+            return PIN_CALL_S + (path.costs.step_s(holder.engine_id) if busy else 0.0)
+        pin = TtftInputs(PATH_LOCAL, holder.engine_id, holder.num_backlog_tokens, self.config.block_size,
+                         holder.num_inflight > 0)
+        return path.raw_ttft_s(pin) + path.config.decode_load_s * holder.load_score
 
     def predict_s(self, request: PathRequest, decode: EngineView, holder: EngineView, num_blocks: int,
                   num_local_blocks: int, path: PathPolicy) -> float:

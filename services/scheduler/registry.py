@@ -27,6 +27,10 @@ import enum
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported when a handshake is read (msgpack and the head map are not needed before)
+    from connectors.ucx.handshake import KVRegionLayout
 
 PROTOCOL_VERSION = 1
 
@@ -127,6 +131,9 @@ class EngineState:
     # The engine's role generation: 0 at start, +1 per in-place role change (SetRole). The
     # engine's own word (Hello, rank 0's heartbeats) sets it and `role`; see `follow_role`.
     role_epoch: int = 0
+    # pdserve's own engine (its KV region is in pdserve's layout, not a vLLM one): it pins a
+    # peer fetch between two steps, computing nothing (decision 0049). False: vLLM, or unknown.
+    native_engine: bool = False
 
     def expected_ranks(self) -> list[RankId]:
         return [RankId(self.engine_id, tp, pp) for pp in range(self.pp_size) for tp in range(self.tp_size)]
@@ -290,8 +297,11 @@ class EngineRegistry:
                          last_applied_seq=previous.last_applied_seq if previous else 0)
         current.ranks[h.rank_id] = rank
         if not current.num_kv_heads:
-            current.num_kv_heads = _kv_heads_of(h.handshake_metadata)
-            current.kv_block_bytes = _block_bytes_of(h.handshake_metadata) * current.tp_size
+            region = _region_of(h.handshake_metadata)
+            if region is not None:
+                current.num_kv_heads = region.num_kv_heads
+                current.kv_block_bytes = region.block_nbytes * current.tp_size
+                current.native_engine = region.native
         if h.tp_rank == 0 and h.pp_rank == 0:
             current.address = h.engine_address
         return Registration(current, rank, fenced_epoch, fenced_ranks, new_rank=previous is None,
@@ -430,27 +440,17 @@ class EngineRegistry:
                 yield from engine.ranks.values()
 
 
-def _block_bytes_of(handshake_metadata: bytes) -> int:
-    """The KV bytes of one block of a rank's region; 0 when absent or unreadable."""
-    if not handshake_metadata:
-        return 0
-    from connectors.ucx.handshake import UcxHandshakeMetadata
-
-    try:
-        return UcxHandshakeMetadata.decode(handshake_metadata).region.block_nbytes
-    except ValueError:
-        return 0
 def _serves(engine_role: Role, asked: Role) -> bool:
     return engine_role == asked if asked is Role.MIXED else engine_role.side == asked
 
 
-def _kv_heads_of(handshake_metadata: bytes) -> int:
-    """The model's KV heads named by a rank's handshake metadata; 0 when absent or unreadable."""
+def _region_of(handshake_metadata: bytes) -> KVRegionLayout | None:
+    """The KV region a rank's handshake metadata describes; None when absent or unreadable."""
     if not handshake_metadata:
-        return 0
+        return None
     from connectors.ucx.handshake import UcxHandshakeMetadata
 
     try:
-        return UcxHandshakeMetadata.decode(handshake_metadata).region.num_kv_heads
+        return UcxHandshakeMetadata.decode(handshake_metadata).region
     except ValueError:
-        return 0
+        return None

@@ -80,6 +80,9 @@ class EngineView:
     num_backlog_tokens: int = 0
     # The tightest ITL target among the requests decoding there (None: no request set one).
     itl_target_s: float | None = None
+    # pdserve's own engine: a peer fetch's pin there waits for no more than its current step
+    # (decision 0049); False: a vLLM engine (its pin is a scheduled prefill), or unknown.
+    native_engine: bool = False
     # Lower is better: requests the scheduler has in flight there, what the engine says is
     # running or queued, and its KV usage (0..1) as a tie-breaker worth one request. Derived,
     # computed once per view: the policies read it several times per engine per request.

@@ -10,6 +10,12 @@ prefix reused) → every rank pulls its heads of the missing blocks → the sche
 (all ranks received) or KVFailed (recompute) lets it run; tokens stream back. Without a
 descriptor the engine computes the prompt itself (decode-only, or a migrated request).
 
+A peer fetch's pin (a Prefill with `peer_fetch`, decision 0049) is a cache operation, not a
+request to schedule: between two steps the prompt's cached full blocks are pinned as a finished
+prefill's are and every rank pins them for the reader at once; nothing is computed, and the
+descriptor covers only what is cached (a refusal when nothing is). Offload-tier hits are not
+loaded back for it (that is a step's work): the reader computes them.
+
 CPU offload tier (`--kv-offload-memory` > 0): the UCX scheduler connector delegates prefix
 matches, saves and loads to an `OffloadScheduler`, every rank's `RankAgent` runs its
 `OffloadWorker` and reports the tier's events on its control stream. A prompt whose blocks left
@@ -46,6 +52,7 @@ from services.engine.backend import (
     DuplicateRequest,
     Inspection,
     InvalidRequest,
+    NotCached,
     NotReady,
     OutOfBlocks,
     PeerTransport,
@@ -58,6 +65,7 @@ from services.engine.backend import (
 from services.engine.control_client import EngineLoad, SetRole
 from services.engine.native.build import NativeEngine, build_native_engine
 from services.engine.native.loop import Delivery, EngineLoop
+from services.engine.native.peer_pin import pin_for_peer
 from services.engine.role_state import EngineRole
 from services.engine.verdicts import route_control_message
 
@@ -270,6 +278,8 @@ class NativeBackend:
         rid, prompt, params = request.request_id, request.prompt_token_ids, request.sampling
         assert self.parts is not None
         check_reader_tp(self.config.tp, request.decode_tp_size, self.parts.engine.model_config.num_kv_heads)
+        if request.peer_fetch:
+            return await self._pin_for_peer(request)
         self._connector().set_reader_tp(rid, request.decode_tp_size)
         pending = await self._add(rid, lambda e: e.add_request(rid, prompt, params, mode=RequestMode.PREFILL_ONLY))
         try:
@@ -287,6 +297,25 @@ class NativeBackend:
         reason = out.finish_reason if params.max_tokens == 1 or out.finish_reason == "stop" else None
         return PrefillResult(out.new_token_ids[0], out.text_delta, reason, out.num_cached_tokens + tier_tokens,
                              self._descriptor(rid, len(prompt), delivery.block_ids))
+
+    async def _pin_for_peer(self, request: PrefillInput) -> PrefillResult:
+        """A peer fetch's pin (`peer_pin.pin_for_peer`, between two steps: no compute, no
+        token); the descriptor covers exactly the cached blocks pinned."""
+        rid = request.request_id
+        if rid in self._pending:
+            raise DuplicateRequest(f"request {rid} is already running here")
+        try:
+            num_tokens, block_ids = await self._call(
+                lambda e: pin_for_peer(e, self._connector(), rid, request.prompt_token_ids, request.decode_tp_size))
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        except asyncio.CancelledError:  # the caller left: a pin made meanwhile is released
+            self._forget(rid)
+            raise
+        if not num_tokens:
+            raise NotCached(f"request {rid}: no block of the prefix is cached here any more")
+        self.leases.pin(rid, time.monotonic() + self.config.lease_s * 2)
+        return PrefillResult(0, "", None, num_tokens, self._descriptor(rid, num_tokens, block_ids))
 
     def _descriptor(self, request_id: str, num_tokens: int, block_ids: list[int]) -> KVTransferDescriptor:
         cfg = self.config

@@ -103,22 +103,23 @@ def test_abort_in_every_state_frees_blocks(tiny_model, make_engine, prompts_of) 
     assert eng.load().num_free_blocks == eng.kv_cache_spec.num_blocks
 
 
-@pytest.mark.parametrize("holder_keeps", [True, False])
+@pytest.mark.parametrize("holder_keeps", [4, 2])
 def test_peer_fetch_of_a_prefix_then_the_rest_computed_matches_colocated(tiny_model, make_engine, prompts_of,
                                                                          holder_keeps) -> None:
-    """A peer fetch (decision 0043): the holder pins a prefix it cached (PREFILL_ONLY on the
-    prefix), the puller receives only those blocks (REMOTE_KV with `remote_kv_tokens`), computes
-    the rest of the prompt and samples the first token itself. `holder_keeps` False: the holder
-    evicted the prefix meanwhile and recomputes it for the pin; the output is the same."""
+    """A peer fetch (decisions 0043, 0049): the holder pins the prefix blocks it still caches,
+    computing nothing (`pin_cached_prefix`), the puller receives only those blocks (REMOTE_KV
+    with `remote_kv_tokens`), computes the rest of the prompt and samples the first token
+    itself. `holder_keeps` 2 of the 4 blocks asked for (the rest evicted since the decision):
+    2 are pinned and pulled, the puller computes more; the output is the same."""
     model = tiny_model("llama_gqa_llama3")
     [prompt] = prompts_of([6 * BS + 5], seed=9)
     expected = model.reference(prompt, N)
     holder = make_engine(model.path, block_size=BS)
     puller = make_engine(model.path, block_size=BS)
-    fetched = 4 * BS
-    if holder_keeps:  # the holder served a turn whose prompt began with the prefix
-        holder.generate([prompt[:fetched + 3]], SamplingParams(max_tokens=2))
-    _prefill(holder, "r", prompt[:fetched])
+    holder.generate([prompt[:holder_keeps * BS + 3]], SamplingParams(max_tokens=2))  # a turn that began with it
+    fetched = holder.pin_cached_prefix("r", prompt[:4 * BS])
+    assert fetched == holder_keeps * BS
+    assert holder.batch_scheduler.requests["r"].status is RequestStatus.PINNED and holder.load().num_pinned == 1
     puller.add_request("r", prompt, SamplingParams(max_tokens=N), mode=RequestMode.REMOTE_KV,
                        remote_kv_tokens=fetched)
     assert puller.batch_scheduler.requests["r"].status is RequestStatus.WAITING_FOR_REMOTE_KV
@@ -149,7 +150,7 @@ def test_a_prefill_engine_pulls_a_peers_prefix_into_its_cache_then_prefills_the_
     d_eng = make_engine(model.path, block_size=BS)
     fetched = 4 * BS
     holder.generate([prompt[:fetched + 3]], SamplingParams(max_tokens=2))  # a turn that began with it
-    _prefill(holder, "pull", prompt[:fetched])
+    assert holder.pin_cached_prefix("pull", prompt[:fetched]) == fetched
     p_eng.add_request("pull", prompt[:fetched + 1], SamplingParams(max_tokens=1), mode=RequestMode.REMOTE_KV,
                       remote_kv_tokens=fetched)
     _copy_blocks(holder, holder.get_block_ids("pull"), p_eng, p_eng.get_block_ids("pull"), 0)

@@ -25,6 +25,7 @@ from services.engine.backend import (
     DuplicateRequest,
     Inspection,
     InvalidRequest,
+    NotCached,
     NotReady,
     OutOfBlocks,
     PrefillInput,
@@ -164,6 +165,7 @@ async def test_decode_converts_both_ways_and_streams_deltas(engine) -> None:
     (OutOfBlocks("not enough free KV blocks"), grpc.StatusCode.RESOURCE_EXHAUSTED),
     (RequestAborted("request r1 was aborted"), grpc.StatusCode.ABORTED),
     (NotReady("engine is still starting"), grpc.StatusCode.UNAVAILABLE),
+    (NotCached("no block of the prefix is cached here any more"), grpc.StatusCode.FAILED_PRECONDITION),
 ])
 async def test_backend_errors_map_to_status_codes_with_their_message(engine, error, code) -> None:
     backend, stub, _ = engine

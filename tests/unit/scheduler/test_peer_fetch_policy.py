@@ -15,7 +15,14 @@ from services.scheduler.path_policy import (
     PathPolicy,
     PathRequest,
 )
-from services.scheduler.peer_fetch import FETCH, NO_HOLDER, SLOWER, PeerFetchConfig, PeerFetchPolicy
+from services.scheduler.peer_fetch import (
+    FETCH,
+    NO_HOLDER,
+    PIN_CALL_S,
+    SLOWER,
+    PeerFetchConfig,
+    PeerFetchPolicy,
+)
 from services.scheduler.routing import EngineView, LoadBasedPolicy, Route, Router, RoutingRequest
 
 PRIORS = CostPriors(prefill_fixed_s=0.01, prefill_per_token_s=0.0002, transfer_fixed_s=0.01,
@@ -217,3 +224,24 @@ def test_a_fetch_into_the_decode_engine_is_preferred_and_a_prefill_engine_holdin
     assert route.path is not None and route.path.reason == LOCAL_PEER_FETCH
     # p0 itself holds as much as anyone: nothing to fetch anywhere.
     assert _remote_route(_remote_router("always"), {"d0": 20, "p0": 20}).fetch is None
+
+
+def test_a_pin_on_pdserves_engine_waits_for_its_current_step_only() -> None:
+    """Decision 0049: pdserve's engine pins between two steps without computing, so its pin is
+    the rest of its step (a whole measured step, 1 s here, when busy) plus the call, whatever
+    its backlog and load; a vLLM holder's pin is still a prefill behind its backlog."""
+    pol, path = PeerFetchPolicy(PeerFetchConfig("always")), path_policy()
+    for i in range(20):
+        path.costs.observe_itl(1.0, "d1", float(i))
+    loaded = dict(num_inflight=3, num_running=4, num_waiting=2, num_backlog_tokens=20_000)
+    assert pol.pin_s(view("d1", native_engine=True), path) == pytest.approx(PIN_CALL_S)
+    assert pol.pin_s(view("d1", native_engine=True, num_running=1), path) == pytest.approx(PIN_CALL_S + 1.0)
+    assert pol.pin_s(view("d1", native_engine=True, **loaded), path) == pytest.approx(PIN_CALL_S + 1.0)
+    vllm = pol.pin_s(view("d1", **loaded), path)
+    assert vllm > 4.0 + 1.0  # 20,000 queued tokens at 0.2 ms each, then its step and load
+    d0 = view("d0")
+    args = (PathRequest(2000), path.decide(PathRequest(2000), None, [d0], {}), d0)
+    _, native = pol.decide(*args, [view("d1", native_engine=True, **loaded)], {"d1": 100}, path)
+    _, other = pol.decide(*args, [view("d1", **loaded)], {"d1": 100}, path)
+    assert native is not None and other is not None
+    assert other.predicted_s - native.predicted_s == pytest.approx(vllm - PIN_CALL_S - 1.0)

@@ -249,3 +249,21 @@ def test_a_reconnecting_rank_states_its_current_role() -> None:
     reg.register(hello("e0", tp_size=1, role=Role.DECODE, role_epoch=2))  # same epoch, role changed meanwhile
     engine = reg.engine("e0")
     assert engine is not None and engine.role == Role.DECODE and engine.role_epoch == 2
+
+
+@pytest.mark.parametrize("vllm", [False, True])
+def test_engine_knows_from_its_kv_layout_whether_it_is_pdserves_engine(vllm: bool) -> None:
+    """Decision 0049: the peer-fetch policy predicts a pin by the holder's kind of engine."""
+    from connectors.kv_layout import LAYOUT_PREFIX, VLLM_LAYOUTS
+    from connectors.ucx.handshake import KV_LAYOUT, KVRegionLayout, UcxHandshakeMetadata
+
+    layout = LAYOUT_PREFIX + sorted(VLLM_LAYOUTS)[0] if vllm else KV_LAYOUT
+    region = KVRegionLayout(num_blocks=4, block_nbytes=2 * 2 * 1 * 16 * 8 * 4, num_layers=2, block_size=16,
+                            head_dim=8, num_kv_heads=2, head_start=1, head_end=2, dtype="float32", layout=layout)
+    reg = registry()
+    reg.register(hello(tp_rank=0))  # unreadable metadata: unknown, not pdserve's
+    engine = reg.engine("p0")
+    assert engine is not None and engine.native_engine is False
+    reg.register(hello(tp_rank=1, handshake_metadata=UcxHandshakeMetadata("p0", 7, 1, 2, "abc", b"addr",
+                                                                          region).encode()))
+    assert engine.native_engine is (not vllm)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 
 from services.scheduler.control import ControlServicer
-from services.scheduler.load_window import FinishedRequest, LoadWindow
+from services.scheduler.load_window import ArrivedRequest, FinishedRequest, LoadWindow
 from services.scheduler.path_costs import PathCosts
 from services.scheduler.planner import PlannerConfig, RolePlanner
 from services.scheduler.registry import EngineRegistry, LoadInfo, RankHello, Role
@@ -42,10 +42,15 @@ def engine_applies(registry: EngineRegistry, control: ControlServicer, engine_id
         hook(engine, old)
 
 
-def feed(window: LoadWindow, clock: Clock, rps: float, prompt: int, output: int, seconds: float) -> None:
+def feed(window: LoadWindow, clock: Clock, rps: float, prompt: int, output: int, seconds: float,
+         finish: bool = True) -> None:
+    """Requests arriving at `rps` over the last `seconds`, told to the window as the Generation
+    servicer does: at admission, and (`finish`) when done, a second later."""
     for k in range(int(rps * seconds)):
         at = clock.t - seconds + k / rps
-        window.finished(FinishedRequest(at, at - 1, prompt, 0, output, 0.5, 0.05))
+        window.arrived(ArrivedRequest(at - 1, prompt, 0, output))
+        if finish:
+            window.finished(FinishedRequest(at, at - 1, prompt, 0, output, 0.5, 0.05, max_tokens=output))
 
 
 def loop_for(clock: Clock, admin: RoleAdmin, mode: str = "on") -> tuple[PlannerLoop, LoadWindow]:
@@ -56,13 +61,13 @@ def loop_for(clock: Clock, admin: RoleAdmin, mode: str = "on") -> tuple[PlannerL
 
 
 def run(loop: PlannerLoop, window: LoadWindow, clock: Clock, registry: EngineRegistry, control: ControlServicer,
-        phase: tuple[float, int, int], seconds: float) -> list[tuple[float, str, str]]:
+        phase: tuple[float, int, int], seconds: float, finish: bool = True) -> list[tuple[float, str, str]]:
     """Ticks every interval for `seconds` under one load; returns (time, engine, new role)."""
     moves = []
     start = clock.t
     while clock.t - start < seconds:
         clock.t += INTERVAL_S
-        feed(window, clock, phase[0], phase[1], phase[2], INTERVAL_S)
+        feed(window, clock, phase[0], phase[1], phase[2], INTERVAL_S, finish)
         for engine in registry.engines.values():
             registry.update_load(engine.engine_id, LoadInfo(num_running=4), False)
         decision = loop.tick()
@@ -95,6 +100,21 @@ def test_shift_from_long_prompts_to_long_outputs_moves_roles_each_way() -> None:
     assert "prefill" not in roles_of(registry).values()
     log = admin.changes()
     assert [c["source"] for c in log] == ["planner"] * len(log) and all("predicts goodput" in c["reason"] for c in log)
+
+
+def test_a_shift_is_read_from_arrivals_before_any_of_its_requests_finishes() -> None:
+    """Long answers take minutes to finish; the planner acts on them as they arrive. The window
+    (30 s) still holds the long prompts' finished requests, which no longer count as load."""
+    clock = Clock()
+    registry, control, admin = cluster(clock, {"e0": Role.DECODE, "e1": Role.MIXED})
+    loop, window = loop_for(clock, admin)
+    run(loop, window, clock, registry, control, LONG_PROMPTS, 60)
+    assert sorted(roles_of(registry).values()) == ["decode", "prefill"]
+    moves = run(loop, window, clock, registry, control, LONG_OUTPUTS, 60, finish=False)
+    stats = window.stats()
+    assert (stats.mean_prompt_tokens, stats.mean_output_tokens) == (LONG_OUTPUTS[1], LONG_OUTPUTS[2])
+    # The dwell (20 s) after the last move bounds the reaction, not the answers' length.
+    assert moves and moves[0][2] in ("decode", "mixed") and moves[0][0] <= 25, moves
 
 
 def test_steady_load_does_not_flap() -> None:
