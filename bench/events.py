@@ -54,6 +54,7 @@ from bench.events_load import _ranks_main, _stream_ranks_main, drive_batches, re
 from bench.events_report import plot_results, print_summary
 from bench.events_subscribers import delivery, read_line, spawn, spawn_subscribers, subscribers_main, tell
 from connectors.kv_events import KVEventBatch
+from services.common.event_loop import EVENT_LOOPS, run_on_loop
 
 SECTIONS = ("pdserve", "decode_per_rank", "direct", "vllm", "overload")
 HEADLINE_KEYS = ("events_per_s", "p99_ms", "lost", "vllm.events_per_s", "vllm.p99_ms", "vllm.lost")
@@ -110,6 +111,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream-window-kib", type=int, default=None,
                         help="the scheduler's receive window per rank stream, KiB (0: gRPC's default, grown by "
                              "BDP probing; default: the Control servicer's, see ControlServicer.flow_options)")
+    parser.add_argument("--scheduler-loop", choices=EVENT_LOOPS, default="asyncio",
+                        help="the event loop the pdserve sections' scheduler (in this process) runs on "
+                             "(`pdserve scheduler --event-loop`)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", default="",
                         help="write a PNG of p99, loss and scheduler CPU per event against the offered rate")
@@ -200,6 +204,7 @@ async def _pdserve_section(args: argparse.Namespace, decode_per_rank: bool = Fal
             "report_encoding": encoding, "report_per": args.report_per, "event_source": args.event_source,
             "report_messages_per_s": sent.get("messages", sent["rank_reports"]) / elapsed,
             "scheduler_loop_max_lag_ms": control.stalls.max_lag_s * 1e3,
+            "scheduler_loop": type(asyncio.get_running_loop()).__module__.split(".")[0],  # uvloop, asyncio
             "reports_malformed": control.counters["reports_malformed"],
             "report_batches": control.counters["report_batches"],
             "reports_applied": control.counters["reports_applied"],
@@ -308,8 +313,9 @@ def run(args: argparse.Namespace) -> int:
     baseline = baseline_direct = None
     if baseline_first and "vllm" in sections:
         baseline, baseline_direct = baselines(args, *ours)
-    pdserve = asyncio.run(_pdserve_section(args)) if "pdserve" in sections else None
-    per_rank = asyncio.run(_pdserve_section(args, decode_per_rank=True)) if "decode_per_rank" in sections else None
+    loop = args.scheduler_loop
+    pdserve = run_on_loop(_pdserve_section(args), loop) if "pdserve" in sections else None
+    per_rank = run_on_loop(_pdserve_section(args, decode_per_rank=True), loop) if "decode_per_rank" in sections else None
     direct = asyncio.run(_direct_section(args)) if "direct" in sections else None
     if not baseline_first and "vllm" in sections:
         baseline, baseline_direct = baselines(args, *ours)
@@ -327,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
                    "rate": args.rate, "direct_rate": args.direct_rate, "duration_s": args.duration,
                    "subscribers": args.subscribers, "grpc_subscribers": args.grpc_subscribers,
                    "drain_s": args.drain_s, "removed_share": args.removed_share,
-                   "subscriber_decode": args.subscriber_decode},
+                   "subscriber_decode": args.subscriber_decode, "scheduler_loop": args.scheduler_loop},
         # Ratios at equal offered rates (each pdserve section against the baseline paced alike).
         "p99_ratio_vs_vllm": _ratio(head, baseline, "p99_ms"),
         "delivered_ratio_vs_vllm": _ratio(head, baseline, "events_per_s"),

@@ -407,7 +407,7 @@ async def rank_message_bytes(box: asyncio.Queue[Any], max_batch: int = 64) -> As
 async def rank_messages(box: asyncio.Queue[Any], max_batch: int = 64) -> AsyncIterator[Any]:
     """A simulated rank's outgoing RankMessages from `box` (None ends the stream), as
     `ControlClient` sends them: reports that queued up while the stream was busy go out
-    together in one ReportBatch (up to `max_batch`)."""
+    together in one ReportBatch (up to `max_batch`), with the newest beat that rode on them."""
     from pdserve.v1 import control_pb2 as cpb
 
     held = None
@@ -419,12 +419,13 @@ async def rank_messages(box: asyncio.Queue[Any], max_batch: int = 64) -> AsyncIt
         if m.WhichOneof("payload") != "report" or box.empty():
             yield m
             continue
-        reports = [m.report]
+        reports, beat = [m.report], m.beat if m.HasField("beat") else None
         while len(reports) < max_batch and not box.empty():
             nxt = box.get_nowait()
             if nxt is None or nxt.WhichOneof("payload") != "report":
                 held = nxt
                 break
             reports.append(nxt.report)
-        yield cpb.RankMessage(report=reports[0]) if len(reports) == 1 else cpb.RankMessage(
-            reports=cpb.ReportBatch(reports=reports))
+            beat = nxt.beat if nxt.HasField("beat") else beat
+        yield cpb.RankMessage(report=reports[0], beat=beat) if len(reports) == 1 else cpb.RankMessage(
+            reports=cpb.ReportBatch(reports=reports), beat=beat)

@@ -6,8 +6,9 @@ demo model's tokenizer facts) and:
 
 - `--sim-procs` engine-simulator processes. Every simulated rank holds its own real Control
   stream and speaks it as `ControlClient` does (Hello, Welcome, numbered StepReports, queued
-  reports coalesced into a ReportBatch, Acks, heartbeats at the scheduler's interval: rank 0
-  always, with the engine load; other ranks only when they sent nothing since). Each engine steps at `--step-hz`; each step has `--events-per-step` worker-side BlockStored events
+  reports coalesced into a ReportBatch, Acks, heartbeats at the scheduler's interval: rank 0's
+  with the engine load, riding on its reports where the scheduler takes that; other ranks only
+  when they sent nothing since). Each engine steps at `--step-hz`; each step has `--events-per-step` worker-side BlockStored events
   (medium CPU_OFFLOAD, the same on every rank, encoded once per step into
   `packed_worker_events`: the aggregator publishes them once all ranks counted). With
   `--report-per rank` (default: what pdserve's and vLLM's engines send) every rank reports every
@@ -362,6 +363,8 @@ def _figures(got: dict[str, Any], sim_out: list[dict[str, Any]], ranks: int, num
                                 if got["results"] else 0.0),
             "events_per_s": got["events"] / got["seconds"],
             "rank_reports_per_s": sum(s["reports"] for s in sim_out) / max(s["seconds"] for s in sim_out),
+            # heartbeat messages of their own (rank 0's ride on its reports where the scheduler takes them)
+            "rank_beats_per_s": sum(s.get("beats", 0) for s in sim_out) / max(s["seconds"] for s in sim_out),
             "unacked_reports_at_end": sum(s["unacked_reports"] for s in sim_out),
             # every replica together; the engine simulators and the client on the same cores
             "scheduler_cpu_share": sched_share, "load_generator_cpu_share": load_share,

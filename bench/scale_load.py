@@ -48,6 +48,7 @@ class _Stream:
     seq: int = 0
     acked: int = 0
     scheduler_id: str = ""  # from the replica's Welcome
+    report_beats: bool = False  # the replica's Welcome: rank 0's beat may ride on a report
 
     def owns(self, request_id: str) -> bool:
         from services.common.request_owner import owner_of
@@ -60,6 +61,7 @@ class _Rank:
     index: int
     streams: list[_Stream] = field(default_factory=list)
     last_sent: float = 0.0
+    last_beat: float = 0.0
     sending: list[str] = field(default_factory=list)
     recving: list[str] = field(default_factory=list)
 
@@ -115,6 +117,7 @@ class SimEngine:
                 if first.WhichOneof("payload") != "welcome":
                     raise RuntimeError(f"{self.engine_id} rank {rank.index}: no Welcome ({first})")
                 stream.scheduler_id = first.welcome.scheduler_id
+                stream.report_beats = first.welcome.accepts_report_beats
                 rank.streams.append(stream)
                 self.tasks.append(asyncio.ensure_future(self._read(rank, stream, call)))
         self.tasks.append(asyncio.ensure_future(self._beats(self.args.heartbeat_interval)))
@@ -188,9 +191,28 @@ class SimEngine:
             else:
                 report.engine_events.CopyFrom(kv_events_pb2.EventBatch(ts=time.time(),
                                                                        events=[event_to_proto(stored)]))
-        self._send(rank, report)
+        self._send(rank, report, self._riding_beat(rank))
 
-    def _send(self, rank: _Rank, report: Any) -> None:
+    def _beat(self, rank: _Rank) -> Any:
+        from pdserve.v1 import control_pb2 as cpb
+
+        rank.last_beat = time.monotonic()
+        beat = cpb.Heartbeat()
+        if rank.index == 0:
+            beat.load.CopyFrom(cpb.EngineLoad(num_running=self.running, kv_usage=0.1, num_free_blocks=1000))
+        return beat
+
+    def _riding_beat(self, rank: _Rank) -> Any:
+        """Rank 0's beat riding on its report once half an interval passed since its last one, as
+        ControlClient sends it to a scheduler that takes it (every replica of this bench does,
+        or none)."""
+        if rank.index or not rank.streams or not rank.streams[0].report_beats:
+            return None
+        if time.monotonic() - rank.last_beat < self.args.heartbeat_interval / 2:
+            return None
+        return self._beat(rank)
+
+    def _send(self, rank: _Rank, report: Any, beat: Any = None) -> None:
         """`report` to every replica, each with its own seq; transfer results only to the replica
         that owns the request (`ControlFanout.for_replica`)."""
         from pdserve.v1 import control_pb2 as cpb
@@ -210,7 +232,7 @@ class SimEngine:
                     mine.ClearField("merged_transfer_ranks")  # sent anyway, as ControlFanout does
             stream.seq += 1
             mine.seq = stream.seq
-            stream.outbox.put_nowait(cpb.RankMessage(report=mine))
+            stream.outbox.put_nowait(cpb.RankMessage(report=mine, beat=beat))
         self.stats["reports"] += 1
 
     async def _steps(self, end: float) -> None:
@@ -251,13 +273,13 @@ class SimEngine:
             for rank in self.ranks:
                 if rank.index and now - rank.last_sent < beat_s:
                     continue  # as ControlClient: reports since the last beat prove liveness
+                if not rank.index and rank.streams and rank.streams[0].report_beats and now - rank.last_beat < beat_s:
+                    continue  # rank 0's beats rode on its reports
                 rank.last_sent = now
-                beat = cpb.Heartbeat()
-                if rank.index == 0:
-                    beat.load.CopyFrom(cpb.EngineLoad(num_running=self.running, kv_usage=0.1,
-                                                      num_free_blocks=1000))
+                beat = self._beat(rank)
                 for stream in rank.streams:
                     stream.outbox.put_nowait(cpb.RankMessage(heartbeat=beat))
+                self.stats["beats"] += 1
             await asyncio.sleep(beat_s)
 
     def transfer_done_on_every_rank(self, request_id: str, sending: bool) -> None:
@@ -377,7 +399,7 @@ async def _sim_main(a: argparse.Namespace) -> None:
 
     logging.getLogger("services").setLevel(logging.ERROR)  # one plaintext warning per Engine server
 
-    stats: dict[str, Any] = {"left": set(), "streams_ended": [], "reports": 0, "kv_wait_ms": {}, "kv_spread_ms": {},
+    stats: dict[str, Any] = {"left": set(), "streams_ended": [], "reports": 0, "beats": 0, "kv_wait_ms": {}, "kv_spread_ms": {},
                              "kv_untimed_ranks": 0, "kv_failed": 0}
     engines = []
     for i in range(a.first, a.first + a.count):
@@ -388,15 +410,16 @@ async def _sim_main(a: argparse.Namespace) -> None:
         await engine.start(engine_channels)
     print("ready", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-    stats["reports"] = 0
+    stats["reports"] = stats["beats"] = 0
     end = time.monotonic() + a.duration
     for engine in engines:
         engine.run(end)
     await asyncio.sleep(a.duration)
     unacked = sum(s.seq - s.acked for e in engines for r in e.ranks for s in r.streams)
+    beats = stats["beats"]
     # the figures go out once the client's last requests finished; the ranks keep beating
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-    print(json.dumps({"reports": stats["reports"], "left": sorted(stats["left"]),
+    print(json.dumps({"reports": stats["reports"], "beats": beats, "left": sorted(stats["left"]),
                       "streams_ended": stats["streams_ended"], "kv_wait_ms": stats["kv_wait_ms"],
                       "kv_spread_ms": stats["kv_spread_ms"], "kv_untimed_ranks": stats["kv_untimed_ranks"],
                       "kv_failed": stats["kv_failed"], "unacked_reports": unacked,

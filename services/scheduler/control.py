@@ -36,6 +36,9 @@ Contracts (see control.proto):
   Nothing is announced as left: pulls from the old role's pinned KV run to their end. The
   registry takes the new role when rank 0's heartbeat states it (every replica does the same),
   and `on_role_changed` hooks run then.
+- Rank 0's heartbeat comes as a Heartbeat message or riding on a report message
+  (`RankMessage.beat`, told in Welcome `accepts_report_beats`); either is applied the same way,
+  a riding one after the message's reports. Any message of a rank counts as its liveness.
 - Messages reach a stream in the order they were sent. KVReady and KVFailed go out from the
   turn of the report that completed the transfer: written by that report's reader while the
   engine's rank-0 stream has nothing queued and no write in flight, else queued behind what is.
@@ -200,6 +203,9 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         # Told in Welcome: a report may carry its engine's other ranks' identical transfer
         # results (StepReport.merged_transfer_ranks): a transfer done on every rank is one message.
         self.accepts_merged_transfer_results = True
+        # Told in Welcome: rank 0's heartbeat may ride on a report message (RankMessage.beat):
+        # one message per step instead of a report and a beat.
+        self.accepts_report_beats = True
         # How long a closed rank stream may take to come back before its engine is down.
         self.reconnect_grace_s = min(heartbeat_interval_s, registry.heartbeat_timeout_s)
         self.telemetry = telemetry or SchedulerTelemetry()
@@ -572,6 +578,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                              accepts_merged_transfer_results=self.accepts_merged_transfer_results,
                              accepts_compact_engine_events=self.accepts_compact_engine_events,
                              accepts_mixed_compact_events=self.accepts_mixed_compact_events,
+                             accepts_report_beats=self.accepts_report_beats,
                              peer_fetch=self.decode_peers)
         return pb.SchedulerMessage(welcome=welcome)
 
@@ -622,8 +629,14 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             self.counters["report_batches"] += 1
         elif kind == "heartbeat":
             self._on_heartbeat(conn, engine, msg.heartbeat)
+            self.counters["heartbeats"] += 1
+            return
         else:
             self.counters["unexpected_message"] += 1
+            return
+        if msg.HasField("beat"):  # after the reports, as a Heartbeat sent right after them
+            self._on_heartbeat(conn, engine, msg.beat)
+            self.counters["report_beats"] += 1
 
     def _check_reconnected(self, rank_id: RankId, conn_id: int) -> None:
         """A rank whose stream closed and did not come back within the grace period takes its

@@ -523,6 +523,7 @@ class RankMessage(_message.Message):
     REPORT_FIELD_NUMBER: _builtins.int
     HEARTBEAT_FIELD_NUMBER: _builtins.int
     REPORTS_FIELD_NUMBER: _builtins.int
+    BEAT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def hello(self) -> Global___Hello: ...
     @_builtins.property
@@ -531,6 +532,15 @@ class RankMessage(_message.Message):
     def heartbeat(self) -> Global___Heartbeat: ...
     @_builtins.property
     def reports(self) -> Global___ReportBatch: ...
+    @_builtins.property
+    def beat(self) -> Global___Heartbeat:
+        """Rank 0's heartbeat riding on a report message (payload `report` or `reports`) instead of a
+        message of its own: applied after the message's reports, as a Heartbeat message sent right
+        after them would be (ignored beside any other payload). Any message proves the rank alive;
+        this one also carries the engine's load, draining flag and role. Sent only to a scheduler
+        whose Welcome sets accepts_report_beats.
+        """
+
     def __init__(
         self,
         *,
@@ -538,10 +548,11 @@ class RankMessage(_message.Message):
         report: Global___StepReport | None = ...,
         heartbeat: Global___Heartbeat | None = ...,
         reports: Global___ReportBatch | None = ...,
+        beat: Global___Heartbeat | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "hello", b"hello", "payload", b"payload", "report", b"report", "reports", b"reports"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["beat", b"beat", "heartbeat", b"heartbeat", "hello", b"hello", "payload", b"payload", "report", b"report", "reports", b"reports"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "hello", b"hello", "payload", b"payload", "report", b"report", "reports", b"reports"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["beat", b"beat", "heartbeat", b"heartbeat", "hello", b"hello", "payload", b"payload", "report", b"report", "reports", b"reports"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["hello", "report", "heartbeat", "reports"]  # noqa: Y015
     _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
@@ -593,6 +604,7 @@ class Welcome(_message.Message):
     ACCEPTS_COMPACT_ENGINE_EVENTS_FIELD_NUMBER: _builtins.int
     ACCEPTS_MIXED_COMPACT_EVENTS_FIELD_NUMBER: _builtins.int
     PEER_FETCH_FIELD_NUMBER: _builtins.int
+    ACCEPTS_REPORT_BEATS_FIELD_NUMBER: _builtins.int
     last_acked_seq: _builtins.int
     """Highest StepReport seq of this rank (this epoch) the scheduler has applied."""
     heartbeat_interval_ms: _builtins.int
@@ -629,6 +641,10 @@ class Welcome(_message.Message):
     prefill rank connects to the peers it is told of too (false: a prefill rank's peers are its
     readers, which connect to it; it connects to none).
     """
+    accepts_report_beats: _builtins.bool
+    """Whether RankMessage.beat is understood (false: an older scheduler, which would drop the
+    load a report carries; rank 0 then beats in messages of their own).
+    """
     @_builtins.property
     def expected_ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankIdentity]:
         """Every rank of this engine the scheduler waits for before a transfer counts as finished."""
@@ -656,10 +672,11 @@ class Welcome(_message.Message):
         accepts_compact_engine_events: _builtins.bool = ...,
         accepts_mixed_compact_events: _builtins.bool = ...,
         peer_fetch: _builtins.bool = ...,
+        accepts_report_beats: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_compact_engine_events", b"accepts_compact_engine_events", "accepts_compact_worker_events", b"accepts_compact_worker_events", "accepts_merged_transfer_results", b"accepts_merged_transfer_results", "accepts_merged_worker_events", b"accepts_merged_worker_events", "accepts_mixed_compact_events", b"accepts_mixed_compact_events", "accepts_packed_worker_events", b"accepts_packed_worker_events", "ack_interval_ms", b"ack_interval_ms", "expected_ranks", b"expected_ranks", "heartbeat_interval_ms", b"heartbeat_interval_ms", "last_acked_seq", b"last_acked_seq", "max_reports_per_message", b"max_reports_per_message", "peer_fetch", b"peer_fetch", "peers", b"peers", "scheduler_id", b"scheduler_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_compact_engine_events", b"accepts_compact_engine_events", "accepts_compact_worker_events", b"accepts_compact_worker_events", "accepts_merged_transfer_results", b"accepts_merged_transfer_results", "accepts_merged_worker_events", b"accepts_merged_worker_events", "accepts_mixed_compact_events", b"accepts_mixed_compact_events", "accepts_packed_worker_events", b"accepts_packed_worker_events", "accepts_report_beats", b"accepts_report_beats", "ack_interval_ms", b"ack_interval_ms", "expected_ranks", b"expected_ranks", "heartbeat_interval_ms", b"heartbeat_interval_ms", "last_acked_seq", b"last_acked_seq", "max_reports_per_message", b"max_reports_per_message", "peer_fetch", b"peer_fetch", "peers", b"peers", "scheduler_id", b"scheduler_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

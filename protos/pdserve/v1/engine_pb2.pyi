@@ -91,9 +91,13 @@ class PrefillRequest(_message.Message):
     """
     peer_fetch: _builtins.bool
     """A peer fetch (docs/decisions/0043): this engine holds a prefix another engine will pull.
-    Accepted by an engine of either role; it computes what it no longer caches of
-    prompt_token_ids, pins the blocks for the reader as any prefill does and answers the
-    descriptor (the sampled token is not used).
+    Accepted by an engine of either role. pdserve's engine (decision 0049) computes nothing:
+    it pins the longest cached prefix of prompt_token_ids' full blocks for the reader between
+    two steps and answers a descriptor of exactly those blocks (num_tokens may be fewer than
+    asked; the reader computes the rest), or FAILED_PRECONDITION when not even the first block
+    is cached any more. A vLLM engine computes what it no longer caches and pins the prompt.
+    For a peer fetch the response's first_token_id, first_token_text and finish_reason are
+    not used (pdserve's engine answers 0, "" and unspecified).
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...

@@ -104,7 +104,7 @@ def test_pinned_blocks_survive_eviction_pressure_until_released_once(tiny_model,
     # Every rank was told at once, with the reader's TP, and nothing was computed.
     [(chunks, [send])] = plans
     assert chunks == [] and (send.request_id, send.block_ids, send.reader_tp_size) == ("pin", prefix_blocks, 2)
-    with pytest.raises(DuplicateRequest):
+    with pytest.raises(DuplicateRequest, match="already running or pinned"):
         pin_for_peer(engine, connector, "pin", prefix, 0)
     # Unrelated prompts needing every other block of the cache, twice over.
     for seed in (13, 14):

@@ -43,8 +43,10 @@ def test_bench_events_quick(capsys: pytest.CaptureFixture[str]) -> None:
 def test_bench_events_quick_with_engine_events(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "events", "--engines", "2", "--tp", "2", "--batch-events", "8", "--rate", "400",
                  "--duration", "1", "--subscribers", "2", "--sections", "pdserve", "--event-source", "engine",
-                 "--removed-share", "0.25", "--verify-compact", "--json"]) == 0
-    pdserve = json.loads(capsys.readouterr().out)["pdserve"]
+                 "--removed-share", "0.25", "--verify-compact", "--scheduler-loop", "uvloop", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    pdserve = result["pdserve"]
+    assert result["config"]["scheduler_loop"] == pdserve["scheduler_loop"] == "uvloop"  # the loop it ran on
     assert pdserve["event_source"] == "engine" and pdserve["lost"] == 0 and pdserve["reports_malformed"] == 0
     # every step one compact report from rank 0 (mixed: 6 BlockStored, then 2 BlockRemoved of the
     # engine's previous step, which its first step has none of), its three forms checked event by event
@@ -124,6 +126,9 @@ def test_bench_scale_two_replicas_quick(capsys: pytest.CaptureFixture[str]) -> N
         assert p["requests_ok"] == p["requests_sent"] > 0 and p["saturated_requests"] > 0
         assert p["kv_ready_p50_ms"] > 0 and p["kv_ready_from_first_report"] == 0
         assert p["routed_per_s"] > 0 and p["routed_per_scheduler_cpu_s"] > 0
+        # every rank reports each step: rank 0's beats ride on its reports (2 engines would send
+        # 2 heartbeat messages per s otherwise), the others' reports prove them alive
+        assert p["rank_beats_per_s"] < 1.0
     assert result["replica_speedup"] == pytest.approx(two["routed_per_s"] / one["routed_per_s"])
     assert two["cpu_ms_per_rank_s"] == pytest.approx(2 * two["cpu_ms_per_rank_s_per_replica"])
     assert "replica_speedup" in result and result["routed_per_s"] == two["routed_per_s"]

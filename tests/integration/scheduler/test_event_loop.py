@@ -66,6 +66,16 @@ def test_run_on_loop_runs_on_the_named_loop() -> None:
     assert coro.cr_frame is None  # closed, never run: no "never awaited" warning
 
 
+def test_uvloop_missing_runs_on_asyncio_s_loop(monkeypatch: pytest.MonkeyPatch,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    async def loop_class() -> str:
+        return type(asyncio.get_running_loop()).__module__
+
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # `import uvloop` raises ImportError
+    assert run_on_loop(loop_class(), "uvloop").startswith("asyncio")
+    assert "event loop uvloop is not available" in caplog.text
+
+
 def test_config_refuses_an_unknown_event_loop() -> None:
     with pytest.raises(ValueError, match="event_loop: must be uvloop or asyncio, got 'gevent'"):
         SchedulerConfig(event_loop="gevent").validate()
