@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 
 from connectors.base import EmptyConnectorMetadata, KVConnectorMetadata, SchedulerConnector
@@ -18,7 +20,8 @@ def _sched(num_blocks=16, bs=4, budget=32, max_seqs=8) -> BatchScheduler:
 
 
 def _req(rid, n, mode=RequestMode.NORMAL, outputs=(), max_tokens=8) -> Request:
-    prompt = [(hash(rid) + i) % 1000 for i in range(n)]
+    # A stable seed per id (str hash() changes per process: two ids' prompts met in some).
+    prompt = [(zlib.crc32(rid.encode()) + i) % 1000 for i in range(n)]
     return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), mode=mode,
                    all_token_ids=prompt + list(outputs))
 
